@@ -1,0 +1,286 @@
+"""THE decode loop: the only place where model, sampler, block policy and cache meet."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from dllm.caches.base import NoCache
+from dllm.config import GenerateConfig
+from dllm.samplers import FixedBlocks, get_sampler
+from dllm.samplers.base import StepContext
+
+
+@dataclass
+class GenerateStats:
+    nfe: int  # model forward calls (a CFG forward counts once)
+    row_nfe: list[int]  # forwards each row took part in before it finished
+    tokens_per_forward: float  # mean over rows of gen_length / row_nfe
+    finish_step: list[int]  # step at which each row finished (1-based)
+    time_model: float
+    time_sampler: float
+    time_cache: float
+    time_total: float
+    trace: list[dict[str, Any]] = field(default_factory=list)  # per step: committed per row, region bounds
+
+
+@dataclass
+class GenerateOutput:
+    sequences: torch.Tensor  # [B, gen_length] generated token ids
+    texts: list[str] | None  # decoded, cut at the first EOS/EOT (None without a tokenizer)
+    prompt_lengths: list[int]
+    stats: GenerateStats
+
+
+class _Clock:
+    """Wall-clock buckets; synchronises CUDA so GPU work is attributed to the right bucket."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.t = {"model": 0.0, "sampler": 0.0, "cache": 0.0}
+
+    def now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+
+def default_sampler(model):
+    family = getattr(getattr(model, "spec", None), "family", "llada")
+    return get_sampler("dream" if family == "dream" else "llada")
+
+
+def prepare_prompts(model, prompts, attention_mask=None, chat_template=True) -> list[list[int]]:
+    """Normalise any accepted prompt form into a list of token-id lists (validated)."""
+    tok = getattr(model, "tokenizer", None)
+    if isinstance(prompts, torch.Tensor):
+        if prompts.dim() == 1:
+            prompts = prompts[None]
+        if attention_mask is None:
+            rows = [r.tolist() for r in prompts]
+        else:
+            if attention_mask.shape != prompts.shape:
+                raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != prompts shape {tuple(prompts.shape)}")
+            rows = [r[m.bool()].tolist() for r, m in zip(prompts, attention_mask)]
+    else:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)):
+            prompts = [prompts]
+        if not isinstance(prompts, Sequence) or len(prompts) == 0:
+            raise ValueError("prompts must be a non-empty string, list of strings, list of token-id lists, "
+                             "list of chat conversations or a 2-D tensor")
+        rows = []
+        for p in prompts:
+            if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], dict)):
+                if tok is None:
+                    raise ValueError("string prompts need a tokenizer: load the model with dllm.load_model(path) "
+                                     "(tokenizer files present) or pass token ids")
+                rows.append(_encode(tok, p, chat_template))
+            else:
+                rows.append([int(t) for t in p])
+    for i, r in enumerate(rows):
+        if len(r) == 0:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        if model.mask_id in r:
+            raise ValueError(
+                f"prompt {i} contains the mask token (id {model.mask_id}); masks are appended by generate() - "
+                "remove it from the prompt"
+            )
+    return rows
+
+
+def _encode(tok, p, chat_template: bool) -> list[int]:
+    messages = [{"role": "user", "content": p}] if isinstance(p, str) else p
+    if chat_template and getattr(tok, "chat_template", None):
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tok(text, add_special_tokens=False)["input_ids"]
+    if not isinstance(p, str):
+        raise ValueError("chat conversations need a tokenizer with a chat template")
+    return tok(p)["input_ids"]
+
+
+@torch.no_grad()
+def generate(
+    model,
+    prompts,
+    config: GenerateConfig | None = None,
+    *,
+    sampler=None,
+    cache=None,
+    block_policy=None,
+    guide=None,
+    attention_mask: torch.Tensor | None = None,
+    **overrides,
+) -> GenerateOutput:
+    """Decode ``gen_length`` masked positions after each prompt.
+
+    Args:
+        model: a :class:`dllm.models.Transformer` (from :func:`dllm.load_model`) or a
+            :class:`dllm.models.hf.HFModel`.
+        prompts: a string or list of strings (chat template applied), chat conversations (lists of
+            ``{"role", "content"}``), ragged lists of token ids, or a ``[B, L]`` tensor with
+            ``attention_mask``.
+        config: a :class:`GenerateConfig`; keyword ``overrides`` (``gen_length=...``) build or amend it.
+        sampler: a sampler object or a registered name (default: the model family's baseline).
+        cache: a cache policy (default :class:`~dllm.caches.NoCache`).
+        block_policy: default :class:`~dllm.samplers.FixedBlocks` with ``config.block_length``.
+        guide: reserved for AR-guided decoding.
+    """
+    if config is None:
+        config = GenerateConfig(**overrides)
+    elif overrides:
+        config = GenerateConfig(**{**config.__dict__, **overrides})
+    if guide is not None:
+        raise NotImplementedError("AR-guided decoding is not available yet")
+    if isinstance(sampler, str):
+        sampler = get_sampler(sampler)
+    sampler = sampler or default_sampler(model)
+    if isinstance(cache, str):
+        from dllm.caches import get_cache
+
+        cache = get_cache(cache)
+    cache = cache or NoCache()
+    if not isinstance(cache, NoCache) and not getattr(model, "supports_cache", False):
+        raise ValueError(f"cache {cache.name!r} needs a dllm Transformer; this model supports no caches (use cache=None)")
+    policy = block_policy or FixedBlocks()
+    policy.validate(config)
+    if model.mask_id is None:
+        raise ValueError("the model has no mask token id; set model.mask_id")
+
+    device = model.device
+    rows = prepare_prompts(model, prompts, attention_mask, config.chat_template)
+    B, P, G = len(rows), max(len(r) for r in rows), config.gen_length
+    T = P + G
+    if T > model.max_seq_len:
+        raise ValueError(
+            f"longest prompt ({P} tokens) + gen_length ({G}) = {T} exceeds the model's context of "
+            f"{model.max_seq_len} tokens; shorten the prompt or lower gen_length"
+        )
+    pad = model.pad_id if model.pad_id is not None else model.eos_id
+    x = torch.full((B, T), model.mask_id, dtype=torch.long, device=device)
+    valid = torch.ones((B, T), dtype=torch.bool, device=device)
+    for b, r in enumerate(rows):  # left padding, once, before decoding
+        x[b, : P - len(r)] = pad
+        valid[b, : P - len(r)] = False
+        x[b, P - len(r) : P] = torch.tensor(r, device=device)
+    positions = (valid.long().cumsum(-1) - 1).clamp_min(0)
+    all_valid = bool(valid.all())
+    key_mask = None if all_valid else valid
+    generator = None
+    if config.seed is not None:
+        generator = torch.Generator(device=device).manual_seed(config.seed)
+
+    clock = _Clock(device)
+    t_start = clock.now()
+    cache.reset(B, T)
+    stop_ids = torch.tensor([i for i in (model.eos_id, model.eot_id) if i is not None], device=device)
+    cols_all = torch.arange(T, device=device)
+    lo = torch.full((B,), P, dtype=torch.long, device=device)
+    hi, steps = policy.next_region(lo, T, config)
+    step_in = torch.zeros(B, dtype=torch.long, device=device)
+    n_start = hi - lo
+    active = torch.ones(B, dtype=torch.bool, device=device)
+    finish = torch.full((B,), -1, dtype=torch.long, device=device)
+    row_nfe = torch.zeros(B, dtype=torch.long, device=device)
+    state: dict = {}
+    trace = []
+    nfe = 0
+    max_iters = 4 * (G + config.total_steps) + 8
+    while True:
+        sel = active.nonzero().squeeze(-1)
+        win_lo, win_hi = int(lo[sel].min()), int(hi[sel].max())  # the loop's one host sync per step
+        cols = cols_all[win_lo:win_hi]
+        t0 = clock.now()
+        logits = _forward(model, x, positions, key_mask, cols.expand(B, -1), config, cache)
+        t1 = clock.now()
+        xw = x[:, win_lo:win_hi]
+        in_region = (cols[None] >= lo[:, None]) & (cols[None] < hi[:, None])
+        cand = (xw == model.mask_id) & in_region & active[:, None]
+        ctx = StepContext(
+            x=xw, cand=cand, step=step_in, steps=steps, n_region_start=n_start, region_lo=lo, region_hi=hi,
+            win_lo=win_lo, canvas_len=T, gen_lo=P, global_step=nfe, total_steps=config.total_steps,
+            generator=generator, mask_id=model.mask_id, eos_id=model.eos_id, eot_id=model.eot_id, state=state,
+        )
+        res = sampler.step(logits, ctx)
+        commit = res.commit & cand
+        x[:, win_lo:win_hi] = torch.where(commit, res.proposal, xw)
+        t2 = clock.now()
+        clock.t["model"] += t1 - t0
+        clock.t["sampler"] += t2 - t1
+        nfe += 1
+        row_nfe += active.long()
+        step_in += 1
+        trace.append({"committed": commit.sum(-1), "lo": lo.clone(), "hi": hi.clone(), **res.info})
+
+        # Region bookkeeping, vectorised over rows.
+        masked = x == model.mask_id
+        region_left = (masked & (cols_all[None] >= lo[:, None]) & (cols_all[None] < hi[:, None])).sum(-1)
+        done = active & (region_left == 0)
+        if config.eos_early_stop:
+            gen_part = (cols_all[None] >= P) & (cols_all[None] < hi[:, None])
+            is_stop = torch.isin(x, stop_ids) & gen_part
+            stopped = done & is_stop.any(-1)
+            first = torch.where(is_stop, cols_all[None], T).min(-1).values
+            fill = stopped[:, None] & (cols_all[None] > first[:, None])
+            x = torch.where(fill, torch.full_like(x, model.eos_id), x)
+            hi = torch.where(stopped, torch.full_like(hi, T), hi)
+        new_lo = torch.where(done, hi, lo)
+        finished_now = done & (new_lo >= T)
+        finish = torch.where(finished_now, torch.full_like(finish, nfe), finish)
+        active = active & ~finished_now
+        advance = done & ~finished_now
+        nhi, nsteps = policy.next_region(new_lo, T, config)
+        lo = new_lo
+        hi = torch.where(advance, nhi, hi)
+        steps = torch.where(advance, nsteps, steps)
+        step_in = torch.where(advance, torch.zeros_like(step_in), step_in)
+        new_masks = (masked & (cols_all[None] >= lo[:, None]) & (cols_all[None] < hi[:, None])).sum(-1)
+        n_start = torch.where(advance, new_masks, n_start)
+        if not bool(active.any()):
+            break
+        if nfe >= max_iters:
+            raise RuntimeError(f"decoding made no progress after {nfe} steps; sampler {sampler!r} commits nothing")
+
+    time_total = clock.now() - t_start
+    seqs = x[:, P:]
+    row_nfe_l = row_nfe.tolist()
+    stats = GenerateStats(
+        nfe=nfe,
+        row_nfe=row_nfe_l,
+        tokens_per_forward=sum(G / max(n, 1) for n in row_nfe_l) / B,
+        finish_step=finish.tolist(),
+        time_model=clock.t["model"],
+        time_sampler=clock.t["sampler"],
+        time_cache=clock.t["cache"],
+        time_total=time_total,
+        trace=[{k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in rec.items()} for rec in trace],
+    )
+    return GenerateOutput(seqs, decode_texts(model, seqs), [len(r) for r in rows], stats)
+
+
+def _forward(model, x, positions, key_mask, logits_idx, config: GenerateConfig, cache):
+    if config.cfg_scale > 0:
+        P = x.shape[1] - config.gen_length
+        un_x = x.clone()
+        un_x[:, :P] = model.mask_id
+        both = torch.cat([x, un_x])
+        km = None if key_mask is None else torch.cat([key_mask, key_mask])
+        logits = model(both, positions=torch.cat([positions, positions]), attn_mask=km,
+                       logits_idx=torch.cat([logits_idx, logits_idx]), cache=cache)
+        cond, un = logits.chunk(2)
+        return un + (config.cfg_scale + 1) * (cond - un)
+    return model(x, positions=positions, attn_mask=key_mask, logits_idx=logits_idx, cache=cache)
+
+
+def decode_texts(model, seqs: torch.Tensor) -> list[str] | None:
+    tok = getattr(model, "tokenizer", None)
+    if tok is None:
+        return None
+    stops = {i for i in (model.eos_id, model.eot_id) if i is not None}
+    out = []
+    for row in seqs.tolist():
+        cut = next((i for i, t in enumerate(row) if t in stops), len(row))
+        out.append(tok.decode(row[:cut], skip_special_tokens=True))
+    return out

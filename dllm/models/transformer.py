@@ -1,0 +1,205 @@
+"""One bidirectional Transformer for every supported dLLM family.
+
+RMSNorm (fp32 inside), rotary embeddings (split halves, fp32), SwiGLU MLP, grouped-query attention with an
+optional QKV bias. Family-specific facts (checkpoint names, special ids, Dream's logit shift) live in a
+:class:`~dllm.models.spec.ModelSpec`; nothing cache- or sampler-specific is threaded through this file beyond
+the generic partial-forward inputs of :meth:`Transformer.forward`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dllm import kernels
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    mlp_hidden: int
+    max_seq_len: int = 4096
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+
+    def __post_init__(self):
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+class RMSNorm(nn.Module):
+    """Normalise in fp32, cast back to the input dtype, then scale (LLaDA and Qwen2 agree on this order)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float):
+    """cos/sin of shape ``[B, 1, T, head_dim]`` (fp32) for integer ``positions`` ``[B, T]``."""
+    inv_freq = 1.0 / theta ** (
+        torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
+    )
+    freqs = positions.float()[..., None] * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE computed in fp32, returned in ``x.dtype``. ``x``: ``[B, H, T, D]``."""
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        d, hd = cfg.d_model, cfg.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, hd
+        self.attn_norm = RMSNorm(d, cfg.norm_eps)
+        self.q = nn.Linear(d, cfg.n_heads * hd, bias=cfg.qkv_bias)
+        self.k = nn.Linear(d, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
+        self.v = nn.Linear(d, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
+        self.o = nn.Linear(cfg.n_heads * hd, d, bias=False)
+        self.mlp_norm = RMSNorm(d, cfg.norm_eps)
+        self.gate = nn.Linear(d, cfg.mlp_hidden, bias=False)
+        self.up = nn.Linear(d, cfg.mlp_hidden, bias=False)
+        self.down = nn.Linear(cfg.mlp_hidden, d, bias=False)
+
+    def forward(self, h, cos, sin, key_mask, layer_idx: int, cache=None):
+        B, T, _ = h.shape
+        x = self.attn_norm(h)
+        q = self.q(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(layer_idx, k, v)
+        a = kernels.attention(q, k, v, key_padding_mask=key_mask)
+        h = h + self.o(a.transpose(1, 2).reshape(B, T, -1))
+        x = self.mlp_norm(h)
+        return h + self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Transformer(nn.Module):
+    """Bidirectional decoder. ``spec`` (a ModelSpec) and ``tokenizer`` are attached by the loader."""
+
+    def __init__(self, cfg: TransformerConfig, spec=None):
+        super().__init__()
+        self.config = cfg
+        self.spec = spec
+        self.tokenizer = None
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.weight
+        # Special ids; the loader sets them from config.json / the tokenizer, falling back to the spec.
+        self.mask_id: int | None = spec.mask_id if spec else None
+        self.eos_id: int | None = spec.eos_id if spec else None
+        self.eot_id: int | None = spec.eot_id if spec else None
+        self.pad_id: int | None = spec.pad_id if spec else None
+
+    @staticmethod
+    def expected_shapes(cfg: TransformerConfig) -> dict[str, tuple[int, ...]]:
+        """Parameter name -> shape for ``cfg`` (computed on the meta device, no memory used)."""
+        with torch.device("meta"):
+            m = Transformer(cfg)
+        return {k: tuple(v.shape) for k, v in m.state_dict().items()}
+
+    # -- facts the decode loop asks for -------------------------------------------------------------------
+    @property
+    def shift_logits(self) -> bool:
+        return bool(self.spec and self.spec.shift_logits)
+
+    @property
+    def max_seq_len(self) -> int:
+        limit = self.config.max_seq_len
+        return min(limit, self.spec.max_context) if self.spec else limit
+
+    @property
+    def supports_cache(self) -> bool:
+        return True
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        *,
+        positions: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+        query_idx: torch.Tensor | None = None,
+        cache=None,
+        logits_idx: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits for the positions the caller asks for.
+
+        Args:
+            tokens: ``[B, T]`` int64 canvas.
+            positions: ``[B, T]`` int64 RoPE positions (per row; default ``cumsum(attn_mask) - 1`` or
+                ``0..T-1``).
+            attn_mask: ``[B, T]`` bool, True for real tokens; padded keys are never attended to.
+            query_idx: reserved for partial forwards (active rows); ``None`` computes every row.
+            cache: an object with ``update(layer, k, v) -> (k, v)`` (see :mod:`dllm.caches`), or ``None``.
+            logits_idx: ``[B, R]`` int64 canvas columns whose *token* predictions are wanted; for families
+                with shifted logits (Dream) the prediction for column ``c`` comes from hidden row ``c - 1``.
+                ``None`` returns all ``T`` columns (shift applied the way the reference does it).
+
+        Returns:
+            ``[B, R, V]`` (or ``[B, T, V]``) logits in the model dtype.
+        """
+        if query_idx is not None:
+            raise NotImplementedError("partial forwards (query_idx) arrive with the cache policies")
+        B, T = tokens.shape
+        if positions is None:
+            positions = default_positions(attn_mask, B, T, tokens.device)
+        cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta)
+        h = self.embed(tokens)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, attn_mask, i, cache)
+        shift = 1 if self.shift_logits else 0
+        if logits_idx is None:
+            rows = torch.arange(T, device=tokens.device).sub(shift).clamp_min(0).expand(B, T)
+        else:
+            rows = (logits_idx - shift).clamp_min(0)
+        if not (logits_idx is None and shift == 0):
+            h = h.gather(1, rows[..., None].expand(-1, -1, h.shape[-1]))
+        return self.head(self.norm(h))
+
+
+def default_positions(attn_mask, B: int, T: int, device) -> torch.Tensor:
+    """Per-row positions: ``cumsum(mask) - 1`` clipped at 0 (left padding), else ``0..T-1``."""
+    if attn_mask is None:
+        return torch.arange(T, device=device).expand(B, T)
+    return (attn_mask.long().cumsum(-1) - 1).clamp_min(0)

@@ -1,0 +1,153 @@
+"""Dream's ``diffusion_generate`` algorithms as a sampler.
+
+``timesteps = linspace(1, eps, S + 1)``; at region step ``i`` with ``t, s = ts[i], ts[i + 1]``:
+
+* ``origin``: each masked position is revealed with probability ``1 - s/t`` (all at the last step);
+* ``maskgit_plus`` / ``topk_margin`` / ``entropy``: ``n = int(m * (1 - s/t))`` (all at the last step)
+  positions with the highest confidence (top-1 probability, top-1 minus top-2, or ``sum p log p``), or
+  ``n`` sampled from ``softmax(conf / alg_temp)`` when ``alg_temp > 0``.
+
+Proposals: ``logits / T``, top-p, top-k, then a categorical draw (``T > 0``) or the argmax. Dream's
+reference uses the batch-average mask count ``m``; here ``m`` is the row's own count, which is identical
+whenever all rows have the same number of masks (always, without early stop) and correct otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dllm.samplers.base import NOISE_SCOPES, StepContext, StepResult, check_range, select_topk
+
+ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
+
+
+def top_p_logits(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest prefix of the sorted distribution whose mass exceeds ``top_p`` (first always kept)."""
+    sorted_logits, sorted_idx = torch.sort(logits, descending=True)
+    cum = torch.cumsum(F.softmax(sorted_logits, dim=-1), dim=-1)
+    remove = cum > top_p
+    remove = torch.cat([torch.zeros_like(remove[..., :1]), remove[..., :-1]], dim=-1)
+    mask = torch.zeros_like(remove).scatter_(-1, sorted_idx, remove)
+    return logits.masked_fill(mask, torch.finfo(logits.dtype).min)
+
+
+def top_k_logits(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    k = min(top_k, logits.shape[-1])
+    kth = torch.topk(logits, k).values[..., -1:]
+    return logits.masked_fill(logits < kth, torch.finfo(logits.dtype).min)
+
+
+def dream_proposal(logits, temperature, top_p, top_k, alg, generator):
+    """``(confidence, x0)`` for ``[N, V]`` logits, Dream's ``sample_tokens`` rule."""
+    if temperature > 0:
+        logits = logits / temperature
+    if top_p is not None and top_p < 1:
+        logits = top_p_logits(logits, top_p)
+    if top_k is not None:
+        logits = top_k_logits(logits, top_k)
+    probs = torch.softmax(logits, dim=-1)
+    if temperature > 0:
+        x0 = torch.multinomial(probs, 1, replacement=True, generator=generator).squeeze(-1)
+        conf = probs.gather(-1, x0[:, None]).squeeze(-1)
+    else:
+        conf, x0 = probs.max(dim=-1)
+    if alg == "topk_margin":
+        top2 = torch.topk(probs, 2, dim=-1).values
+        conf = top2[:, 0] - top2[:, 1]
+    elif alg == "entropy":
+        conf = torch.sum(probs * torch.log(probs + 1e-10), dim=-1)
+    return conf, x0
+
+
+def dream_ratio(ctx: StepContext, eps: float) -> torch.Tensor:
+    """``1 - s/t`` per row for the row's current step (float32, exactly as the reference computes it from
+    ``torch.linspace(1, eps, S + 1)``); 1 at the region's last step."""
+    steps = ctx.steps.clamp_min(1)
+    i = ctx.step.clamp_max(steps - 1)
+    ratio = torch.ones(steps.shape, dtype=torch.float32, device=steps.device)
+    for S in torch.unique(steps).tolist():  # one value in practice: all rows share the schedule length
+        ts = torch.linspace(1, eps, S + 1, device=steps.device)
+        rows = steps == S
+        ratio = torch.where(rows, 1 - ts[(i + 1).clamp_max(S)] / ts[i], ratio)
+    return torch.where(ctx.step >= steps - 1, torch.ones_like(ratio), ratio)
+
+
+@dataclass(frozen=True)
+class DreamSampler:
+    """Dream ``diffusion_generate`` as a sampler (see module docstring).
+
+    ``noise_scope="canvas"`` draws the ``alg_temp`` multinomial over the whole canvas row as the reference
+    does (its random stream); ``"region"`` draws it over the window only.
+    """
+
+    alg: str = "entropy"
+    temperature: float = 0.0
+    top_p: float | None = None
+    top_k: int | None = None
+    alg_temp: float | None = None
+    eps: float = 1e-3
+    noise_scope: str = "region"
+    name: str = "dream"
+
+    def __post_init__(self):
+        if self.alg not in ALGS:
+            raise ValueError(f"unknown Dream alg {self.alg!r}; known: {', '.join(ALGS)}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature} (use 0 for greedy decoding)")
+        if self.top_p is not None:
+            check_range("top_p", self.top_p, 0, 1, lo_open=True)
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
+            raise ValueError(f"top_k must be a positive integer, got {self.top_k!r}")
+        if self.alg_temp is not None and self.alg_temp < 0:
+            raise ValueError(f"alg_temp must be >= 0, got {self.alg_temp}")
+        check_range("eps", self.eps, 0, 1, lo_open=True, hi_open=True)
+        if self.noise_scope not in NOISE_SCOPES:
+            raise ValueError(f"unknown noise_scope {self.noise_scope!r}; known: {', '.join(NOISE_SCOPES)}")
+
+    def step(self, logits: torch.Tensor, ctx: StepContext) -> StepResult:
+        B, W, V = logits.shape
+        cand = ctx.cand
+        flat_logits = logits[cand]  # [N, V], row-major like the reference's logits[mask_index]
+        ratio = dream_ratio(ctx, self.eps)  # [B]
+        proposal = ctx.x.clone()
+        if self.alg == "origin":
+            u = torch.rand(flat_logits.shape[0], generator=ctx.generator, device=logits.device)
+            reveal = u < ratio[:, None].expand(B, W)[cand]
+            _, x0 = dream_proposal(flat_logits[reveal], self.temperature, self.top_p, self.top_k, self.alg, ctx.generator)
+            flat = torch.full((flat_logits.shape[0],), ctx.mask_id, dtype=torch.long, device=logits.device)
+            flat[reveal] = x0
+            proposal[cand] = flat
+            commit = torch.zeros_like(cand)
+            commit[cand] = reveal
+            return StepResult(proposal, commit)
+        conf_flat, x0 = dream_proposal(flat_logits, self.temperature, self.top_p, self.top_k, self.alg, ctx.generator)
+        proposal[cand] = x0
+        conf = torch.full((B, W), float("-inf"), dtype=conf_flat.dtype, device=logits.device)
+        conf[cand] = conf_flat
+        m = cand.sum(-1)
+        n = (m.float() * ratio).long()
+        n = torch.where(ctx.step >= ctx.steps - 1, m, n)
+        if self.alg_temp:
+            commit = self._sample_positions(conf, n, ctx)
+        else:
+            commit = select_topk(conf, cand, n)
+        return StepResult(proposal, commit & cand)
+
+    def _sample_positions(self, conf, n, ctx: StepContext) -> torch.Tensor:
+        B, W = conf.shape
+        commit = torch.zeros((B, W), dtype=torch.bool, device=conf.device)
+        k = int(n.max())
+        if k == 0:
+            return commit
+        if self.noise_scope == "canvas":
+            full = torch.full((B, ctx.canvas_len), float("-inf"), dtype=conf.dtype, device=conf.device)
+            full[:, ctx.win_lo : ctx.win_lo + W] = conf
+            idx = torch.multinomial(F.softmax(full / self.alg_temp, dim=-1), k, generator=ctx.generator) - ctx.win_lo
+        else:
+            idx = torch.multinomial(F.softmax(conf / self.alg_temp, dim=-1), k, generator=ctx.generator)
+        keep = torch.arange(k, device=conf.device)[None] < n[:, None]
+        commit.scatter_(-1, idx.clamp(0, W - 1), keep)
+        return commit

@@ -1,0 +1,94 @@
+"""LLaDA's reference sampler: Gumbel-max proposals, low-confidence or random remasking, even quota.
+
+Per region (block) with ``S`` steps and ``n`` masked positions at its start, step ``i`` commits
+``n // S + (i < n % S)`` tokens: the most confident candidates (``low_confidence``: softmax probability of
+the proposal) or uniformly random ones (``random``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dllm.samplers.base import (
+    NOISE_SCOPES,
+    StepContext,
+    StepResult,
+    canvas_rand,
+    check_range,
+    gumbel_argmax,
+    select_topk,
+)
+
+REMASKING = ("low_confidence", "random")
+SOFTMAX_DTYPES = {"float32": torch.float32, "float64": torch.float64, "model": None}
+
+
+def even_quota(ctx: StepContext) -> torch.Tensor:
+    """LLaDA's linear schedule: ``base = n // S``; the first ``n % S`` steps of the region get one more."""
+    steps = ctx.steps.clamp_min(1)
+    base = ctx.n_region_start // steps
+    return base + (ctx.step < ctx.n_region_start % steps).long()
+
+
+@dataclass(frozen=True)
+class LLaDASampler:
+    """LLaDA ``generate.py`` as a sampler.
+
+    Args:
+        temperature: Gumbel-max temperature (0: argmax).
+        remasking: ``"low_confidence"`` or ``"random"``.
+        logits_eos_inf: EOS logit set to -inf before the proposal.
+        confidence_eos_eot_inf: EOS and EOT excluded from the confidence softmax (a position proposing
+            either gets confidence 0). ``eos_eot_quirk=True`` reproduces the reference, which at
+            temperature > 0 only excludes EOT.
+        softmax_dtype: dtype of the confidence softmax: ``"float32"`` (default), ``"float64"`` (Fast-dLLM
+            and older LLaDA) or ``"model"`` (current LLaDA: the logits' own dtype).
+        noise_scope: ``"region"`` draws noise for the window only; ``"canvas"`` draws it for every canvas
+            position as the reference does (same distribution, the reference's random stream).
+    """
+
+    temperature: float = 0.0
+    remasking: str = "low_confidence"
+    logits_eos_inf: bool = False
+    confidence_eos_eot_inf: bool = False
+    eos_eot_quirk: bool = False
+    softmax_dtype: str = "float32"
+    noise_scope: str = "region"
+    name: str = "llada"
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature} (use 0 for greedy decoding)")
+        if self.remasking not in REMASKING:
+            raise ValueError(f"unknown remasking {self.remasking!r}; known: {', '.join(REMASKING)}")
+        if self.softmax_dtype not in SOFTMAX_DTYPES:
+            raise ValueError(f"unknown softmax_dtype {self.softmax_dtype!r}; known: {', '.join(SOFTMAX_DTYPES)}")
+        if self.noise_scope not in NOISE_SCOPES:
+            raise ValueError(f"unknown noise_scope {self.noise_scope!r}; known: {', '.join(NOISE_SCOPES)}")
+        check_range("temperature", self.temperature, 0, float("inf"))
+
+    def step(self, logits: torch.Tensor, ctx: StepContext) -> StepResult:
+        if self.logits_eos_inf and ctx.eos_id is not None:
+            logits = logits.clone()
+            logits[..., ctx.eos_id] = float("-inf")
+        x0 = gumbel_argmax(logits, self.temperature, ctx, self.noise_scope)
+        if self.remasking == "low_confidence":
+            conf = self._confidence(logits, x0, ctx)
+        else:
+            B, W = x0.shape
+            conf = canvas_rand((), ctx, W, B, torch.float32, x0.device, self.noise_scope)
+        commit = select_topk(conf, ctx.cand, even_quota(ctx))
+        return StepResult(torch.where(ctx.cand, x0, ctx.x), commit)
+
+    def _confidence(self, logits, x0, ctx: StepContext) -> torch.Tensor:
+        dt = SOFTMAX_DTYPES[self.softmax_dtype] or logits.dtype
+        if self.confidence_eos_eot_inf:
+            excluded = [ctx.eot_id] if (self.eos_eot_quirk and self.temperature > 0) else [ctx.eos_id, ctx.eot_id]
+            excluded = [i for i in excluded if i is not None]
+            if excluded:
+                logits = logits.clone()
+                logits[..., excluded] = float("-inf")
+        p = torch.softmax(logits.to(dt), dim=-1)
+        return p.gather(-1, x0[..., None]).squeeze(-1)

@@ -1,0 +1,175 @@
+"""Train the bundled tiny masked diffusion models on the project's synthetic tasks.
+
+``dllm train-tiny --family llada|dream --out DIR`` builds the project tokenizer, trains a small LLaDA- or
+Dream-format model with the masked-diffusion SFT objective (LLaDA's: mask each response token with
+probability ``t ~ U(eps, 1)``, cross-entropy on masked tokens weighted by ``1/t``; Dream-format models
+predict token ``i`` from hidden row ``i - 1``) and writes a checkpoint in the real format.
+
+The response is the answer, the end-of-turn token, then EOS padding up to the response length, so decoding
+learns to close the answer with EOT and fill the tail with EOS, as LLaDA's SFT data does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from dllm.evals import tasks as T
+from dllm.models.loading import save_pretrained
+from dllm.models.spec import SPECS
+from dllm.models.transformer import Transformer, TransformerConfig
+
+log = logging.getLogger(__name__)
+
+RESPONSE_LENGTHS = (32, 32, 32, 64)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    family: str = "llada"
+    d_model: int = 192
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # default: n_heads (LLaDA) / n_heads // 2 (Dream, GQA like the real model)
+    mlp_hidden: int = 512
+    steps: int = 2000
+    batch_size: int = 48
+    lr: float = 2e-3
+    warmup: int = 100
+    weight_decay: float = 0.01
+    examples_per_task: int = 4000
+    seed: int = 0
+    threads: int | None = None
+    time_budget_s: float | None = None  # stop early (cosine schedule still spans `steps`)
+    eps: float = 1e-3
+
+
+def encode_example(tok, ex: T.Example) -> tuple[list[int], list[int]]:
+    from dllm.models.tokenizer_build import chat_text
+
+    prompt = tok(chat_text(tok, ex.messages, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    answer = tok(ex.target, add_special_tokens=False)["input_ids"]
+    return prompt, answer
+
+
+def build_pool(tok, n_per_task: int, seed: int) -> list[tuple[list[int], list[int]]]:
+    pool = []
+    for name in T.task_names():
+        for ex in T.generate(name, n_per_task, seed):
+            pool.append(encode_example(tok, ex))
+    return pool
+
+
+def make_batch(pool, idx, *, mask_id, eot_id, eos_id, pad_id, rng: random.Random, eps: float):
+    items = [pool[i] for i in idx]
+    need = max(len(a) + 1 for _, a in items)
+    choices = [r for r in RESPONSE_LENGTHS if r >= need] or [need]
+    R = rng.choice(choices)
+    P = max(len(p) for p, _ in items)
+    B = len(items)
+    x = torch.full((B, P + R), pad_id, dtype=torch.long)
+    valid = torch.ones((B, P + R), dtype=torch.bool)
+    for b, (p, a) in enumerate(items):
+        x[b, P - len(p) : P] = torch.tensor(p)
+        valid[b, : P - len(p)] = False
+        resp = a + [eot_id] + [eos_id] * (R - len(a) - 1)
+        x[b, P:] = torch.tensor(resp)
+    t = torch.rand(B) * (1 - eps) + eps
+    masked = torch.rand(B, R) < t[:, None]
+    target = x[:, P:].clone()
+    noisy = x.clone()
+    noisy[:, P:] = torch.where(masked, torch.full_like(target, mask_id), target)
+    return noisy, valid, target, masked, t, P
+
+
+def train(cfg: TrainConfig, out_dir, *, progress=None) -> dict:
+    """Train and save; returns a summary dict (also written to ``out_dir/training.json``)."""
+    from transformers import AutoTokenizer
+
+    from dllm.models.tokenizer_build import build_tokenizer
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    out_dir = Path(out_dir)
+    spec = SPECS[cfg.family]
+    tok_dir = build_tokenizer(out_dir, cfg.family)
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    ids = {
+        "mask_id": tok.convert_tokens_to_ids(spec.mask_token),
+        "eot_id": tok.convert_tokens_to_ids(spec.eot_token),
+        "eos_id": tok.convert_tokens_to_ids("<|endoftext|>"),
+    }
+    kv = cfg.n_kv_heads or (cfg.n_heads if cfg.family == "llada" else max(1, cfg.n_heads // 2))
+    mcfg = TransformerConfig(
+        vocab_size=len(tok), d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=kv,
+        mlp_hidden=cfg.mlp_hidden, max_seq_len=512, rope_theta=10000.0,
+        norm_eps=1e-5 if cfg.family == "llada" else 1e-6, qkv_bias=cfg.family == "dream",
+    )
+    model = Transformer(mcfg, spec)
+    init_weights(model)
+    model.mask_id, model.eos_id, model.pad_id, model.eot_id = ids["mask_id"], ids["eos_id"], ids["eos_id"], ids["eot_id"]
+    pool = build_pool(tok, cfg.examples_per_task, seed=cfg.seed + 1000)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    t0 = time.perf_counter()
+    losses = []
+    step = 0
+    model.train()
+    for step in range(1, cfg.steps + 1):
+        lr = cfg.lr * min(1.0, step / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * min(step, cfg.steps) / cfg.steps))
+        for g in opt.param_groups:
+            g["lr"] = max(lr, cfg.lr * 0.02)
+        idx = [rng.randrange(len(pool)) for _ in range(cfg.batch_size)]
+        noisy, valid, target, masked, t, P = make_batch(
+            pool, idx, mask_id=ids["mask_id"], eot_id=ids["eot_id"], eos_id=ids["eos_id"], pad_id=ids["eos_id"],
+            rng=rng, eps=cfg.eps)
+        cols = torch.arange(P, noisy.shape[1]).expand(noisy.shape[0], -1)
+        logits = model(noisy, attn_mask=None if bool(valid.all()) else valid, logits_idx=cols)
+        ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none")
+        ce = ce.view_as(target) * masked / t[:, None]
+        loss = ce.sum() / target.numel()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        if progress is not None and step % 50 == 0:
+            progress(step, sum(losses[-50:]) / 50, time.perf_counter() - t0)
+        if cfg.time_budget_s and time.perf_counter() - t0 > cfg.time_budget_s:
+            break
+    model.eval().requires_grad_(False)
+    model.tokenizer = tok
+    save_pretrained(model, out_dir, dtype=torch.bfloat16)
+    summary = {
+        "train_config": asdict(cfg),
+        "model_config": asdict(mcfg),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "steps_done": step,
+        "train_seconds": round(time.perf_counter() - t0, 1),
+        "final_loss": sum(losses[-50:]) / max(1, len(losses[-50:])),
+    }
+    (out_dir / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def init_weights(model: Transformer, std: float = 0.02) -> None:
+    """GPT-style init: normal(0, std) weights, scaled-down residual projections, zero biases, unit norms."""
+    n = model.config.n_layers
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            torch.nn.init.ones_(p)
+        elif name.endswith(".bias"):
+            torch.nn.init.zeros_(p)
+        elif name.endswith(("o.weight", "down.weight")):
+            torch.nn.init.normal_(p, std=std / math.sqrt(2 * n))
+        else:
+            torch.nn.init.normal_(p, std=std)
