@@ -8,5 +8,18 @@ from dllm.samplers import SAMPLERS, get_sampler, list_samplers
 
 __version__ = "0.1.0"
 
-__all__ = ["CACHES", "SAMPLERS", "GenerateConfig", "GenerateOutput", "GenerateStats", "NoCache", "generate",
-           "get_cache", "get_sampler", "list_samplers", "load_model", "save_pretrained", "__version__"]
+__all__ = [
+           "CACHES",
+           "SAMPLERS",
+           "GenerateConfig",
+           "GenerateOutput",
+           "GenerateStats",
+           "NoCache",
+           "__version__",
+           "generate",
+           "get_cache",
+           "get_sampler",
+           "list_samplers",
+           "load_model",
+           "save_pretrained",
+]

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 from dllm.caches.base import NoCache
 from dllm.config import GenerateConfig
 from dllm.samplers import FixedBlocks, get_sampler
-from dllm.samplers.base import StepContext
+from dllm.samplers.base import StepContext, exclude_mask
 
 
 @dataclass
@@ -56,9 +57,15 @@ def default_sampler(model):
 def prepare_prompts(model, prompts, attention_mask=None, chat_template=True) -> list[list[int]]:
     """Normalise any accepted prompt form into a list of token-id lists (validated)."""
     tok = getattr(model, "tokenizer", None)
+    if attention_mask is not None and not isinstance(prompts, torch.Tensor):
+        raise ValueError("attention_mask is only used with a [B, L] tensor of prompts; pass ragged token-id "
+                         "lists without it, or the prompts as a padded tensor")
     if isinstance(prompts, torch.Tensor):
         if prompts.dim() == 1:
             prompts = prompts[None]
+        if prompts.dim() != 2 or prompts.shape[0] == 0:
+            raise ValueError(f"a prompts tensor must be a non-empty [B, L] (or [L]) tensor of token ids, got "
+                             f"shape {tuple(prompts.shape)}")
         if attention_mask is None:
             rows = [r.tolist() for r in prompts]
         else:
@@ -80,15 +87,28 @@ def prepare_prompts(model, prompts, attention_mask=None, chat_template=True) -> 
                 rows.append(_encode(tok, p, chat_template))
             else:
                 rows.append([int(t) for t in p])
+    vocab = _vocab_size(model)
     for i, r in enumerate(rows):
         if len(r) == 0:
             raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        if vocab is not None and not 0 <= min(r) <= max(r) < vocab:
+            bad = next(t for t in r if not 0 <= t < vocab)
+            raise ValueError(f"prompt {i} contains token id {bad}, outside the vocabulary (0..{vocab - 1}); "
+                             "encode prompts with the model's own tokenizer")
         if model.mask_id in r:
             raise ValueError(
                 f"prompt {i} contains the mask token (id {model.mask_id}); masks are appended by generate() - "
                 "remove it from the prompt"
             )
     return rows
+
+
+def _vocab_size(model) -> int | None:
+    for owner in (model, getattr(model, "hf", None)):  # dllm Transformer, or a wrapped HF model
+        size = getattr(getattr(owner, "config", None), "vocab_size", None)
+        if isinstance(size, int):
+            return size
+    return None
 
 
 def _encode(tok, p, chat_template: bool) -> list[int]:
@@ -128,6 +148,10 @@ def generate(
         block_policy: default :class:`~dllm.samplers.FixedBlocks` with ``config.block_length``.
         guide: reserved for AR-guided decoding.
     """
+    unknown = sorted(set(overrides) - set(GenerateConfig.__dataclass_fields__))
+    if unknown:
+        raise TypeError(f"generate() got unknown option(s) {unknown}; GenerateConfig fields: "
+                        f"{', '.join(GenerateConfig.__dataclass_fields__)}")
     if config is None:
         config = GenerateConfig(**overrides)
     elif overrides:
@@ -193,7 +217,7 @@ def generate(
         win_lo, win_hi = int(lo[sel].min()), int(hi[sel].max())  # the loop's one host sync per step
         cols = cols_all[win_lo:win_hi]
         t0 = clock.now()
-        logits = _forward(model, x, positions, key_mask, cols.expand(B, -1), config, cache)
+        logits = exclude_mask(_forward(model, x, positions, key_mask, cols.expand(B, -1), config, cache), model.mask_id)
         t1 = clock.now()
         xw = x[:, win_lo:win_hi]
         in_region = (cols[None] >= lo[:, None]) & (cols[None] < hi[:, None])

@@ -52,19 +52,24 @@ class TrainConfig:
     eps: float = 1e-3
 
 
-def encode_example(tok, ex: T.Example) -> tuple[list[int], list[int]]:
+def encode_example(tok, ex: T.Example, with_example: bool = True) -> tuple[list[int], list[int]]:
+    """(prompt ids, answer ids); ``with_example=False`` drops the worked example turn (single-turn prompt)."""
     from dllm.models.tokenizer_build import chat_text
 
-    prompt = tok(chat_text(tok, ex.messages, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    messages = ex.messages if with_example else ex.messages[-1:]
+    prompt = tok(chat_text(tok, messages, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
     answer = tok(ex.target, add_special_tokens=False)["input_ids"]
     return prompt, answer
 
 
-def build_pool(tok, n_per_task: int, seed: int) -> list[tuple[list[int], list[int]]]:
+def build_pool(tok, n_per_task: int, seed: int, single_turn: float = 0.25) -> list[tuple[list[int], list[int]]]:
+    """Encoded training examples; a ``single_turn`` fraction has no worked example, so plain one-turn
+    prompts (``dllm generate "Please copy the list exactly: ..."``) work too."""
+    rng = random.Random(seed)
     pool = []
     for name in T.task_names():
         for ex in T.generate(name, n_per_task, seed):
-            pool.append(encode_example(tok, ex))
+            pool.append(encode_example(tok, ex, with_example=rng.random() >= single_turn))
     return pool
 
 

@@ -18,7 +18,7 @@ _module: ModuleType | None = None
 
 def _triton_module() -> ModuleType:
     try:
-        from dllm.kernels import triton_kernels  # noqa: PLC0415 (lazy by design)
+        from dllm.kernels import triton_kernels
     except ImportError as exc:  # pragma: no cover - depends on the install
         raise RuntimeError(
             "the 'triton' kernel backend is not available in this build of dllm "
@@ -50,4 +50,4 @@ def attention(q, k, v, key_padding_mask=None, return_lse=False):
     return _module.attention(q, k, v, key_padding_mask=key_padding_mask, return_lse=return_lse)
 
 
-__all__ = ["attention", "get_backend", "set_backend", "reference"]
+__all__ = ["attention", "get_backend", "reference", "set_backend"]

@@ -36,7 +36,10 @@ def read_config(path: Path) -> dict:
         raise FileNotFoundError(
             f"{cfg_file} is missing: a checkpoint directory needs config.json next to its safetensors weights"
         )
-    return json.loads(cfg_file.read_text())
+    try:
+        return json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_file} is not valid JSON ({e}); restore it from the original checkpoint") from None
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -105,12 +108,9 @@ def load_model(
     if cfg.tie_embeddings:
         model.head.weight = model.embed.weight
     model.eval().requires_grad_(False)
-    _set_special_ids(model, hf_cfg, spec)
     if tokenizer:
         model.tokenizer = _load_tokenizer(path)
-        eot = model.tokenizer.convert_tokens_to_ids(spec.eot_token)
-        if isinstance(eot, int) and eot != model.tokenizer.unk_token_id:
-            model.eot_id = eot
+    _set_special_ids(model, hf_cfg, spec, model.tokenizer)
     if device_map is not None:
         model = _dispatch(model, device_map)
     elif device is not None:
@@ -118,17 +118,38 @@ def load_model(
     return model
 
 
-def _set_special_ids(model: Transformer, hf_cfg: dict, spec: ModelSpec) -> None:
-    model.mask_id = hf_cfg.get("mask_token_id", spec.mask_id)
-    eos = hf_cfg.get("eos_token_id", spec.eos_id)
-    model.eos_id = eos[0] if isinstance(eos, list) else eos
-    model.pad_id = hf_cfg.get("pad_token_id", model.eos_id)
-    model.eot_id = hf_cfg.get("eot_token_id", spec.eot_id)
-    if model.mask_id >= model.config.vocab_size:
+def _set_special_ids(model: Transformer, hf_cfg: dict, spec: ModelSpec, tok=None) -> None:
+    """Special ids from config.json, else the tokenizer, else the family's published ids (when they fit the
+    vocabulary: a small checkpoint without a tokenizer does not get the 8B model's ids)."""
+    V = model.config.vocab_size
+
+    def pick(key: str, from_tok, default):
+        value = hf_cfg.get(key)
+        if isinstance(value, list):
+            value = value[0] if value else None
+        if value is not None:
+            if not isinstance(value, int) or not 0 <= value < V:
+                raise ValueError(f"{key} {value!r} in config.json is outside the vocabulary ({V}); fix it there")
+            return value
+        if isinstance(from_tok, int) and from_tok != getattr(tok, "unk_token_id", None) and 0 <= from_tok < V:
+            return from_tok
+        return default if default is not None and default < V else None
+
+    def tok_id(attr=None, token=None):
+        if tok is None:
+            return None
+        return getattr(tok, attr, None) if attr else tok.convert_tokens_to_ids(token)
+
+    model.mask_id = pick("mask_token_id", tok_id("mask_token_id"), spec.mask_id)
+    if model.mask_id is None:
         raise ValueError(
-            f"mask_token_id {model.mask_id} is outside the vocabulary ({model.config.vocab_size}); "
-            "fix mask_token_id in config.json"
+            f"no usable mask token id: config.json has no mask_token_id, the tokenizer has no mask token and "
+            f"the {spec.family} default ({spec.mask_id}) is outside the vocabulary ({V}); add mask_token_id "
+            "to config.json"
         )
+    model.eos_id = pick("eos_token_id", tok_id("eos_token_id"), spec.eos_id)
+    model.pad_id = pick("pad_token_id", tok_id("pad_token_id"), model.eos_id)
+    model.eot_id = pick("eot_token_id", tok_id(token=spec.eot_token), spec.eot_id)
 
 
 def _read_state(files: list[Path], spec: ModelSpec, cfg, dtype) -> dict[str, torch.Tensor]:

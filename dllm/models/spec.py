@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from dllm.models.transformer import TransformerConfig
 
@@ -21,7 +21,7 @@ class ModelSpec:
     model_type: str
     architectures: tuple[str, ...]
     config_from_hf: Callable[[dict], TransformerConfig]
-    config_to_hf: Callable[["TransformerConfig", dict], dict]
+    config_to_hf: Callable[[TransformerConfig, dict], dict]
     global_keys: dict[str, str]
     layer_keys: dict[str, str]  # "{i}" in the value is the layer index
     mask_id: int

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from dllm.samplers.base import Sampler, StepContext, StepResult
 from dllm.samplers.blocks import BlockPolicy, FixedBlocks, WholeCanvas

@@ -85,6 +85,15 @@ def gumbel_argmax(logits: torch.Tensor, temperature: float, ctx: StepContext, sc
     return (logits.to(torch.float64).exp() / (-torch.log(u)) ** temperature).argmax(-1)
 
 
+def exclude_mask(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
+    """The mask token is never a valid output: its logit becomes -inf, in place (``B x W`` writes, no copy).
+
+    The decode loop applies this to the logits it owns before every ``sampler.step``, so no sampler can
+    propose the mask id; every other token's score, and the random stream, are unchanged."""
+    logits[..., mask_id] = float("-inf")
+    return logits
+
+
 def select_topk(conf: torch.Tensor, cand: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """Commit mask of the ``k[b]`` most confident candidates of each row (ties: lower column first)."""
     conf = conf.masked_fill(~cand, float("-inf"))

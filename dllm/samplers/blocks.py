@@ -63,6 +63,6 @@ class FixedBlocks:
         return hi, steps
 
 
-def WholeCanvas() -> FixedBlocks:  # noqa: N802 - reads like a class at call sites
+def WholeCanvas() -> FixedBlocks:
     """One region covering the whole generation (Dream's default; LLaDA with block_length = gen_length)."""
     return FixedBlocks(whole=True, name="canvas")

@@ -71,7 +71,8 @@ def dream_ratio(ctx: StepContext, eps: float) -> torch.Tensor:
     for S in torch.unique(steps).tolist():  # one value in practice: all rows share the schedule length
         ts = torch.linspace(1, eps, S + 1, device=steps.device)
         rows = steps == S
-        ratio = torch.where(rows, 1 - ts[(i + 1).clamp_max(S)] / ts[i], ratio)
+        i_s = i.clamp_max(S - 1)  # rows with another schedule length may be further along; not used
+        ratio = torch.where(rows, 1 - ts[i_s + 1] / ts[i_s], ratio)
     return torch.where(ctx.step >= steps - 1, torch.ones_like(ratio), ratio)
 
 
@@ -108,7 +109,7 @@ class DreamSampler:
             raise ValueError(f"unknown noise_scope {self.noise_scope!r}; known: {', '.join(NOISE_SCOPES)}")
 
     def step(self, logits: torch.Tensor, ctx: StepContext) -> StepResult:
-        B, W, V = logits.shape
+        B, W, _ = logits.shape
         cand = ctx.cand
         flat_logits = logits[cand]  # [N, V], row-major like the reference's logits[mask_index]
         ratio = dream_ratio(ctx, self.eps)  # [B]
@@ -116,14 +117,16 @@ class DreamSampler:
         if self.alg == "origin":
             u = torch.rand(flat_logits.shape[0], generator=ctx.generator, device=logits.device)
             reveal = u < ratio[:, None].expand(B, W)[cand]
-            _, x0 = dream_proposal(flat_logits[reveal], self.temperature, self.top_p, self.top_k, self.alg, ctx.generator)
+            _, x0 = dream_proposal(flat_logits[reveal], self.temperature, self.top_p, self.top_k, self.alg,
+                                   ctx.generator)
             flat = torch.full((flat_logits.shape[0],), ctx.mask_id, dtype=torch.long, device=logits.device)
             flat[reveal] = x0
             proposal[cand] = flat
             commit = torch.zeros_like(cand)
             commit[cand] = reveal
             return StepResult(proposal, commit)
-        conf_flat, x0 = dream_proposal(flat_logits, self.temperature, self.top_p, self.top_k, self.alg, ctx.generator)
+        conf_flat, x0 = dream_proposal(flat_logits, self.temperature, self.top_p, self.top_k, self.alg,
+                                       ctx.generator)
         proposal[cand] = x0
         conf = torch.full((B, W), float("-inf"), dtype=conf_flat.dtype, device=logits.device)
         conf[cand] = conf_flat
@@ -145,9 +148,15 @@ class DreamSampler:
         if self.noise_scope == "canvas":
             full = torch.full((B, ctx.canvas_len), float("-inf"), dtype=conf.dtype, device=conf.device)
             full[:, ctx.win_lo : ctx.win_lo + W] = conf
-            idx = torch.multinomial(F.softmax(full / self.alg_temp, dim=-1), k, generator=ctx.generator) - ctx.win_lo
+            probs, shift = F.softmax(full / self.alg_temp, dim=-1), ctx.win_lo
         else:
-            idx = torch.multinomial(F.softmax(conf / self.alg_temp, dim=-1), k, generator=ctx.generator)
-        keep = torch.arange(k, device=conf.device)[None] < n[:, None]
+            probs, shift = F.softmax(conf / self.alg_temp, dim=-1), 0
+        # Rows with fewer than k drawable positions (finished rows, rows with fewer masks left than another
+        # row's quota, underflowed probabilities) would make the batched draw fail; they draw from a
+        # placeholder and take their n most confident candidates instead. Other rows are unaffected.
+        ok = (probs > 0).sum(-1) >= k
+        probs = torch.where(ok[:, None], probs, torch.ones_like(probs))
+        idx = torch.multinomial(probs, k, generator=ctx.generator) - shift
+        keep = (torch.arange(k, device=conf.device)[None] < n[:, None]) & ok[:, None]
         commit.scatter_(-1, idx.clamp(0, W - 1), keep)
-        return commit
+        return torch.where(ok[:, None], commit, select_topk(conf, ctx.cand, n))

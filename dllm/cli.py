@@ -1,0 +1,202 @@
+"""Command line: ``dllm generate | samplers | train-tiny | eval-tasks``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _parse_value(text: str):
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_params(items: list[str] | None) -> dict:
+    """``["k=v", ...]`` -> dict with ints/floats/bools/None recognised."""
+    out = {}
+    for item in items or []:
+        if "=" not in item:
+            raise SystemExit(f"error: --param expects key=value, got {item!r}")
+        k, v = item.split("=", 1)
+        out[k.strip()] = _parse_value(v.strip())
+    return out
+
+
+def _add_decode_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="checkpoint directory or bundled name (default: llada-tiny)")
+    p.add_argument("--sampler", default=None, help="sampler name (see `dllm samplers`; default: the family baseline)")
+    p.add_argument("--param", action="append", metavar="K=V", help="sampler parameter, repeatable")
+    p.add_argument("--cache", default=None, help="cache policy name (default: none)")
+    p.add_argument("--gen-length", type=int, default=64)
+    p.add_argument("--block-length", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None, help="decoding steps (default: gen-length)")
+    p.add_argument("--cfg-scale", type=float, default=0.0)
+    p.add_argument("--eos-early-stop", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
+    p.add_argument("--device", default=None)
+
+
+def _load(args):
+    from dllm.assets import model_path
+    from dllm.models import load_model
+
+    return load_model(model_path(args.model), dtype=args.dtype, device=args.device)
+
+
+def _decode_setup(args):
+    from dllm.config import GenerateConfig
+    from dllm.samplers import get_sampler
+
+    config = GenerateConfig(gen_length=args.gen_length, block_length=args.block_length, steps=args.steps,
+                            cfg_scale=args.cfg_scale, eos_early_stop=args.eos_early_stop, seed=args.seed)
+    params = parse_params(args.param)
+    sampler = get_sampler(args.sampler, **params) if args.sampler else None
+    if params and sampler is None:
+        raise SystemExit("error: --param needs --sampler")
+    return config, sampler
+
+
+def cmd_generate(args) -> int:
+    from dllm.generate import generate
+
+    prompts = list(args.prompt or [])
+    if args.batch_file:
+        lines = Path(args.batch_file).read_text().splitlines()
+        prompts += [json.loads(ln) if ln.lstrip().startswith(("{", "[")) else ln for ln in lines if ln.strip()]
+    prompts = [p["prompt"] if isinstance(p, dict) else p for p in prompts]
+    prompts = [p.encode().decode("unicode_escape") if args.escapes else p for p in prompts]
+    if not prompts:
+        raise SystemExit("error: give a PROMPT or --batch-file")
+    model = _load(args)
+    config, sampler = _decode_setup(args)
+    out = generate(model, prompts, config, sampler=sampler, cache=args.cache)
+    s = out.stats
+    if args.json:
+        print(json.dumps({
+            "sequences": out.sequences.tolist(), "texts": out.texts, "nfe": s.nfe, "row_nfe": s.row_nfe,
+            "tokens_per_forward": s.tokens_per_forward, "finish_step": s.finish_step,
+            "time": {"model": s.time_model, "sampler": s.time_sampler, "cache": s.time_cache, "total": s.time_total},
+        }))
+    else:
+        for text in out.texts:
+            print(text)
+        print(f"[nfe {s.nfe}, {s.tokens_per_forward:.2f} tokens/forward, {s.time_total:.2f}s]", file=sys.stderr)
+    return 0
+
+
+def cmd_samplers(args) -> int:
+    from dllm.samplers import list_samplers
+
+    for e in list_samplers():
+        print(f"{e.name}: {e.description}")
+        for k, v in e.params().items():
+            print(f"    {k} = {v!r}")
+    return 0
+
+
+def cmd_train_tiny(args) -> int:
+    from dllm.train import TrainConfig, train
+
+    cfg = TrainConfig(family=args.family, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
+                      mlp_hidden=args.mlp, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+                      seed=args.seed, threads=args.threads, time_budget_s=args.time_budget)
+
+    def progress(step, loss, secs):
+        print(f"step {step}/{cfg.steps}  loss {loss:.4f}  {secs:.0f}s", file=sys.stderr, flush=True)
+
+    summary = train(cfg, args.out, progress=progress)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def cmd_eval_tasks(args) -> int:
+    from tqdm import tqdm
+
+    from dllm.evals import tasks as T
+    from dllm.evals.runner import evaluate_tasks, family_average
+
+    model = _load(args)
+    config, sampler = _decode_setup(args)
+    names = T.task_names(args.tasks)
+    if not names:
+        raise SystemExit(f"error: no task matches {args.tasks!r}; known tasks: {', '.join(T.task_names())}")
+    bar = tqdm(total=len(names) * args.n, desc="eval", file=sys.stderr)
+    res = evaluate_tasks(model, names, args.n, args.seed_data, config, sampler=sampler, cache=args.cache,
+                         batch_size=args.batch_size, on_batch=lambda name, k: bar.update(k))
+    bar.close()
+    print("| task | score | strict | NFE | tokens/forward |")
+    print("|---|---|---|---|---|")
+    for r in res:
+        print(f"| {r.task} | {r.score:.3f} | {r.score_strict:.3f} | {r.nfe:.1f} | {r.tokens_per_forward:.2f} |")
+    fam = family_average(res)
+    print()
+    print("| family | score |")
+    print("|---|---|")
+    for k, v in fam.items():
+        print(f"| {k} | {v:.3f} |")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="dllm", description="Fast decoding for masked diffusion language models.")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    g = sub.add_parser("generate", help="generate text with a model (default: the bundled llada-tiny)")
+    g.add_argument("prompt", nargs="*", help="prompt text(s); the chat template is applied")
+    g.add_argument("--batch-file", help="file with one prompt per line (plain text or JSON string/object)")
+    g.add_argument("--escapes", action="store_true", help=r"interpret backslash escapes such as \n in prompts")
+    g.add_argument("--json", action="store_true", help="print sequences, texts, nfe and timing as JSON")
+    _add_decode_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("samplers", help="list samplers with their parameters and defaults")
+    s.set_defaults(func=cmd_samplers)
+
+    t = sub.add_parser("train-tiny", help="train a tiny LLaDA- or Dream-format model on the synthetic tasks")
+    t.add_argument("--family", choices=["llada", "dream"], required=True)
+    t.add_argument("--out", required=True)
+    t.add_argument("--steps", type=int, default=1800)
+    t.add_argument("--batch-size", type=int, default=48)
+    t.add_argument("--lr", type=float, default=2e-3)
+    t.add_argument("--d-model", type=int, default=128)
+    t.add_argument("--layers", type=int, default=6)
+    t.add_argument("--heads", type=int, default=4)
+    t.add_argument("--mlp", type=int, default=384)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--threads", type=int, default=None)
+    t.add_argument("--time-budget", type=float, default=None, help="stop after this many seconds")
+    t.set_defaults(func=cmd_train_tiny)
+
+    e = sub.add_parser("eval-tasks", help="score a model on the synthetic tasks (held-out seed)")
+    e.add_argument("--tasks", default=None, help="fnmatch pattern or family (default: all)")
+    e.add_argument("--n", type=int, default=50, help="examples per task")
+    e.add_argument("--seed-data", type=int, default=12345, help="data seed (training uses 1000+)")
+    e.add_argument("--batch-size", type=int, default=25)
+    _add_decode_args(e)
+    e.set_defaults(func=cmd_eval_tasks, gen_length=32)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, KeyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""Shared fixtures: tiny random-weight LLaDA- and Dream-format models (fp32, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dllm.models import DREAM, LLADA, Transformer, TransformerConfig
+from dllm.train import init_weights
+
+VOCAB = 96
+MASK, EOS, EOT, PAD = 95, 1, 2, 1
+
+
+def random_model(family: str = "llada", seed: int = 0, vocab: int = VOCAB, std: float = 0.5) -> Transformer:
+    """A random-weight model with well-spread logits (std 0.5 keeps confidences away from ties)."""
+    spec = LLADA if family == "llada" else DREAM
+    cfg = TransformerConfig(vocab_size=vocab, d_model=32, n_layers=2, n_heads=4,
+                            n_kv_heads=4 if family == "llada" else 2, mlp_hidden=64,
+                            qkv_bias=family == "dream", max_seq_len=256)
+    torch.manual_seed(seed)
+    model = Transformer(cfg, spec)
+    init_weights(model, std=std)
+    model.eval().requires_grad_(False)
+    model.mask_id, model.eos_id, model.eot_id, model.pad_id = vocab - 1, EOS, EOT, PAD
+    return model
+
+
+@pytest.fixture(params=["llada", "dream"])
+def family(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def model(family) -> Transformer:
+    return random_model(family)
+
+
+def ragged_prompts(n: int = 3, seed: int = 0, vocab: int = VOCAB) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = [5, 9, 3, 7, 4][:n]
+    return [torch.randint(3, vocab - 1, (L,), generator=g).tolist() for L in lengths]

@@ -1,0 +1,93 @@
+"""The decode loop: prompt forms, statistics, EOS early stop, independent rows, CFG."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from conftest import ragged_prompts, random_model
+
+import dllm
+
+
+def test_tensor_with_mask_equals_ragged_lists(family):
+    model = random_model(family)
+    prompts = ragged_prompts(3)
+    P = max(map(len, prompts))
+    ids = torch.zeros(3, P, dtype=torch.long)
+    mask = torch.zeros(3, P, dtype=torch.long)
+    for b, p in enumerate(prompts):  # right padding on purpose: generate re-pads on the left
+        ids[b, : len(p)] = torch.tensor(p)
+        mask[b, : len(p)] = 1
+    a = dllm.generate(model, prompts, gen_length=8, steps=8)
+    b = dllm.generate(model, ids, attention_mask=mask, gen_length=8, steps=8)
+    assert torch.equal(a.sequences, b.sequences)
+
+
+def test_stats_are_consistent(family):
+    model = random_model(family)
+    out = dllm.generate(model, ragged_prompts(3), gen_length=16, block_length=8, steps=8, sampler="llada")
+    s = out.stats
+    assert s.nfe == 8 and s.row_nfe == [8, 8, 8] and s.finish_step == [8, 8, 8]
+    assert s.tokens_per_forward == 2.0
+    assert len(s.trace) == 8
+    per_row = torch.tensor([rec["committed"] for rec in s.trace]).sum(0)
+    assert per_row.tolist() == [16, 16, 16]
+    assert s.trace[0]["lo"] == [9, 9, 9] and s.trace[0]["hi"] == [17, 17, 17]  # prompt width 9, block 8
+    assert s.trace[-1]["lo"] == [17, 17, 17]
+    assert s.time_total >= s.time_model + s.time_sampler > 0
+
+
+def test_eos_early_stop_fills_and_finishes_rows_independently():
+    model = random_model("llada")
+    prompts = ragged_prompts(3)
+    base = dllm.generate(model, prompts, gen_length=16, block_length=4, steps=16)
+    # Declare a token that row 0 produced in its first block to be EOS: row 0 must stop after block 0.
+    eos = int(base.sequences[0, 0])
+    model.eos_id = eos
+    model.eot_id = None
+    out = dllm.generate(model, prompts, gen_length=16, block_length=4, steps=16, eos_early_stop=True)
+    row0 = out.sequences[0]
+    first = int((row0 == eos).nonzero()[0])
+    assert first < 4
+    assert (row0[first:] == eos).all()
+    assert out.stats.row_nfe[0] == 4 and out.stats.finish_step[0] == 4
+    for b in range(3):  # rows that never produce EOS run all 4 blocks, unaffected by row 0 stopping
+        if not (base.sequences[b] == eos).any():
+            assert out.stats.row_nfe[b] == 16
+            assert torch.equal(out.sequences[b], base.sequences[b])
+    assert out.stats.nfe == max(out.stats.row_nfe)
+
+
+def test_cfg_changes_the_logits_and_keeps_nfe():
+    model = random_model("llada")
+    prompts = ragged_prompts(2)
+    plain = dllm.generate(model, prompts, gen_length=16, steps=16)
+    cfg = dllm.generate(model, prompts, gen_length=16, steps=16, cfg_scale=2.0)
+    assert cfg.stats.nfe == plain.stats.nfe == 16
+    assert not torch.equal(plain.sequences, cfg.sequences)
+
+
+def test_seeded_runs_repeat_and_seeds_differ():
+    model = random_model("dream")
+    sampler = dllm.get_sampler("dream", alg="maskgit_plus", temperature=1.0)
+    a = dllm.generate(model, ragged_prompts(2), gen_length=16, steps=16, sampler=sampler, seed=1)
+    b = dllm.generate(model, ragged_prompts(2), gen_length=16, steps=16, sampler=sampler, seed=1)
+    c = dllm.generate(model, ragged_prompts(2), gen_length=16, steps=16, sampler=sampler, seed=2)
+    assert torch.equal(a.sequences, b.sequences)
+    assert not torch.equal(a.sequences, c.sequences)
+
+
+def test_dream_logits_are_shifted_by_one():
+    model = random_model("dream")
+    x = torch.randint(3, 90, (2, 10))
+    full = model(x)
+    cols = torch.tensor([[3, 4, 5], [7, 8, 9]])
+    part = model(x, logits_idx=cols)
+    assert torch.allclose(part, full.gather(1, cols[..., None].expand(-1, -1, full.shape[-1])))
+    # the shift: Dream's column c equals the hidden row c-1 of the same network without the shift
+    unshifted = copy.deepcopy(model)
+    unshifted.spec = None
+    rows = unshifted(x)
+    assert torch.allclose(full[:, 1:], rows[:, :-1], atol=1e-6)
+    assert torch.allclose(full[:, 0], rows[:, 0], atol=1e-6)
