@@ -11,8 +11,9 @@ import torch
 
 from dllm.caches.base import NoCache
 from dllm.config import GenerateConfig
-from dllm.samplers import FixedBlocks, get_sampler
+from dllm.samplers import get_sampler
 from dllm.samplers.base import StepContext, exclude_mask
+from dllm.samplers.blocks import resolve_blocks
 
 
 @dataclass
@@ -145,7 +146,9 @@ def generate(
         config: a :class:`GenerateConfig`; keyword ``overrides`` (``gen_length=...``) build or amend it.
         sampler: a sampler object or a registered name (default: the model family's baseline).
         cache: a cache policy (default :class:`~dllm.caches.NoCache`).
-        block_policy: default :class:`~dllm.samplers.FixedBlocks` with ``config.block_length``.
+        block_policy: default: the sampler's preferred policy if it has one (``sampler.block_policy``,
+            e.g. AdaBlock), else :class:`~dllm.samplers.FixedBlocks` with ``config.block_length`` (when that is
+            ``None``, the sampler's preferred ``block_length``, e.g. 32 for ``fast-dllm``).
         guide: reserved for AR-guided decoding.
     """
     unknown = sorted(set(overrides) - set(GenerateConfig.__dataclass_fields__))
@@ -168,8 +171,9 @@ def generate(
     cache = cache or NoCache()
     if not isinstance(cache, NoCache) and not getattr(model, "supports_cache", False):
         raise ValueError(f"cache {cache.name!r} needs a dllm Transformer; this model supports no caches (use cache=None)")
-    policy = block_policy or FixedBlocks()
-    policy.validate(config)
+    config, policy = resolve_blocks(model, sampler, config, block_policy)
+    refine = getattr(policy, "refine", None)  # regions fixed after their first forward (AdaBlock)
+    widen = getattr(sampler, "window_columns", None)  # logits beyond the regions (Prophet)
     if model.mask_id is None:
         raise ValueError("the model has no mask token id; set model.mask_id")
 
@@ -215,28 +219,39 @@ def generate(
     while True:
         sel = active.nonzero().squeeze(-1)
         win_lo, win_hi = int(lo[sel].min()), int(hi[sel].max())  # the loop's one host sync per step
-        cols = cols_all[win_lo:win_hi]
+        w_lo, w_hi = widen(win_lo, win_hi, P, T) if widen is not None else (win_lo, win_hi)
+        cols = cols_all[w_lo:w_hi]
         t0 = clock.now()
         logits = exclude_mask(_forward(model, x, positions, key_mask, cols.expand(B, -1), config, cache), model.mask_id)
         t1 = clock.now()
-        xw = x[:, win_lo:win_hi]
+        xw = x[:, w_lo:w_hi]
+        pinfo = {}
         in_region = (cols[None] >= lo[:, None]) & (cols[None] < hi[:, None])
+        if refine is not None:
+            fresh = active & (step_in == 0)
+            hi, steps, pinfo = refine(logits, w_lo, lo, hi, steps, fresh, config)
+            in_region = (cols[None] >= lo[:, None]) & (cols[None] < hi[:, None])
+            n_start = torch.where(fresh, ((xw == model.mask_id) & in_region).sum(-1), n_start)
         cand = (xw == model.mask_id) & in_region & active[:, None]
         ctx = StepContext(
             x=xw, cand=cand, step=step_in, steps=steps, n_region_start=n_start, region_lo=lo, region_hi=hi,
-            win_lo=win_lo, canvas_len=T, gen_lo=P, global_step=nfe, total_steps=config.total_steps,
+            win_lo=w_lo, canvas_len=T, gen_lo=P, global_step=nfe, total_steps=config.total_steps,
             generator=generator, mask_id=model.mask_id, eos_id=model.eos_id, eot_id=model.eot_id, state=state,
+            win_hi=win_hi,
         )
         res = sampler.step(logits, ctx)
         commit = res.commit & cand
-        x[:, win_lo:win_hi] = torch.where(commit, res.proposal, xw)
+        if res.finish is not None:  # early commit: the row takes the proposal at every mask left, and stops
+            commit = commit | (res.finish[:, None] & active[:, None] & (xw == model.mask_id))
+            hi = torch.where(res.finish & active, torch.full_like(hi, T), hi)
+        x[:, w_lo:w_hi] = torch.where(commit, res.proposal, xw)
         t2 = clock.now()
         clock.t["model"] += t1 - t0
         clock.t["sampler"] += t2 - t1
         nfe += 1
         row_nfe += active.long()
         step_in += 1
-        trace.append({"committed": commit.sum(-1), "lo": lo.clone(), "hi": hi.clone(), **res.info})
+        trace.append({"committed": commit.sum(-1), "lo": lo.clone(), "hi": hi.clone(), **pinfo, **res.info})
 
         # Region bookkeeping, vectorised over rows.
         masked = x == model.mask_id

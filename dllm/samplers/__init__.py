@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from dllm.samplers.adablock import AdaBlock
 from dllm.samplers.base import Sampler, StepContext, StepResult
 from dllm.samplers.blocks import BlockPolicy, FixedBlocks, WholeCanvas
+from dllm.samplers.composed import ComposedSampler
 from dllm.samplers.dream import DreamSampler
 from dllm.samplers.llada import LLaDASampler
+from dllm.samplers.presets import PRESETS
+from dllm.samplers.prophet import Prophet
+from dllm.samplers.rules import Ascending, Factor, KLStable, LocalLeap, Quota, Threshold
+from dllm.samplers.transforms import CreditFusion, EOSRejection
 
 
 @dataclass(frozen=True)
@@ -22,12 +29,11 @@ class SamplerEntry:
 
     def params(self) -> dict[str, Any]:
         """Tunable parameters and their defaults (preset values applied)."""
-        out = {}
-        for f in dataclasses.fields(self.factory):
-            if f.name == "name":
-                continue
-            out[f.name] = self.preset.get(f.name, f.default)
-        return out
+        if dataclasses.is_dataclass(self.factory):
+            defaults = {f.name: f.default for f in dataclasses.fields(self.factory)}
+        else:  # a factory function with keyword parameters (presets)
+            defaults = {k: p.default for k, p in inspect.signature(self.factory).parameters.items()}
+        return {k: self.preset.get(k, v) for k, v in defaults.items() if k != "name"}
 
 
 SAMPLERS: dict[str, SamplerEntry] = {}
@@ -42,6 +48,8 @@ register("llada-random", LLaDASampler, "LLaDA generate.py with random remasking"
 register("dream", DreamSampler, "Dream diffusion_generate (alg: origin | maskgit_plus | topk_margin | entropy)")
 for _alg in ("origin", "maskgit_plus", "topk_margin", "entropy"):
     register(f"dream-{_alg.replace('_', '-')}", DreamSampler, f"Dream diffusion_generate with alg={_alg}", alg=_alg)
+for _name, (_factory, _desc) in PRESETS.items():
+    register(_name, _factory, _desc)
 
 
 def get_sampler(name: str, **params) -> Sampler:
@@ -60,5 +68,7 @@ def list_samplers() -> list[SamplerEntry]:
     return [SAMPLERS[k] for k in sorted(SAMPLERS)]
 
 
-__all__ = ["SAMPLERS", "BlockPolicy", "DreamSampler", "FixedBlocks", "LLaDASampler", "Sampler", "SamplerEntry",
-           "StepContext", "StepResult", "WholeCanvas", "get_sampler", "list_samplers", "register"]
+__all__ = ["SAMPLERS", "AdaBlock", "Ascending", "BlockPolicy", "ComposedSampler", "CreditFusion", "DreamSampler",
+           "EOSRejection", "Factor", "FixedBlocks", "KLStable", "LLaDASampler", "LocalLeap", "Prophet", "Quota",
+           "Sampler", "SamplerEntry", "StepContext", "StepResult", "Threshold", "WholeCanvas", "get_sampler",
+           "list_samplers", "register"]

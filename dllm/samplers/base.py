@@ -18,6 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 NOISE_SCOPES = ("region", "canvas")
+SOFTMAX_DTYPES = {"float32": torch.float32, "float64": torch.float64, "model": None}
 
 
 @dataclass
@@ -41,13 +42,20 @@ class StepContext:
     eos_id: int | None
     eot_id: int | None
     state: dict = field(default_factory=dict)  # sampler scratch space for one generate() call
+    # Canvas column where the union of the rows' regions ends (``None``: the window is that union). A sampler
+    # with ``window_columns(win_lo, win_hi, gen_lo, canvas_len) -> (lo, hi)`` gets a wider window: its extra
+    # columns are never candidates, only there to be read (and filled by an early commit, ``StepResult.finish``).
+    win_hi: int | None = None
 
 
 @dataclass
 class StepResult:
     proposal: torch.Tensor  # [B, W] int64
     commit: torch.Tensor  # [B, W] bool
-    info: dict[str, Any] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)  # appended to the loop's per-step trace
+    # [B] bool or None. Early commit: a row marked here takes ``proposal`` at every still-masked column of the
+    # window (columns beyond the regions included) and finishes (the decode loop does the fill; see Prophet).
+    finish: torch.Tensor | None = None
 
 
 @runtime_checkable
@@ -76,13 +84,59 @@ def canvas_rand(shape_tail: tuple[int, ...], ctx: StepContext, W: int, B: int, d
     return torch.rand((B, W, *shape_tail), generator=ctx.generator, dtype=dtype, device=device)
 
 
+_BLOCK = 256  # chunk of the vocabulary for the blocked CPU reductions below
+
+
+def _blocks(x: torch.Tensor):
+    """``(head [..., n, _BLOCK] view, tail [..., V % _BLOCK])`` of the last dimension, or ``None`` when the
+    plain kernel is as fast (GPU, small vocabularies)."""
+    V = x.shape[-1]
+    if x.device.type != "cpu" or V < 8 * _BLOCK:
+        return None
+    n = V // _BLOCK
+    return x[..., : n * _BLOCK].unflatten(-1, (n, _BLOCK)), x[..., n * _BLOCK :]
+
+
+def fast_argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)`` (first maximal index), computed blockwise on CPU, where PyTorch's last-dimension
+    ``argmax`` is not vectorised and costs about twice a softmax at a 126k vocabulary (``amax`` is)."""
+    parts = _blocks(x)
+    if parts is None:
+        return x.argmax(-1)
+    head, tail = parts
+    bmax = head.amax(-1)  # [..., n]
+    b = bmax.argmax(-1)
+    blk = head.gather(-2, b[..., None, None].expand(*b.shape, 1, _BLOCK)).squeeze(-2)
+    idx = b * _BLOCK + blk.argmax(-1)
+    if tail.shape[-1]:
+        tv, ti = tail.max(-1)
+        best = bmax.gather(-1, b[..., None]).squeeze(-1)
+        idx = torch.where(tv > best, head.shape[-2] * _BLOCK + ti, idx)
+    return idx
+
+
+def top2_values(x: torch.Tensor) -> torch.Tensor:
+    """``torch.topk(x, 2, dim=-1).values`` (``[..., 2]``), blockwise on CPU like :func:`fast_argmax`."""
+    parts = _blocks(x)
+    if parts is None:
+        return torch.topk(x, 2, dim=-1).values
+    head, tail = parts
+    bmax = head.amax(-1)
+    bv, bi = torch.topk(bmax, 2, dim=-1)  # the two largest block maxima
+    blk = head.gather(-2, bi[..., :1, None].expand(*bi.shape[:-1], 1, _BLOCK)).squeeze(-2)
+    cands = [torch.topk(blk, 2, dim=-1).values, bv[..., 1:]]
+    if tail.shape[-1]:
+        cands.append(torch.topk(tail, min(2, tail.shape[-1]), dim=-1).values)
+    return torch.topk(torch.cat(cands, -1), 2, dim=-1).values
+
+
 def gumbel_argmax(logits: torch.Tensor, temperature: float, ctx: StepContext, scope: str = "region"):
     """LLaDA's Gumbel-max in float64: ``argmax(exp(l) / (-log u) ** T)``; plain argmax at ``T = 0``."""
     if temperature == 0:
-        return logits.argmax(-1)
+        return fast_argmax(logits)
     B, W, V = logits.shape
     u = canvas_rand((V,), ctx, W, B, torch.float64, logits.device, scope)
-    return (logits.to(torch.float64).exp() / (-torch.log(u)) ** temperature).argmax(-1)
+    return fast_argmax(logits.to(torch.float64).exp() / (-torch.log(u)) ** temperature)
 
 
 def exclude_mask(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
@@ -102,8 +156,26 @@ def select_topk(conf: torch.Tensor, cand: torch.Tensor, k: torch.Tensor) -> torc
     return (ranks < k[:, None]) & cand
 
 
-def ensure_progress(commit: torch.Tensor, conf: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
-    """Add each row's most confident candidate (rows with candidates always commit at least one)."""
+def ensure_progress(commit: torch.Tensor, conf: torch.Tensor, cand: torch.Tensor, only_empty: bool = False) -> torch.Tensor:
+    """Add each row's most confident candidate (rows with candidates always commit at least one); with
+    ``only_empty`` only to rows that commit nothing."""
     best = conf.masked_fill(~cand, float("-inf")).argmax(-1, keepdim=True)
     top1 = torch.zeros_like(commit).scatter_(-1, best, True) & cand
+    if only_empty:
+        top1 = top1 & ~commit.any(-1, keepdim=True)
     return commit | top1
+
+
+def token_prob(logits: torch.Tensor, x0: torch.Tensor, softmax_dtype: str = "float32") -> torch.Tensor:
+    """``softmax(logits)[x0]``: the probability of each proposal, ``[B, W]``. ``softmax_dtype`` is a key of
+    :data:`SOFTMAX_DTYPES` (``"model"``: the logits' own dtype)."""
+    dt = SOFTMAX_DTYPES[softmax_dtype] or logits.dtype
+    p = torch.softmax(logits.to(dt), dim=-1)
+    return p.gather(-1, x0[..., None]).squeeze(-1)
+
+
+def even_quota(ctx: StepContext) -> torch.Tensor:
+    """LLaDA's linear schedule: ``base = n // S``; the first ``n % S`` steps of the region get one more."""
+    steps = ctx.steps.clamp_min(1)
+    base = ctx.n_region_start // steps
+    return base + (ctx.step < ctx.n_region_start % steps).long()

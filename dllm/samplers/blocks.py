@@ -6,6 +6,7 @@ policy is asked for the next one, starting where the last ended. Rows advance in
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -16,6 +17,11 @@ from dllm.config import GenerateConfig
 
 @runtime_checkable
 class BlockPolicy(Protocol):
+    """Optional hooks the decode loop also honours: ``bind(model) -> policy`` (resolve model-dependent
+    settings, once per ``generate``) and ``refine(logits, win_lo, lo, hi, steps, fresh, cfg) -> (hi, steps,
+    info)``, called after each forward with the window's logits to fix the end of the regions that start at
+    this step (``fresh`` rows; AdaBlock)."""
+
     def validate(self, cfg: GenerateConfig) -> None:  # pragma: no cover - protocol
         """Raise ValueError for settings this policy cannot honour."""
 
@@ -66,3 +72,35 @@ class FixedBlocks:
 def WholeCanvas() -> FixedBlocks:
     """One region covering the whole generation (Dream's default; LLaDA with block_length = gen_length)."""
     return FixedBlocks(whole=True, name="canvas")
+
+
+def _preferred_block_length(sampler) -> int | None:
+    get = getattr(sampler, "preferred_block_length", None)
+    return get() if callable(get) else getattr(sampler, "block_length", None)
+
+
+def resolve_blocks(model, sampler, config: GenerateConfig, block_policy=None):
+    """``(config, policy)`` for ``generate``: the caller's ``block_policy``; else the sampler's preferred one
+    (its ``block_policy`` attribute, e.g. AdaBlock presets); else fixed blocks of ``config.block_length``,
+    or of the sampler's preferred ``block_length`` (presets: ``fast-dllm`` 32, ...) when the caller left
+    ``block_length`` unset and it is shorter than ``gen_length``. The policy is bound to the model (if it
+    has ``bind``) and validated."""
+    policy, preset_bl = block_policy, None
+    if policy is None:
+        policy = getattr(sampler, "block_policy", None)
+    if policy is None:
+        bl = _preferred_block_length(sampler)
+        if bl and config.block_length is None and bl < config.gen_length:
+            preset_bl = bl
+            config = dataclasses.replace(config, block_length=bl)
+        policy = FixedBlocks()
+    if hasattr(policy, "bind"):
+        policy = policy.bind(model)
+    try:
+        policy.validate(config)
+    except ValueError as e:
+        if preset_bl is None:
+            raise
+        raise ValueError(f"{e} (block_length={preset_bl} is the preferred block length of sampler "
+                         f"{getattr(sampler, 'name', sampler)!r}; pass block_length=... to choose another)") from None
+    return config, policy

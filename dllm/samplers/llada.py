@@ -13,23 +13,19 @@ import torch
 
 from dllm.samplers.base import (
     NOISE_SCOPES,
+    SOFTMAX_DTYPES,
     StepContext,
     StepResult,
     canvas_rand,
     check_range,
+    even_quota,
     gumbel_argmax,
     select_topk,
+    token_prob,
 )
 
 REMASKING = ("low_confidence", "random")
-SOFTMAX_DTYPES = {"float32": torch.float32, "float64": torch.float64, "model": None}
-
-
-def even_quota(ctx: StepContext) -> torch.Tensor:
-    """LLaDA's linear schedule: ``base = n // S``; the first ``n % S`` steps of the region get one more."""
-    steps = ctx.steps.clamp_min(1)
-    base = ctx.n_region_start // steps
-    return base + (ctx.step < ctx.n_region_start % steps).long()
+__all__ = ["REMASKING", "SOFTMAX_DTYPES", "LLaDASampler", "even_quota"]
 
 
 @dataclass(frozen=True)
@@ -83,12 +79,10 @@ class LLaDASampler:
         return StepResult(torch.where(ctx.cand, x0, ctx.x), commit)
 
     def _confidence(self, logits, x0, ctx: StepContext) -> torch.Tensor:
-        dt = SOFTMAX_DTYPES[self.softmax_dtype] or logits.dtype
         if self.confidence_eos_eot_inf:
             excluded = [ctx.eot_id] if (self.eos_eot_quirk and self.temperature > 0) else [ctx.eos_id, ctx.eot_id]
             excluded = [i for i in excluded if i is not None]
             if excluded:
                 logits = logits.clone()
                 logits[..., excluded] = float("-inf")
-        p = torch.softmax(logits.to(dt), dim=-1)
-        return p.gather(-1, x0[..., None]).squeeze(-1)
+        return token_prob(logits, x0, self.softmax_dtype)

@@ -1,0 +1,108 @@
+"""One sampler built from stages: logits transform -> proposal + confidence -> confidence modifier -> rule.
+
+Per step, on the window's ``[B, W, V]`` logits (mask column already at ``-inf``):
+
+1. ``credit`` (optional, :class:`~dllm.samplers.transforms.CreditFusion`): fused logits
+   ``l + alpha * log(1 + C)``; proposal and confidence come from them (at temperature 0 with the ``prob``
+   score the fused logits are never materialised: only the credited entries differ from the raw ones);
+2. proposal ``x0``: argmax at ``temperature = 0``, else LLaDA's float64 Gumbel-max
+   ``argmax(exp(l) / (-log u) ** T)`` (a draw from ``softmax(l / T)``);
+3. confidence (``prob`` | ``margin`` | ``neg_entropy`` | ``random``, see :mod:`dllm.samplers.scores`) from the
+   clean logits, not the noised ones (as LLaDA and Fast-dLLM do);
+4. ``eos_rejection`` (optional, :class:`~dllm.samplers.transforms.EOSRejection`): EOS confidence attenuation;
+5. ``rule`` (:mod:`dllm.samplers.rules`): which candidates to commit (at least one per row with candidates).
+
+``block_length`` / ``block_policy`` are the preset's preferred region layout, used by ``generate`` when the
+caller sets neither (see :func:`dllm.samplers.blocks.resolve_blocks`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dllm.samplers.base import (
+    NOISE_SCOPES,
+    SOFTMAX_DTYPES,
+    StepContext,
+    StepResult,
+    check_range,
+    ensure_progress,
+    gumbel_argmax,
+)
+from dllm.samplers.rules import CommitRule, Threshold
+from dllm.samplers.scores import CONFIDENCES, confidence_score, probabilities
+from dllm.samplers.transforms import CreditFusion, EOSRejection
+
+
+@dataclass(frozen=True)
+class ComposedSampler:
+    """A commit rule plus optional stages (see the module docstring).
+
+    Args:
+        rule: a commit rule (default ``Threshold(0.9)``).
+        temperature: Gumbel-max temperature (0: argmax).
+        confidence: ``"prob"``, ``"margin"``, ``"neg_entropy"`` or ``"random"``.
+        softmax_dtype: ``"float32"`` (default), ``"float64"`` (Fast-dLLM, LocalLeap, AdaBlock) or ``"model"``.
+        noise_scope: ``"region"`` (noise for the window) or ``"canvas"`` (the reference's random stream).
+        credit: CreditDecoding stage or ``None``.
+        eos_rejection: EOS early rejection stage or ``None``.
+        block_length: preferred fixed block length (``None``: none).
+        block_policy: preferred block policy (e.g. :class:`~dllm.samplers.adablock.AdaBlock`).
+    """
+
+    rule: CommitRule = field(default_factory=Threshold)
+    temperature: float = 0.0
+    confidence: str = "prob"
+    softmax_dtype: str = "float32"
+    noise_scope: str = "region"
+    credit: CreditFusion | None = None
+    eos_rejection: EOSRejection | None = None
+    block_length: int | None = None
+    block_policy: Any = None
+    name: str = "composed"
+
+    def __post_init__(self):
+        check_range("temperature", self.temperature, 0, float("inf"), hi_open=True, fix="; use 0 for greedy decoding")
+        if self.confidence not in CONFIDENCES:
+            raise ValueError(f"unknown confidence {self.confidence!r}; known: {', '.join(CONFIDENCES)}")
+        if self.softmax_dtype not in SOFTMAX_DTYPES:
+            raise ValueError(f"unknown softmax_dtype {self.softmax_dtype!r}; known: {', '.join(SOFTMAX_DTYPES)}")
+        if self.noise_scope not in NOISE_SCOPES:
+            raise ValueError(f"unknown noise_scope {self.noise_scope!r}; known: {', '.join(NOISE_SCOPES)}")
+        if not hasattr(self.rule, "select"):
+            raise TypeError(f"rule must be a commit rule with select(conf, ctx, logits=...), got {self.rule!r}")
+        if self.block_length is not None and (not isinstance(self.block_length, int) or self.block_length < 1):
+            raise ValueError(f"block_length={self.block_length!r} must be a positive integer or None")
+
+    def step(self, logits: torch.Tensor, ctx: StepContext) -> StepResult:
+        info: dict[str, Any] = {}
+        probs = None
+        if self.credit is not None and self._sparse_credit():
+            x0, conf, raw_top = self.credit.propose(logits, ctx, self.softmax_dtype)
+        else:
+            raw_top = None
+            if self.credit is not None:
+                logits, raw_top = self.credit.apply(logits, ctx)
+            x0 = gumbel_argmax(logits, self.temperature, ctx, self.noise_scope)
+            if self.confidence != "random" and (self.confidence != "prob" or self._rule_wants_probs()):
+                probs = probabilities(logits, self.softmax_dtype)  # shared by the score and the rule (KLASS)
+            conf = confidence_score(logits, x0, self.confidence, ctx, self.softmax_dtype, self.noise_scope, probs)
+        if raw_top is not None:
+            info["credit_flips"] = (ctx.cand & (x0 != raw_top)).sum(-1)
+        if self.eos_rejection is not None:
+            conf, g = self.eos_rejection.apply(conf, x0, ctx)
+            info["eos_factor"] = g
+        commit, rinfo = self.rule.select(conf, ctx, logits=logits, probs=probs)
+        info.update(rinfo)
+        commit = ensure_progress(commit & ctx.cand, conf, ctx.cand, only_empty=True)
+        return StepResult(torch.where(ctx.cand, x0, ctx.x), commit, info)
+
+    def _rule_wants_probs(self) -> bool:
+        return bool(getattr(self.rule, "needs_probs", False))
+
+    def _sparse_credit(self) -> bool:
+        """Greedy proposals with the ``prob`` score need only the credited entries of the fused logits."""
+        return self.temperature == 0 and self.confidence == "prob" and not self._rule_wants_probs()

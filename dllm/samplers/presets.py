@@ -1,0 +1,131 @@
+"""Named sampler configurations (the papers' settings) built from the composable pieces.
+
+Each factory takes flat keyword parameters (what ``dllm samplers`` lists and ``--param k=v`` sets) and
+returns a :class:`~dllm.samplers.composed.ComposedSampler` or a :class:`~dllm.samplers.prophet.Prophet`
+wrapper. ``block_length`` / ``block_policy`` on the result are the preset's preferred region layout, used by
+``generate`` when the caller sets none.
+"""
+
+from __future__ import annotations
+
+from dllm.samplers.adablock import AdaBlock
+from dllm.samplers.composed import ComposedSampler
+from dllm.samplers.prophet import Prophet
+from dllm.samplers.rules import Ascending, Factor, KLStable, LocalLeap, Quota, Threshold
+from dllm.samplers.transforms import CreditFusion, EOSRejection
+
+
+def _common(temperature, confidence, softmax_dtype, block_length, name):
+    return {"temperature": temperature, "confidence": confidence, "softmax_dtype": softmax_dtype,
+            "block_length": block_length, "name": name}
+
+
+def threshold_sampler(tau: float = 0.9, temperature: float = 0.0, confidence: str = "prob",
+                      softmax_dtype: str = "float32", max_slack: float = 0.0, block_length: int | None = None,
+                      name: str = "threshold") -> ComposedSampler:
+    """Fast-dLLM threshold rule: commit every candidate with ``conf >= tau`` plus the best one."""
+    return ComposedSampler(Threshold(tau, max_slack), **_common(temperature, confidence, softmax_dtype, block_length, name))
+
+
+def fast_dllm(tau: float = 0.9, temperature: float = 0.0, confidence: str = "prob",
+              softmax_dtype: str = "float32", block_length: int | None = 32, name: str = "fast-dllm") -> ComposedSampler:
+    """Fast-dLLM parallel decoding: threshold 0.9, block 32."""
+    return ComposedSampler(Threshold(tau), **_common(temperature, confidence, softmax_dtype, block_length, name))
+
+
+def factor_sampler(factor: float = 1.0, quirk: bool = False, temperature: float = 0.0, confidence: str = "prob",
+                   softmax_dtype: str = "float32", block_length: int | None = None,
+                   name: str = "factor") -> ComposedSampler:
+    """Fast-dLLM factor rule: longest sorted prefix with ``c_n >= 1 - factor / (n + 1)``."""
+    return ComposedSampler(Factor(factor, quirk), **_common(temperature, confidence, softmax_dtype, block_length, name))
+
+
+def localleap(kappa: float = 0.9, tau: float | None = 0.75, radius: int = 4, temperature: float = 0.0,
+              confidence: str = "prob", softmax_dtype: str = "float32", block_length: int | None = 32,
+              name: str = "localleap") -> ComposedSampler:
+    """LocalLeap: anchors ``conf >= kappa``, relaxed ``tau`` within ``radius`` of an anchor; block 32."""
+    return ComposedSampler(LocalLeap(kappa, tau, radius), **_common(temperature, confidence, softmax_dtype, block_length, name))
+
+
+def credit(alpha: float = 0.7, beta: float = 0.8, gamma: float = 0.2, tau: float = 0.9, slots: int = 8,
+           temperature: float = 0.0, confidence: str = "prob", softmax_dtype: str = "float32",
+           block_length: int | None = 32, name: str = "credit") -> ComposedSampler:
+    """CreditDecoding (dInfer): trace credits fused into the logits, then the threshold rule; block 32."""
+    return ComposedSampler(Threshold(tau), credit=CreditFusion(alpha, beta, gamma, slots),
+                           **_common(temperature, confidence, softmax_dtype, block_length, name))
+
+
+def credit_localleap(alpha: float = 0.7, beta: float = 0.8, gamma: float = 0.2, slots: int = 8, kappa: float = 0.9,
+                     tau: float | None = 0.75, radius: int = 4, temperature: float = 0.0, confidence: str = "prob",
+                     softmax_dtype: str = "float32", block_length: int | None = 32,
+                     name: str = "credit-localleap") -> ComposedSampler:
+    """CreditDecoding's fused logits with the LocalLeap rule (a composition, not a paper preset)."""
+    return ComposedSampler(LocalLeap(kappa, tau, radius), credit=CreditFusion(alpha, beta, gamma, slots),
+                           **_common(temperature, confidence, softmax_dtype, block_length, name))
+
+
+def prophet(base: str = "llada", early: float = 7.5, mid: float = 5.0, late: float = 2.5, span="region",
+            progress: str = "steps", temperature: float = 0.0, block_length: int | None = 32,
+            name: str = "prophet") -> Prophet:
+    """Prophet early commit over a registered sampler (default LLaDA low-confidence, block 32 as in the paper)."""
+    from dllm.samplers import get_sampler
+
+    if base in ("prophet", name):
+        raise ValueError(f"base={base!r}: Prophet cannot wrap itself; use e.g. base='llada' or base='fast-dllm'")
+    inner = get_sampler(base, temperature=temperature)
+    return Prophet(inner, early, mid, late, span=span, progress=progress, block_length=block_length, name=name)
+
+
+def adablock(tau: float = 0.9, block_length: int | None = None, delimiter_threshold: float | None = None,
+             delimiters="newline", window: float = 0.25, temperature: float = 0.0, confidence: str = "prob",
+             softmax_dtype: str = "float32", name: str = "adablock") -> ComposedSampler:
+    """AdaBlock-dLLM: delimiter-aligned blocks (fallback ``block_length``, default 32) with threshold 0.9."""
+    policy = AdaBlock(block_length, delimiter_threshold, delimiters, window)
+    return ComposedSampler(Threshold(tau), block_policy=policy,
+                           **_common(temperature, confidence, softmax_dtype, None, name))
+
+
+def eoser(gamma_min: float = 0.4, progress: str = "step", temperature: float = 0.0, confidence: str = "prob",
+          softmax_dtype: str = "float32", block_length: int | None = None, name: str = "eoser") -> ComposedSampler:
+    """EOS early rejection over LLaDA's even quota (full diffusion: one block)."""
+    return ComposedSampler(Quota(), eos_rejection=EOSRejection(gamma_min, progress),
+                           **_common(temperature, confidence, softmax_dtype, block_length, name))
+
+
+def ascending(steps: int | None = None, per_region: bool = False, temperature: float = 0.0, confidence: str = "prob",
+              softmax_dtype: str = "float32", block_length: int | None = None, name: str = "ascending") -> ComposedSampler:
+    """Ascending step size: ``2**i`` tokens at step ``i`` (one block of 256: 8 steps)."""
+    return ComposedSampler(Ascending(steps, per_region), **_common(temperature, confidence, softmax_dtype, block_length, name))
+
+
+def eoser_ass(gamma_min: float = 0.01, steps: int | None = None, per_region: bool = False, temperature: float = 0.0,
+              confidence: str = "prob", softmax_dtype: str = "float32", block_length: int | None = None,
+              name: str = "eoser-ass") -> ComposedSampler:
+    """EOSER + ASS (paper configuration: one block, ``gamma_min = 0.01``, EOSER progress of the ascending schedule)."""
+    return ComposedSampler(Ascending(steps, per_region), eos_rejection=EOSRejection(gamma_min, "ass"),
+                           **_common(temperature, confidence, softmax_dtype, block_length, name))
+
+
+def klass(conf_threshold: float = 0.6, kl_threshold: float = 0.015, history: int = 2, temperature: float = 0.0,
+          confidence: str = "prob", softmax_dtype: str = "float32", block_length: int | None = 64,
+          name: str = "klass") -> ComposedSampler:
+    """KLASS (GSM8K script): KL-stable and ``conf > 0.6`` tokens, else the even quota; block 64."""
+    return ComposedSampler(KLStable(conf_threshold, kl_threshold, history),
+                           **_common(temperature, confidence, softmax_dtype, block_length, name))
+
+
+#: name -> (factory, description); registered by :mod:`dllm.samplers`.
+PRESETS = {
+    "threshold": (threshold_sampler, "Fast-dLLM threshold rule: conf >= tau plus the best candidate (tau 0.9)"),
+    "factor": (factor_sampler, "Fast-dLLM factor rule: longest prefix with c_n >= 1 - f/(n+1) (f 1.0)"),
+    "fast-dllm": (fast_dllm, "Fast-dLLM parallel decoding: threshold 0.9, block 32"),
+    "localleap": (localleap, "LocalLeap: anchors kappa 0.9, relaxed tau 0.75 within radius 4, block 32"),
+    "credit": (credit, "CreditDecoding: trace credits (alpha 0.7, beta 0.8, gamma 0.2) + threshold 0.9, block 32"),
+    "credit-localleap": (credit_localleap, "CreditDecoding's fused logits with the LocalLeap rule"),
+    "prophet": (prophet, "Prophet early commit (gap 7.5/5.0/2.5 by progress) over LLaDA low-confidence, block 32"),
+    "adablock": (adablock, "AdaBlock: newline-aligned adaptive blocks (fallback 32) + threshold 0.9"),
+    "eoser": (eoser, "EOS early rejection (g 0.4 -> 1) over LLaDA's even quota"),
+    "ascending": (ascending, "Ascending step size: 2**i tokens at step i"),
+    "eoser-ass": (eoser_ass, "EOSER (g 0.01 -> 1) + ascending step size, one block"),
+    "klass": (klass, "KLASS: KL-stable (0.015, 2 steps) and conf > 0.6, else even quota; block 64"),
+}

@@ -1,0 +1,382 @@
+"""End to end: every preset through ``dllm.generate`` on both families, token parity with the plain
+reference loops of ``tests/sampler_oracles.py``, the composition matrix, preferred block layouts, trace.
+
+Test models are tiny random-weight fp32 models whose confidences are low (mostly 0.2-0.8), so the oracle
+tests use thresholds scaled to that range: the rules then commit several tokens per step and really
+differ from one-token-per-step decoding.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+
+import pytest
+import sampler_oracles as O
+import torch
+from conftest import ragged_prompts, random_model
+from helpers_parity import cached_model, prompt_set
+
+import dllm
+from dllm.samplers import (
+    SAMPLERS,
+    AdaBlock,
+    ComposedSampler,
+    CreditFusion,
+    EOSRejection,
+    Factor,
+    FixedBlocks,
+    KLStable,
+    LocalLeap,
+    Prophet,
+    Quota,
+    Threshold,
+    get_sampler,
+)
+from dllm.samplers.presets import PRESETS
+
+FAMILIES = ("llada", "dream")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _rows(sel_fn):
+    """Adapt a one-row oracle selection to ``block_oracle``'s rule signature."""
+    return lambda j, conf, cand, i, n, **_: sel_fn(conf, cand)
+
+
+def _check(ours, ref_seq, ref_nfe=None):
+    assert torch.equal(ours.sequences, ref_seq), f"\n ours:   {ours.sequences.tolist()}\n oracle: {ref_seq.tolist()}"
+    if ref_nfe is not None:
+        assert ours.stats.row_nfe == ref_nfe
+
+
+# ------------------------------------------------------------------------------------------ oracle parity
+ORACLE_CASES = {
+    "threshold": (lambda: ComposedSampler(Threshold(0.4)), lambda: _rows(lambda c, m: O.threshold_select(c, m, 0.4)), None),
+    "threshold-dinfer": (lambda: ComposedSampler(Threshold(0.4, max_slack=1e-5)),
+                         lambda: _rows(lambda c, m: O.dinfer_threshold_select(c, m, 0.4)), None),
+    "factor": (lambda: ComposedSampler(Factor(2.0)), lambda: _rows(lambda c, m: O.factor_select(c, m, 2.0, False)), None),
+    "factor-quirk": (lambda: ComposedSampler(Factor(2.2, quirk=True)),
+                     lambda: _rows(lambda c, m: O.factor_select(c, m, 2.2, True)), None),
+    "localleap": (lambda: ComposedSampler(LocalLeap(0.55, 0.35, 2)),
+                  lambda: _rows(lambda c, m: O.localleap_select(c, m, 0.55, 0.35, 2)), None),
+    "credit": (lambda: ComposedSampler(Threshold(0.5), credit=CreditFusion(0.7, 0.8, 0.2)),
+               lambda: _rows(lambda c, m: O.threshold_select(c, m, 0.5)), (0.7, 0.8, 0.2)),
+    "credit+localleap": (lambda: ComposedSampler(LocalLeap(0.6, 0.4, 3), credit=CreditFusion(1.0, 0.7, 0.2)),
+                         lambda: _rows(lambda c, m: O.localleap_select(c, m, 0.6, 0.4, 3)), (1.0, 0.7, 0.2)),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("case", list(ORACLE_CASES))
+def test_block_rules_match_the_reference_loop(family, case):
+    make, rule, credit = ORACLE_CASES[case]
+    for seed in (0, 1):
+        model = cached_model(family, seed)
+        prompts = prompt_set(3, seed)
+        ours = dllm.generate(model, prompts, gen_length=16, block_length=8, sampler=make())
+        ref, nfe = O.block_oracle(model, prompts, gen_length=16, block_length=8, rule=rule(), credit=credit)
+        _check(ours, ref, nfe)
+        assert ours.stats.nfe < 16, "the rule never committed more than one token per step"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("case", ["threshold", "credit", "factor"])
+def test_block_rules_match_the_reference_loop_with_temperature(family, case):
+    """Batch 1 (the references' batch): the canvas-wide Gumbel noise stream is the reference's."""
+    make, rule, credit = ORACLE_CASES[case]
+    for seed in (0, 1):
+        model = cached_model(family, seed)
+        prompts = prompt_set(1, seed)
+        sampler = dataclasses.replace(make(), temperature=0.8, noise_scope="canvas")
+        ours = dllm.generate(model, prompts, gen_length=16, block_length=8, sampler=sampler, seed=7 + seed)
+        ref, nfe = O.block_oracle(model, prompts, gen_length=16, block_length=8, rule=rule(), credit=credit,
+                                  temperature=0.8, seed=7 + seed)
+        _check(ours, ref, nfe)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_klass_matches_the_reference_loop(family, seed):
+    model = cached_model(family, seed)
+    prompts = prompt_set(3, seed)
+    states = {}
+
+    def rule(j, conf, cand, i, n, *, logits, lo, hi, **_):
+        row = states.setdefault((j, lo), O.KLASSRow(2))
+        probs = torch.softmax(logits[lo:hi].float(), -1)
+        sel = row.select(probs, conf[lo:hi], cand[lo:hi], O.llada_quota(n, 8)[min(i, 7)], 0.3, 0.05)
+        return {lo + c for c in sel}
+
+    ours = dllm.generate(model, prompts, gen_length=16, block_length=8, steps=16,
+                         sampler=ComposedSampler(KLStable(0.3, 0.05, 2)))
+    ref, nfe = O.block_oracle(model, prompts, gen_length=16, block_length=8, rule=rule)
+    _check(ours, ref, nfe)
+    assert any(sum(t["klass_ready"]) for t in ours.stats.trace)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_eoser_and_ascending_match_the_reference(family, seed):
+    """EOSER over the even quota (one block) and EOSER + ASS, with a frequent token as EOS."""
+    model = copy.copy(cached_model(family, seed))  # shallow: shares the weights, own special ids
+    prompts = prompt_set(3, seed)
+    G, S = 16, 8
+    plain = dllm.generate(model, prompts, gen_length=G, steps=S, sampler=get_sampler("llada"))
+    eos = model.eos_id = int(torch.bincount(plain.sequences.flatten()).argmax())  # a frequent token plays EOS
+
+    def eoser_rule(j, conf, cand, i, n, *, x0, **_):
+        fac = O.eoser_factor(i, S, 0.4)
+        conf = [c * fac if int(x0[k]) == eos else c for k, c in enumerate(conf)]
+        return O.quota_select(conf, cand, O.llada_quota(G, S)[i])
+
+    ours = dllm.generate(model, prompts, gen_length=G, steps=S, sampler=get_sampler("eoser"))
+    ref, nfe = O.block_oracle(model, prompts, gen_length=G, block_length=G, rule=eoser_rule)
+    _check(ours, ref, nfe)
+    assert not torch.equal(plain.sequences, ours.sequences), "EOS rejection changed nothing; use another model"
+
+    quotas = O.ass_schedule(G, 4, 1)[0]  # 1, 2, 4, 9
+
+    def ass_rule(j, conf, cand, i, n, *, x0, **_):
+        fac = O.ass_eoser_factor(i, 4, 0.01)
+        conf = [c * fac if int(x0[k]) == eos else c for k, c in enumerate(conf)]
+        return O.quota_select(conf, cand, quotas[i])
+
+    ours = dllm.generate(model, prompts, gen_length=G, sampler=get_sampler("eoser-ass"))
+    ref, nfe = O.block_oracle(model, prompts, gen_length=G, block_length=G, rule=ass_rule)
+    _check(ours, ref, nfe)
+    assert ours.stats.nfe == 4 and [t["committed"] for t in ours.stats.trace] == [[q] * 3 for q in quotas]
+
+
+class SizedBlocks:
+    """Test-only block policy with explicit block sizes (ASS's multi-block layout)."""
+
+    def __init__(self, sizes):
+        self.sizes = sizes
+
+    def validate(self, cfg):
+        assert sum(self.sizes) == cfg.gen_length
+
+    def next_region(self, lo, gen_hi, cfg):
+        ends = torch.tensor(self.sizes).cumsum(0) + (gen_hi - cfg.gen_length)
+        hi = torch.stack([ends[ends > int(v)][0] if (ends > int(v)).any() else torch.tensor(gen_hi) for v in lo])
+        return hi, torch.ones_like(lo)
+
+
+def test_ascending_multi_block_schedule():
+    """L = 64 in the reference's 3-block layout (15 | 16 | 33): steps 1, 2, 4, 8 | 16 | 33."""
+    model = random_model("llada", seed=1)
+    out = dllm.generate(model, ragged_prompts(2), gen_length=64, sampler=get_sampler("ascending"),
+                        block_policy=SizedBlocks([15, 16, 33]))
+    want = [q for block in O.ass_schedule(64, 6, 3) for q in block]
+    assert [t["committed"][0] for t in out.stats.trace] == want == [1, 2, 4, 8, 16, 33]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("span", [None, (3, 4)])
+def test_prophet_matches_the_reference_loop(family, span):
+    fired = 0
+    for seed in (0, 1):
+        model = cached_model(family, seed)
+        prompts = prompt_set(3, seed)
+        kw = dict(early=3.0, mid=1.2, late=0.9)
+        sampler = Prophet(get_sampler("llada"), span="region" if span is None else span, **kw)
+        ours = dllm.generate(model, prompts, gen_length=16, block_length=8, steps=16, sampler=sampler)
+        ref, nfe = O.prophet_oracle(model, prompts, gen_length=16, block_length=8, steps=16, span=span, **kw)
+        _check(ours, ref, nfe)
+        fired += sum(sum(t["early_commit"]) for t in ours.stats.trace)
+        for b, n in enumerate(ours.stats.row_nfe):
+            assert ours.stats.finish_step[b] == n
+    assert fired > 0, "Prophet never fired; lower the test thresholds"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_adablock_matches_the_reference_loop(family):
+    delimited = 0
+    for seed in (0, 1):
+        model = cached_model(family, seed)
+        prompts = prompt_set(3, seed)
+        probe = dllm.generate(model, prompts, gen_length=32, block_length=8, sampler=get_sampler("threshold", tau=0.4))
+        ids = torch.bincount(probe.sequences.flatten()).topk(3).indices.tolist()  # frequent tokens as "delimiters"
+        sampler = get_sampler("adablock", tau=0.4, block_length=8, delimiters=tuple(ids),
+                              delimiter_threshold=0.35)
+        ours = dllm.generate(model, prompts, gen_length=32, sampler=sampler)
+        ref, nfe, blocks = O.adablock_oracle(model, prompts, gen_length=32, b0=8, ids=ids, delim_thr=0.35, tau=0.4)
+        _check(ours, ref, nfe)
+        for b in range(3):  # block bounds reported in the trace
+            starts = [t for t in ours.stats.trace if t["block_start"][b]]
+            assert [t["hi"][b] - t["lo"][b] for t in starts] == blocks[b]
+        delimited += sum(sum(t["delimiter_block"]) for t in ours.stats.trace)
+    assert delimited > 0, "no block ended at a delimiter; adjust the test"
+
+
+# ------------------------------------------------------------------------------------------ every preset
+def _preset_kw(name, model):
+    if name == "adablock":  # random models have no tokenizer: delimiters by id
+        return {"delimiters": (5, 6, 7)}
+    return {}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_end_to_end(family, name):
+    """Batch 3 with ragged prompts, temperature 0 and 0.7: no mask left, trace per step, rows independent."""
+    model = random_model(family, seed=3)
+    prompts = ragged_prompts(3, seed=1)
+    for T in (0.0, 0.7):
+        sampler = get_sampler(name, temperature=T, **_preset_kw(name, model))
+        out = dllm.generate(model, prompts, gen_length=32, sampler=sampler, seed=4)
+        assert out.sequences.shape == (3, 32)
+        assert not (out.sequences == model.mask_id).any()
+        s = out.stats
+        assert len(s.trace) == s.nfe and max(s.row_nfe) == s.nfe
+        assert [sum(t["committed"][b] for t in s.trace) for b in range(3)] == [32, 32, 32]
+        if T == 0:  # a row's output does not depend on its batch neighbours
+            for b in (0, 2):
+                alone = dllm.generate(model, [prompts[b]], gen_length=32, sampler=sampler, seed=4)
+                assert torch.equal(alone.sequences[0], out.sequences[b]), (name, b)
+
+
+TRAINED = [p for p in (Path(dllm.__file__).parent / "assets" / n for n in ("llada-tiny", "dream-tiny"))
+           if (p / "config.json").exists()]
+
+
+@pytest.mark.skipif(not TRAINED, reason="the bundled tiny models are not trained yet")
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_on_the_trained_tiny_models(name):
+    from dllm.evals import tasks as T
+
+    convs = [ex.messages for ex in T.generate("waiting_line/reverse", 2, seed=7)]
+    for path in TRAINED:
+        model = dllm.load_model(path, dtype=torch.float32)
+        out = dllm.generate(model, convs, gen_length=32, sampler=get_sampler(name))
+        assert not (out.sequences == model.mask_id).any() and len(out.texts) == 2
+
+
+# ---------------------------------------------------------------------------------------- compositions
+DELIMS = tuple(range(3, 60))  # most of the vocabulary: blocks end at a "delimiter" often enough to test it
+
+COMPOSITIONS = {
+    "credit+localleap": lambda: get_sampler("credit-localleap", kappa=0.6, tau=0.4),
+    "credit+factor": lambda: ComposedSampler(Factor(1.0), credit=CreditFusion()),
+    "credit+klass": lambda: ComposedSampler(KLStable(0.3, 0.05), credit=CreditFusion()),
+    "adablock+factor": lambda: ComposedSampler(Factor(1.0), block_policy=AdaBlock(8, 0.2, DELIMS)),
+    "adablock+credit": lambda: ComposedSampler(Threshold(0.5), credit=CreditFusion(), block_policy=AdaBlock(8, 0.2, DELIMS)),
+    "adablock+localleap": lambda: ComposedSampler(LocalLeap(0.6, 0.4), block_policy=AdaBlock(8, 0.2, DELIMS)),
+    "adablock+quota": lambda: ComposedSampler(Quota(), block_policy=AdaBlock(8, 0.2, DELIMS)),
+    **{f"eoser+{c}+threshold": (lambda c=c: ComposedSampler(Threshold(0.5), confidence=c, eos_rejection=EOSRejection(0.4, "decoded")))
+       for c in ("prob", "margin", "neg_entropy", "random")},
+    **{f"eoser+{c}+quota": (lambda c=c: ComposedSampler(Quota(), confidence=c, eos_rejection=EOSRejection(0.4)))
+       for c in ("prob", "margin", "neg_entropy", "random")},
+    **{f"prophet+{b}": (lambda b=b: get_sampler("prophet", base=b, early=2.0, mid=1.0, late=0.5))
+       for b in ("llada", "fast-dllm", "credit", "localleap", "klass", "dream", "dream-origin", "eoser-ass", "factor")},
+    "prophet+adablock": lambda: Prophet(ComposedSampler(Threshold(0.5), block_policy=AdaBlock(8, 0.2, DELIMS)),
+                                        early=2.0, mid=1.0, late=0.5),
+    "prophet-masked+credit": lambda: Prophet(get_sampler("credit"), span="masked", progress="decoded",
+                                             early=2.0, mid=1.0, late=0.5),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("combo", list(COMPOSITIONS))
+def test_composition_matrix(family, combo):
+    model = random_model(family, seed=5)
+    prompts = ragged_prompts(3, seed=2)
+    sampler = COMPOSITIONS[combo]()
+    for T in (0.0, 0.6):
+        if T:
+            sampler = dataclasses.replace(sampler, temperature=T) if hasattr(sampler, "confidence") else sampler
+        out = dllm.generate(model, prompts, gen_length=32, block_length=None if "adablock" in combo else 8,
+                            steps=32, sampler=sampler, seed=1)
+        assert not (out.sequences == model.mask_id).any()
+        assert [sum(t["committed"][b] for t in out.stats.trace) for b in range(3)] == [32, 32, 32]
+        if combo.startswith("prophet"):
+            assert all("early_commit" in t for t in out.stats.trace)
+        if "adablock" in combo:
+            assert any(any(t["delimiter_block"]) for t in out.stats.trace), "no delimiter block in the composition"
+
+
+def test_prophet_fill_covers_the_whole_generation_and_stops_the_row():
+    model = random_model("llada", seed=5)
+    prompts = ragged_prompts(3, seed=2)
+    sampler = Prophet(get_sampler("llada"), early=0.0, mid=0.0, late=0.0)  # fires at the first step
+    out = dllm.generate(model, prompts, gen_length=32, block_length=8, steps=32, sampler=sampler)
+    assert out.stats.nfe == 1 and out.stats.trace[0]["committed"] == [32, 32, 32]
+    assert out.stats.trace[0]["early_commit"] == [True, True, True]
+    # the fill is this step's argmax over the whole generation (temperature 0)
+    P = max(map(len, prompts))
+    x = torch.full((3, P + 32), model.mask_id)
+    am = torch.zeros(3, P + 32, dtype=torch.bool)
+    for b, p in enumerate(prompts):
+        x[b, P - len(p) : P] = torch.tensor(p)
+        x[b, : P - len(p)] = model.pad_id
+        am[b, P - len(p) :] = True
+    logits = model(x, positions=(am.long().cumsum(-1) - 1).clamp_min(0), attn_mask=am)[:, P:]
+    logits[..., model.mask_id] = float("-inf")
+    assert torch.equal(out.sequences, logits.argmax(-1))
+
+
+# ------------------------------------------------------------------------------------ preferred layouts
+def test_preset_block_length_is_used_when_the_caller_sets_none():
+    model = random_model("llada", seed=1)
+    out = dllm.generate(model, ragged_prompts(2), gen_length=64, sampler="fast-dllm")
+    P = max(map(len, ragged_prompts(2)))
+    assert {t["hi"][0] - t["lo"][0] for t in out.stats.trace if t["committed"][0]} == {32}
+    assert {t["lo"][0] for t in out.stats.trace if t["committed"][0]} == {P, P + 32}
+    out = dllm.generate(model, ragged_prompts(2), gen_length=64, block_length=16, sampler="fast-dllm")
+    assert {t["hi"][0] - t["lo"][0] for t in out.stats.trace if t["committed"][0]} == {16}
+    out = dllm.generate(model, ragged_prompts(2), gen_length=16, sampler="fast-dllm")  # shorter than 32: one block
+    assert {t["hi"][0] - t["lo"][0] for t in out.stats.trace if t["committed"][0]} == {16}
+    out = dllm.generate(model, ragged_prompts(2), gen_length=64, sampler="fast-dllm",
+                        block_policy=FixedBlocks(block_length=8))
+    assert {t["hi"][0] - t["lo"][0] for t in out.stats.trace if t["committed"][0]} == {8}
+    out = dllm.generate(model, ragged_prompts(2), gen_length=64, sampler="prophet")  # Prophet's paper block 32
+    assert {t["lo"][0] for t in out.stats.trace if t["committed"][0]} <= {P, P + 32}
+
+
+def test_preset_block_length_that_does_not_divide_gen_length_names_its_source():
+    model = random_model("llada", seed=1)
+    with pytest.raises(ValueError, match=r"block_length=32 is the preferred block length of sampler 'fast-dllm'"):
+        dllm.generate(model, ragged_prompts(2), gen_length=48, sampler="fast-dllm")
+
+
+def test_adablock_finds_newline_delimiters_in_the_tokenizer():
+    class Tok:  # the decode surface AdaBlock uses
+        texts = ["a", "b", "\n", "x\n", "\n\n", "c"]
+
+        def __len__(self):
+            return len(self.texts)
+
+        def batch_decode(self, ids):
+            return [self.texts[i[0]] for i in ids]
+
+    model = random_model("dream", seed=1)
+    model.tokenizer = Tok()
+    bound = AdaBlock().bind(model)
+    assert bound.delimiters == (2, 3, 4) and bound.delimiter_threshold == 0.5
+    assert AdaBlock(delimiters="newline-exact").bind(model).delimiters == (2,)
+    model = random_model("llada", seed=1)
+    model.tokenizer = Tok()
+    assert AdaBlock().bind(model).delimiter_threshold == 0.3
+    assert AdaBlock(delimiters="3,4").bind(model).delimiters == (3, 4)
+
+
+def test_registry_and_cli_list_the_presets(capsys):
+    from dllm.cli import build_parser
+
+    for name in ("fast-dllm", "localleap", "credit", "prophet", "adablock", "eoser-ass", "klass", "threshold", "factor"):
+        assert name in SAMPLERS
+    args = build_parser().parse_args(["samplers"])
+    args.func(args)
+    text = capsys.readouterr().out
+    assert "localleap: LocalLeap" in text and "    radius = 4" in text and "    tau = 0.75" in text
+    assert get_sampler("threshold", tau=0.7).rule.tau == 0.7
+    assert get_sampler("factor", factor=1.6, quirk=True).rule == Factor(1.6, True)

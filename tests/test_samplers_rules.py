@@ -1,0 +1,377 @@
+"""Golden tests of each parallel-sampler rule on fixed logits against the plain restatements in
+``tests/sampler_oracles.py`` (reference semantics, quirk options included)."""
+
+from __future__ import annotations
+
+import pytest
+import sampler_oracles as O
+import torch
+
+from dllm.config import GenerateConfig
+from dllm.samplers import (
+    AdaBlock,
+    Ascending,
+    ComposedSampler,
+    CreditFusion,
+    EOSRejection,
+    Factor,
+    KLStable,
+    LocalLeap,
+    Prophet,
+    Quota,
+    Threshold,
+    get_sampler,
+)
+from dllm.samplers.base import StepContext, exclude_mask
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_ctx(cand: torch.Tensor, *, x=None, win_lo=0, step=0, steps=4, n_start=None, global_step=0,
+             total_steps=16, mask_id=0, eos_id=None, eot_id=None, canvas_len=None, gen_lo=0, region_lo=None,
+             state=None, seed=0) -> StepContext:
+    B, W = cand.shape
+    if x is None:
+        x = torch.where(cand, mask_id, 3)
+    full = lambda v: torch.full((B,), v, dtype=torch.long) if not isinstance(v, torch.Tensor) else v  # noqa: E731
+    return StepContext(
+        x=x, cand=cand, step=full(step), steps=full(steps),
+        n_region_start=full(n_start if n_start is not None else W), region_lo=full(region_lo if region_lo is not None else win_lo),
+        region_hi=full(win_lo + W), win_lo=win_lo, canvas_len=canvas_len or win_lo + W, gen_lo=gen_lo,
+        global_step=global_step, total_steps=total_steps, generator=torch.Generator().manual_seed(seed),
+        mask_id=mask_id, eos_id=eos_id, eot_id=eot_id, state={} if state is None else state)
+
+
+def random_conf(B, W, seed, ties=False):
+    g = torch.Generator().manual_seed(seed)
+    conf = torch.rand(B, W, generator=g)
+    if ties:
+        conf = (conf * 5).floor() / 5 + 0.1  # values in {0.1, 0.3, ..., 0.9}: many exact ties
+    else:
+        conf = conf ** 0.4  # plenty of values above 0.7
+    cand = torch.rand(B, W, generator=g) < 0.7
+    cand[0, 0] = True
+    cand[-1] = False if B > 2 else cand[-1]  # one row without candidates
+    return conf, cand
+
+
+def rows_of(commit: torch.Tensor) -> list[set[int]]:
+    return [set(torch.nonzero(r).flatten().tolist()) for r in commit]
+
+
+CASES = [(B, W, seed, ties) for seed in range(6) for (B, W) in ((1, 1), (3, 7), (4, 33)) for ties in (False, True)]
+
+
+@pytest.mark.parametrize(("B", "W", "seed", "ties"), CASES)
+def test_threshold_and_factor_and_localleap_match_the_references(B, W, seed, ties):
+    conf, cand = random_conf(B, W, seed, ties)
+    ctx = make_ctx(cand)
+    rows = [(conf[b].tolist(), cand[b].tolist()) for b in range(B)]
+    for tau in (0.3, 0.9, 1.0):
+        ours = rows_of(Threshold(tau).select(conf, ctx)[0])
+        assert ours == [O.threshold_select(c, m, tau) for c, m in rows]
+        ours = rows_of(Threshold(tau, max_slack=1e-5).select(conf, ctx)[0])
+        assert ours == [O.dinfer_threshold_select(c, m, tau) for c, m in rows]
+    for f in (0.7, 1.0, 1.9):
+        for quirk in (False, True):
+            ours = rows_of(Factor(f, quirk).select(conf, ctx)[0])
+            assert ours == [O.factor_select(c, m, f, quirk) for c, m in rows], (f, quirk)
+    for kappa, tau, r in ((0.9, 0.75, 4), (0.8, 0.5, 0), (0.95, 0.6, 1), (0.9, None, 4), (0.7, 0.7, 100)):
+        ours = rows_of(LocalLeap(kappa, tau, r).select(conf, ctx)[0])
+        assert ours == [O.localleap_select(c, m, kappa, tau, r) for c, m in rows], (kappa, tau, r)
+
+
+def test_factor_quirk_accepts_the_failing_last_candidate():
+    # sorted 0.99, 0.9, 0.2 with f = 1: thresholds -, 1 - 1/3, 1 - 1/4 -> the last fails
+    conf = torch.tensor([[0.2, 0.99, 0.9]])
+    cand = torch.ones(1, 3, dtype=torch.bool)
+    ctx = make_ctx(cand)
+    assert rows_of(Factor(1.0).select(conf, ctx)[0]) == [{1, 2}]
+    assert rows_of(Factor(1.0, quirk=True).select(conf, ctx)[0]) == [{0, 1, 2}]
+    # failing in the middle: no difference
+    conf = torch.tensor([[0.2, 0.99, 0.3, 0.1]])
+    ctx = make_ctx(torch.ones(1, 4, dtype=torch.bool))
+    assert rows_of(Factor(1.0, quirk=True).select(conf, ctx)[0]) == [{1}]
+
+
+def test_localleap_neighbourhood_counts_absolute_positions_and_reaches_outside_the_region():
+    # window columns 0..9; region is columns 3..9; an anchor at 3 (conf 0.95) relaxes 4..7 (radius 4)
+    conf = torch.tensor([[0.0, 0.0, 0.0, 0.95, 0.8, 0.2, 0.8, 0.8, 0.8, 0.5]])
+    cand = torch.tensor([[False, False, False, True, True, True, False, True, True, True]])  # 6 decoded
+    ctx = make_ctx(cand)
+    commit = LocalLeap(0.9, 0.75, 4).select(conf, ctx)[0]
+    assert rows_of(commit) == [{3, 4, 7}]  # 8 is 5 away; 6 is not a candidate; 5 below tau
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_quota_and_ascending_schedules(seed):
+    conf, cand = random_conf(3, 12, seed)
+    cand[:] = True
+    for s in range(4):
+        ctx = make_ctx(cand, step=s, steps=4, n_start=12)
+        got = rows_of(Quota().select(conf, ctx)[0])
+        k = O.llada_quota(12, 4)[s]
+        assert got == [O.quota_select(conf[b].tolist(), cand[b].tolist(), k) for b in range(3)]
+
+
+@pytest.mark.parametrize(("L", "steps", "blocks"), [(256, 8, 1), (128, 7, 1), (128, 7, 4), (64, 6, 3), (200, 7, 1),
+                                                     (255, 7, 1), (32, 5, 2)])
+def test_ascending_quota_matches_the_reference_schedule(L, steps, blocks):
+    """Step through the reference's block layout with our rule (global power index) and compare quotas."""
+    ref = O.ass_schedule(L, steps, blocks)
+    gstep = 0
+    rule = Ascending(steps=steps)
+    for quotas in ref:
+        left = sum(quotas)
+        for q in quotas:
+            cand = torch.zeros(1, left, dtype=torch.bool)
+            cand[:] = True
+            got = int(rule.quota(make_ctx(cand, global_step=gstep))[0])
+            assert got == q, (L, blocks, gstep, ref)
+            left -= q
+            gstep += 1
+        assert left == 0
+
+
+def test_ascending_without_a_step_cap_finishes_once_the_remainder_is_small():
+    quotas, left, i = [], 256, 0
+    while left:
+        q = int(Ascending().quota(make_ctx(torch.ones(1, left, dtype=torch.bool), global_step=i))[0])
+        quotas.append(q)
+        left -= q
+        i += 1
+    assert quotas == [1, 2, 4, 8, 16, 32, 64, 129]
+    per_region = Ascending(per_region=True)
+    assert int(per_region.quota(make_ctx(torch.ones(1, 9, dtype=torch.bool), step=0, global_step=5))[0]) == 1
+
+
+@pytest.mark.parametrize("progress", ["step", "step-total", "ass", "decoded"])
+def test_eos_rejection_factor_matches_the_reference(progress):
+    G = 256
+    for s in range(10):
+        ctx = make_ctx(torch.ones(2, 4, dtype=torch.bool), step=s, steps=8, total_steps=32, global_step=s,
+                       canvas_len=G + 5, gen_lo=5, n_start=8)
+        g = EOSRejection(0.4, progress).factor(ctx)
+        if progress == "step":
+            want = O.eoser_factor(s, 8, 0.4)
+        elif progress == "step-total":
+            want = O.eoser_factor(s, 32, 0.4)
+        elif progress == "ass":
+            want = min(O.ass_eoser_factor(s, 8, 0.4), 1.0)
+        else:
+            want = 0.4 + 0.6 * 0.5  # 4 of 8 left
+        assert g.tolist() == pytest.approx([want, want])
+
+
+@pytest.mark.parametrize("confidence", ["prob", "margin", "neg_entropy", "random"])
+def test_eos_rejection_attenuates_only_eos_proposals(confidence):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 6, 10, generator=g)
+    logits[:, ::2, 7] = 6.0  # EOS (7) is the argmax at even columns
+    cand = torch.ones(2, 6, dtype=torch.bool)
+    kw = dict(mask_id=9, eos_id=7, eot_id=8, step=0, steps=5)
+    base = ComposedSampler(Quota(), confidence=confidence)
+    eoser = ComposedSampler(Quota(), confidence=confidence, eos_rejection=EOSRejection(0.4))
+    from dllm.samplers.scores import confidence_score
+
+    l = exclude_mask(logits.clone(), 9)
+    x0 = l.argmax(-1)
+    c0 = confidence_score(l, x0, confidence, make_ctx(cand, **kw))
+    c1, fac = EOSRejection(0.4).apply(c0, x0, make_ctx(cand, **kw))
+    eos = x0 == 7
+    assert eos.any() and (~eos).any()
+    assert torch.allclose(c1[eos], c0[eos] * 0.4) and torch.equal(c1[~eos], c0[~eos])
+    assert fac.tolist() == pytest.approx([0.4, 0.4])
+    r0, r1 = base.step(l, make_ctx(cand, **kw)), eoser.step(l, make_ctx(cand, **kw))
+    assert r1.info["eos_factor"].tolist() == pytest.approx([0.4, 0.4])
+    assert torch.equal(r0.proposal, r1.proposal)
+
+
+def test_credit_fusion_matches_dense_dinfer_credits_over_a_block():
+    """Several steps of one block: our sparse table (slots >= steps: exact) vs dInfer's dense matrices."""
+    B, W, V, steps = 2, 9, 40, 7
+    g = torch.Generator().manual_seed(3)
+    stage = CreditFusion(0.7, 0.8, 0.2, slots=8)
+    dense = [O.DenseCredit(0.7, 0.8, 0.2) for _ in range(B)]
+    state: dict = {}
+    cand = torch.ones(B, W, dtype=torch.bool)
+    base = torch.randn(B, W, V, generator=g) * 2
+    for s in range(steps):
+        # logits drift slowly so top-1 tokens repeat and credits accumulate
+        logits = exclude_mask(base + 0.8 * torch.randn(B, W, V, generator=g), V - 1)
+        ctx = make_ctx(cand, win_lo=4, canvas_len=4 + W + 3, mask_id=V - 1, state=state, region_lo=4)
+        fused, top = stage.apply(logits, ctx)
+        for b in range(B):
+            want = dense[b].fuse(logits[b], cand[b], (4, 4 + W))
+            assert torch.allclose(fused[b], want, atol=1e-5, rtol=1e-5), s
+        assert torch.equal(top, logits.argmax(-1))
+        cand = cand & (torch.rand(B, W, generator=g) < 0.85)  # some positions get decoded
+        cand[:, 0] = True
+
+
+def test_credit_sparse_table_evicts_the_smallest_credit():
+    V, W = 12, 1
+    stage = CreditFusion(1.0, 0.5, 1.0, slots=2)
+    state: dict = {}
+    cand = torch.ones(1, W, dtype=torch.bool)
+    for tok in (3, 4, 5):  # three different top-1 tokens, two slots: token 3 (oldest, smallest) is evicted
+        logits = torch.full((1, W, V), -5.0)
+        logits[0, 0, tok] = 5.0
+        fused, _ = stage.apply(exclude_mask(logits, V - 1), make_ctx(cand, mask_id=V - 1, state=state))
+    tok = state["credit"]["tok"][0, 0]
+    assert sorted(tok.tolist()) == [4, 5]
+    assert fused[0, 0, 3] == -5.0 and fused[0, 0, 4] > -5.0
+
+
+def test_credit_resets_when_the_region_changes():
+    V = 10
+    stage = CreditFusion()
+    state: dict = {}
+    cand = torch.ones(1, 4, dtype=torch.bool)
+    logits = exclude_mask(torch.randn(1, 4, V, generator=torch.Generator().manual_seed(1)), V - 1)
+    stage.apply(logits, make_ctx(cand, mask_id=V - 1, state=state, region_lo=0, canvas_len=12))
+    assert state["credit"]["val"].sum() > 0
+    stage.apply(logits, make_ctx(cand, win_lo=4, mask_id=V - 1, state=state, region_lo=4, canvas_len=12))
+    assert state["credit"]["val"][:, :4].sum() == 0  # the old region's credits are gone
+
+
+def test_klass_matches_the_reference_within_a_block():
+    B, W, V = 2, 8, 30
+    g = torch.Generator().manual_seed(5)
+    rule = KLStable(conf_threshold=0.5, kl_threshold=0.05, history=2)
+    sampler = ComposedSampler(rule)
+    rows = [O.KLASSRow(2) for _ in range(B)]
+    state: dict = {}
+    base = torch.randn(B, W, V, generator=g) * 3
+    x = torch.full((B, W), V - 1)
+    fired = 0
+    for s in range(W):
+        logits = exclude_mask(base + 0.05 * s * torch.randn(B, W, V, generator=g), V - 1)
+        cand = x == V - 1
+        ctx = make_ctx(cand, x=x, step=s, steps=W, n_start=W, mask_id=V - 1, state=state, region_lo=0)
+        res = sampler.step(logits, ctx)
+        probs = torch.softmax(logits, -1)
+        conf = probs.gather(-1, logits.argmax(-1, keepdim=True)).squeeze(-1)
+        for b in range(B):
+            if not cand[b].any():
+                continue
+            want = rows[b].select(probs[b], conf[b].tolist(), cand[b].tolist(), O.llada_quota(W, W)[s], 0.5, 0.05)
+            assert rows_of(res.commit[b : b + 1])[0] == want, (s, b)
+        fired += int(res.info["klass_ready"].sum())
+        x = torch.where(res.commit, res.proposal, x)
+    assert fired > 0, "the KL-stable path never fired; adjust the test logits"
+
+
+@pytest.mark.parametrize("span", ["region", "0:3", "masked"])
+def test_prophet_gap_and_schedule_match_the_reference(span):
+    g = torch.Generator().manual_seed(2)
+    B, W, V = 3, 10, 16
+    logits = exclude_mask(torch.randn(B, W, V, generator=g) * 3, V - 1)
+    cand = torch.rand(B, W, generator=g) < 0.6
+    cand[:, 1] = True
+    x = torch.where(cand, V - 1, 4)
+    inner = get_sampler("llada")
+    top2 = torch.topk(logits, 2, -1).values
+    gap = (top2[..., 0] - top2[..., 1])
+    for gstep, total in ((0, 100), (40, 100), (80, 100)):
+        for thr_scale in (0.5, 1.0, 2.0):
+            p = Prophet(inner, early=7.5 * thr_scale, mid=5.0 * thr_scale, late=2.5 * thr_scale, span=span)
+            ctx = make_ctx(cand, x=x, mask_id=V - 1, global_step=gstep, total_steps=total, steps=W, n_start=W)
+            res = p.step(logits, ctx)
+            for b in range(B):
+                if span == "region" or span == "masked":
+                    cols = torch.nonzero(cand[b]).flatten().tolist()
+                else:
+                    cols = [0, 1, 2]
+                mean = sum(float(gap[b, c]) for c in cols) / len(cols)
+                want = O.prophet_should_exit(gstep + 1, total, mean, 7.5 * thr_scale, 5.0 * thr_scale, 2.5 * thr_scale)
+                assert bool(res.finish[b]) == want
+                if want:  # every masked column takes the argmax; all candidates are committed
+                    assert torch.equal(res.commit[b], cand[b])
+                    assert torch.equal(res.proposal[b][x[b] == V - 1], logits[b].argmax(-1)[x[b] == V - 1])
+
+
+def test_adablock_block_length_matches_compute_block_length():
+    """Random logits with delimiters planted: refine() vs the reference's compute_block_length per row."""
+    V, G, P = 20, 32, 3
+    ids = [5, 6]
+    cfg = GenerateConfig(gen_length=G, block_length=None)
+    for seed in range(8):
+        g = torch.Generator().manual_seed(seed)
+        B = 4
+        T = P + G
+        logits = torch.randn(B, T, V, generator=g)
+        for b in range(B):  # plant some delimiters with varying confidence
+            for c in torch.randint(P, T, (3,), generator=g).tolist():
+                logits[b, c, ids[c % 2]] = float(torch.rand(1, generator=g)) * 6
+        logits = exclude_mask(logits, V - 1)
+        policy = AdaBlock(block_length=8, delimiter_threshold=0.3, delimiters=tuple(ids))
+        done = torch.tensor([0, 4, 9, 20])  # tokens generated before this block, per row
+        lo = P + done
+        hi, steps = policy.next_region(lo, T, cfg)
+        win_lo = int(lo.min())
+        new_hi, _, info = policy.refine(logits[:, win_lo:], win_lo, lo, hi, steps, torch.ones(B, dtype=torch.bool), cfg)
+        pred = logits.argmax(-1)
+        for b in range(B):
+            want = O.adablock_length(logits[b], pred[b], int(lo[b]), G, int(done[b]), 8, ids, 0.3)
+            assert int(new_hi[b] - lo[b]) == want, (seed, b)
+        assert info["block_start"].all()
+
+
+def test_composed_quota_is_llada():
+    """ComposedSampler(Quota()) reproduces LLaDASampler step for step (same helpers, same stream)."""
+    g = torch.Generator().manual_seed(0)
+    logits = exclude_mask(torch.randn(3, 9, 30, generator=g), 29)
+    cand = torch.rand(3, 9, generator=g) < 0.8
+    cand[:, 0] = True
+    for T in (0.0, 0.9):
+        for dtype in ("float32", "float64", "model"):
+            a = get_sampler("llada", temperature=T, softmax_dtype=dtype, noise_scope="canvas")
+            b = ComposedSampler(Quota(), temperature=T, softmax_dtype=dtype, noise_scope="canvas")
+            ra = a.step(logits, make_ctx(cand, mask_id=29, step=1, steps=4, n_start=9, canvas_len=14))
+            rb = b.step(logits, make_ctx(cand, mask_id=29, step=1, steps=4, n_start=9, canvas_len=14))
+            assert torch.equal(ra.commit, rb.commit) and torch.equal(ra.proposal, rb.proposal)
+
+
+def test_credit_sparse_proposal_equals_the_dense_fused_logits():
+    """``propose`` (greedy, never materialises the fused logits) vs ``apply`` + argmax + softmax."""
+    B, W, V = 3, 11, 50
+    g = torch.Generator().manual_seed(9)
+    stage = CreditFusion(1.3, 0.9, 0.5, slots=4)
+    s_sparse: dict = {}
+    s_dense: dict = {}
+    base = torch.randn(B, W, V, generator=g) * 2
+    cand = torch.ones(B, W, dtype=torch.bool)
+    for step in range(8):
+        logits = base + torch.randn(B, W, V, generator=g)
+        if step % 3 == 2:
+            logits = logits.round()  # exact ties between tokens
+        logits = exclude_mask(logits, V - 1)
+        kw = dict(mask_id=V - 1, region_lo=2, win_lo=2, canvas_len=2 + W)
+        x0, conf, top = stage.propose(logits, make_ctx(cand, state=s_sparse, **kw))
+        fused, top_d = stage.apply(logits, make_ctx(cand, state=s_dense, **kw))
+        want_x0 = fused.argmax(-1)
+        assert torch.equal(top, top_d)
+        assert torch.equal(x0, want_x0), step
+        assert torch.allclose(conf, torch.softmax(fused, -1).gather(-1, want_x0[..., None]).squeeze(-1), rtol=1e-5)
+        cand = cand & (torch.rand(B, W, generator=g) < 0.8)
+        cand[:, 0] = True
+
+
+def test_fast_argmax_and_top2_match_torch_at_large_vocabularies():
+    from dllm.samplers.base import fast_argmax, top2_values
+
+    for V in (2048, 2049, 126_464 // 8, 5000):
+        for kind in range(3):
+            g = torch.Generator().manual_seed(V + kind)
+            x = torch.randn(2, 3, V, generator=g) if kind == 0 else torch.randint(0, 4, (2, 3, V), generator=g).float()
+            if kind == 2:
+                x[..., : V // 2] = float("-inf")
+            assert torch.equal(fast_argmax(x), x.argmax(-1))
+            assert torch.equal(top2_values(x), torch.topk(x, 2, -1).values)
