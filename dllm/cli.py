@@ -1,4 +1,4 @@
-"""Command line: ``dllm generate | samplers | train-tiny | eval-tasks``."""
+"""Command line: ``dllm generate | samplers | train-tiny | eval-tasks | parallelbench``."""
 
 from __future__ import annotations
 
@@ -167,8 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train-tiny", help="train a tiny LLaDA- or Dream-format model on the synthetic tasks")
     t.add_argument("--family", choices=["llada", "dream"], required=True)
     t.add_argument("--out", required=True)
-    t.add_argument("--steps", type=int, default=1800)
-    t.add_argument("--batch-size", type=int, default=48)
+    t.add_argument("--steps", type=int, default=4000)
+    t.add_argument("--batch-size", type=int, default=32)
     t.add_argument("--lr", type=float, default=2e-3)
     t.add_argument("--d-model", type=int, default=128)
     t.add_argument("--layers", type=int, default=6)
@@ -186,6 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--batch-size", type=int, default=25)
     _add_decode_args(e)
     e.set_defaults(func=cmd_eval_tasks, gen_length=32)
+
+    from dllm.evals.parallelbench_cli import add_parser as add_parallelbench
+
+    add_parallelbench(sub)
     return ap
 
 

@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from dllm.config import GenerateConfig
 from dllm.evals import tasks as T
-from dllm.generate import generate
+from dllm.generate import GenerateOutput, generate
+
+
+def generate_batches(model, conversations: Sequence, config: GenerateConfig, *, sampler=None, cache=None,
+                     batch_size: int = 16) -> Iterator[tuple[int, GenerateOutput]]:
+    """Run ``conversations`` through :func:`dllm.generate` in consecutive chunks of ``batch_size``.
+
+    Yields ``(start, output)``: ``output`` covers ``conversations[start : start + batch_size]``."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    for i in range(0, len(conversations), batch_size):
+        yield i, generate(model, list(conversations[i : i + batch_size]), config, sampler=sampler, cache=cache)
+
+
+def output_lengths(model, sequences) -> list[int]:
+    """Generated tokens of each row before its first EOS/EOT (the whole row when it has none)."""
+    stops = {i for i in (model.eos_id, model.eot_id) if i is not None}
+    return [next((j for j, t in enumerate(row) if t in stops), len(row)) for row in sequences.tolist()]
 
 
 @dataclass
@@ -32,10 +49,9 @@ def evaluate_tasks(model, names: list[str], n: int, seed: int, config: GenerateC
         task = T.get_task(name)
         examples = task.generate(n, seed)
         scores, strict, nfes, tpfs, secs, samples = [], [], [], [], 0.0, []
-        for i in range(0, len(examples), batch_size):
+        convs = [ex.messages if with_example else ex.messages[-1:] for ex in examples]
+        for i, out in generate_batches(model, convs, config, sampler=sampler, cache=cache, batch_size=batch_size):
             chunk = examples[i : i + batch_size]
-            convs = [ex.messages if with_example else ex.messages[-1:] for ex in chunk]
-            out = generate(model, convs, config, sampler=sampler, cache=cache)
             secs += out.stats.time_total
             for ex, text, rn in zip(chunk, out.texts, out.stats.row_nfe):
                 s, ss = task.score(text, ex), task.score_strict(text, ex)

@@ -316,6 +316,13 @@ def _waiting_line_instance(op: str, rng: random.Random, length: int, *, sort_by:
     return {"prompt": prompt, "answer": answer, "target": target, "metadata": metadata}
 
 
+def _icl_record(shot: dict) -> dict:
+    """The worked example's fields (``input``, ``answer``, ``metadata``), kept so that the example can be
+    written out as a ParallelBench ``icl_examples`` entry (:mod:`dllm.evals.parallelbench`)."""
+    meta = {k: v for k, v in shot["metadata"].items() if k != "input"}
+    return {"input": dict(shot["metadata"]["input"]), "answer": shot["answer"], "metadata": meta}
+
+
 def _check_lengths(lengths: tuple[int, int], lo: int = 2) -> tuple[int, int]:
     a, b = int(lengths[0]), int(lengths[1])
     if not lo <= a <= b <= min(len(FIRST_NAMES), len(LAST_NAMES)) - 1:
@@ -371,7 +378,7 @@ def generate_waiting_line(op: str, n: int, seed: int, *, lengths: tuple[int, int
                     {"role": "assistant", "content": shot["target"]},
                     {"role": "user", "content": main["prompt"]}]
         metadata = dict(main["metadata"], op=op, seed=int(seed), index_base=base, sort_by=sort_by,
-                        style=style)
+                        style=style, icl=[_icl_record(shot)])
         return Example(task=name, messages=messages, answer=main["answer"], metadata=metadata)
 
     return _collect(name, n, seed, make)
@@ -574,11 +581,14 @@ def generate_sudoku(n: int, seed: int, *, givens: tuple[int, int] = (4, 12), bla
     def make(rng: random.Random, i: int) -> Example:
         k = lo + i % (hi - lo + 1)
         prompt, target, meta = instance(rng, k)
-        shot_prompt, shot_target, _ = instance(rng, rng.randint(lo, hi))
+        shot_prompt, shot_target, shot_meta = instance(rng, rng.randint(lo, hi))
         messages = [{"role": "user", "content": shot_prompt},
                     {"role": "assistant", "content": shot_target},
                     {"role": "user", "content": prompt}]
-        metadata = dict(meta, seed=int(seed), blank=blank, style=style, input={"sudoku": meta["puzzle"]})
+        icl = {"input": {"sudoku": shot_meta["puzzle"]}, "answer": shot_target,
+               "metadata": {"length": shot_meta["length"], "givens": shot_meta["givens"]}}
+        metadata = dict(meta, seed=int(seed), blank=blank, style=style, input={"sudoku": meta["puzzle"]},
+                        icl=[icl])
         return Example(task=name, messages=messages, answer=target, metadata=metadata)
 
     return _collect(name, n, seed, make)
@@ -613,18 +623,22 @@ _LATIN_PROMPTS = {
 
 def generate_latin_square(n: int, seed: int, *, givens: tuple[int, int] = (0, 0),
                           symbols_pool: str = LATIN_SYMBOLS, blank: str = ".",
-                          style: str = "short") -> list[Example]:
+                          style: str = "short", sep: str = " ") -> list[Example]:
     """4x4 Latin squares over 4 symbols drawn from ``symbols_pool``; any valid square is accepted.
 
     With ``givens=(lo, hi)`` above zero the prompt also shows a partially filled grid (``blank`` marks
-    the empty cells) and a valid answer must match the given cells.
+    the empty cells) and a valid answer must match the given cells. ``symbols_pool`` holds upper-case
+    letters and/or digits (ParallelBench draws from ``A-Z0-9``); ``sep`` separates the cells of a row
+    in the answer (``" "`` here, ``","`` for ParallelBench's CSV).
     """
     lo, hi = int(givens[0]), int(givens[1])
     if not 0 <= lo <= hi <= 16:
         raise ValueError("givens must lie in [0, 16]")
     pool = "".join(dict.fromkeys(symbols_pool))
-    if len(pool) < _SIZE or not all(c.isalpha() and c.isupper() for c in pool):
-        raise ValueError("symbols_pool needs at least 4 distinct upper-case letters")
+    if len(pool) < _SIZE or not all(c.isdigit() or (c.isalpha() and c.isupper()) for c in pool):
+        raise ValueError("symbols_pool needs at least 4 distinct upper-case letters or digits")
+    if sep not in (" ", ","):
+        raise ValueError(f"sep must be ' ' or ',', got {sep!r}")
     if len(blank) != 1 or blank in pool:
         raise ValueError("blank must be one character outside the symbol pool")
     if style not in _LATIN_PROMPTS:
@@ -641,7 +655,7 @@ def generate_latin_square(n: int, seed: int, *, givens: tuple[int, int] = (0, 0)
         prompt = _LATIN_PROMPTS[style].format(symbols=", ".join(symbols))
         if k:
             prompt += "\n" + _puzzle_text(given, blank, " ")
-        target = _format_grid(_grid_rows(cells), " ")
+        target = _format_grid(_grid_rows(cells), sep)
         meta = {"symbols": list(symbols), "givens": {str(c): v for c, v in given.items()}, "length": k,
                 "size": _SIZE}
         return prompt, target, meta
@@ -649,12 +663,15 @@ def generate_latin_square(n: int, seed: int, *, givens: tuple[int, int] = (0, 0)
     def make(rng: random.Random, i: int) -> Example:
         k = lo + i % (hi - lo + 1)
         prompt, target, meta = instance(rng, k)
-        shot_prompt, shot_target, _ = instance(rng, rng.randint(lo, hi))
+        shot_prompt, shot_target, shot_meta = instance(rng, rng.randint(lo, hi))
         messages = [{"role": "user", "content": shot_prompt},
                     {"role": "assistant", "content": shot_target},
                     {"role": "user", "content": prompt}]
         answer = {"symbols": meta["symbols"], "givens": meta["givens"], "example": target}
-        metadata = dict(meta, seed=int(seed), style=style,
+        icl = {"input": {"size": _SIZE, "symbols": "[" + ", ".join(shot_meta["symbols"]) + "]"},
+               "answer": {"symbols": shot_meta["symbols"], "givens": shot_meta["givens"], "example": shot_target},
+               "metadata": {"length": shot_meta["length"]}}
+        metadata = dict(meta, seed=int(seed), style=style, sep=sep, icl=[icl],
                         input={"size": _SIZE, "symbols": "[" + ", ".join(meta["symbols"]) + "]"})
         return Example(task=name, messages=messages, answer=answer, metadata=metadata)
 
@@ -667,11 +684,13 @@ def _score_latin(prediction: str, example: Example, strict: bool) -> float:
     symbols = "".join(example.answer["symbols"])
     givens = example.answer.get("givens", {})
     if strict:
+        sep = example.metadata.get("sep", " ")
         text = prediction.strip()
         lines = text.split("\n")
-        if len(lines) != _SIZE or any(not re.fullmatch(r"\S( \S){3}", ln) for ln in lines):
+        cell = r"[^\s,]"
+        if len(lines) != _SIZE or any(not re.fullmatch(f"{cell}({re.escape(sep)}{cell}){{3}}", ln) for ln in lines):
             return 0.0
-        grid = tuple(tuple(ln.split(" ")) for ln in lines)
+        grid = tuple(tuple(ln.split(sep)) for ln in lines)
     else:
         grid = parse_grid(prediction, _SIZE, symbols)
     return float(is_latin_square(grid, symbols) and _matches_givens(grid, givens))

@@ -1,0 +1,236 @@
+"""``dllm parallelbench generate | score | run | report | tasks`` (wired into :mod:`dllm.cli`).
+
+Only this module prints (results to stdout, progress and notes to stderr); heavy imports are deferred to
+the handlers so ``dllm --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+
+def _pair(text: str) -> tuple[int, int]:
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        lo, hi = (int(parts[0]), int(parts[-1]))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO,HI (e.g. 4,12), got {text!r}") from None
+    if len(parts) > 2:
+        raise argparse.ArgumentTypeError(f"expected LO,HI (e.g. 4,12), got {text!r}")
+    return lo, hi
+
+
+def _text_data(args) -> dict[str, str]:
+    out = {}
+    if getattr(args, "samsum", None):
+        out["paraphrase_summarize/samsum"] = args.samsum
+    if getattr(args, "paraphrases", None):
+        out["paraphrase_summarize/chatgpt-paraphrases"] = args.paraphrases
+    return out
+
+
+def _add_data_args(p: argparse.ArgumentParser) -> None:
+    from dllm.evals.parallelbench import DEFAULT_SEED
+
+    p.add_argument("--tasks", default=None, help="comma-separated task patterns or categories (default: all 17)")
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED, help=f"data seed (default {DEFAULT_SEED})")
+    p.add_argument("--style", choices=["full", "short"], default="full",
+                   help="full: the original prompts and formats; short: the project's short prompts (the bundled "
+                        "tiny models are trained on these)")
+    p.add_argument("--index-base", type=int, choices=[0, 1], default=1,
+                   help="positions in *_index prompts: 1 (default) or 0 (the paper's data)")
+    p.add_argument("--sort-by", choices=["last", "first"], default="last",
+                   help="sort labels by last name (default, what the prompt asks) or by first name (the "
+                        "original's data bug)")
+    p.add_argument("--sudoku-givens", type=_pair, default=(4, 12), metavar="LO,HI",
+                   help="given cells per Sudoku (default 4,12; the original's file uses 12,12)")
+    p.add_argument("--samsum", metavar="FILE", help="data for paraphrase_summarize/samsum (JSONL: dialogue, summary)")
+    p.add_argument("--paraphrases", metavar="FILE",
+                   help="data for paraphrase_summarize/chatgpt-paraphrases (JSONL: text[, paraphrases])")
+
+
+def cmd_generate(args) -> int:
+    from dllm.evals import parallelbench as PB
+
+    res = PB.write_suite(args.out, args.tasks, n=args.n, seed=args.seed, style=args.style, index_base=args.index_base,
+                         sort_by=args.sort_by, sudoku_givens=args.sudoku_givens, text_data=_text_data(args))
+    for name, where in res.items():
+        if isinstance(where, Path):
+            n = sum(1 for _ in open(where, encoding="utf-8"))
+            print(f"{name}: {n} records -> {where}")
+        else:
+            print(f"{name}: {where}", file=sys.stderr)
+    return 0
+
+
+def _averages_table(rows: list[dict]) -> list[str]:
+    by_task: dict[str, list[dict]] = {}
+    for r in rows:
+        by_task.setdefault(r["task"], []).append(r)
+    out = ["| task | n | score % | strict % | note |", "|---|---|---|---|---|"]
+    for task, rs in by_task.items():
+        if all(r.get("score") is not None for r in rs):
+            s = 100 * sum(r["score"] for r in rs) / len(rs)
+            ss = 100 * sum(r["score_strict"] for r in rs) / len(rs)
+            note = "partial text metrics" if any(r.get("partial") for r in rs) else ""
+            out.append(f"| {task} | {len(rs)} | {s:.1f} | {ss:.1f} | {note} |")
+        else:
+            missing = sorted({m for r in rs for m in r.get("unavailable", [])})
+            out.append(f"| {task} | {len(rs)} | unavailable | unavailable | needs {', '.join(missing)} |")
+    return out
+
+
+def cmd_score(args) -> int:
+    from dllm.evals import parallelbench as PB
+
+    src = Path(args.file)
+    rows = PB.read_jsonl(src)
+    if not rows:
+        raise ValueError(f"{src}: no lines to score")
+    configs: dict[str, dict | None] = {}
+    for i, row in enumerate(rows, 1):
+        for key in ("task", "prediction"):
+            if key not in row:
+                raise ValueError(f"{src}:{i}: no {key!r} field (each line: an original record plus 'task' and "
+                                 "'prediction')")
+        task = row["task"]
+        if task not in configs:
+            configs[task] = PB.load_task_config(args.data_dir, task) if args.data_dir else None
+        for key in ("score", "score_strict", "metrics", "unavailable", "unavailable_reason", "partial"):
+            row.pop(key, None)
+        row.update(PB.score_prediction(task, row, row["prediction"], config=configs[task], metric=row.get("metric"),
+                                       allow_partial=args.partial_text_scores))
+    dest = Path(args.out) if args.out else src
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    os.replace(tmp, dest)
+    print("\n".join(_averages_table(rows)))
+    print(f"[{len(rows)} lines scored -> {dest}]", file=sys.stderr)
+    return 0
+
+
+def cmd_run(args) -> int:
+    from tqdm import tqdm
+
+    from dllm.assets import model_path
+    from dllm.cli import _load
+    from dllm.evals.parallelbench_report import write_report
+    from dllm.evals.parallelbench_sweep import parse_methods, run_sweep
+
+    settings = parse_methods(args.method)  # fail on a bad spec before loading the model
+    model = _load(args)
+    bar = tqdm(total=0, desc="parallelbench", unit="sample", file=sys.stderr, dynamic_ncols=True)
+
+    def on_start(todo: int, done: int) -> None:
+        bar.total = todo
+        bar.refresh()
+        if done:
+            bar.write(f"resuming: {done} samples already in {args.out}", file=sys.stderr)
+
+    def on_sample(line: dict) -> None:
+        bar.set_postfix_str(f"{line['setting']} {line['task']}", refresh=False)
+        bar.update(1)
+
+    try:
+        res = run_sweep(model, args.out, settings, args.tasks, data_dir=args.data_dir, n=args.n, seed=args.seed,
+                        style=args.style, index_base=args.index_base, sort_by=args.sort_by,
+                        sudoku_givens=args.sudoku_givens, text_data=_text_data(args), gen_length=args.gen_length,
+                        batch_size=args.batch_size, cache=args.cache,
+                        model_name=str(Path(model_path(args.model)).resolve()),
+                        allow_partial=args.partial_text_scores, gen_seed=args.gen_seed, on_start=on_start,
+                        on_sample=on_sample)
+    finally:
+        bar.close()
+    for name, why in res.needs_data.items():
+        print(f"{name}: not run: {why}", file=sys.stderr)
+    print(f"[{res.written} samples written, {res.already_done} already there -> {res.samples_path}]", file=sys.stderr)
+    if not args.no_report and (res.written or res.already_done):
+        report = write_report(args.out)
+        print(report.markdown)
+    return 0
+
+
+def cmd_report(args) -> int:
+    from dllm.evals.parallelbench_report import write_report
+
+    report = write_report(args.dirs, args.out, plot=not args.no_plot)
+    print(report.markdown)
+    where = Path(args.out) if args.out else Path(args.dirs[0]) / "report.md"
+    print(f"[report -> {where}" + "".join(f", {p}" for p in report.plots) + "]", file=sys.stderr)
+    if report.plot_note:
+        print(report.plot_note, file=sys.stderr)
+    return 0
+
+
+def cmd_tasks(args) -> int:
+    from dllm.evals import parallelbench as PB
+
+    print("| task | metric | samples | max tokens | worked examples | description |")
+    print("|---|---|---|---|---|---|")
+    for t in PB.TASKS.values():
+        data = " (needs a data file)" if t.needs_data else ""
+        print(f"| {t.name} | {t.metric} | {t.num_samples} | {t.max_tokens} | {t.icl} | {t.description}{data} |")
+    if args.backends:
+        print()
+        for name, status in PB.text_backend_status().items():
+            print(f"{name}: {status}")
+    return 0
+
+
+def add_parser(sub) -> None:
+    """Add ``parallelbench`` and its actions to the ``dllm`` sub-command parser."""
+    pb = sub.add_parser("parallelbench", help="ParallelBench-compatible suite: generate | score | run | report | tasks",
+                        description="ParallelBench-compatible suite (see docs/parallelbench.md).")
+    acts = pb.add_subparsers(dest="pb_command", required=True, metavar="ACTION")
+
+    g = acts.add_parser("generate", help="write one JSONL per task in the original record schema")
+    g.add_argument("--out", required=True, help="output directory (<category>/<task>.jsonl + task_config.yaml)")
+    g.add_argument("--n", type=int, default=None, help="records per task (default: 100; Sudoku 108)")
+    _add_data_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    s = acts.add_parser("score", help="score predictions made elsewhere (JSONL: record + task + prediction)")
+    s.add_argument("file", help="JSONL, one original record per line plus 'task' and 'prediction'")
+    s.add_argument("--out", default=None, help="write the scored lines here (default: rewrite FILE in place)")
+    s.add_argument("--data-dir", default=None, help="read prompts/metrics of other task names from its task_config.yaml")
+    s.add_argument("--partial-text-scores", action="store_true",
+                   help="score text tasks on the metrics available instead of reporting them unavailable")
+    s.set_defaults(func=cmd_score)
+
+    r = acts.add_parser("run", help="sweep decoding settings over the tasks (resumable)")
+    r.add_argument("--model", default=None, help="checkpoint directory or bundled name (default: llada-tiny)")
+    r.add_argument("--method", action="extend", nargs="+", required=True, metavar="SPEC",
+                   help="method spec(s), repeatable: topk:k=1,2,4,8 | threshold:tau=0.5,0.6,...,1.0 | "
+                        "NAME:param=v1,v2 (any registered sampler, see `dllm samplers`)")
+    r.add_argument("--out", required=True, help="output directory (samples.jsonl, run.json, report.md)")
+    r.add_argument("--cache", default=None, help="cache policy name (default: none)")
+    r.add_argument("--data-dir", default=None, help="run on the JSONL files of this directory (ours or the original's)")
+    r.add_argument("--n", type=int, default=None, help="samples per task, spread over the file (default: all)")
+    r.add_argument("--batch-size", type=int, default=16)
+    r.add_argument("--gen-length", type=int, default=None,
+                   help="generation budget for every task (default: 32 waiting line, 64 otherwise)")
+    r.add_argument("--gen-seed", type=int, default=0, help="seed of the decoding's random draws")
+    r.add_argument("--partial-text-scores", action="store_true")
+    r.add_argument("--no-report", action="store_true", help="do not write report.md at the end")
+    r.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
+    r.add_argument("--device", default=None)
+    _add_data_args(r)
+    r.set_defaults(func=cmd_run)
+
+    p = acts.add_parser("report", help="markdown table, PB90/80/70, AUP and plot of one or more sweeps")
+    p.add_argument("dirs", nargs="+", help="sweep directories (or samples.jsonl files)")
+    p.add_argument("--out", default=None, help="markdown file (default: DIR/report.md; plots beside it)")
+    p.add_argument("--no-plot", action="store_true")
+    p.set_defaults(func=cmd_report)
+
+    t = acts.add_parser("tasks", help="list the 17 tasks")
+    t.add_argument("--backends", action="store_true", help="also probe the grammar / ROUGE / BERTScore backends")
+    t.set_defaults(func=cmd_tasks)

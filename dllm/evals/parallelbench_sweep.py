@@ -1,0 +1,434 @@
+"""Sweeps of decoding settings over the ParallelBench suite, written one sample per line so they resume.
+
+A *method spec* names a curve and the grid along it::
+
+    topk:k=1,2,4,8                  fixed tokens per step: the family baseline sampler (llada / dream)
+                                    with steps = gen_length / k (one block of gen_length, as the original)
+    topk:k=1,2,4:sampler=llada-random   the same with another registered sampler
+    threshold:tau=0.5,0.6,...,1.0   any registered sampler with a grid over its parameters
+    factor:factor=0.7,1.0,...,1.9   (parameter names as the registry has them: ``dllm samplers``)
+    llada:remasking=low_confidence,random:temperature=0,0.5   several parameters: the Cartesian product
+
+Sections are separated by ``:``, values by ``,``; ``a,b,...,z`` expands to the arithmetic progression
+``a, b, ..., z`` (step ``b - a``). Besides the sampler's own parameters every spec accepts
+``block_length`` (semi-autoregressive blocks) and, except ``topk``, ``steps`` (both go to the sampler
+instead when it has a parameter of that name, e.g. a preset's preferred ``block_length``). The curve (``method``) is
+the spec's name plus its single-valued and non-numeric parameters (``sampler=``, ``remasking=`` ...);
+each point (``setting``) adds the numbers swept along it (``k``, ``tau``, ``temperature`` ...).
+
+:func:`run_sweep` writes ``<out>/samples.jsonl``: one line per (setting, task, sample) as soon as the
+sample's batch is decoded, with the record, the prediction, ``score``/``score_strict``, ``nfe``,
+``tokens_per_step`` (gen_length / NFE, ParallelBench's speed measure), ``output_length`` (tokens before
+EOS) and ``time_s`` (the batch's wall time divided by its rows). A rerun with the same ``<out>`` skips the
+lines already there (a torn last line from a crash is dropped first), so an interrupted sweep resumes
+with nothing lost or duplicated; new settings or tasks extend the file. ``<out>/run.json`` pins what must
+not change between runs of one directory (model, data, generation length override, cache).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import Any
+
+from dllm.config import GenerateConfig
+from dllm.evals import parallelbench as PB
+from dllm.evals.runner import generate_batches, output_lengths
+
+__all__ = ["SAMPLES_FILE", "RUN_FILE", "Setting", "SweepResult", "load_samples", "parse_method", "parse_methods",
+           "parse_values", "run_sweep", "subset_indices"]
+
+SAMPLES_FILE = "samples.jsonl"
+RUN_FILE = "run.json"
+_CONFIG_KEYS = ("block_length", "steps")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Method specs
+
+
+def _scalar(text: str) -> Any:
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_values(text: str) -> list:
+    """``"1,2,4"`` -> ``[1, 2, 4]``; ``"0.5,0.6,...,1.0"`` -> ``[0.5, 0.6, ..., 1.0]`` (exact decimal steps)."""
+    parts = [p.strip() for p in text.split(",")]
+    if any(p == "" for p in parts):
+        raise ValueError(f"empty value in {text!r}")
+    if "..." not in parts:
+        return [_scalar(p) for p in parts]
+    i = parts.index("...")
+    if parts.count("...") != 1 or i < 2 or i != len(parts) - 2:
+        raise ValueError(f"a range is written 'a,b,...,z' (two values, '...', the last value); got {text!r}")
+    try:
+        a, b, z = (Decimal(parts[j]) for j in (i - 2, i - 1, i + 1))
+    except InvalidOperation:
+        raise ValueError(f"a range needs numbers; got {text!r}") from None
+    step = b - a
+    if step == 0 or (z - a) * step < 0:
+        raise ValueError(f"the range {text!r} does not reach {parts[-1]} in steps of {step}")
+    as_int = all(isinstance(_scalar(parts[j]), int) for j in (i - 2, i - 1, i + 1))
+    vals = [_scalar(p) for p in parts[: i - 2]]
+    v = a
+    while (z - v) * step >= 0:
+        vals.append(int(v) if as_int else float(v))
+        v += step
+    if v - step != z:
+        raise ValueError(f"the range {text!r} does not end on {parts[-1]} in steps of {step}")
+    return vals
+
+
+def _numeric(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _fmt(v: Any) -> str:
+    return repr(v) if isinstance(v, float) else str(v)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One point of a sweep: a sampler with parameters and the generation settings it needs."""
+
+    method: str  # the curve: spec name + single-valued and non-numeric parameters
+    label: str  # unique: the curve + swept parameters
+    name: str  # "topk" or a registered sampler
+    params: tuple[tuple[str, Any], ...] = ()  # sampler parameters
+    k: int | None = None  # topk: tokens per step
+    base: str | None = None  # topk: the sampler (None: the model family's baseline)
+    block_length: int | None = None
+    steps: int | None = None
+
+    def resolve(self, model, gen_length: int, seed: int | None = 0):
+        """``(sampler, GenerateConfig)`` for a task with budget ``gen_length``."""
+        from dllm.generate import default_sampler
+        from dllm.samplers import get_sampler
+
+        steps = self.steps
+        if self.name == "topk":
+            if gen_length % self.k:
+                raise ValueError(f"{self.label}: gen_length {gen_length} is not a multiple of k={self.k}; "
+                                 "top-k decodes exactly k tokens per step (use k dividing the budget)")
+            steps = gen_length // self.k
+            sampler = get_sampler(self.base or default_sampler(model).name, **dict(self.params))
+        else:
+            sampler = get_sampler(self.name, **dict(self.params))
+        return sampler, GenerateConfig(gen_length=gen_length, block_length=self.block_length, steps=steps, seed=seed)
+
+    def describe(self) -> dict:
+        return {"method": self.method, "setting": self.label, "sampler": self.base if self.name == "topk" else self.name,
+                "params": dict(self.params), "k": self.k, "block_length": self.block_length, "steps": self.steps}
+
+
+def parse_method(spec: str) -> list[Setting]:
+    """All settings of one method spec (see the module docstring); ValueError names what is wrong."""
+    from dllm.samplers import SAMPLERS
+
+    sections = [s.strip() for s in spec.strip().split(":")]
+    name = sections[0]
+    if not name:
+        raise ValueError(f"empty method spec {spec!r}")
+    grid: dict[str, list] = {}
+    for sec in sections[1:]:
+        if "=" not in sec:
+            raise ValueError(f"{spec!r}: expected KEY=VALUES after ':', got {sec!r}")
+        key, vals = (x.strip() for x in sec.split("=", 1))
+        if key in grid:
+            raise ValueError(f"{spec!r}: parameter {key!r} given twice")
+        grid[key] = parse_values(vals)
+    known_samplers = ", ".join(sorted(SAMPLERS))
+    if name == "topk":
+        if "k" not in grid:
+            raise ValueError(f"{spec!r}: topk needs k, e.g. topk:k=1,2,4,8")
+        if "steps" in grid:
+            raise ValueError(f"{spec!r}: topk sets steps = gen_length / k; do not give steps")
+        bases = grid.get("sampler", [None])
+        for b in bases:
+            if b is not None and b not in SAMPLERS:
+                raise ValueError(f"{spec!r}: unknown sampler {b!r}; known samplers: {known_samplers}")
+        for k in grid["k"]:
+            if not isinstance(k, int) or k < 1:
+                raise ValueError(f"{spec!r}: k must be a positive integer, got {k!r}")
+        checks = sorted({c for b in bases for c in ([b] if b else ["llada", "dream"])})
+    else:
+        if name not in SAMPLERS:
+            raise ValueError(f"unknown method {name!r}: use topk or a registered sampler ({known_samplers})")
+        checks = [name]
+    reserved = {"k", "sampler"} if name == "topk" else set()
+    # topk without sampler=: the family baseline is known only with the model, so accept the parameters
+    # of either baseline here; resolve() checks them against the one used.
+    sampler_params: set[str] = set()
+    for check in checks:
+        sampler_params |= set(SAMPLERS[check].params())
+    # block_length / steps go to the sampler when it has such a parameter (e.g. a preset's preferred block
+    # length), else to GenerateConfig
+    config_keys = [k for k in _CONFIG_KEYS if k not in sampler_params]
+    bad = [k for k in grid if k not in sampler_params | set(config_keys) | reserved]
+    if bad:
+        raise ValueError(f"{spec!r}: unknown parameter(s) {bad}; parameters of {', '.join(sorted(set(checks)))}: "
+                         f"{', '.join(sorted(sampler_params))} (and {', '.join(_CONFIG_KEYS)})")
+    for key in config_keys:
+        for v in grid.get(key, []):
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"{spec!r}: {key} must be a positive integer, got {v!r}")
+    out = []
+    keys = list(grid)
+    for combo in itertools.product(*(grid[k] for k in keys)):
+        values = dict(zip(keys, combo))
+        label = ":".join([name] + [f"{k}={_fmt(values[k])}" for k in keys])
+        # the curve: single-valued and categorical parameters; numbers swept over move along it
+        method = ":".join([name] + [f"{k}={_fmt(values[k])}" for k in keys
+                                    if len(grid[k]) == 1 or not _numeric(values[k])])
+        params = tuple((k, v) for k, v in values.items() if k not in reserved and k not in config_keys)
+        conf = {k: values.get(k) for k in config_keys}
+        out.append(Setting(method=method, label=label, name=name, params=params, k=values.get("k"),
+                           base=values.get("sampler"), block_length=conf.get("block_length"), steps=conf.get("steps")))
+    return out
+
+
+def parse_methods(specs: Sequence[str] | str) -> list[Setting]:
+    """Settings of several specs, duplicates (same label) dropped, order kept."""
+    specs = [specs] if isinstance(specs, str) else list(specs)
+    if not specs:
+        raise ValueError("give at least one method spec, e.g. topk:k=1,2,4,8")
+    out: dict[str, Setting] = {}
+    for spec in specs:
+        for s in parse_method(spec):
+            out.setdefault(s.label, s)
+    return list(out.values())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Running
+
+
+@dataclass
+class SweepResult:
+    out_dir: Path
+    samples_path: Path
+    written: int  # lines written by this call
+    already_done: int  # lines found from earlier runs (of the settings and tasks asked for)
+    tasks: list[str]
+    settings: list[str]
+    needs_data: dict[str, str] = field(default_factory=dict)  # task -> why it was not run
+
+
+def subset_indices(total: int, n: int | None) -> list[int]:
+    """``n`` indices spread evenly over ``range(total)`` (all when ``n`` is None or >= total): files are
+    ordered by list length, so a prefix would hold only the shortest lists."""
+    if n is None or n >= total:
+        return list(range(total))
+    if n < 0:
+        raise ValueError("n must be >= 0")
+    return [(i * total) // n for i in range(n)]
+
+
+def _repair(path: Path) -> None:
+    """Drop a torn last line (a crash in the middle of a write)."""
+    if not path.is_file():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with open(path, "r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
+
+
+def load_samples(path: str | Path) -> list[dict]:
+    """Sample lines of a sweep (a ``samples.jsonl`` or a directory holding one)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / SAMPLES_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no sweep results at {str(path)!r}")
+    data = path.read_text(encoding="utf-8")
+    lines = data.split("\n")
+    if data and not data.endswith("\n"):
+        lines = lines[:-1]  # torn last line
+    out = []
+    for i, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{i}: not valid JSON ({exc.msg})") from None
+    return out
+
+
+@dataclass
+class _TaskData:
+    name: str
+    records: list[dict]
+    indices: list[int]
+    template: str
+    metric: str
+    config: dict | None
+    max_tokens: int
+
+
+def _resolve_tasks(tasks, data_dir, n, seed, style, index_base, sort_by, sudoku_givens, text_data):
+    needs: dict[str, str] = {}
+    out: list[_TaskData] = []
+    pattern = ",".join(tasks) if isinstance(tasks, (list, tuple)) else tasks
+    text_data = {PB.get_task(k).name: v for k, v in (text_data or {}).items()}
+    if data_dir is not None:
+        names = PB.available_tasks(data_dir, pattern)
+        for t in PB.task_names(pattern):
+            if t not in names:
+                if t in text_data:
+                    names.append(t)
+                else:
+                    needs[t] = f"no {t}.jsonl in {data_dir}" + (
+                        f" ({PB._DATA_HINT[t]})" if PB.TASKS[t].needs_data else "")
+    else:
+        names = PB.task_names(pattern)
+    if not names and not needs:
+        known = PB.available_tasks(data_dir) if data_dir is not None else list(PB.TASKS)
+        raise ValueError(f"no task matches {pattern!r}; known tasks: {', '.join(known)}")
+    for name in names:
+        config = PB.load_task_config(data_dir, name) if data_dir is not None else None
+        try:
+            if data_dir is not None and name not in text_data:
+                records = PB.load_records(data_dir, name)
+            else:
+                records = PB.generate_task(name, None, seed, style=style, index_base=index_base, sort_by=sort_by,
+                                           sudoku_givens=sudoku_givens, data=text_data.get(name))
+        except PB.DataNeeded as exc:
+            needs[name] = str(exc)
+            continue
+        out.append(_TaskData(name, records, subset_indices(len(records), n), PB.prompt_for(name, style, config),
+                             PB.metric_for(name, config), config, PB.max_tokens_for(name, config)))
+    return out, needs
+
+
+def _check_run_file(out: Path, pinned: dict) -> dict:
+    path = out / RUN_FILE
+    if path.is_file():
+        old = json.loads(path.read_text(encoding="utf-8"))
+        diff = [k for k in pinned if old.get("pinned", {}).get(k) != pinned[k]]
+        if diff:
+            lines = "; ".join(f"{k}: {old.get('pinned', {}).get(k)!r} before, {pinned[k]!r} now" for k in diff)
+            raise ValueError(f"{out} holds a sweep made with other settings ({lines}); use another --out "
+                             "directory or the same settings")
+        return old
+    return {"pinned": pinned, "tasks": [], "settings": []}
+
+
+def run_sweep(model, out_dir: str | Path, methods: Sequence[str | Setting] | str, tasks: str | Sequence[str] | None = None,
+              *, data_dir: str | Path | None = None, n: int | None = None, seed: int = PB.DEFAULT_SEED,
+              style: str = "full", index_base: int = 1, sort_by: str = "last",
+              sudoku_givens: tuple[int, int] = (4, 12), text_data: dict[str, str | Path] | None = None,
+              gen_length: int | None = None, batch_size: int = 16, cache: str | None = None,
+              model_name: str | None = None, allow_partial: bool = False, gen_seed: int | None = 0,
+              on_start: Callable[[int, int], None] | None = None,
+              on_sample: Callable[[dict], None] | None = None) -> SweepResult:
+    """Run every setting of ``methods`` on every task of ``tasks`` and append the samples to
+    ``<out_dir>/samples.jsonl`` (resuming: lines already there are not redone).
+
+    Args:
+        model: a loaded model (with its tokenizer).
+        methods: method specs (strings, see :func:`parse_method`) or :class:`Setting` objects.
+        tasks: a pattern for :func:`dllm.evals.parallelbench.task_names` (default: all 17).
+        data_dir: run on the records of ``<data_dir>/<category>/<task>.jsonl`` (ours, or the original's own
+            data directory) instead of generating them; prompts come from its ``task_config.yaml`` if any.
+        n: samples per task, spread evenly over the task's records (default: all).
+        seed, style, index_base, sort_by, sudoku_givens, text_data: data options (see
+            :func:`dllm.evals.parallelbench.generate_task`).
+        gen_length: generation budget for every task (default: the original's per-task ``max_tokens``).
+        cache: a cache policy name passed to :func:`dllm.generate`.
+        model_name: recorded in ``run.json``; a rerun with another name is refused.
+        allow_partial: text tasks are scored on the metrics available (see ``score_prediction``).
+        on_start: called once with (lines to do, lines already done).
+        on_sample: called after each line is written (progress bars; an exception stops the sweep, and
+            the lines written so far stay).
+    """
+    settings = [m if isinstance(m, Setting) else None for m in ([methods] if isinstance(methods, str) else methods)]
+    specs = [m for m in ([methods] if isinstance(methods, str) else methods) if isinstance(m, str)]
+    settings = [s for s in settings if s is not None] + (parse_methods(specs) if specs else [])
+    if not settings:
+        raise ValueError("give at least one method spec, e.g. topk:k=1,2,4,8")
+    if style not in PB.STYLES:
+        raise ValueError(f"style must be one of {PB.STYLES}, got {style!r}")
+    task_data, needs = _resolve_tasks(tasks, data_dir, n, seed, style, index_base, sort_by, sudoku_givens, text_data)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    data_pin = ({"data_dir": str(Path(data_dir).resolve())} if data_dir is not None else
+                {"seed": seed, "style": style, "index_base": index_base, "sort_by": sort_by,
+                 "sudoku_givens": list(sudoku_givens)})
+    data_pin["text_data"] = {k: str(Path(v).resolve()) for k, v in sorted((text_data or {}).items())}
+    pinned = {"model": model_name, "data": data_pin, "gen_length": gen_length, "cache": cache, "gen_seed": gen_seed}
+    run_info = _check_run_file(out, pinned)
+    if model_name is None and run_info["pinned"].get("model") is not None:
+        pinned["model"] = run_info["pinned"]["model"]
+
+    samples_path = out / SAMPLES_FILE
+    _repair(samples_path)
+    done: set[tuple[str, str, int]] = set()
+    if samples_path.is_file():
+        for line in load_samples(samples_path):
+            done.add((line["setting"], line["task"], int(line["index"])))
+
+    # resolve every (setting, task) up front so that a bad spec fails before any work
+    plan = []
+    for s in settings:
+        for td in task_data:
+            G = gen_length or td.max_tokens
+            sampler, config = s.resolve(model, G, gen_seed)
+            pending = [i for i in td.indices if (s.label, td.name, i) not in done]
+            plan.append((s, td, sampler, config, pending))
+    todo = sum(len(p[-1]) for p in plan)
+    already = sum(len(p[1].indices) - len(p[-1]) for p in plan)
+
+    run_info["tasks"] = list(dict.fromkeys(run_info.get("tasks", []) + [td.name for td in task_data]))
+    run_info["settings"] = list(dict.fromkeys(run_info.get("settings", []) + [s.label for s in settings]))
+    run_info["pinned"] = pinned
+    earlier = {t: why for t, why in run_info.get("needs_data", {}).items() if t not in run_info["tasks"]}
+    run_info["needs_data"] = {**earlier, **needs}
+    (out / RUN_FILE).write_text(json.dumps(run_info, indent=2) + "\n", encoding="utf-8")
+    if on_start is not None:
+        on_start(todo, already)
+
+    written = 0
+    with open(samples_path, "a", encoding="utf-8") as f:
+        for s, td, sampler, config, pending in plan:
+            if not pending:
+                continue
+            convs = [PB.messages_for(td.records[i], td.template) for i in pending]
+            for start, res in generate_batches(model, convs, config, sampler=sampler, cache=cache,
+                                               batch_size=batch_size):
+                rows = pending[start : start + batch_size]
+                lengths = output_lengths(model, res.sequences)
+                per_row = res.stats.time_total / len(rows)
+                for j, idx in enumerate(rows):
+                    record = td.records[idx]
+                    pred = res.texts[j] if res.texts is not None else ""
+                    sc = PB.score_prediction(td.name, record, pred, metric=td.metric, allow_partial=allow_partial)
+                    nfe = int(res.stats.row_nfe[j])
+                    line = {"task": td.name, "index": idx, **s.describe(), "cache": cache,
+                            "gen_length": config.gen_length, "steps": config.steps, "prediction": pred, **sc,
+                            "metric": td.metric, "nfe": nfe, "tokens_per_step": config.gen_length / max(nfe, 1),
+                            "output_length": lengths[j], "time_s": per_row, "batch_size": len(rows),
+                            **{k: record[k] for k in ("input", "answer", "output_format", "metadata") if k in record}}
+                    f.write(json.dumps(line, ensure_ascii=False) + "\n")
+                    f.flush()
+                    written += 1
+                    if on_sample is not None:
+                        on_sample(line)
+                os.fsync(f.fileno())
+    return SweepResult(out, samples_path, written, already, [td.name for td in task_data],
+                       [s.label for s in settings], needs)
