@@ -40,12 +40,14 @@ class TrainConfig:
     n_heads: int = 4
     n_kv_heads: int | None = None  # default: n_heads (LLaDA) / n_heads // 2 (Dream, GQA like the real model)
     mlp_hidden: int = 512
-    steps: int = 2000
-    batch_size: int = 48
+    steps: int = 4000
+    batch_size: int = 32
     lr: float = 2e-3
     warmup: int = 100
     weight_decay: float = 0.01
     examples_per_task: int = 4000
+    curriculum: float = 0.4  # first fraction of steps: single-turn prompts only (copying emerges much faster)
+    multi_turn: float = 0.6  # afterwards: fraction of prompts that carry the worked example turn
     seed: int = 0
     threads: int | None = None
     time_budget_s: float | None = None  # stop early (cosine schedule still spans `steps`)
@@ -62,15 +64,16 @@ def encode_example(tok, ex: T.Example, with_example: bool = True) -> tuple[list[
     return prompt, answer
 
 
-def build_pool(tok, n_per_task: int, seed: int, single_turn: float = 0.25) -> list[tuple[list[int], list[int]]]:
-    """Encoded training examples; a ``single_turn`` fraction has no worked example, so plain one-turn
-    prompts (``dllm generate "Please copy the list exactly: ..."``) work too."""
-    rng = random.Random(seed)
-    pool = []
+def build_pools(tok, n_per_task: int, seed: int) -> tuple[list, list]:
+    """Encoded training examples, once without and once with the worked example turn (the evaluation
+    prompts carry it; plain one-turn prompts such as ``dllm generate "Please copy the list exactly: ..."``
+    work too)."""
+    single, multi = [], []
     for name in T.task_names():
         for ex in T.generate(name, n_per_task, seed):
-            pool.append(encode_example(tok, ex, with_example=rng.random() >= single_turn))
-    return pool
+            single.append(encode_example(tok, ex, with_example=False))
+            multi.append(encode_example(tok, ex, with_example=True))
+    return single, multi
 
 
 def make_batch(pool, idx, *, mask_id, eot_id, eos_id, pad_id, rng: random.Random, eps: float):
@@ -123,16 +126,23 @@ def train(cfg: TrainConfig, out_dir, *, progress=None) -> dict:
     model = Transformer(mcfg, spec)
     init_weights(model)
     model.mask_id, model.eos_id, model.pad_id, model.eot_id = ids["mask_id"], ids["eos_id"], ids["eos_id"], ids["eot_id"]
-    pool = build_pool(tok, cfg.examples_per_task, seed=cfg.seed + 1000)
+    single, multi = build_pools(tok, cfg.examples_per_task, seed=cfg.seed + 1000)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     t0 = time.perf_counter()
     losses = []
     step = 0
     model.train()
     for step in range(1, cfg.steps + 1):
-        lr = cfg.lr * min(1.0, step / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * min(step, cfg.steps) / cfg.steps))
+        # Progress drives the schedules: steps done, or time used when a budget is set (so a budgeted run
+        # still warms up, follows the curriculum and anneals to the end).
+        frac = step / cfg.steps
+        if cfg.time_budget_s:
+            frac = max(frac, (time.perf_counter() - t0) / cfg.time_budget_s)
+        lr = cfg.lr * min(1.0, step / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
         for g in opt.param_groups:
             g["lr"] = max(lr, cfg.lr * 0.02)
+        p_multi = 0.0 if frac <= cfg.curriculum else cfg.multi_turn
+        pool = multi if rng.random() < p_multi else single
         idx = [rng.randrange(len(pool)) for _ in range(cfg.batch_size)]
         noisy, valid, target, masked, t, P = make_batch(
             pool, idx, mask_id=ids["mask_id"], eot_id=ids["eot_id"], eos_id=ids["eos_id"], pad_id=ids["eos_id"],
@@ -149,11 +159,11 @@ def train(cfg: TrainConfig, out_dir, *, progress=None) -> dict:
         losses.append(loss.item())
         if progress is not None and step % 50 == 0:
             progress(step, sum(losses[-50:]) / 50, time.perf_counter() - t0)
-        if cfg.time_budget_s and time.perf_counter() - t0 > cfg.time_budget_s:
+        if frac >= 1.0:
             break
     model.eval().requires_grad_(False)
     model.tokenizer = tok
-    save_pretrained(model, out_dir, dtype=torch.bfloat16)
+    save_pretrained(model, out_dir, dtype=torch.float32)
     summary = {
         "train_config": asdict(cfg),
         "model_config": asdict(mcfg),
