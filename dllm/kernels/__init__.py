@@ -50,4 +50,11 @@ def attention(q, k, v, key_padding_mask=None, return_lse=False):
     return _module.attention(q, k, v, key_padding_mask=key_padding_mask, return_lse=return_lse)
 
 
-__all__ = ["attention", "get_backend", "reference", "set_backend"]
+def attention_mass(q, k, key_padding_mask=None, lse=None):
+    """Dispatching wrapper; see :func:`dllm.kernels.reference.attention_mass`."""
+    if _module is None:
+        get_backend()
+    return _module.attention_mass(q, k, key_padding_mask=key_padding_mask, lse=lse)
+
+
+__all__ = ["attention", "attention_mass", "get_backend", "reference", "set_backend"]

@@ -43,14 +43,43 @@ def attention(
             any_key = key_padding_mask.any(-1)[:, None, None, None]
             out = torch.where(any_key, out, torch.zeros((), dtype=out.dtype, device=out.device))
         return out
-    group = hq // hkv
-    kf = k.float().repeat_interleave(group, dim=1)
-    vf = v.float().repeat_interleave(group, dim=1)
-    scores = q.float() @ kf.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    if key_padding_mask is not None:
-        scores = scores.masked_fill(~key_padding_mask[:, None, None, :], float("-inf"))
+    vf = v.float().repeat_interleave(hq // hkv, dim=1)
+    scores = _scores(q, k, key_padding_mask)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse[..., None].clamp_min(torch.finfo(torch.float32).min))
     probs = torch.nan_to_num(probs, nan=0.0)
     out = (probs @ vf).to(q.dtype)
     return out, lse
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, key_padding_mask: torch.Tensor | None) -> torch.Tensor:
+    group = q.shape[1] // k.shape[1]
+    kf = k.float().repeat_interleave(group, dim=1)
+    scores = q.float() @ kf.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if key_padding_mask is not None:
+        scores = scores.masked_fill(~key_padding_mask[:, None, None, :], float("-inf"))
+    return scores
+
+
+def attention_mass(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    key_padding_mask: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention probability mass each key receives, summed over all query rows and heads of ``q``.
+
+    Args:
+        q: ``[B, Hq, Lq, D]`` (only the selected query rows), float16/bfloat16/float32.
+        k: ``[B, Hkv, Lk, D]``, same dtype.
+        key_padding_mask: optional ``[B, Lk]`` bool, True where a key may be attended to.
+        lse: optional ``[B, Hq, Lq]`` float32 log-sum-exp from :func:`attention` (recomputed when None).
+
+    Returns:
+        ``[B, Lk]`` float32. Over all keys it sums to ``Hq * Lq`` per batch row (minus fully masked rows).
+    """
+    scores = _scores(q, k, key_padding_mask)
+    if lse is None:
+        lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.nan_to_num(torch.exp(scores - lse[..., None]), nan=0.0)
+    return probs.sum(dim=(1, 2))
