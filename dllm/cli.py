@@ -111,7 +111,8 @@ def cmd_train_tiny(args) -> int:
 
     cfg = TrainConfig(family=args.family, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
                       mlp_hidden=args.mlp, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                      seed=args.seed, threads=args.threads, time_budget_s=args.time_budget)
+                      seed=args.seed, threads=args.threads, time_budget_s=args.time_budget,
+                      init_from=args.init_from, curriculum=args.curriculum)
 
     def progress(step, loss, secs):
         print(f"step {step}/{cfg.steps}  loss {loss:.4f}  {secs:.0f}s", file=sys.stderr, flush=True)
@@ -177,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--threads", type=int, default=None)
     t.add_argument("--time-budget", type=float, default=None, help="stop after this many seconds")
+    t.add_argument("--init-from", default=None, help="continue training from this checkpoint")
+    t.add_argument("--curriculum", type=float, default=0.4,
+                   help="fraction of training on single-turn prompts before worked examples are mixed in")
     t.set_defaults(func=cmd_train_tiny)
 
     e = sub.add_parser("eval-tasks", help="score a model on the synthetic tasks (held-out seed)")

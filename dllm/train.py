@@ -52,6 +52,7 @@ class TrainConfig:
     threads: int | None = None
     time_budget_s: float | None = None  # stop early (cosine schedule still spans `steps`)
     eps: float = 1e-3
+    init_from: str | None = None  # continue from an existing checkpoint of the same family and shape
 
 
 def encode_example(tok, ex: T.Example, with_example: bool = True) -> tuple[list[int], list[int]]:
@@ -125,6 +126,13 @@ def train(cfg: TrainConfig, out_dir, *, progress=None) -> dict:
     )
     model = Transformer(mcfg, spec)
     init_weights(model)
+    if cfg.init_from:
+        from dllm.models.loading import load_model
+
+        start = load_model(cfg.init_from, dtype=torch.float32, tokenizer=False)
+        if start.config != mcfg:
+            raise ValueError(f"--init-from {cfg.init_from}: its config {start.config} differs from {mcfg}")
+        model.load_state_dict(start.state_dict())
     model.mask_id, model.eos_id, model.pad_id, model.eot_id = ids["mask_id"], ids["eos_id"], ids["eos_id"], ids["eot_id"]
     single, multi = build_pools(tok, cfg.examples_per_task, seed=cfg.seed + 1000)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
