@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# On CPU-only machines the Triton kernels are tested under the interpreter (tests/test_kernels.py). Triton's @jit
+# picks the interpreter when it decorates, at import, so the variable must be set before anything in the session
+# (transformers' modeling files, for one) imports triton.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 from dllm.models import DREAM, LLADA, Transformer, TransformerConfig
 from dllm.train import init_weights

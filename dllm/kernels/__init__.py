@@ -1,8 +1,11 @@
 """Kernel dispatch.
 
-The backend is chosen once per process: ``reference`` (pure PyTorch, :mod:`dllm.kernels.reference`) unless a
-Triton backend is registered and CUDA is present. :func:`set_backend` overrides the choice (tests use it).
-Triton is imported lazily, only when its backend is selected.
+The backend is chosen once per process, on first use: ``triton`` (:mod:`dllm.kernels.triton_kernels`) when CUDA
+is available and Triton imports, else ``reference`` (pure PyTorch, :mod:`dllm.kernels.reference`).
+:func:`set_backend` overrides the choice (tests use it). Triton is imported lazily, only when its backend is
+selected. The Triton functions run CUDA tensors, and CPU tensors under ``TRITON_INTERPRET=1``; other CPU tensors
+go to the reference functions, so a CUDA process can still run CPU models. The environment variable
+``DLLM_KERNELS=reference|triton`` replaces the automatic choice (not an explicit :func:`set_backend`).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from dllm.kernels import reference
+from dllm.kernels.reference import ConfidenceStats
 
 _BACKENDS = ("reference", "triton")
 _backend: str | None = None
@@ -27,6 +31,24 @@ def _triton_module() -> ModuleType:
     return triton_kernels
 
 
+def _default_backend() -> str:
+    import os
+
+    import torch
+
+    forced = os.environ.get("DLLM_KERNELS")
+    if forced:
+        return forced
+
+    if torch.cuda.is_available():
+        try:
+            _triton_module()
+        except RuntimeError:
+            return "reference"
+        return "triton"
+    return "reference"
+
+
 def set_backend(name: str) -> None:
     """Select the kernel backend: ``"reference"`` or ``"triton"``."""
     global _backend, _module
@@ -37,9 +59,9 @@ def set_backend(name: str) -> None:
 
 
 def get_backend() -> str:
-    """The active backend's name (chosen on first use when not set)."""
+    """The active backend's name (chosen on first use when not set: Triton on CUDA, the reference elsewhere)."""
     if _backend is None:
-        set_backend("reference")
+        set_backend(_default_backend())
     return _backend  # type: ignore[return-value]
 
 
@@ -57,4 +79,11 @@ def attention_mass(q, k, key_padding_mask=None, lse=None):
     return _module.attention_mass(q, k, key_padding_mask=key_padding_mask, lse=lse)
 
 
-__all__ = ["attention", "attention_mass", "get_backend", "reference", "set_backend"]
+def confidence_stats(logits, temperature=0.0, noise=None):
+    """Dispatching wrapper; see :func:`dllm.kernels.reference.confidence_stats`."""
+    if _module is None:
+        get_backend()
+    return _module.confidence_stats(logits, temperature=temperature, noise=noise)
+
+
+__all__ = ["ConfidenceStats", "attention", "attention_mass", "confidence_stats", "get_backend", "reference", "set_backend"]

@@ -8,6 +8,7 @@ Lq = query rows, Lk = key rows, D = head dim.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -83,3 +84,71 @@ def attention_mass(
         lse = torch.logsumexp(scores, dim=-1)
     probs = torch.nan_to_num(torch.exp(scores - lse[..., None]), nan=0.0)
     return probs.sum(dim=(1, 2))
+
+
+class ConfidenceStats(NamedTuple):
+    """Per-position statistics of ``softmax(logits)`` (see :func:`confidence_stats`); every field has the logits'
+    leading shape ``[...]``."""
+
+    token: torch.Tensor  # int64: the proposal (clean argmax at T = 0, Gumbel-max draw at T > 0)
+    p_token: torch.Tensor  # float32: softmax(logits)[token] (clean logits)
+    p_max: torch.Tensor  # float32: the largest clean probability (== p_token at T = 0)
+    p_second: torch.Tensor  # float32: the second-largest clean probability (0 when V == 1)
+    entropy: torch.Tensor  # float32: -sum p log p in nats (0 log 0 = 0, so -inf logits are fine)
+
+
+def _confidence_noise(logits: torch.Tensor, temperature: float, noise: torch.Tensor | None) -> torch.Tensor | None:
+    if logits.dim() < 1 or logits.shape[-1] < 1:
+        raise ValueError("logits must be [..., V] with V >= 1")
+    if not logits.is_floating_point():
+        raise ValueError(f"logits must be floating point, got {logits.dtype}")
+    if temperature < 0 or not math.isfinite(temperature):
+        raise ValueError(f"temperature must be finite and >= 0, got {temperature}")
+    if temperature == 0:
+        return None
+    if noise is None:
+        return torch.rand(logits.shape, dtype=torch.float32, device=logits.device)
+    try:
+        torch.broadcast_shapes(noise.shape, logits.shape)
+    except RuntimeError as exc:
+        raise ValueError(f"noise {tuple(noise.shape)} does not broadcast to logits {tuple(logits.shape)}") from exc
+    return noise
+
+
+def confidence_stats(logits: torch.Tensor, temperature: float = 0.0, noise: torch.Tensor | None = None):
+    """Proposal and confidence statistics of each position, in one pass over the vocabulary (Triton twin).
+
+    The probabilities are always those of the *clean* logits, ``p = softmax(logits)`` in float32 (as LLaDA and
+    Fast-dLLM score confidence); the temperature only affects the proposal. At ``temperature = 0`` the proposal
+    is the argmax (first maximal index). At ``T > 0`` it is the Gumbel-max draw from ``softmax(logits / T)``:
+    ``argmax(logits - T * log(-log u))`` computed in float32, which is LLaDA's ``argmax(exp(l) / (-log u) ** T)``
+    in log space (LLaDA evaluates it in float64, so near-ties may resolve differently).
+
+    Args:
+        logits: ``[..., V]`` float16/bfloat16/float32 (``-inf`` entries allowed; each row needs a finite one).
+        temperature: ``T >= 0``.
+        noise: uniform ``(0, 1)`` noise broadcastable to ``[..., V]`` (any float dtype, used in float32); when
+            ``T > 0`` and ``noise`` is None it is drawn with ``torch.rand`` (the global generator); ignored at
+            ``T = 0``.
+
+    Returns:
+        :class:`ConfidenceStats`: ``token`` ``[...]`` int64, ``p_token``/``p_max``/``p_second``/``entropy``
+        ``[...]`` float32. Margin confidence is ``p_max - p_second``.
+    """
+    noise = _confidence_noise(logits, temperature, noise)
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    logp = x - lse
+    p = logp.exp()
+    entropy = -torch.special.xlogy(p, p).sum(-1)
+    if x.shape[-1] > 1:
+        top2 = torch.topk(x, 2, dim=-1).values
+    else:
+        top2 = torch.cat([x, torch.full_like(x, float("-inf"))], -1)
+    if noise is None:
+        token = x.argmax(-1)
+    else:
+        token = (x - temperature * torch.log(-torch.log(noise.float()))).argmax(-1)
+    p_token = logp.gather(-1, token[..., None]).squeeze(-1).exp()
+    lse = lse.squeeze(-1)
+    return ConfidenceStats(token, p_token, (top2[..., 0] - lse).exp(), (top2[..., 1] - lse).exp(), entropy)
