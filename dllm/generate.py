@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from dllm.caches.base import NoCache
+from dllm.caches.base import CacheState, NoCache
 from dllm.config import GenerateConfig
 from dllm.samplers import get_sampler
 from dllm.samplers.base import StepContext, exclude_mask
@@ -26,7 +26,7 @@ class GenerateStats:
     time_sampler: float
     time_cache: float
     time_total: float
-    trace: list[dict[str, Any]] = field(default_factory=list)  # per step: committed per row, region bounds
+    trace: list[dict[str, Any]] = field(default_factory=list)  # per step: committed per row, region bounds, cache stats
 
 
 @dataclass
@@ -145,7 +145,9 @@ def generate(
             ``attention_mask``.
         config: a :class:`GenerateConfig`; keyword ``overrides`` (``gen_length=...``) build or amend it.
         sampler: a sampler object or a registered name (default: the model family's baseline).
-        cache: a cache policy (default :class:`~dllm.caches.NoCache`).
+        cache: a cache policy or registered name (default: the sampler's preferred cache, ``sampler.cache``,
+            e.g. ``dual`` for the ``fast-dllm`` preset, when the model supports caches; else
+            :class:`~dllm.caches.NoCache`). A name or the preference builds a fresh cache per call.
         block_policy: default: the sampler's preferred policy if it has one (``sampler.block_policy``,
             e.g. AdaBlock), else :class:`~dllm.samplers.FixedBlocks` with ``config.block_length`` (when that is
             ``None``, the sampler's preferred ``block_length``, e.g. 32 for ``fast-dllm``).
@@ -164,10 +166,16 @@ def generate(
     if isinstance(sampler, str):
         sampler = get_sampler(sampler)
     sampler = sampler or default_sampler(model)
+    if cache is None and getattr(model, "supports_cache", False):
+        cache = getattr(sampler, "cache", None)  # the preset's preference (fast-dllm: dual)
     if isinstance(cache, str):
         from dllm.caches import get_cache
 
         cache = get_cache(cache)
+    elif isinstance(cache, tuple):  # (name, params)
+        from dllm.caches import get_cache
+
+        cache = get_cache(cache[0], **dict(cache[1]))
     cache = cache or NoCache()
     if not isinstance(cache, NoCache) and not getattr(model, "supports_cache", False):
         raise ValueError(f"cache {cache.name!r} needs a dllm Transformer; this model supports no caches (use cache=None)")
@@ -214,6 +222,10 @@ def generate(
     row_nfe = torch.zeros(B, dtype=torch.long, device=device)
     state: dict = {}
     trace = []
+    shift = 1 if getattr(model, "shift_logits", False) else 0
+    committed = torch.zeros((B, T), dtype=torch.bool, device=device)
+    n_layers = getattr(getattr(model, "config", None), "n_layers", 1)
+    step_stats = getattr(cache, "step_stats", None)
     nfe = 0
     max_iters = 4 * (G + config.total_steps) + 8
     while True:
@@ -221,9 +233,15 @@ def generate(
         win_lo, win_hi = int(lo[sel].min()), int(hi[sel].max())  # the loop's one host sync per step
         w_lo, w_hi = widen(win_lo, win_hi, P, T) if widen is not None else (win_lo, win_hi)
         cols = cols_all[w_lo:w_hi]
+        tc = clock.now()
+        query_idx, _ = cache.plan(CacheState(x, lo, hi, active, step_in, (w_lo, w_hi), P, model.mask_id, shift,
+                                             committed, nfe, key_mask))
         t0 = clock.now()
-        logits = exclude_mask(_forward(model, x, positions, key_mask, cols.expand(B, -1), config, cache), model.mask_id)
+        clock.t["cache"] += t0 - tc
+        logits = exclude_mask(_forward(model, x, positions, key_mask, cols.expand(B, -1), config, cache, query_idx),
+                              model.mask_id)
         t1 = clock.now()
+        cstats = step_stats(n_layers) if step_stats is not None else {}
         xw = x[:, w_lo:w_hi]
         pinfo = {}
         in_region = (cols[None] >= lo[:, None]) & (cols[None] < hi[:, None])
@@ -245,13 +263,15 @@ def generate(
             commit = commit | (res.finish[:, None] & active[:, None] & (xw == model.mask_id))
             hi = torch.where(res.finish & active, torch.full_like(hi, T), hi)
         x[:, w_lo:w_hi] = torch.where(commit, res.proposal, xw)
+        committed = torch.zeros_like(committed)
+        committed[:, w_lo:w_hi] = commit
         t2 = clock.now()
         clock.t["model"] += t1 - t0
         clock.t["sampler"] += t2 - t1
         nfe += 1
         row_nfe += active.long()
         step_in += 1
-        trace.append({"committed": commit.sum(-1), "lo": lo.clone(), "hi": hi.clone(), **pinfo, **res.info})
+        trace.append({"committed": commit.sum(-1), "lo": lo.clone(), "hi": hi.clone(), **pinfo, **res.info, **cstats})
 
         # Region bookkeeping, vectorised over rows.
         masked = x == model.mask_id
@@ -264,6 +284,7 @@ def generate(
             first = torch.where(is_stop, cols_all[None], T).min(-1).values
             fill = stopped[:, None] & (cols_all[None] > first[:, None])
             x = torch.where(fill, torch.full_like(x, model.eos_id), x)
+            committed = committed | fill
             hi = torch.where(stopped, torch.full_like(hi, T), hi)
         new_lo = torch.where(done, hi, lo)
         finished_now = done & (new_lo >= T)
@@ -299,7 +320,8 @@ def generate(
     return GenerateOutput(seqs, decode_texts(model, seqs), [len(r) for r in rows], stats)
 
 
-def _forward(model, x, positions, key_mask, logits_idx, config: GenerateConfig, cache):
+def _forward(model, x, positions, key_mask, logits_idx, config: GenerateConfig, cache, query_idx=None):
+    extra = {} if query_idx is None else {"query_idx": query_idx}
     if config.cfg_scale > 0:
         P = x.shape[1] - config.gen_length
         un_x = x.clone()
@@ -307,10 +329,11 @@ def _forward(model, x, positions, key_mask, logits_idx, config: GenerateConfig, 
         both = torch.cat([x, un_x])
         km = None if key_mask is None else torch.cat([key_mask, key_mask])
         logits = model(both, positions=torch.cat([positions, positions]), attn_mask=km,
-                       logits_idx=torch.cat([logits_idx, logits_idx]), cache=cache)
+                       logits_idx=torch.cat([logits_idx, logits_idx]), cache=cache,
+                       **({} if query_idx is None else {"query_idx": torch.cat([query_idx, query_idx])}))
         cond, un = logits.chunk(2)
         return un + (config.cfg_scale + 1) * (cond - un)
-    return model(x, positions=positions, attn_mask=key_mask, logits_idx=logits_idx, cache=cache)
+    return model(x, positions=positions, attn_mask=key_mask, logits_idx=logits_idx, cache=cache, **extra)
 
 
 def decode_texts(model, seqs: torch.Tensor) -> list[str] | None:

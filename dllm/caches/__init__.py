@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
-from dllm.caches.base import Cache, NoCache
+from dllm.caches.base import Cache, CacheState, KVCache, NoCache
+from dllm.caches.elastic import ElasticCache
+from dllm.caches.policies import DKVDecode, DKVGreedy, DualCache, FreeCache, PrefixCache
 
-CACHES = {"none": NoCache}
+CACHES = {
+    "none": NoCache,
+    "prefix": PrefixCache,
+    "dual": DualCache,
+    "dkv-decode": DKVDecode,
+    "dkv-greedy": DKVGreedy,
+    "freecache": FreeCache,
+    "elastic": ElasticCache,
+}
 
 
 def get_cache(name: str, **params) -> Cache:
@@ -14,4 +24,5 @@ def get_cache(name: str, **params) -> Cache:
     return CACHES[name](**params)
 
 
-__all__ = ["CACHES", "Cache", "NoCache", "get_cache"]
+__all__ = ["CACHES", "Cache", "CacheState", "DKVDecode", "DKVGreedy", "DualCache", "ElasticCache", "FreeCache", "KVCache",
+           "NoCache", "PrefixCache", "get_cache"]

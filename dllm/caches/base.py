@@ -1,9 +1,13 @@
 """Cache protocol: a policy over the model's partial forward.
 
 Once per forward ``plan(state)`` returns ``(query_idx, refresh_from_layer)``: the active rows to compute
-(``None``: all) and the first layer that recomputes every row (``None``: none). Inside the forward the model
-calls ``update(layer, k, v)`` per layer with the fresh post-RoPE K/V of the active rows and attends over what
-it returns (fresh K/V for active rows, cached K/V for the rest).
+(``[B, Q]`` int64, or ``None``: all rows) and the first layer that recomputes every row (``0`` for a full
+forward, ``None``: none planned; Elastic-Cache decides inside the forward). Inside the forward the model
+calls ``update(layer, k, v[, rows])`` per layer with the fresh post-RoPE K/V of the computed rows and attends
+over what it returns: the full ``[B, Hkv, T, D]`` K/V, fresh for the computed rows and stored for the rest.
+
+:class:`KVCache` holds the per-layer buffers (allocated at the first full forward, then written in place) and
+the bookkeeping every policy shares; a policy only implements :meth:`KVCache.select`.
 """
 
 from __future__ import annotations
@@ -24,8 +28,53 @@ class Cache(Protocol):
     def plan(self, state: Any) -> tuple[torch.Tensor | None, int | None]:  # pragma: no cover - protocol
         ...
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor | None = None):
         ...  # pragma: no cover - protocol
+
+
+@dataclass
+class CacheState:
+    """What the decode loop tells a cache before each forward (all tensors ``[B]`` or ``[B, T]``).
+
+    ``x``: the canvas; ``lo``/``hi``: each row's region; ``active``: unfinished rows; ``step_in``: steps
+    already taken in the current region (0: the region starts now); ``cols``: ``(c0, c1)`` canvas columns
+    whose logits are read this step; ``shift``: 1 for shifted-logit families (column c from row c - 1);
+    ``committed``: ``[B, T]`` positions decoded at the previous step; ``nfe``: forwards so far."""
+
+    x: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+    active: torch.Tensor
+    step_in: torch.Tensor
+    cols: tuple[int, int]
+    prompt_len: int
+    mask_id: int
+    shift: int
+    committed: torch.Tensor
+    nfe: int
+    valid: torch.Tensor | None = None
+
+
+def rows_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` bool -> ``[B, Q]`` int64 active rows, ascending, ``Q`` the largest count; shorter rows are
+    padded with their own first active row (a duplicate: recomputed twice, written identically). One host
+    sync (``Q``)."""
+    mask = mask.clone()
+    mask[:, 0] |= ~mask.any(-1)  # a row needs at least one active position
+    Q = int(mask.sum(-1).max())
+    order = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True)[:, :Q]
+    n = mask.sum(-1, keepdim=True)
+    pad = torch.arange(Q, device=mask.device)[None] >= n
+    return torch.where(pad, order[:, :1].expand_as(order), order)
+
+
+def logit_rows(state: CacheState) -> torch.Tensor:
+    """``[B, T]`` bool: the rows whose hidden states give this step's logits (the window shifted left for
+    shifted-logit families, e.g. Dream: the window includes the row before the region)."""
+    B, T = state.x.shape
+    c0, c1 = state.cols
+    cols = torch.arange(T, device=state.x.device)
+    return ((cols >= max(c0 - state.shift, 0)) & (cols < c1 - state.shift))[None].expand(B, T)
 
 
 @dataclass
@@ -35,10 +84,120 @@ class NoCache:
     name: str = "none"
 
     def reset(self, batch: int, canvas_len: int) -> None:
+        self.batch, self.canvas_len = batch, canvas_len
+
+    def step_stats(self, n_layers: int) -> dict[str, Any]:
+        return {"active": [self.canvas_len] * self.batch, "refresh_layer": 0, "computed": [1.0] * self.batch}
+
+    def plan(self, state: Any) -> tuple[None, int]:
+        return None, 0
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, rows=None) -> tuple[torch.Tensor, torch.Tensor]:
+        return k, v
+
+
+class KVCache:
+    """Per-layer post-RoPE K/V buffers plus the shared bookkeeping of a cache policy.
+
+    Subclasses implement ``select(state) -> [B, T] bool | None`` (the active rows; ``None``: a full forward)
+    and may read ``self.refresh_every`` (force a full forward every N forwards; 1: every step, the exact
+    mode). ``last_stats`` holds the last forward's statistics for the decode loop's trace: ``active``
+    (``[B]`` rows computed), ``refresh_layer`` (first layer that computed every row, -1: none) and
+    ``computed`` (fraction of token-layers computed, per row).
+    """
+
+    name = "kv"
+
+    def __init__(self, refresh_every: int | None = None):
+        if refresh_every is not None and (not isinstance(refresh_every, int) or refresh_every < 1):
+            raise ValueError(f"refresh_every={refresh_every!r} must be a positive integer or None (never)")
+        self.refresh_every = refresh_every
+        self.k: list[torch.Tensor | None] = []
+        self.v: list[torch.Tensor | None] = []
+        self.filled = False
+        self.last_stats: dict[str, Any] = {}
+        self._rows: torch.Tensor | None = None
+        self._counts: torch.Tensor | None = None
+        self._refresh_layer = -1
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(refresh_every={self.refresh_every})"
+
+    # -- protocol -----------------------------------------------------------------------------------------
+    def reset(self, batch: int, canvas_len: int) -> None:
+        self.k, self.v, self.filled = [], [], False
+        self.batch, self.canvas_len = batch, canvas_len
+        self.last_stats = {}
+        self.on_reset()
+
+    def on_reset(self) -> None:
         pass
 
-    def plan(self, state: Any) -> tuple[None, None]:
-        return None, None
+    def plan(self, state: CacheState) -> tuple[torch.Tensor | None, int | None]:
+        forced = self.refresh_every is not None and state.nfe % self.refresh_every == 0
+        mask = None if (not self.filled or forced) else self.select(state)
+        B, T = state.x.shape
+        if mask is None:
+            self._rows, self._counts, self._refresh_layer = None, torch.full((B,), T, device=state.x.device), 0
+            self.after_plan(state, None)
+            return None, 0
+        mask = mask | logit_rows(state)
+        if state.valid is not None:
+            mask = mask & state.valid
+        self._rows = rows_from_mask(mask)
+        self._counts = mask.sum(-1)
+        self._refresh_layer = -1
+        self.after_plan(state, self._rows)
+        return self._rows, None
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return k, v
+    def after_plan(self, state: CacheState, rows) -> None:
+        pass
+
+    def select(self, state: CacheState) -> torch.Tensor | None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor | None = None):
+        if rows is None:
+            while len(self.k) <= layer:
+                self.k.append(None)
+                self.v.append(None)
+            if self.k[layer] is None or self.k[layer].shape != k.shape or self.k[layer].dtype != k.dtype:
+                self.k[layer], self.v[layer] = torch.empty_like(k), torch.empty_like(v)
+            self.k[layer].copy_(k)
+            self.v[layer].copy_(v)
+            if layer == 0:
+                self.filled = True
+            return k, v
+        if not self.filled or layer >= len(self.k) or self.k[layer] is None:
+            raise RuntimeError(f"cache {self.name!r}: a partial forward before the cache was filled")
+        kb, vb = self.k[layer], self.v[layer]
+        if kb.shape[0] != k.shape[0]:
+            raise RuntimeError(f"cache {self.name!r} holds batch {kb.shape[0]}, the forward has {k.shape[0]}")
+        idx = rows[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+        kb.scatter_(2, idx, k)
+        vb.scatter_(2, idx, v)
+        return kb, vb
+
+    # -- statistics ----------------------------------------------------------------------------------------
+    def step_stats(self, n_layers: int) -> dict[str, Any]:
+        """Statistics of the forward just run (called by the decode loop)."""
+        T = self.canvas_len
+        r = self._refresh_layer
+        counts = self._counts.float()
+        if r == 0:
+            frac = torch.ones_like(counts)
+        else:
+            full = 0 if r < 0 else n_layers - r
+            frac = ((n_layers - full) * counts + full * T) / (n_layers * T)
+        self.last_stats = {"active": self._counts.clone(), "refresh_layer": r, "computed": frac}
+        return self.last_stats
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the K/V buffers."""
+        return sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None)
+
+
+def region_start(state: CacheState) -> bool:
+    """True when some unfinished row starts a new region at this step."""
+    return bool((state.active & (state.step_in == 0)).any())

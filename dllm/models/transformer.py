@@ -89,7 +89,10 @@ class Block(nn.Module):
         self.up = nn.Linear(d, cfg.mlp_hidden, bias=False)
         self.down = nn.Linear(cfg.mlp_hidden, d, bias=False)
 
-    def forward(self, h, cos, sin, key_mask, layer_idx: int, cache=None):
+    def forward(self, h, cos, sin, key_mask, layer_idx: int, cache=None, rows=None):
+        """``h``: ``[B, Q, d]`` hidden states of the computed rows (all ``T`` rows when ``rows`` is None, else
+        the canvas rows ``rows`` ``[B, Q]``); ``cos``/``sin`` are the RoPE tables of those rows. Keys and
+        values of the rows not computed come from ``cache.update``."""
         B, T, _ = h.shape
         x = self.attn_norm(h)
         q = self.q(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
@@ -97,8 +100,11 @@ class Block(nn.Module):
         v = self.v(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
-            k, v = cache.update(layer_idx, k, v)
+            k, v = cache.update(layer_idx, k, v) if rows is None else cache.update(layer_idx, k, v, rows)
         a = kernels.attention(q, k, v, key_padding_mask=key_mask)
+        observe = getattr(cache, "observe", None)
+        if observe is not None:  # optional hook (Elastic-Cache: attention mass, drift test)
+            observe(layer_idx, q, k, key_mask, rows)
         h = h + self.o(a.transpose(1, 2).reshape(B, T, -1))
         x = self.mlp_norm(h)
         return h + self.down(F.silu(self.gate(x)) * self.up(x))
@@ -170,8 +176,15 @@ class Transformer(nn.Module):
             positions: ``[B, T]`` int64 RoPE positions (per row; default ``cumsum(attn_mask) - 1`` or
                 ``0..T-1``).
             attn_mask: ``[B, T]`` bool, True for real tokens; padded keys are never attended to.
-            query_idx: reserved for partial forwards (active rows); ``None`` computes every row.
-            cache: an object with ``update(layer, k, v) -> (k, v)`` (see :mod:`dllm.caches`), or ``None``.
+            query_idx: ``[B, Q]`` int64 active rows of a partial forward (``None``: every row). Only these
+                rows' hidden states are computed; their attention runs over every key, fresh ones for these
+                rows and the cache's stored ones for the others. A row may repeat (padding of ragged active
+                sets); rows never mix across the batch.
+            cache: an object with ``update(layer, k, v[, rows]) -> (k, v)`` returning the full ``[B, Hkv, T,
+                D]`` post-RoPE keys/values (see :mod:`dllm.caches`), or ``None``. Optional hooks:
+                ``layer_input(layer, h, rows)`` (sees every layer's input; in a partial forward it may return
+                ``[B, T, d]`` hidden states to compute every row from this layer on, else None) and ``observe(layer, q, k, key_mask, rows)`` (sees the queries and
+                the full keys, e.g. for attention mass).
             logits_idx: ``[B, R]`` int64 canvas columns whose *token* predictions are wanted; for families
                 with shifted logits (Dream) the prediction for column ``c`` comes from hidden row ``c - 1``.
                 ``None`` returns all ``T`` columns (shift applied the way the reference does it).
@@ -179,22 +192,45 @@ class Transformer(nn.Module):
         Returns:
             ``[B, R, V]`` (or ``[B, T, V]``) logits in the model dtype.
         """
-        if query_idx is not None:
-            raise NotImplementedError("partial forwards (query_idx) arrive with the cache policies")
         B, T = tokens.shape
         if positions is None:
             positions = default_positions(attn_mask, B, T, tokens.device)
-        cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta)
-        h = self.embed(tokens)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, attn_mask, i, cache)
+        hd, theta = self.config.head_dim, self.config.rope_theta
         shift = 1 if self.shift_logits else 0
-        if logits_idx is None:
-            rows = torch.arange(T, device=tokens.device).sub(shift).clamp_min(0).expand(B, T)
+        if query_idx is None:
+            cos, sin = rope_tables(positions, hd, theta)
+            h = self.embed(tokens)
         else:
-            rows = (logits_idx - shift).clamp_min(0)
-        if not (logits_idx is None and shift == 0):
-            h = h.gather(1, rows[..., None].expand(-1, -1, h.shape[-1]))
+            if cache is None:
+                raise ValueError("a partial forward (query_idx) needs a cache holding the other rows' keys/values")
+            cos, sin = rope_tables(positions.gather(1, query_idx), hd, theta)
+            h = self.embed(tokens.gather(1, query_idx))
+        rows = query_idx
+        layer_input = getattr(cache, "layer_input", None)
+        for i, layer in enumerate(self.layers):
+            if layer_input is not None:  # the cache sees each layer's input; it may switch to every row
+                full = layer_input(i, h, rows)
+                if full is not None and rows is not None:
+                    h, rows = full, None
+                    cos, sin = rope_tables(positions, hd, theta)
+            h = layer(h, cos, sin, attn_mask, i, cache, rows)
+        if rows is None:
+            if logits_idx is None:
+                idx = torch.arange(T, device=tokens.device).sub(shift).clamp_min(0).expand(B, T)
+            else:
+                idx = (logits_idx - shift).clamp_min(0)
+            if not (logits_idx is None and shift == 0):
+                h = h.gather(1, idx[..., None].expand(-1, -1, h.shape[-1]))
+            return self.head(self.norm(h))
+        # Partial forward: the wanted rows must be among the computed ones.
+        want = torch.arange(T, device=tokens.device).expand(B, T) if logits_idx is None else logits_idx
+        want = (want - shift).clamp_min(0)
+        hit = want[:, :, None] == rows[:, None, :]  # [B, R, Q]
+        if not bool(hit.any(-1).all()):
+            raise ValueError("logits were asked for rows outside query_idx; the cache's active set must contain "
+                             "every row whose logits are read (for shifted-logit families, column c needs row c - 1)")
+        pos = hit.to(torch.int8).argmax(-1)
+        h = h.gather(1, pos[..., None].expand(-1, -1, h.shape[-1]))
         return self.head(self.norm(h))
 
 

@@ -51,6 +51,8 @@ class ComposedSampler:
         eos_rejection: EOS early rejection stage or ``None``.
         block_length: preferred fixed block length (``None``: none).
         block_policy: preferred block policy (e.g. :class:`~dllm.samplers.adablock.AdaBlock`).
+        cache: preferred cache policy, a registered name or ``(name, ((param, value), ...))`` (``None``:
+            none), used by ``generate`` when the caller passes no cache (presets: ``fast-dllm`` -> dual).
     """
 
     rule: CommitRule = field(default_factory=Threshold)
@@ -62,6 +64,7 @@ class ComposedSampler:
     eos_rejection: EOSRejection | None = None
     block_length: int | None = None
     block_policy: Any = None
+    cache: Any = None
     name: str = "composed"
 
     def __post_init__(self):

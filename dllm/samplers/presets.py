@@ -27,10 +27,32 @@ def threshold_sampler(tau: float = 0.9, temperature: float = 0.0, confidence: st
     return ComposedSampler(Threshold(tau, max_slack), **_common(temperature, confidence, softmax_dtype, block_length, name))
 
 
+def _cache(cache):
+    return None if cache in (None, "none", "") else cache
+
+
 def fast_dllm(tau: float = 0.9, temperature: float = 0.0, confidence: str = "prob",
-              softmax_dtype: str = "float32", block_length: int | None = 32, name: str = "fast-dllm") -> ComposedSampler:
-    """Fast-dLLM parallel decoding: threshold 0.9, block 32."""
-    return ComposedSampler(Threshold(tau), **_common(temperature, confidence, softmax_dtype, block_length, name))
+              softmax_dtype: str = "float32", block_length: int | None = 32, cache: str | None = "dual",
+              name: str = "fast-dllm") -> ComposedSampler:
+    """Fast-dLLM parallel decoding: threshold 0.9, block 32, dual cache (when the caller passes none)."""
+    return ComposedSampler(Threshold(tau), cache=_cache(cache),
+                           **_common(temperature, confidence, softmax_dtype, block_length, name))
+
+
+def elastic(tau: float = 0.9, window: int = 16, gamma: float = 0.9, track_num: int = 1, temperature: float = 0.0,
+            confidence: str = "prob", softmax_dtype: str = "float32", name: str = "elastic") -> ComposedSampler:
+    """Elastic-Cache: threshold 0.9 over regions of ``window`` (16) positions, elastic cache (gamma 0.9,
+    one tracked token per layer). The reference slides a window over the first 16 remaining masks; here the
+    window is a fixed block of 16 positions that advances when it has no masks left."""
+    return ComposedSampler(Threshold(tau), cache=("elastic", (("gamma", gamma), ("track_num", track_num))),
+                           **_common(temperature, confidence, softmax_dtype, window, name))
+
+
+def dkv(refresh_every: int = 8, temperature: float = 0.0, confidence: str = "prob", softmax_dtype: str = "float64",
+        block_length: int | None = None, name: str = "dkv") -> ComposedSampler:
+    """dKV-Cache-Decode over LLaDA's low-confidence even quota (cache_reloading_step 8)."""
+    return ComposedSampler(Quota(), cache=("dkv-decode", (("refresh_every", refresh_every),)),
+                           **_common(temperature, confidence, softmax_dtype, block_length, name))
 
 
 def factor_sampler(factor: float = 1.0, quirk: bool = False, temperature: float = 0.0, confidence: str = "prob",
@@ -118,7 +140,9 @@ def klass(conf_threshold: float = 0.6, kl_threshold: float = 0.015, history: int
 PRESETS = {
     "threshold": (threshold_sampler, "Fast-dLLM threshold rule: conf >= tau plus the best candidate (tau 0.9)"),
     "factor": (factor_sampler, "Fast-dLLM factor rule: longest prefix with c_n >= 1 - f/(n+1) (f 1.0)"),
-    "fast-dllm": (fast_dllm, "Fast-dLLM parallel decoding: threshold 0.9, block 32"),
+    "fast-dllm": (fast_dllm, "Fast-dLLM parallel decoding: threshold 0.9, block 32, dual cache"),
+    "elastic": (elastic, "Elastic-Cache: threshold 0.9, window 16, elastic cache gamma 0.9"),
+    "dkv": (dkv, "dKV-Cache-Decode (refresh every 8) over LLaDA's low-confidence even quota"),
     "localleap": (localleap, "LocalLeap: anchors kappa 0.9, relaxed tau 0.75 within radius 4, block 32"),
     "credit": (credit, "CreditDecoding: trace credits (alpha 0.7, beta 0.8, gamma 0.2) + threshold 0.9, block 32"),
     "credit-localleap": (credit_localleap, "CreditDecoding's fused logits with the LocalLeap rule"),

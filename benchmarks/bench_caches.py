@@ -1,0 +1,104 @@
+"""Speed of every cache policy against no cache, in one run, on a random-weight LLaDA-shaped model.
+
+Every cache decodes the same prompts with LLaDA's even quota (a fixed number of steps, so every cache does
+the same number of forwards); reported per cache and batch size: end-to-end time, speedup over no cache,
+fraction of token-layers computed (from generate's per-step statistics), K/V memory held by the cache,
+and the fraction of output tokens equal to the no-cache run (random weights: staleness shows up here far
+more than on a trained model).
+
+    python benchmarks/bench_caches.py                        # 12 layers, width 1024 (GPU-sized)
+    python benchmarks/bench_caches.py --layers 4 --width 256 --steps 64   # CPU-sized
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from dllm import generate, get_sampler
+from dllm.caches import CACHES, get_cache
+from dllm.models import LLADA, Transformer, TransformerConfig
+from dllm.train import init_weights
+
+
+def build(layers: int, width: int, heads: int, vocab: int, max_len: int, device, dtype) -> Transformer:
+    cfg = TransformerConfig(vocab_size=vocab, d_model=width, n_layers=layers, n_heads=heads, n_kv_heads=heads,
+                            mlp_hidden=(8 * width // 3 + 63) // 64 * 64, max_seq_len=max_len)
+    torch.manual_seed(0)
+    model = Transformer(cfg, LLADA)
+    init_weights(model, std=0.5)
+    model.mask_id, model.eos_id, model.eot_id, model.pad_id = vocab - 1, 1, 2, 1
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=None, help="default width // 64")
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--gen", type=int, default=256)
+    p.add_argument("--block", type=int, default=32)
+    p.add_argument("--steps", type=int, default=256)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--caches", nargs="+", default=[c for c in CACHES if c != "none"])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, help="default bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", default=None, help="also write the rows here")
+    a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if a.device == "cuda" else torch.float32)
+    model = build(a.layers, a.width, a.heads or max(a.width // 64, 1), a.vocab, a.prompt + a.gen, a.device, dtype)
+    L = a.layers
+    print(f"model: {L} layers, width {a.width}, {sum(t.numel() for t in model.parameters()) / 1e6:.1f}M params, "
+          f"{dtype}, {a.device}; prompt {a.prompt}, gen {a.gen}, block {a.block}, steps {a.steps} "
+          f"(LLaDA even quota: every cache does {a.steps} forwards)")
+    rows = []
+    for B in a.batch:
+        g = torch.Generator().manual_seed(B)
+        prompts = torch.randint(3, a.vocab - 1, (B, a.prompt), generator=g)
+        kw = dict(gen_length=a.gen, block_length=a.block, steps=a.steps, sampler=get_sampler("llada"))
+        generate(model, prompts[:, :64], **{**kw, "gen_length": a.block, "steps": a.block // (a.gen // a.steps)})
+        base_t, base_seq = None, None
+        for name in ["none", *a.caches]:
+            cache = get_cache(name)
+            if a.device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            out = generate(model, prompts, cache=cache, **kw)
+            if a.device == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            tr = out.stats.trace
+            computed = sum(sum(r["computed"]) / len(r["computed"]) for r in tr) / len(tr)
+            if name == "none":
+                base_t, base_seq = dt, out.sequences
+            row = {"batch": B, "cache": name, "time_s": round(dt, 3), "speedup": round(base_t / dt, 2),
+                   "token_layers": round(computed, 3), "nfe": out.stats.nfe,
+                   "full_refreshes": sum(r["refresh_layer"] == 0 for r in tr),
+                   "kv_mib": round(getattr(cache, "nbytes", 0) / 2**20, 1),
+                   "same_tokens": round(float((out.sequences == base_seq).float().mean()), 3)}
+            if a.device == "cuda":
+                row["peak_mib"] = round(torch.cuda.max_memory_allocated() / 2**20)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print()
+    print("| batch | cache | time (s) | speedup | token-layers computed | full refreshes | K/V MiB | same tokens |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['batch']} | {r['cache']} | {r['time_s']} | {r['speedup']}x | {r['token_layers']:.1%} | "
+              f"{r['full_refreshes']}/{r['nfe']} | {r['kv_mib']} | {r['same_tokens']:.1%} |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

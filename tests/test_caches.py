@@ -1,0 +1,274 @@
+"""Cache policies over the partial forward: exactness, layer-0 K/V, partial-forward oracle, Dream's shift,
+and every cache with several samplers / block policies / batch sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ragged_prompts, random_model
+from helpers_parity import cached_model, prompt_set
+
+from dllm import generate
+from dllm.caches import CACHES, KVCache, get_cache
+from dllm.caches.base import rows_from_mask
+
+CACHE_NAMES = [n for n in CACHES if n != "none"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _canvas(model, P=6, G=12, B=2, seed=0, frac_masked=0.5):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(3, model.mask_id, (B, P + G), generator=g)
+    gen = x[:, P:]
+    gen[torch.rand(gen.shape, generator=g) < frac_masked] = model.mask_id
+    return x
+
+
+def _full(model, x, cache=None, attn_mask=None):
+    return model(x, attn_mask=attn_mask, cache=cache)
+
+
+# ------------------------------------------------------------------------------------------ exactness
+@pytest.mark.parametrize("name", CACHE_NAMES)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_refresh_every_step_reproduces_no_cache(family, name, batch):
+    model = cached_model(family, 0)
+    prompts = prompt_set(batch, 1)
+    kw = dict(gen_length=16, block_length=8, steps=16)
+    base = generate(model, prompts, **kw).sequences
+    out = generate(model, prompts, cache=get_cache(name, refresh_every=1), **kw)
+    assert torch.equal(out.sequences, base)
+    assert all(rec["refresh_layer"] == 0 for rec in out.stats.trace)
+
+
+def test_stats_in_trace():
+    model = cached_model("llada", 0)
+    out = generate(model, prompt_set(3, 0), gen_length=16, block_length=8, steps=16, cache="dual")
+    trace = out.stats.trace
+    assert trace[0]["refresh_layer"] == 0 and trace[0]["computed"] == [1.0] * 3
+    partial = [r for r in trace if r["refresh_layer"] == -1]
+    assert partial, "the dual cache never ran a partial forward"
+    T = 9 + 16
+    for r in partial:
+        assert all(0 < c < 1 for c in r["computed"])
+        assert all(a < T for a in r["active"])
+    assert out.stats.time_cache >= 0
+    plain = generate(model, prompt_set(3, 0), gen_length=16, block_length=8, steps=16)
+    assert all(r["refresh_layer"] == 0 for r in plain.stats.trace)
+
+
+# ---------------------------------------------------------------------------------- partial forward
+def test_layer0_kv_of_unchanged_tokens_equal_cached(family):
+    model = random_model(family)
+    x = _canvas(model)
+    cache = get_cache("dual")
+    cache.reset(*x.shape)
+    _full(model, x, cache)
+    k0, v0 = cache.k[0].clone(), cache.v[0].clone()
+    g = torch.Generator().manual_seed(3)
+    active = torch.rand(x.shape, generator=g) < 0.4
+    shift = 1 if model.shift_logits else 0
+    active[:, x.shape[1] - shift:] = False
+    x2 = x.clone()
+    changed = active & (torch.rand(x.shape, generator=g) < 0.5)
+    x2[changed] = 7  # some active rows change token, the rest are unchanged
+    rows = rows_from_mask(active)
+    model(x2, query_idx=rows, cache=cache, logits_idx=rows + shift)
+    same = ~changed
+    assert torch.equal(cache.k[0].transpose(1, 2)[same], k0.transpose(1, 2)[same])
+    assert torch.equal(cache.v[0].transpose(1, 2)[same], v0.transpose(1, 2)[same])
+    assert not torch.equal(cache.k[0].transpose(1, 2)[changed], k0.transpose(1, 2)[changed])
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_active_set_logits_equal_full_forward(family, seed):
+    model = random_model(family)
+    x = _canvas(model, B=3, seed=seed)
+    attn = torch.ones_like(x, dtype=torch.bool)
+    attn[1, :2] = False  # a left-padded row
+    cache = get_cache("dual")
+    cache.reset(*x.shape)
+    full = _full(model, x, cache, attn)  # the cache holds the true K/V of this canvas
+    g = torch.Generator().manual_seed(seed + 10)
+    active = (torch.rand(x.shape, generator=g) < 0.3) & attn
+    shift = 1 if model.shift_logits else 0
+    active[:, x.shape[1] - shift:] = False  # (Dream: the last row predicts no column)
+    rows = rows_from_mask(active)  # ragged per row: padded with duplicates
+    cols = rows + shift
+    part = model(x, attn_mask=attn, query_idx=rows, cache=cache, logits_idx=cols)
+    ref = full.gather(1, cols[..., None].expand(-1, -1, full.shape[-1]))
+    torch.testing.assert_close(part, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_rows_from_mask_pads_with_duplicates():
+    m = torch.tensor([[0, 1, 0, 1, 1], [1, 0, 0, 0, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)
+    r = rows_from_mask(m)
+    assert r.tolist() == [[1, 3, 4], [0, 0, 0], [0, 0, 0]]
+
+
+def test_partial_forward_needs_cache_and_queried_rows():
+    model = random_model("llada")
+    x = _canvas(model)
+    with pytest.raises(ValueError, match="needs a cache"):
+        model(x, query_idx=torch.zeros(2, 1, dtype=torch.long))
+    cache = get_cache("dual")
+    cache.reset(*x.shape)
+    _full(model, x, cache)
+    with pytest.raises(ValueError, match="outside query_idx"):
+        model(x, query_idx=torch.tensor([[6, 7]] * 2), cache=cache, logits_idx=torch.tensor([[6, 8]] * 2))
+
+
+# ---------------------------------------------------------------------------------------- Dream shift
+class _UnshiftedDual(KVCache):
+    """A buggy dual cache that starts its query window at the region start (ignores Dream's shift)."""
+
+    name = "unshifted"
+
+    def select(self, state):
+        return None if bool((state.step_in == 0).any()) else torch.zeros_like(state.x, dtype=torch.bool)
+
+    def plan(self, state):
+        if not self.filled or self.select(state) is None:
+            return super().plan(state)
+        c = torch.arange(state.x.shape[1])[None]
+        c0, c1 = state.cols
+        mask = ((c >= c0) & (c < c1)).expand_as(state.x)
+        self._rows, self._counts, self._refresh_layer = rows_from_mask(mask), mask.sum(-1), -1
+        return self._rows, None
+
+
+def test_dream_window_includes_the_row_before_the_region():
+    model = cached_model("dream", 0)
+    prompts = prompt_set(1, 0)
+    kw = dict(gen_length=16, block_length=8, steps=16)
+    out = generate(model, prompts, cache="dual", **kw)  # the window starts one row early: works
+    assert not out.sequences.eq(model.mask_id).any()
+    with pytest.raises(ValueError, match="outside query_idx"):
+        generate(model, prompts, cache=_UnshiftedDual(), **kw)
+
+
+def test_dream_dual_partial_logits_match_full_on_window():
+    """With true K/V in the cache, the dual cache's window (region shifted one row left) gives the full
+    forward's logits for every region column; the unshifted window would read row c instead of c - 1."""
+    model = random_model("dream")
+    x = _canvas(model, P=6, G=12, B=2)
+    cache = get_cache("dual")
+    cache.reset(*x.shape)
+    full = _full(model, x, cache)
+    lo, hi = 10, 14
+    cols = torch.arange(lo, hi).expand(2, -1)
+    rows = torch.arange(lo - 1, hi).expand(2, -1)
+    part = model(x, query_idx=rows, cache=cache, logits_idx=cols)
+    torch.testing.assert_close(part, full[:, lo:hi], rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------ every cache x samplers
+SAMPLERS = [("threshold", {"block_length": 8}), ("llada", {"block_length": 8}), ("prophet", {"block_length": 8}),
+            ("adablock", {})]
+
+
+@pytest.mark.filterwarnings("ignore:AdaBlock delimiters")
+@pytest.mark.parametrize("name", CACHE_NAMES)
+@pytest.mark.parametrize("sampler,kw", SAMPLERS, ids=[s for s, _ in SAMPLERS])
+def test_every_cache_with_samplers(family, name, sampler, kw):
+    model = cached_model(family, 0, eos_heavy=True)
+    out = generate(model, ragged_prompts(3), gen_length=16, steps=16, sampler=sampler, cache=name,
+                   eos_early_stop=True, **kw)
+    assert not out.sequences.eq(model.mask_id).any()
+    assert out.stats.nfe <= 16 + 4
+
+
+def test_cfg_with_cache():
+    model = cached_model("llada", 0)
+    kw = dict(gen_length=16, block_length=8, steps=16, cfg_scale=1.0)
+    base = generate(model, prompt_set(3, 0), **kw).sequences
+    assert torch.equal(generate(model, prompt_set(3, 0), cache=get_cache("dual", refresh_every=1), **kw).sequences, base)
+    for name in CACHE_NAMES:
+        assert not generate(model, prompt_set(3, 0), cache=name, **kw).sequences.eq(model.mask_id).any()
+
+
+def test_batch_rows_independent_with_cache():
+    """A row's output with a cache does not depend on the other rows of the batch (no row mixing)."""
+    model = cached_model("llada", 0)
+    prompts = ragged_prompts(3)
+    kw = dict(gen_length=16, block_length=8, steps=16, sampler="threshold")
+    for name in ("dual", "dkv-decode", "freecache"):
+        both = generate(model, prompts, cache=name, **kw).sequences
+        for i, p in enumerate(prompts):
+            alone = generate(model, [p], cache=name, **kw).sequences[0]
+            assert torch.equal(both[i], alone), (name, i)
+
+
+def test_invalid_refresh_every():
+    with pytest.raises(ValueError, match="refresh_every"):
+        get_cache("dual", refresh_every=0)
+
+
+# ------------------------------------------------------------------------------------ elastic, presets
+def test_elastic_drift_test_sets_refresh_layer():
+    model = cached_model("llada", 0)
+    kw = dict(gen_length=16, block_length=8, steps=16, sampler="threshold")
+    never = generate(model, prompt_set(3, 0), cache=get_cache("elastic", gamma=0.0), **kw).stats.trace
+    always = generate(model, prompt_set(3, 0), cache=get_cache("elastic", gamma=1.0), **kw).stats.trace
+    assert never[0]["refresh_layer"] == 0 and always[0]["refresh_layer"] == 0
+    assert all(r["refresh_layer"] == -1 for r in never[1:])
+    assert all(r["refresh_layer"] == 1 for r in always[1:])  # the first layer's test fails: layers 1.. in full
+    assert all(a["computed"][0] > n["computed"][0] for a, n in zip(always[1:], never[1:]))
+
+
+def test_presets_select_their_cache():
+    from dllm import get_sampler
+
+    model = cached_model("llada", 0)
+    out = generate(model, prompt_set(1, 0), gen_length=64, sampler="fast-dllm")
+    assert any(r["refresh_layer"] == -1 for r in out.stats.trace)  # dual cache partial steps
+    out = generate(model, prompt_set(1, 0), gen_length=64, sampler="fast-dllm", cache="none")
+    assert all(r["refresh_layer"] == 0 for r in out.stats.trace)
+    out = generate(model, prompt_set(1, 0), gen_length=64, sampler=get_sampler("fast-dllm", cache="none"))
+    assert all(r["refresh_layer"] == 0 for r in out.stats.trace)
+    for name, cls in (("elastic", "ElasticCache"), ("dkv", "DKVDecode")):
+        s = get_sampler(name)
+        assert type(get_cache(s.cache[0], **dict(s.cache[1]))).__name__ == cls
+        out = generate(model, prompt_set(3, 0), gen_length=32, steps=32, sampler=name)
+        assert not out.sequences.eq(model.mask_id).any()
+        assert any(r["refresh_layer"] != 0 for r in out.stats.trace)
+
+
+def _state(x, lo, hi, step_in, committed, shift=0, cols=None, nfe=5):
+    from dllm.caches import CacheState
+
+    B = x.shape[0]
+    t = lambda v: torch.full((B,), v, dtype=torch.long)  # noqa: E731
+    return CacheState(x, t(lo), t(hi), torch.ones(B, dtype=torch.bool), t(step_in), cols or (lo, hi), 4, 9, shift,
+                      committed, nfe)
+
+
+@pytest.mark.parametrize("shift", [0, 1])
+def test_active_sets(shift):
+    """The rows each policy recomputes on a cached step (canvas: prompt 0..3, block 8..11, masks = 9)."""
+    x = torch.tensor([[5, 5, 5, 5, 6, 6, 6, 6, 9, 7, 9, 9, 9, 9, 9, 9]])
+    committed = torch.zeros_like(x, dtype=torch.bool)
+    committed[0, 9] = True  # decoded at the previous step
+
+    def rows(name, step_in=2, **kw):
+        c = get_cache(name, **kw)
+        c.filled, c.cur_lo = True, torch.tensor([4])
+        q, refresh = c.plan(_state(x, 8, 12, step_in, committed, shift))
+        return None if q is None else set(q[0].tolist())
+
+    win = set(range(8 - shift, 12 - shift))
+    assert rows("dual") == win | set(range(8 - shift, 12))
+    assert rows("prefix") == set(range(8 - shift, 16))
+    assert rows("dkv-decode") == win | {8, 10, 11, 12, 13, 14, 15} | {9}
+    assert rows("dkv-decode", step_in=1) is None  # steps 0 and 1 of a block are full
+    assert rows("dkv-greedy") == win | {9} | set(range(8 - shift, 12))
+    assert rows("freecache", step_in=0) == set(range(4 - shift, 12))  # the finished block's clean K/V
+    assert rows("dual", step_in=0) is None and rows("prefix", step_in=0) is None
+    assert rows("dual", refresh_every=5) is None  # nfe 5: a forced refresh
