@@ -245,17 +245,15 @@ def test_every_preset_end_to_end(family, name):
                 assert torch.equal(alone.sequences[0], out.sequences[b]), (name, b)
 
 
-TRAINED = [p for p in (Path(dllm.__file__).parent / "assets" / n for n in ("llada-tiny", "dream-tiny"))
-           if (p / "config.json").exists()]
+BUNDLED = [Path(dllm.__file__).parent / "assets" / n for n in ("llada-tiny", "dream-tiny")]
 
 
-@pytest.mark.skipif(not TRAINED, reason="the bundled tiny models are not trained yet")
 @pytest.mark.parametrize("name", sorted(PRESETS))
-def test_every_preset_on_the_trained_tiny_models(name):
+def test_every_preset_on_the_bundled_tiny_models(name):
     from dllm.evals import tasks as T
 
     convs = [ex.messages for ex in T.generate("waiting_line/reverse", 2, seed=7)]
-    for path in TRAINED:
+    for path in BUNDLED:
         model = dllm.load_model(path, dtype=torch.float32)
         out = dllm.generate(model, convs, gen_length=32, sampler=get_sampler(name))
         assert not (out.sequences == model.mask_id).any() and len(out.texts) == 2

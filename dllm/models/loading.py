@@ -70,8 +70,16 @@ def _load_tokenizer(path: Path):
             "copy them from the original checkpoint or pass tokenizer=False"
         )
     from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
-    return AutoTokenizer.from_pretrained(str(path))
+    # AutoTokenizer reads config.json, whose model_type ("llada", "Dream") transformers does not know; it
+    # warns about it although the tokenizer files are complete. Keep that noise out of our users' logs.
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def load_model(
