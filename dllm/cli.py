@@ -7,19 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-
-def _parse_value(text: str):
-    low = text.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    if low in ("none", "null"):
-        return None
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
+from dllm.evals.parallelbench_sweep import parse_scalar
 
 
 def parse_params(items: list[str] | None) -> dict:
@@ -29,7 +17,7 @@ def parse_params(items: list[str] | None) -> dict:
         if "=" not in item:
             raise SystemExit(f"error: --param expects key=value, got {item!r}")
         k, v = item.split("=", 1)
-        out[k.strip()] = _parse_value(v.strip())
+        out[k.strip()] = parse_scalar(v.strip())
     return out
 
 

@@ -16,6 +16,17 @@ if not torch.cuda.is_available():
 from dllm.models import DREAM, LLADA, Transformer, TransformerConfig
 from dllm.train import init_weights
 
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_thread():
+    """The test models are tiny: intra-op threads only add synchronisation (up to 30x slower on a busy
+    2-core machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 VOCAB = 96
 MASK, EOS, EOT, PAD = 95, 1, 2, 1
 

@@ -15,14 +15,6 @@ from dllm.caches.base import rows_from_mask
 CACHE_NAMES = [n for n in CACHES if n != "none"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _canvas(model, P=6, G=12, B=2, seed=0, frac_masked=0.5):
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(3, model.mask_id, (B, P + G), generator=g)

@@ -19,14 +19,6 @@ WL = [f"waiting_line/{op}" for op in T.WAITING_LINE_OPS]
 GENERATED = [t for t in PB.TASKS if not PB.TASKS[t].needs_data]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The models are tiny: intra-op threads only add synchronisation on a busy machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture
 def backends():

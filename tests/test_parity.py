@@ -23,14 +23,6 @@ from dllm.samplers import DreamSampler, LLaDASampler
 SEEDS = (0, 1, 2)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The models are tiny: intra-op threads only add synchronisation (30x slower on a busy machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def _mismatch(kind, seed, case, ours, ref, ties) -> str:
     return (f"{kind} parity failed (seed {seed}, case {case})\n ours:   {ours.tolist()}\n oracle: {ref.tolist()}\n"

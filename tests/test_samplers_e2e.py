@@ -39,13 +39,6 @@ from dllm.samplers.presets import PRESETS
 FAMILIES = ("llada", "dream")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def _rows(sel_fn):
     """Adapt a one-row oracle selection to ``block_oracle``'s rule signature."""

@@ -25,14 +25,6 @@ from dllm.samplers import (
 from dllm.samplers.base import StepContext, exclude_mask
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def make_ctx(cand: torch.Tensor, *, x=None, win_lo=0, step=0, steps=4, n_start=None, global_step=0,
              total_steps=16, mask_id=0, eos_id=None, eot_id=None, canvas_len=None, gen_lo=0, region_lo=None,
              state=None, seed=0) -> StepContext:

@@ -52,7 +52,8 @@ _CONFIG_KEYS = ("block_length", "steps")
 # Method specs
 
 
-def _scalar(text: str) -> Any:
+def parse_scalar(text: str) -> Any:
+    """``"true"``/``"none"``/``"3"``/``"0.5"``/other text -> bool / None / int / float / str."""
     low = text.lower()
     if low in ("true", "false"):
         return low == "true"
@@ -72,7 +73,7 @@ def parse_values(text: str) -> list:
     if any(p == "" for p in parts):
         raise ValueError(f"empty value in {text!r}")
     if "..." not in parts:
-        return [_scalar(p) for p in parts]
+        return [parse_scalar(p) for p in parts]
     i = parts.index("...")
     if parts.count("...") != 1 or i < 2 or i != len(parts) - 2:
         raise ValueError(f"a range is written 'a,b,...,z' (two values, '...', the last value); got {text!r}")
@@ -83,8 +84,8 @@ def parse_values(text: str) -> list:
     step = b - a
     if step == 0 or (z - a) * step < 0:
         raise ValueError(f"the range {text!r} does not reach {parts[-1]} in steps of {step}")
-    as_int = all(isinstance(_scalar(parts[j]), int) for j in (i - 2, i - 1, i + 1))
-    vals = [_scalar(p) for p in parts[: i - 2]]
+    as_int = all(isinstance(parse_scalar(parts[j]), int) for j in (i - 2, i - 1, i + 1))
+    vals = [parse_scalar(p) for p in parts[: i - 2]]
     v = a
     while (z - v) * step >= 0:
         vals.append(int(v) if as_int else float(v))
