@@ -75,6 +75,12 @@ def check_range(name: str, value, lo, hi, *, lo_open=False, hi_open=False, fix: 
         raise ValueError(f"{name}={value!r} is out of range; it must lie in {lb}{lo}, {hi}{rb}{fix}")
 
 
+def check_choice(name: str, value, choices) -> None:
+    """Raise a ValueError naming the unknown value and listing the known ones."""
+    if value not in choices:
+        raise ValueError(f"unknown {name} {value!r}; known: {', '.join(choices)}")
+
+
 def canvas_rand(shape_tail: tuple[int, ...], ctx: StepContext, W: int, B: int, dtype, device, scope: str):
     """Uniform noise for the window, drawn over the window (``region``) or over the whole canvas and sliced
     (``canvas``: the random stream of reference implementations that draw noise for every position)."""

@@ -28,6 +28,7 @@ from dllm.samplers.base import (
     SOFTMAX_DTYPES,
     StepContext,
     StepResult,
+    check_choice,
     check_range,
     ensure_progress,
     gumbel_argmax,
@@ -69,12 +70,9 @@ class ComposedSampler:
 
     def __post_init__(self):
         check_range("temperature", self.temperature, 0, float("inf"), hi_open=True, fix="; use 0 for greedy decoding")
-        if self.confidence not in CONFIDENCES:
-            raise ValueError(f"unknown confidence {self.confidence!r}; known: {', '.join(CONFIDENCES)}")
-        if self.softmax_dtype not in SOFTMAX_DTYPES:
-            raise ValueError(f"unknown softmax_dtype {self.softmax_dtype!r}; known: {', '.join(SOFTMAX_DTYPES)}")
-        if self.noise_scope not in NOISE_SCOPES:
-            raise ValueError(f"unknown noise_scope {self.noise_scope!r}; known: {', '.join(NOISE_SCOPES)}")
+        check_choice("confidence", self.confidence, CONFIDENCES)
+        check_choice("softmax_dtype", self.softmax_dtype, SOFTMAX_DTYPES)
+        check_choice("noise_scope", self.noise_scope, NOISE_SCOPES)
         if not hasattr(self.rule, "select"):
             raise TypeError(f"rule must be a commit rule with select(conf, ctx, logits=...), got {self.rule!r}")
         if self.block_length is not None and (not isinstance(self.block_length, int) or self.block_length < 1):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dllm.samplers.base import NOISE_SCOPES, StepContext, StepResult, check_range, select_topk
+from dllm.samplers.base import NOISE_SCOPES, StepContext, StepResult, check_choice, check_range, select_topk
 
 ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 
@@ -105,8 +105,7 @@ class DreamSampler:
         if self.alg_temp is not None and self.alg_temp < 0:
             raise ValueError(f"alg_temp must be >= 0, got {self.alg_temp}")
         check_range("eps", self.eps, 0, 1, lo_open=True, hi_open=True)
-        if self.noise_scope not in NOISE_SCOPES:
-            raise ValueError(f"unknown noise_scope {self.noise_scope!r}; known: {', '.join(NOISE_SCOPES)}")
+        check_choice("noise_scope", self.noise_scope, NOISE_SCOPES)
 
     def step(self, logits: torch.Tensor, ctx: StepContext) -> StepResult:
         B, W, _ = logits.shape

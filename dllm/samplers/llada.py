@@ -17,7 +17,7 @@ from dllm.samplers.base import (
     StepContext,
     StepResult,
     canvas_rand,
-    check_range,
+    check_choice,
     even_quota,
     gumbel_argmax,
     select_topk,
@@ -57,13 +57,9 @@ class LLaDASampler:
     def __post_init__(self):
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature} (use 0 for greedy decoding)")
-        if self.remasking not in REMASKING:
-            raise ValueError(f"unknown remasking {self.remasking!r}; known: {', '.join(REMASKING)}")
-        if self.softmax_dtype not in SOFTMAX_DTYPES:
-            raise ValueError(f"unknown softmax_dtype {self.softmax_dtype!r}; known: {', '.join(SOFTMAX_DTYPES)}")
-        if self.noise_scope not in NOISE_SCOPES:
-            raise ValueError(f"unknown noise_scope {self.noise_scope!r}; known: {', '.join(NOISE_SCOPES)}")
-        check_range("temperature", self.temperature, 0, float("inf"))
+        check_choice("remasking", self.remasking, REMASKING)
+        check_choice("softmax_dtype", self.softmax_dtype, SOFTMAX_DTYPES)
+        check_choice("noise_scope", self.noise_scope, NOISE_SCOPES)
 
     def step(self, logits: torch.Tensor, ctx: StepContext) -> StepResult:
         if self.logits_eos_inf and ctx.eos_id is not None:
