@@ -151,7 +151,10 @@ def generate(
         block_policy: default: the sampler's preferred policy if it has one (``sampler.block_policy``,
             e.g. AdaBlock), else :class:`~dllm.samplers.FixedBlocks` with ``config.block_length`` (when that is
             ``None``, the sampler's preferred ``block_length``, e.g. 32 for ``fast-dllm``).
-        guide: reserved for AR-guided decoding.
+        guide: AR-guided decoding (:mod:`dllm.samplers.guided`): a causal LM checkpoint directory, the bundled
+            name ``ar-tiny`` or a loaded ``transformers`` causal LM. With no ``sampler`` (or ``"guided"``) it
+            builds the ``guided`` preset around it; a :class:`~dllm.samplers.guided.GuidedSampler` gets it as
+            its guide.
     """
     unknown = sorted(set(overrides) - set(GenerateConfig.__dataclass_fields__))
     if unknown:
@@ -162,10 +165,14 @@ def generate(
     elif overrides:
         config = GenerateConfig(**{**config.__dict__, **overrides})
     if guide is not None:
-        raise NotImplementedError("AR-guided decoding is not available yet")
+        from dllm.samplers.guided import with_guide
+
+        sampler = with_guide(sampler, guide)
     if isinstance(sampler, str):
         sampler = get_sampler(sampler)
     sampler = sampler or default_sampler(model)
+    if hasattr(sampler, "bind_model"):  # e.g. the guided sampler: load its guide, check the tokenizers
+        sampler.bind_model(model)
     if cache is None and getattr(model, "supports_cache", False):
         cache = getattr(sampler, "cache", None)  # the preset's preference (fast-dllm: dual)
     if isinstance(cache, str):
@@ -255,7 +262,7 @@ def generate(
             x=xw, cand=cand, step=step_in, steps=steps, n_region_start=n_start, region_lo=lo, region_hi=hi,
             win_lo=w_lo, canvas_len=T, gen_lo=P, global_step=nfe, total_steps=config.total_steps,
             generator=generator, mask_id=model.mask_id, eos_id=model.eos_id, eot_id=model.eot_id, state=state,
-            win_hi=win_hi,
+            win_hi=win_hi, canvas=x,
         )
         res = sampler.step(logits, ctx)
         commit = res.commit & cand

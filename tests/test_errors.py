@@ -197,8 +197,8 @@ def test_model_without_mask_id():
         generate(m, PROMPTS, gen_length=4)
 
 
-def test_guide_not_available(llada):
-    with raises(NotImplementedError, "AR-guided"):
+def test_guide_not_available(llada):  # AR-guided decoding exists now (issue 7): a bad guide is a clear error
+    with raises(ValueError, "AR-guided"):
         generate(llada, PROMPTS, gen_length=4, guide=object())
 
 

@@ -46,6 +46,9 @@ class StepContext:
     # with ``window_columns(win_lo, win_hi, gen_lo, canvas_len) -> (lo, hi)`` gets a wider window: its extra
     # columns are never candidates, only there to be read (and filled by an early commit, ``StepResult.finish``).
     win_hi: int | None = None
+    # [B, T] the whole canvas (prompt, left padding, generation) as it stands before this step's commits; read
+    # by samplers that need more than the window (AR-guided unmasking feeds the prompt to its guide).
+    canvas: torch.Tensor | None = None
 
 
 @dataclass
