@@ -307,6 +307,68 @@ def test_model_forward_triton_backend_matches_reference(family):
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
+# ------------------------------------------------------------------------------- samplers via the dispatcher
+
+
+def _spy_confidence(monkeypatch, module):
+    calls = []
+    real = module.confidence_stats
+
+    def spy(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(module, "confidence_stats", spy)
+    return calls
+
+
+@pytest.mark.parametrize("confidence", ["prob", "margin", "neg_entropy"])
+def test_threshold_sampler_uses_triton_confidence_kernel(monkeypatch, confidence):
+    """With the Triton backend the composed samplers take proposal and score from the fused kernel (through
+    the dispatcher), and decode the same tokens as the plain PyTorch path."""
+    import dllm
+    from dllm.samplers import get_sampler
+    from tests.conftest import ragged_prompts, random_model
+
+    model = random_model("llada").to(DEV)
+    prompts = ragged_prompts(2)
+    K.set_backend("reference")
+    plain = dllm.generate(model, prompts, gen_length=8, block_length=8,
+                          sampler=get_sampler("threshold", tau=0.3, confidence=confidence, fused="off"))
+    K.set_backend("triton")
+    calls = _spy_confidence(monkeypatch, T)
+    fused = dllm.generate(model, prompts, gen_length=8, block_length=8,
+                          sampler=get_sampler("threshold", tau=0.3, confidence=confidence))
+    assert calls and len(calls) == fused.stats.nfe
+    assert torch.equal(fused.sequences, plain.sequences)
+
+
+def test_auto_fused_keeps_exact_path_on_reference_backend(monkeypatch):
+    """On the reference backend ``fused="auto"`` keeps the bit-exact PyTorch path; ``"on"`` forces the
+    dispatcher (the kernel's PyTorch twin) and still decodes the same tokens here."""
+    import dllm
+    from dllm.kernels import reference
+    from dllm.samplers import get_sampler
+    from tests.conftest import ragged_prompts, random_model
+
+    model = random_model("dream")
+    prompts = ragged_prompts(3)
+    K.set_backend("reference")
+    calls = _spy_confidence(monkeypatch, reference)
+    auto = dllm.generate(model, prompts, gen_length=8, sampler=get_sampler("factor", factor=1.0))
+    assert calls == []
+    forced = dllm.generate(model, prompts, gen_length=8, sampler=get_sampler("factor", factor=1.0, fused="on"))
+    assert len(calls) == forced.stats.nfe
+    assert torch.equal(auto.sequences, forced.sequences)
+
+
+def test_fused_option_is_checked():
+    from dllm.samplers import get_sampler
+
+    with pytest.raises(ValueError, match="fused.*auto.*on.*off"):
+        get_sampler("threshold", fused="yes")
+
+
 # ------------------------------------------------------------------------------------------------ GPU only
 
 

@@ -65,6 +65,12 @@ def get_backend() -> str:
     return _backend  # type: ignore[return-value]
 
 
+def uses_triton(t) -> bool:
+    """Whether the dispatcher sends tensor ``t`` to a Triton kernel (Triton backend, and a CUDA tensor or the
+    Triton interpreter)."""
+    return get_backend() == "triton" and _module._usable(t)
+
+
 def attention(q, k, v, key_padding_mask=None, return_lse=False):
     """Dispatching wrapper; see :func:`dllm.kernels.reference.attention` for shapes and dtypes."""
     if _module is None:
@@ -86,4 +92,4 @@ def confidence_stats(logits, temperature=0.0, noise=None):
     return _module.confidence_stats(logits, temperature=temperature, noise=noise)
 
 
-__all__ = ["ConfidenceStats", "attention", "attention_mass", "confidence_stats", "get_backend", "reference", "set_backend"]
+__all__ = ["ConfidenceStats", "attention", "attention_mass", "confidence_stats", "get_backend", "reference", "set_backend", "uses_triton"]

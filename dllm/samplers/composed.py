@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from dllm import kernels
 from dllm.samplers.base import (
     NOISE_SCOPES,
     SOFTMAX_DTYPES,
@@ -34,8 +35,10 @@ from dllm.samplers.base import (
     gumbel_argmax,
 )
 from dllm.samplers.rules import CommitRule, Threshold
-from dllm.samplers.scores import CONFIDENCES, confidence_score, probabilities
+from dllm.samplers.scores import CONFIDENCES, confidence_score, fused_proposal, probabilities
 from dllm.samplers.transforms import CreditFusion, EOSRejection
+
+FUSED_CHOICES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,13 @@ class ComposedSampler:
         block_policy: preferred block policy (e.g. :class:`~dllm.samplers.adablock.AdaBlock`).
         cache: preferred cache policy, a registered name or ``(name, ((param, value), ...))`` (``None``:
             none), used by ``generate`` when the caller passes no cache (presets: ``fast-dllm`` -> dual).
+        fused: ``"auto"`` (default), ``"on"`` or ``"off"``: compute the greedy proposal and its score with
+            :func:`dllm.kernels.confidence_stats` (one pass over the vocabulary, no softmax tensor) through the
+            kernel dispatcher. ``"auto"`` uses it where the dispatcher runs the Triton kernel (CUDA) and the
+            stage allows it (temperature 0, float32 softmax, a ``prob``/``margin``/``neg_entropy`` score, a
+            rule that does not read the probabilities); elsewhere the plain PyTorch path runs, whose
+            ``prob`` scores are bit-identical to LLaDA's reference. ``"on"`` forces the dispatcher wherever the
+            stage allows it (on CPU that is the kernel's PyTorch twin, equal up to float rounding).
     """
 
     rule: CommitRule = field(default_factory=Threshold)
@@ -66,6 +76,7 @@ class ComposedSampler:
     block_length: int | None = None
     block_policy: Any = None
     cache: Any = None
+    fused: str = "auto"
     name: str = "composed"
 
     def __post_init__(self):
@@ -73,6 +84,7 @@ class ComposedSampler:
         check_choice("confidence", self.confidence, CONFIDENCES)
         check_choice("softmax_dtype", self.softmax_dtype, SOFTMAX_DTYPES)
         check_choice("noise_scope", self.noise_scope, NOISE_SCOPES)
+        check_choice("fused", self.fused, FUSED_CHOICES)
         if not hasattr(self.rule, "select"):
             raise TypeError(f"rule must be a commit rule with select(conf, ctx, logits=...), got {self.rule!r}")
         if self.block_length is not None and (not isinstance(self.block_length, int) or self.block_length < 1):
@@ -81,10 +93,12 @@ class ComposedSampler:
     def step(self, logits: torch.Tensor, ctx: StepContext) -> StepResult:
         info: dict[str, Any] = {}
         probs = None
+        raw_top = None
         if self.credit is not None and self._sparse_credit():
             x0, conf, raw_top = self.credit.propose(logits, ctx, self.softmax_dtype)
+        elif self.credit is None and self._fused(logits):
+            x0, conf = fused_proposal(logits, self.confidence)
         else:
-            raw_top = None
             if self.credit is not None:
                 logits, raw_top = self.credit.apply(logits, ctx)
             x0 = gumbel_argmax(logits, self.temperature, ctx, self.noise_scope)
@@ -103,6 +117,14 @@ class ComposedSampler:
 
     def _rule_wants_probs(self) -> bool:
         return bool(getattr(self.rule, "needs_probs", False))
+
+    def _fused(self, logits: torch.Tensor) -> bool:
+        """Whether this step's proposal and score come from :func:`dllm.kernels.confidence_stats`."""
+        if self.fused == "off" or self.temperature != 0 or self.confidence == "random":
+            return False
+        if self.softmax_dtype != "float32" or self._rule_wants_probs():
+            return False
+        return self.fused == "on" or kernels.uses_triton(logits)
 
     def _sparse_credit(self) -> bool:
         """Greedy proposals with the ``prob`` score need only the credited entries of the fused logits."""

@@ -19,7 +19,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dllm.samplers.base import NOISE_SCOPES, StepContext, StepResult, check_choice, check_range, select_topk
+from dllm.samplers.base import (
+    NOISE_SCOPES,
+    StepContext,
+    StepResult,
+    check_choice,
+    check_range,
+    fast_argmax,
+    select_topk,
+    top2_values,
+)
 
 ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 
@@ -48,18 +57,39 @@ def dream_proposal(logits, temperature, top_p, top_k, alg, generator):
         logits = top_p_logits(logits, top_p)
     if top_k is not None:
         logits = top_k_logits(logits, top_k)
-    probs = torch.softmax(logits, dim=-1)
     if temperature > 0:
+        probs = torch.softmax(logits, dim=-1)
         x0 = torch.multinomial(probs, 1, replacement=True, generator=generator).squeeze(-1)
         conf = probs.gather(-1, x0[:, None]).squeeze(-1)
-    else:
-        conf, x0 = probs.max(dim=-1)
+        return _alg_confidence(probs, conf, alg), x0
+    # Greedy: the same row-wise operations, a few rows at a time so that each row's probabilities stay in
+    # cache between the softmax and the confidence passes (every value is bit-identical to the one-shot
+    # computation: all operations are independent per row).
+    confs, x0s = [], []
+    for chunk in logits.split(_CHUNK_ROWS):
+        probs = torch.softmax(chunk, dim=-1)
+        x0 = fast_argmax(probs)  # == probs.max(-1).indices (first maximal index)
+        conf = probs.gather(-1, x0[:, None]).squeeze(-1)
+        confs.append(_alg_confidence(probs, conf, alg))
+        x0s.append(x0)
+    if not confs:
+        return logits.new_empty((0,)), torch.empty((0,), dtype=torch.long, device=logits.device)
+    return torch.cat(confs), torch.cat(x0s)
+
+
+_CHUNK_ROWS = 4  # 4 rows x 126,464 fp32 probabilities = 2 MB
+
+
+def _alg_confidence(probs: torch.Tensor, conf: torch.Tensor, alg: str) -> torch.Tensor:
     if alg == "topk_margin":
-        top2 = torch.topk(probs, 2, dim=-1).values
-        conf = top2[:, 0] - top2[:, 1]
-    elif alg == "entropy":
-        conf = torch.sum(probs * torch.log(probs + 1e-10), dim=-1)
-    return conf, x0
+        top2 = top2_values(probs)
+        return top2[:, 0] - top2[:, 1]
+    if alg == "entropy":
+        plogp = probs + 1e-10
+        plogp.log_()
+        plogp.mul_(probs)  # probs * log(probs + 1e-10), in place: the same values, no further allocation
+        return plogp.sum(dim=-1)
+    return conf
 
 
 def dream_ratio(ctx: StepContext, eps: float) -> torch.Tensor:

@@ -10,21 +10,23 @@ from __future__ import annotations
 
 from dllm.samplers.adablock import AdaBlock
 from dllm.samplers.composed import ComposedSampler
+from dllm.samplers.guided import guided
 from dllm.samplers.prophet import Prophet
 from dllm.samplers.rules import Ascending, Factor, KLStable, LocalLeap, Quota, Threshold
 from dllm.samplers.transforms import CreditFusion, EOSRejection
 
 
-def _common(temperature, confidence, softmax_dtype, block_length, name):
+def _common(temperature, confidence, softmax_dtype, block_length, name, fused="auto"):
     return {"temperature": temperature, "confidence": confidence, "softmax_dtype": softmax_dtype,
-            "block_length": block_length, "name": name}
+            "block_length": block_length, "name": name, "fused": fused}
 
 
 def threshold_sampler(tau: float = 0.9, temperature: float = 0.0, confidence: str = "prob",
                       softmax_dtype: str = "float32", max_slack: float = 0.0, block_length: int | None = None,
-                      name: str = "threshold") -> ComposedSampler:
+                      fused: str = "auto", name: str = "threshold") -> ComposedSampler:
     """Fast-dLLM threshold rule: commit every candidate with ``conf >= tau`` plus the best one."""
-    return ComposedSampler(Threshold(tau, max_slack), **_common(temperature, confidence, softmax_dtype, block_length, name))
+    return ComposedSampler(Threshold(tau, max_slack),
+                           **_common(temperature, confidence, softmax_dtype, block_length, name, fused))
 
 
 def _cache(cache):
@@ -56,10 +58,11 @@ def dkv(refresh_every: int = 8, temperature: float = 0.0, confidence: str = "pro
 
 
 def factor_sampler(factor: float = 1.0, quirk: bool = False, temperature: float = 0.0, confidence: str = "prob",
-                   softmax_dtype: str = "float32", block_length: int | None = None,
+                   softmax_dtype: str = "float32", block_length: int | None = None, fused: str = "auto",
                    name: str = "factor") -> ComposedSampler:
     """Fast-dLLM factor rule: longest sorted prefix with ``c_n >= 1 - factor / (n + 1)``."""
-    return ComposedSampler(Factor(factor, quirk), **_common(temperature, confidence, softmax_dtype, block_length, name))
+    return ComposedSampler(Factor(factor, quirk),
+                           **_common(temperature, confidence, softmax_dtype, block_length, name, fused))
 
 
 def localleap(kappa: float = 0.9, tau: float | None = 0.75, radius: int = 4, temperature: float = 0.0,
@@ -151,5 +154,6 @@ PRESETS = {
     "eoser": (eoser, "EOS early rejection (g 0.4 -> 1) over LLaDA's even quota"),
     "ascending": (ascending, "Ascending step size: 2**i tokens at step i"),
     "eoser-ass": (eoser_ass, "EOSER (g 0.01 -> 1) + ascending step size, one block"),
+    "guided": (guided, "AR-guided unmasking: dLLM drafts, a causal LM guide (default ar-tiny) verifies left to right"),
     "klass": (klass, "KLASS: KL-stable (0.015, 2 steps) and conf > 0.6, else even quota; block 64"),
 }

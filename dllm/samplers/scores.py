@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from dllm import kernels
 from dllm.samplers.base import SOFTMAX_DTYPES, StepContext, canvas_rand, token_prob, top2_values
 
 CONFIDENCES = ("prob", "margin", "neg_entropy", "random")
@@ -43,3 +44,18 @@ def confidence_score(logits: torch.Tensor, x0: torch.Tensor, kind: str, ctx: Ste
         top2 = top2_values(p) if p.shape[-1] > 1 else torch.cat([p, torch.zeros_like(p)], -1)
         return top2[..., 0] - top2[..., 1]
     return torch.exp((p * torch.log(p + 1e-10)).sum(-1))
+
+
+def fused_proposal(logits: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy proposal ``x0`` and its ``[0, 1]`` score from :func:`dllm.kernels.confidence_stats` (one pass
+    over the vocabulary through the kernel dispatcher; ``kind`` is ``prob``, ``margin`` or ``neg_entropy``)."""
+    stats = kernels.confidence_stats(logits)
+    if kind == "prob":
+        conf = stats.p_token
+    elif kind == "margin":
+        conf = stats.p_max - stats.p_second
+    elif kind == "neg_entropy":
+        conf = torch.exp(-stats.entropy)
+    else:
+        raise ValueError(f"confidence {kind!r} has no fused form; fused scores: prob, margin, neg_entropy")
+    return stats.token, conf
