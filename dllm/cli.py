@@ -1,4 +1,4 @@
-"""Command line: ``dllm generate | samplers | train-tiny | eval-tasks | parallelbench``."""
+"""Command line: ``dllm generate | samplers | train-tiny | eval-tasks | parallelbench | eval | lm-eval``."""
 
 from __future__ import annotations
 
@@ -34,6 +34,11 @@ def _add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
     p.add_argument("--device", default=None)
+    p.add_argument("--guide", default=None, metavar="PATH",
+                   help="AR-guided unmasking: a causal LM checkpoint directory with the model's tokenizer, or the "
+                        "bundled 'ar-tiny' (implies --sampler guided)")
+    p.add_argument("--guide-mode", choices=["deterministic", "topk"], default=None,
+                   help="guided verification rule (default deterministic; topk: k=2, r=0.5, set with --param)")
 
 
 def _load(args):
@@ -50,6 +55,12 @@ def _decode_setup(args):
     config = GenerateConfig(gen_length=args.gen_length, block_length=args.block_length, steps=args.steps,
                             cfg_scale=args.cfg_scale, eos_early_stop=args.eos_early_stop, seed=args.seed)
     params = parse_params(args.param)
+    guide, mode = getattr(args, "guide", None), getattr(args, "guide_mode", None)
+    if guide is not None or mode is not None:
+        if args.sampler not in (None, "guided"):
+            raise SystemExit(f"error: --guide/--guide-mode need the guided sampler, not --sampler {args.sampler}")
+        args.sampler = "guided"
+        params = {**params, **({"guide": guide} if guide is not None else {}), **({"mode": mode} if mode else {})}
     sampler = get_sampler(args.sampler, **params) if args.sampler else None
     if params and sampler is None:
         raise SystemExit("error: --param needs --sampler")
@@ -71,16 +82,26 @@ def cmd_generate(args) -> int:
     config, sampler = _decode_setup(args)
     out = generate(model, prompts, config, sampler=sampler, cache=args.cache)
     s = out.stats
+    guided = None
+    if getattr(sampler, "name", None) == "guided" or args.sampler == "guided":
+        from dllm.samplers.guided import guided_summary
+
+        guided = guided_summary(s)
     if args.json:
         print(json.dumps({
             "sequences": out.sequences.tolist(), "texts": out.texts, "nfe": s.nfe, "row_nfe": s.row_nfe,
             "tokens_per_forward": s.tokens_per_forward, "finish_step": s.finish_step,
             "time": {"model": s.time_model, "sampler": s.time_sampler, "cache": s.time_cache, "total": s.time_total},
+            **({"guided": guided} if guided is not None else {}),
         }))
     else:
         for text in out.texts:
             print(text)
-        print(f"[nfe {s.nfe}, {s.tokens_per_forward:.2f} tokens/forward, {s.time_total:.2f}s]", file=sys.stderr)
+        extra = ""
+        if guided is not None:
+            extra = (f", AR forwards {guided['ar_forwards']}, {guided['accepted_per_verification']:.2f} drafts "
+                     f"accepted/verification, acceptance {guided['acceptance_rate']:.2f}")
+        print(f"[nfe {s.nfe}, {s.tokens_per_forward:.2f} tokens/forward, {s.time_total:.2f}s{extra}]", file=sys.stderr)
     return 0
 
 
@@ -95,12 +116,26 @@ def cmd_samplers(args) -> int:
 
 
 def cmd_train_tiny(args) -> int:
+    if args.family == "ar":  # the AR guide (a transformers LlamaForCausalLM): dllm/train_ar.py
+        from dllm.train_ar import ARTrainConfig
+        from dllm.train_ar import train as train_ar
+
+        cfg = ARTrainConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads, mlp_hidden=args.mlp,
+                            steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+                            threads=args.threads, time_budget_s=args.time_budget, init_from=args.init_from)
+        summary = train_ar(cfg, args.out, progress=lambda step, loss, secs: print(
+            f"step {step}/{cfg.steps}  loss {loss:.4f}  {secs:.0f}s", file=sys.stderr, flush=True))
+        print(json.dumps(summary, indent=2))
+        return 0
+    import logging
+
     from dllm.train import TrainConfig, train
 
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = TrainConfig(family=args.family, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
                       mlp_hidden=args.mlp, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                       seed=args.seed, threads=args.threads, time_budget_s=args.time_budget,
-                      init_from=args.init_from, curriculum=args.curriculum)
+                      init_from=args.init_from, task_curriculum=not args.no_curriculum)
 
     def progress(step, loss, secs):
         print(f"step {step}/{cfg.steps}  loss {loss:.4f}  {secs:.0f}s", file=sys.stderr, flush=True)
@@ -154,7 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_samplers)
 
     t = sub.add_parser("train-tiny", help="train a tiny LLaDA- or Dream-format model on the synthetic tasks")
-    t.add_argument("--family", choices=["llada", "dream"], required=True)
+    t.add_argument("--family", choices=["llada", "dream", "ar"], required=True,
+                   help="ar: the tiny autoregressive guide for --guide (a transformers LlamaForCausalLM)")
     t.add_argument("--out", required=True)
     t.add_argument("--steps", type=int, default=4000)
     t.add_argument("--batch-size", type=int, default=32)
@@ -167,8 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--threads", type=int, default=None)
     t.add_argument("--time-budget", type=float, default=None, help="stop after this many seconds")
     t.add_argument("--init-from", default=None, help="continue training from this checkpoint")
-    t.add_argument("--curriculum", type=float, default=0.4,
-                   help="fraction of training on single-turn prompts before worked examples are mixed in")
+    t.add_argument("--no-curriculum", action="store_true",
+                   help="train on every task from the start (default: copy, then copy/reverse, then the list "
+                        "operations, then every task; each stage until its tasks are learned)")
     t.set_defaults(func=cmd_train_tiny)
 
     e = sub.add_parser("eval-tasks", help="score a model on the synthetic tasks (held-out seed)")
@@ -182,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     from dllm.evals.parallelbench_cli import add_parser as add_parallelbench
 
     add_parallelbench(sub)
+    from dllm.evals.eval_cli import add_parser as add_standard_eval
+
+    add_standard_eval(sub)
     return ap
 
 
