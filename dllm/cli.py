@@ -135,7 +135,8 @@ def cmd_train_tiny(args) -> int:
     cfg = TrainConfig(family=args.family, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
                       mlp_hidden=args.mlp, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                       seed=args.seed, threads=args.threads, time_budget_s=args.time_budget,
-                      init_from=args.init_from, task_curriculum=not args.no_curriculum)
+                      init_from=args.init_from, task_curriculum=not args.no_curriculum,
+                      list_item_tokens=args.list_item_tokens)
 
     def progress(step, loss, secs):
         print(f"step {step}/{cfg.steps}  loss {loss:.4f}  {secs:.0f}s", file=sys.stderr, flush=True)
@@ -203,6 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--threads", type=int, default=None)
     t.add_argument("--time-budget", type=float, default=None, help="stop after this many seconds")
     t.add_argument("--init-from", default=None, help="continue training from this checkpoint")
+    t.add_argument("--list-item-tokens", action="store_true",
+                   help="tokenizer with one token per list item (['[\"Kevin', ' Irving\",', ...]: every list token "
+                        "distinct, see docs/tiny-models.md); not the bundled checkpoints' tokenizer: train the "
+                        "dLLMs and the ar guide with the same choice")
     t.add_argument("--no-curriculum", action="store_true",
                    help="train on every task from the start (default: copy, then copy/reverse, then the list "
                         "operations, then every task; each stage until its tasks are learned)")

@@ -52,6 +52,7 @@ class TrainConfig:
     time_budget_s: float | None = None  # stop early (cosine schedule still spans `steps`)
     eps: float = 1e-3
     task_curriculum: bool = True  # CURRICULUM: copy, then copy/reverse, then list operations, then every task
+    list_item_tokens: bool = False  # tokenizer layout with one token per list item (tokenizer_build.SPLIT_PATTERN)
     decay_from: float = 0.75  # learning rate constant after warmup until this progress, then cosine decay
     init_from: str | None = None  # continue from an existing checkpoint of the same family and shape
 
@@ -151,7 +152,7 @@ def train(cfg: TrainConfig, out_dir, *, progress=None) -> dict:
     rng = random.Random(cfg.seed)
     out_dir = Path(out_dir)
     spec = SPECS[cfg.family]
-    tok_dir = build_tokenizer(out_dir, cfg.family)
+    tok_dir = build_tokenizer(out_dir, cfg.family, list_items=cfg.list_item_tokens)
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
     ids = {
         "mask_id": tok.convert_tokens_to_ids(spec.mask_token),

@@ -258,7 +258,8 @@ def test_tokenizer_mismatch_is_a_clear_error():
     check_tokenizers(model, guide, tok)  # same tokenizer: fine
     other = AutoTokenizer.from_pretrained(str(model_path("llada-tiny")))
     other.add_tokens(["<|extra|>"])
-    with pytest.raises(ValueError, match="does not match the dLLM's.*vocabulary sizes 874 .dLLM. vs 875"):
+    n = len(tok)
+    with pytest.raises(ValueError, match=f"does not match the dLLM's.*vocabulary sizes {n} .dLLM. vs {n + 1}"):
         check_tokenizers(model, guide, other)
     with pytest.raises(ValueError, match="does not match"):
         generate(model, "Please copy the list exactly: [\"Ann Lee\"]", guide=(guide, other), gen_length=8)

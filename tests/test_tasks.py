@@ -535,6 +535,30 @@ def test_names_and_prompt_words_are_single_tokens(toks):
                     assert len(backend.model.tokenize(piece)) == 1, (name, piece)
 
 
+def test_list_item_tokenizer_layout(tmp_path):
+    """``list_items``: every token of a name list is one whole item with its punctuation, names alone stay
+    single tokens, every pre-token of the task texts is one token, and text round-trips."""
+    from transformers import AutoTokenizer
+
+    from dllm.models.tokenizer_build import build_tokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(build_tokenizer(tmp_path / "items", "llada", list_items=True)))
+    ex = T.generate("waiting_line/copy", 1, 5)[0]
+    names = T.parse_list(ex.target)
+    pieces = tok.convert_ids_to_tokens(tok.encode(ex.target, add_special_tokens=False))
+    assert len(pieces) == 2 * len(names)
+    assert pieces[0] == '["' + names[0].split()[0] and pieces[-1] == "Ġ" + names[-1].split()[1] + '"]'
+    for first in T.FIRST_NAMES:
+        assert len(tok.encode(first, add_special_tokens=False)) == 1, first
+    backend = tok.backend_tokenizer
+    for name in ALL_TASKS:
+        for ex in T.generate(name, 10, 7):
+            for text in [m["content"] for m in ex.messages] + [ex.target]:
+                assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+                for piece, _ in backend.pre_tokenizer.pre_tokenize_str(text):
+                    assert len(backend.model.tokenize(piece)) == 1, (name, piece)
+
+
 def test_chat_templates(toks):
     from dllm.models.tokenizer_build import chat_text
 

@@ -41,6 +41,17 @@ SPECIAL_TOKENS: tuple[str, ...] = (
 )
 
 DEFAULT_VOCAB_SIZE = 1024
+LIST_ITEMS_VOCAB_SIZE = 1280
+
+#: Pre-tokenizer split of the ``list_items`` layout: GPT-2's pattern, preceded by three list-item forms kept
+#: whole, so that every token of a name list ``["Kevin Irving", "Oscar Warren"]`` is distinct: ``["Kevin``,
+#: `` Irving",``, `` "Oscar``, `` Warren"]``. With the punctuation in separate tokens (the default layout, that
+#: of the bundled checkpoints) every first name follows the same ``",`` `` "`` pair, and tiny models learn to
+#: copy such lists several times more slowly (docs/tiny-models.md).
+SPLIT_PATTERN = (
+    r"""\["\p{L}+| "\p{L}+| \p{L}+"[,\]]"""
+    r"""|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+)
 MODEL_MAX_LENGTH = 2048
 
 LLADA_CHAT_TEMPLATE = (
@@ -74,9 +85,9 @@ _CORPUS_FULL_STYLE = 40
 _CORPUS_SEED = 1234
 
 
-def corpus(examples_per_task: int = _CORPUS_PER_TASK) -> Iterator[str]:
+def corpus(examples_per_task: int = _CORPUS_PER_TASK, list_items: bool = False) -> Iterator[str]:
     """Deterministic training text: task chats (content and chat-template glue, special tokens left out),
-    digits, letters and role names."""
+    digits, letters and role names (``list_items``: also every name on its own)."""
     from dllm.evals import tasks
 
     for role in _ROLES:
@@ -85,6 +96,9 @@ def corpus(examples_per_task: int = _CORPUS_PER_TASK) -> Iterator[str]:
     yield from "0123456789"
     for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ":
         yield f"{c} {c}\n{c},{c}."
+    if list_items:  # names alone, not only as list items
+        for name in tasks.FIRST_NAMES + tasks.LAST_NAMES:
+            yield f"{name} {name}\n{name} {name}"
     for name in tasks.task_names():
         for i, ex in enumerate(tasks.generate(name, examples_per_task, _CORPUS_SEED)):
             texts = [m["content"] for m in ex.messages] + [ex.target]
@@ -99,15 +113,23 @@ def corpus(examples_per_task: int = _CORPUS_PER_TASK) -> Iterator[str]:
         yield ex.messages[-1]["content"]
 
 
-def train_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE, examples_per_task: int = _CORPUS_PER_TASK):
-    """Train and return the ``tokenizers.Tokenizer`` (same result on every call)."""
+def train_tokenizer(vocab_size: int | None = None, examples_per_task: int = _CORPUS_PER_TASK,
+                    list_items: bool = False):
+    """Train and return the ``tokenizers.Tokenizer`` (same result on every call). ``list_items``: the layout
+    that keeps each list item with its punctuation (:data:`SPLIT_PATTERN`); default: GPT-2's split."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
+    from tokenizers import Regex
+
+    if vocab_size is None:
+        vocab_size = LIST_ITEMS_VOCAB_SIZE if list_items else DEFAULT_VOCAB_SIZE
+    if list_items:
+        split = [pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
+                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    else:
+        split = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), *split])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -116,7 +138,7 @@ def train_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE, examples_per_task: int
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(list(corpus(examples_per_task)), trainer=trainer)
+    tok.train_from_iterator(list(corpus(examples_per_task, list_items)), trainer=trainer)
     return tok
 
 
@@ -147,16 +169,19 @@ def _tokenizer_config(tok, family: str) -> dict[str, Any]:
     return config
 
 
-def build_tokenizer(out_dir: str | Path, family: str, vocab_size: int = DEFAULT_VOCAB_SIZE) -> Path:
+def build_tokenizer(out_dir: str | Path, family: str, vocab_size: int | None = None,
+                    list_items: bool = False) -> Path:
     """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json`` to ``out_dir``.
 
-    ``family`` is ``"llada"`` or ``"dream"``; the vocabulary is the same for both. Returns ``out_dir``.
+    ``family`` is ``"llada"`` or ``"dream"``; the vocabulary is the same for both. ``list_items`` selects the
+    layout with one token per list item (:data:`SPLIT_PATTERN`; not that of the bundled checkpoints).
+    Returns ``out_dir``.
     """
     if family not in FAMILIES:
         raise ValueError(f"unknown tokenizer family {family!r}; expected one of {sorted(FAMILIES)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer(vocab_size)
+    tok = train_tokenizer(vocab_size, list_items=list_items)
     for i, token in enumerate(SPECIAL_TOKENS):
         if tok.token_to_id(token) != i:
             raise RuntimeError(f"special token {token} did not get id {i}")
