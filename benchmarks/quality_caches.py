@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from dllm.assets import model_path
 from dllm.evals.parallelbench_sweep import load_samples, run_sweep
 from dllm.models.loading import load_model
 
@@ -46,7 +47,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = load_model(args.model, dtype=torch.float32)
+    model = load_model(model_path(args.model), dtype=torch.float32)
     method = args.method or f"threshold:tau=0.9:block_length={args.block_length}"
     root = Path(args.out)
     rows = []

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from dllm.assets import model_path
 from dllm.evals.parallelbench_report import write_report
 from dllm.evals.parallelbench_sweep import load_samples, run_sweep
 from dllm.models.loading import load_model
@@ -45,7 +46,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = load_model(args.model, dtype=torch.float32)
+    model = load_model(model_path(args.model), dtype=torch.float32)
     family = getattr(model.spec, "family", "llada")
     presets = [n for n in sorted(SAMPLERS) if n not in SKIP
                and not (family == "llada" and n.startswith("dream")) and not (family != "llada" and n.startswith("llada"))]
