@@ -136,7 +136,7 @@ def cmd_train_tiny(args) -> int:
                       mlp_hidden=args.mlp, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                       seed=args.seed, threads=args.threads, time_budget_s=args.time_budget,
                       init_from=args.init_from, task_curriculum=not args.no_curriculum,
-                      list_item_tokens=args.list_item_tokens)
+                      list_item_tokens=args.list_item_tokens, loss=args.loss)
 
     def progress(step, loss, secs):
         print(f"step {step}/{cfg.steps}  loss {loss:.4f}  {secs:.0f}s", file=sys.stderr, flush=True)
@@ -208,6 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokenizer with one token per list item (['[\"Kevin', ' Irving\",', ...]: every list token "
                         "distinct, see docs/tiny-models.md); not the bundled checkpoints' tokenizer: train the "
                         "dLLMs and the ar guide with the same choice")
+    t.add_argument("--loss", choices=["weighted", "mean"], default="weighted",
+                   help="weighted: LLaDA's 1/t-weighted estimator (default); mean: plain mean over masked tokens")
     t.add_argument("--no-curriculum", action="store_true",
                    help="train on every task from the start (default: copy, then copy/reverse, then the list "
                         "operations, then every task; each stage until its tasks are learned)")

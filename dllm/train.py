@@ -52,6 +52,7 @@ class TrainConfig:
     time_budget_s: float | None = None  # stop early (cosine schedule still spans `steps`)
     eps: float = 1e-3
     task_curriculum: bool = True  # CURRICULUM: copy, then copy/reverse, then list operations, then every task
+    loss: str = "weighted"  # "weighted": LLaDA's 1/t-weighted sum over masked tokens; "mean": plain masked mean
     list_item_tokens: bool = False  # tokenizer layout with one token per list item (tokenizer_build.SPLIT_PATTERN)
     decay_from: float = 0.75  # learning rate constant after warmup until this progress, then cosine decay
     init_from: str | None = None  # continue from an existing checkpoint of the same family and shape
@@ -146,6 +147,8 @@ def train(cfg: TrainConfig, out_dir, *, progress=None) -> dict:
 
     from dllm.models.tokenizer_build import build_tokenizer
 
+    if cfg.loss not in LOSSES:
+        raise ValueError(f"unknown loss {cfg.loss!r}; known: {', '.join(LOSSES)}")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
@@ -212,9 +215,7 @@ def train(cfg: TrainConfig, out_dir, *, progress=None) -> dict:
             rng=rng, eps=cfg.eps)
         cols = torch.arange(P, noisy.shape[1]).expand(noisy.shape[0], -1)
         logits = model(noisy, attn_mask=None if bool(valid.all()) else valid, logits_idx=cols)
-        ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none")
-        ce = ce.view_as(target) * masked / t[:, None]
-        loss = ce.sum() / target.numel()
+        loss = masked_diffusion_loss(logits, target, masked, t, cfg.loss)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -243,6 +244,22 @@ def train(cfg: TrainConfig, out_dir, *, progress=None) -> dict:
     }
     (out_dir / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+LOSSES = ("weighted", "mean")
+
+
+def masked_diffusion_loss(logits, target, masked, t, kind: str = "weighted") -> torch.Tensor:
+    """Cross-entropy on the masked response tokens. ``weighted``: LLaDA's estimator, each masked token's loss
+    over its row's mask ratio ``t``, summed and divided by the number of response tokens (an upper bound on
+    the negative log-likelihood; high variance at small ``t``). ``mean``: the plain mean over masked tokens."""
+    if kind not in LOSSES:
+        raise ValueError(f"unknown loss {kind!r}; known: {', '.join(LOSSES)}")
+    ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none")
+    ce = ce.view_as(target) * masked
+    if kind == "mean":
+        return ce.sum() / masked.sum().clamp(min=1)
+    return (ce / t[:, None]).sum() / target.numel()
 
 
 def init_weights(model: Transformer, std: float = 0.02) -> None:

@@ -32,3 +32,32 @@ def test_train_tiny_writes_a_loadable_checkpoint(tmp_path, family):
     again = dllm.load_model(tmp_path / "cont", dtype=torch.float32)
     for (n, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
         assert torch.allclose(a, b, atol=1e-6), n
+
+
+def test_masked_diffusion_loss_kinds():
+    from dllm.train import masked_diffusion_loss
+
+    logits = torch.log(torch.tensor([[[0.5, 0.5], [0.9, 0.1]], [[0.2, 0.8], [0.5, 0.5]]]))
+    target = torch.tensor([[0, 0], [1, 1]])
+    masked = torch.tensor([[True, True], [False, True]])
+    t = torch.tensor([0.5, 0.25])
+    ce = -torch.log(torch.tensor([[0.5, 0.9], [0.8, 0.5]]))
+    want_mean = (ce[0, 0] + ce[0, 1] + ce[1, 1]) / 3
+    want_weighted = ((ce[0, 0] + ce[0, 1]) / 0.5 + ce[1, 1] / 0.25) / 4
+    assert torch.allclose(masked_diffusion_loss(logits, target, masked, t, "mean"), want_mean)
+    assert torch.allclose(masked_diffusion_loss(logits, target, masked, t), want_weighted)
+    with pytest.raises(ValueError, match="unknown loss 'sum'.*weighted, mean"):
+        masked_diffusion_loss(logits, target, masked, t, "sum")
+
+
+def test_train_mean_loss_and_list_item_tokens(tmp_path):
+    torch.set_num_threads(1)
+    cfg = TrainConfig(family="llada", d_model=32, n_layers=1, n_heads=2, mlp_hidden=64, steps=2, batch_size=4,
+                      examples_per_task=2, warmup=1, loss="mean", list_item_tokens=True)
+    summary = train(cfg, tmp_path / "ckpt")
+    assert summary["steps_done"] == 2 and summary["train_config"]["loss"] == "mean"
+    model = dllm.load_model(tmp_path / "ckpt", dtype=torch.float32)
+    assert model.tokenizer.convert_ids_to_tokens(model.tokenizer.encode('["Alice Adams"]', add_special_tokens=False)) \
+        == ['["Alice', 'ĠAdams"]']
+    with pytest.raises(ValueError, match="unknown loss"):
+        train(TrainConfig(loss="sum", steps=1), tmp_path / "bad")
