@@ -186,6 +186,7 @@ def train(cfg: TrainConfig, out_dir, *, progress=None) -> dict:
     model.train()
     stages = CURRICULUM if cfg.task_curriculum else ALL_TASKS
     si, stage_log, accs = 0, [], []
+    allowed = stage_tasks(stages[0])  # task names of the current stage (resolved once per stage)
     for step in range(1, cfg.steps + 1):
         # Progress drives the schedules: steps done, or time used when a budget is set (so a budgeted run
         # still warms up, follows the curriculum and anneals to the end).
@@ -200,13 +201,13 @@ def train(cfg: TrainConfig, out_dir, *, progress=None) -> dict:
             stage_log.append({"stage": si, "tasks": list(stages[si].tasks), "step": step,
                               "seconds": round(time.perf_counter() - t0, 1)})
             log.info("curriculum stage %d (%s) from step %d", si, ", ".join(stages[si].tasks), step)
+            allowed = stage_tasks(stages[si])
         stage = stages[si]
         decay = max(0.0, (frac - cfg.decay_from) / (1 - cfg.decay_from)) if cfg.decay_from < 1 else 0.0
         lr = cfg.lr * min(1.0, step / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * min(decay, 1.0)))
         for g in opt.param_groups:
             g["lr"] = max(lr, cfg.lr * 0.02)
         p_multi = cfg.multi_turn if stage.multi_turn is None else stage.multi_turn
-        allowed = stage_tasks(stage)
         turn = 1 if rng.random() < p_multi else 0
         batch = [pools[rng.choice(allowed)][turn] for _ in range(cfg.batch_size)]
         batch = [pool[rng.randrange(len(pool))] for pool in batch]
