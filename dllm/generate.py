@@ -189,6 +189,7 @@ def generate(
     config, policy = resolve_blocks(model, sampler, config, block_policy)
     refine = getattr(policy, "refine", None)  # regions fixed after their first forward (AdaBlock)
     widen = getattr(sampler, "window_columns", None)  # logits beyond the regions (Prophet)
+    slide = getattr(policy, "slide", None)  # regions recomputed before every forward (Elastic's sliding window)
     if model.mask_id is None:
         raise ValueError("the model has no mask token id; set model.mask_id")
 
@@ -236,6 +237,8 @@ def generate(
     nfe = 0
     max_iters = 4 * (G + config.total_steps) + 8
     while True:
+        if slide is not None:
+            lo, hi = slide(x == model.mask_id, lo)
         sel = active.nonzero().squeeze(-1)
         win_lo, win_hi = int(lo[sel].min()), int(hi[sel].max())  # the loop's one host sync per step
         w_lo, w_hi = widen(win_lo, win_hi, P, T) if widen is not None else (win_lo, win_hi)
@@ -282,18 +285,25 @@ def generate(
 
         # Region bookkeeping, vectorised over rows.
         masked = x == model.mask_id
-        region_left = (masked & (cols_all[None] >= lo[:, None]) & (cols_all[None] < hi[:, None])).sum(-1)
+        # a sliding window's row is done only when no mask is left anywhere after its start
+        region_end = hi if slide is None else torch.full_like(hi, T)
+        region_left = (masked & (cols_all[None] >= lo[:, None]) & (cols_all[None] < region_end[:, None])).sum(-1)
         done = active & (region_left == 0)
         if config.eos_early_stop:
-            gen_part = (cols_all[None] >= P) & (cols_all[None] < hi[:, None])
+            gen_part = (cols_all[None] >= P) & (cols_all[None] < region_end[:, None])
             is_stop = torch.isin(x, stop_ids) & gen_part
-            stopped = done & is_stop.any(-1)
             first = torch.where(is_stop, cols_all[None], T).min(-1).values
+            if slide is None:  # a finished region holding a stop token
+                stopped = done & is_stop.any(-1)
+            else:  # a stop token with every position before it decoded
+                first_mask = torch.where(masked & (cols_all[None] >= P), cols_all[None], T).min(-1).values
+                stopped = active & (first < first_mask)
+                done = done | stopped
             fill = stopped[:, None] & (cols_all[None] > first[:, None])
             x = torch.where(fill, torch.full_like(x, model.eos_id), x)
             committed = committed | fill
             hi = torch.where(stopped, torch.full_like(hi, T), hi)
-        new_lo = torch.where(done, hi, lo)
+        new_lo = torch.where(done, hi if slide is None else torch.full_like(hi, T), lo)
         finished_now = done & (new_lo >= T)
         finish = torch.where(finished_now, torch.full_like(finish, nfe), finish)
         active = active & ~finished_now

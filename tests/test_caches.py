@@ -264,3 +264,67 @@ def test_active_sets(shift):
     assert rows("freecache", step_in=0) == set(range(4 - shift, 12))  # the finished block's clean K/V
     assert rows("dual", step_in=0) is None and rows("prefix", step_in=0) is None
     assert rows("dual", refresh_every=5) is None  # nfe 5: a forced refresh
+
+
+# ---------------------------------------------------------------------------------- Elastic sliding window
+def test_sliding_window_slide_unit():
+    from dllm.samplers import SlidingWindow
+
+    m = torch.tensor([[0, 0, 1, 0, 1, 1, 0, 1, 1, 0],    # masks at 2, 4, 5, 7, 8
+                      [0, 0, 0, 0, 0, 0, 0, 0, 1, 0],    # one mask left: the window runs to the end
+                      [0, 0, 0, 0, 0, 0, 0, 0, 0, 0]], dtype=torch.bool)  # none: lo = hi = T
+    lo, hi = SlidingWindow(3).slide(m, torch.tensor([2, 2, 2]))
+    assert lo.tolist() == [2, 8, 10] and hi.tolist() == [6, 10, 10]
+    lo, hi = SlidingWindow(3).slide(m, torch.tensor([5, 2, 2]))  # masks before the start do not count
+    assert lo.tolist()[0] == 5 and hi.tolist()[0] == 9
+    with pytest.raises(ValueError, match="sliding window must be a positive integer"):
+        generate(cached_model("llada", 0), prompt_set(1, 0), gen_length=8, block_policy=SlidingWindow(0))
+
+
+class _Recorder:
+    """Threshold sampler that records, per step, each row's candidate columns and the canvas."""
+
+    def __init__(self):
+        from dllm.samplers import get_sampler
+
+        self.inner, self.seen = get_sampler("threshold", tau=0.5), []
+
+    def step(self, logits, ctx):
+        cols = torch.arange(ctx.win_lo, ctx.win_lo + ctx.x.shape[1])
+        self.seen.append(([set(cols[c].tolist()) for c in ctx.cand], ctx.canvas.clone()))
+        return self.inner.step(logits, ctx)
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_sliding_window_candidates_are_the_first_masks(family):
+    """Every step, each active row's candidates are exactly its first W remaining masks (ragged batch)."""
+    from dllm.samplers import SlidingWindow
+
+    model, W, G = cached_model(family, 1), 4, 24
+    rec = _Recorder()
+    out = generate(model, prompt_set(3, 1), sampler=rec, gen_length=G, block_policy=SlidingWindow(W))
+    assert not out.sequences.eq(model.mask_id).any()
+    T = out.sequences.shape[1] + max(len(p) for p in prompt_set(3, 1))
+    slid = False
+    for cands, canvas in rec.seen:
+        for b, cand in enumerate(cands):
+            masks = (canvas[b] == model.mask_id).nonzero().flatten().tolist()
+            assert cand == set(masks[:W]), (b, cand, masks[:W])
+            slid |= bool(masks) and masks[0] > T - G and cand and max(cand) >= T - G + W and len(masks) > W
+    assert slid  # the window left the first W columns while masks remained behind its end
+
+
+def test_elastic_preset_slides_and_matches_plain_sliding_threshold_with_full_refresh():
+    """The elastic preset decodes with the sliding window; forcing a refresh every step reproduces a no-cache
+    threshold run over the same window token for token (both families, ragged batch)."""
+    from dllm import get_sampler
+    from dllm.samplers import SlidingWindow
+
+    assert isinstance(get_sampler("elastic").block_policy, SlidingWindow)
+    for family in ("llada", "dream"):
+        model = cached_model(family, 2)
+        kw = dict(gen_length=32, steps=32)
+        base = generate(model, prompt_set(3, 2), sampler="threshold", block_policy=SlidingWindow(16), **kw)
+        out = generate(model, prompt_set(3, 2), sampler="elastic",
+                       cache=get_cache("elastic", refresh_every=1), **kw)
+        assert torch.equal(out.sequences, base.sequences), family

@@ -91,3 +91,25 @@ def test_dream_logits_are_shifted_by_one():
     rows = unshifted(x)
     assert torch.allclose(full[:, 1:], rows[:, :-1], atol=1e-6)
     assert torch.allclose(full[:, 0], rows[:, 0], atol=1e-6)
+
+
+def test_eos_early_stop_with_a_sliding_window():
+    """With Elastic's sliding window a row stops once a stop token has every position before it decoded:
+    the rest is EOS-filled and the row takes fewer forwards than decoding every mask."""
+    from dllm.samplers import SlidingWindow
+
+    model = random_model("llada")
+    prompts = ragged_prompts(3)
+    kw = dict(gen_length=16, steps=16, block_policy=SlidingWindow(4))
+    base = dllm.generate(model, prompts, **kw)
+    row = base.sequences[0]
+    eos = int(row[2])  # a token row 0 produces early; declare it EOS
+    model.eos_id, model.eot_id = eos, None
+    out = dllm.generate(model, prompts, eos_early_stop=True, **kw)
+    row0 = out.sequences[0]
+    first = int((row0 == eos).nonzero()[0])
+    assert (row0[first:] == eos).all() and torch.equal(row0[:first], base.sequences[0, :first])
+    assert out.stats.row_nfe[0] < base.stats.row_nfe[0]
+    for b in range(3):
+        if not (base.sequences[b] == eos).any():
+            assert torch.equal(out.sequences[b], base.sequences[b])

@@ -10,7 +10,7 @@ from typing import Any
 
 from dllm.samplers.adablock import AdaBlock
 from dllm.samplers.base import Sampler, StepContext, StepResult
-from dllm.samplers.blocks import BlockPolicy, FixedBlocks, WholeCanvas
+from dllm.samplers.blocks import BlockPolicy, FixedBlocks, SlidingWindow, WholeCanvas
 from dllm.samplers.composed import ComposedSampler
 from dllm.samplers.dream import DreamSampler
 from dllm.samplers.llada import LLaDASampler
@@ -70,5 +70,5 @@ def list_samplers() -> list[SamplerEntry]:
 
 __all__ = ["SAMPLERS", "AdaBlock", "Ascending", "BlockPolicy", "ComposedSampler", "CreditFusion", "DreamSampler",
            "EOSRejection", "Factor", "FixedBlocks", "KLStable", "LLaDASampler", "LocalLeap", "Prophet", "Quota",
-           "Sampler", "SamplerEntry", "StepContext", "StepResult", "Threshold", "WholeCanvas", "get_sampler",
+           "Sampler", "SamplerEntry", "SlidingWindow", "StepContext", "StepResult", "Threshold", "WholeCanvas", "get_sampler",
            "list_samplers", "register"]

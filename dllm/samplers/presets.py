@@ -43,11 +43,13 @@ def fast_dllm(tau: float = 0.9, temperature: float = 0.0, confidence: str = "pro
 
 def elastic(tau: float = 0.9, window: int = 16, gamma: float = 0.9, track_num: int = 1, temperature: float = 0.0,
             confidence: str = "prob", softmax_dtype: str = "float32", name: str = "elastic") -> ComposedSampler:
-    """Elastic-Cache: threshold 0.9 over regions of ``window`` (16) positions, elastic cache (gamma 0.9,
-    one tracked token per layer). The reference slides a window over the first 16 remaining masks; here the
-    window is a fixed block of 16 positions that advances when it has no masks left."""
+    """Elastic-Cache: threshold 0.9 over a window sliding over the first ``window`` (16) remaining masks
+    (:class:`~dllm.samplers.blocks.SlidingWindow`), elastic cache (gamma 0.9, one tracked token per layer)."""
+    from dllm.samplers.blocks import SlidingWindow
+
     return ComposedSampler(Threshold(tau), cache=("elastic", (("gamma", gamma), ("track_num", track_num))),
-                           **_common(temperature, confidence, softmax_dtype, window, name))
+                           block_policy=SlidingWindow(window),
+                           **_common(temperature, confidence, softmax_dtype, None, name))
 
 
 def dkv(refresh_every: int = 8, temperature: float = 0.0, confidence: str = "prob", softmax_dtype: str = "float64",
