@@ -122,7 +122,8 @@ def cmd_train_tiny(args) -> int:
 
         cfg = ARTrainConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads, mlp_hidden=args.mlp,
                             steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                            threads=args.threads, time_budget_s=args.time_budget, init_from=args.init_from)
+                            threads=args.threads, time_budget_s=args.time_budget, init_from=args.init_from,
+                            list_item_tokens=args.list_item_tokens)
         summary = train_ar(cfg, args.out, progress=lambda step, loss, secs: print(
             f"step {step}/{cfg.steps}  loss {loss:.4f}  {secs:.0f}s", file=sys.stderr, flush=True))
         print(json.dumps(summary, indent=2))
@@ -136,7 +137,8 @@ def cmd_train_tiny(args) -> int:
                       mlp_hidden=args.mlp, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                       seed=args.seed, threads=args.threads, time_budget_s=args.time_budget,
                       init_from=args.init_from, task_curriculum=not args.no_curriculum,
-                      list_item_tokens=args.list_item_tokens, loss=args.loss)
+                      list_item_tokens=args.list_item_tokens, loss=args.loss, task_mix=args.task_mix,
+                      curriculum_name=args.curriculum, save_every=args.save_every)
 
     def progress(step, loss, secs):
         print(f"step {step}/{cfg.steps}  loss {loss:.4f}  {secs:.0f}s", file=sys.stderr, flush=True)
@@ -213,6 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-curriculum", action="store_true",
                    help="train on every task from the start (default: copy, then copy/reverse, then the list "
                         "operations, then every task; each stage until its tasks are learned)")
+    t.add_argument("--curriculum", choices=["bare", "chat"], default="bare",
+                   help="bare: bare lists first, then chat copy (default); chat: single-turn chat copy first")
+    t.add_argument("--task-mix", choices=["uniform", "family"], default="uniform",
+                   help="uniform: every task of a stage equally often (default); family: each task family equally")
+    t.add_argument("--save-every", type=int, default=0, help="also write the checkpoint every N steps")
     t.set_defaults(func=cmd_train_tiny)
 
     e = sub.add_parser("eval-tasks", help="score a model on the synthetic tasks (held-out seed)")

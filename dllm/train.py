@@ -56,6 +56,9 @@ class TrainConfig:
     list_item_tokens: bool = False  # tokenizer layout with one token per list item (tokenizer_build.SPLIT_PATTERN)
     decay_from: float = 0.75  # learning rate constant after warmup until this progress, then cosine decay
     init_from: str | None = None  # continue from an existing checkpoint of the same family and shape
+    task_mix: str = "uniform"  # "uniform": every task of a stage equally; "family": each family equally, then its tasks
+    curriculum_name: str = "bare"  # which staged curriculum (CURRICULA) when task_curriculum is on
+    save_every: int = 0  # also write the checkpoint every this many steps (0: only at the end)
 
 
 def encode_example(tok, ex: T.Example, with_example: bool = True) -> tuple[list[int], list[int]]:
@@ -112,11 +115,34 @@ CURRICULUM = (
     Stage(("waiting_line/*",), None, 0.8, 0.65),
     Stage(("*",), None, None, 1.0),
 )
+# Single-turn chat-formatted copy first (the setting where the copy transition came fastest, see
+# docs/tiny-models.md), then the list operations, then every task.
+CHAT_FIRST = (
+    Stage(("waiting_line/copy",), 0.0, 0.9, 0.3),
+    Stage(("waiting_line/copy", "waiting_line/reverse"), None, 0.85, 0.4),
+    Stage(("waiting_line/*",), None, 0.8, 0.55),
+    Stage(("*",), None, None, 1.0),
+)
 ALL_TASKS = (Stage(("*",), None, None, 1.0),)
+CURRICULA = {"bare": CURRICULUM, "chat": CHAT_FIRST}
+TASK_MIXES = ("uniform", "family")
 
 
 def stage_tasks(stage: Stage) -> list[str]:
     return [n for pat in stage.tasks for n in ([pat] if pat == BARE_COPY else T.task_names(pat))]
+
+
+def task_sampler(names: list[str], mix: str):
+    """A function of an RNG that draws a task name: uniformly, or a family uniformly then one of its tasks."""
+    if mix not in TASK_MIXES:
+        raise ValueError(f"unknown task mix {mix!r}; known: {', '.join(TASK_MIXES)}")
+    if mix == "uniform":
+        return lambda rng: rng.choice(names)
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        groups.setdefault(n.split("/", 1)[0] if n != BARE_COPY else "waiting_line", []).append(n)
+    fams = list(groups.values())
+    return lambda rng: rng.choice(rng.choice(fams))
 
 
 def make_batch(pool, idx, *, mask_id, eot_id, eos_id, pad_id, rng: random.Random, eps: float):
@@ -149,6 +175,10 @@ def train(cfg: TrainConfig, out_dir, *, progress=None) -> dict:
 
     if cfg.loss not in LOSSES:
         raise ValueError(f"unknown loss {cfg.loss!r}; known: {', '.join(LOSSES)}")
+    if cfg.curriculum_name not in CURRICULA:
+        raise ValueError(f"unknown curriculum {cfg.curriculum_name!r}; known: {', '.join(CURRICULA)}")
+    if cfg.task_mix not in TASK_MIXES:
+        raise ValueError(f"unknown task mix {cfg.task_mix!r}; known: {', '.join(TASK_MIXES)}")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
@@ -184,9 +214,9 @@ def train(cfg: TrainConfig, out_dir, *, progress=None) -> dict:
     losses = []
     step = 0
     model.train()
-    stages = CURRICULUM if cfg.task_curriculum else ALL_TASKS
+    stages = CURRICULA[cfg.curriculum_name] if cfg.task_curriculum else ALL_TASKS
     si, stage_log, accs = 0, [], []
-    allowed = stage_tasks(stages[0])  # task names of the current stage (resolved once per stage)
+    draw = task_sampler(stage_tasks(stages[0]), cfg.task_mix)  # the current stage's tasks, resolved once per stage
     for step in range(1, cfg.steps + 1):
         # Progress drives the schedules: steps done, or time used when a budget is set (so a budgeted run
         # still warms up, follows the curriculum and anneals to the end).
@@ -201,7 +231,7 @@ def train(cfg: TrainConfig, out_dir, *, progress=None) -> dict:
             stage_log.append({"stage": si, "tasks": list(stages[si].tasks), "step": step,
                               "seconds": round(time.perf_counter() - t0, 1)})
             log.info("curriculum stage %d (%s) from step %d", si, ", ".join(stages[si].tasks), step)
-            allowed = stage_tasks(stages[si])
+            draw = task_sampler(stage_tasks(stages[si]), cfg.task_mix)
         stage = stages[si]
         decay = max(0.0, (frac - cfg.decay_from) / (1 - cfg.decay_from)) if cfg.decay_from < 1 else 0.0
         lr = cfg.lr * min(1.0, step / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * min(decay, 1.0)))
@@ -209,7 +239,7 @@ def train(cfg: TrainConfig, out_dir, *, progress=None) -> dict:
             g["lr"] = max(lr, cfg.lr * 0.02)
         p_multi = cfg.multi_turn if stage.multi_turn is None else stage.multi_turn
         turn = 1 if rng.random() < p_multi else 0
-        batch = [pools[rng.choice(allowed)][turn] for _ in range(cfg.batch_size)]
+        batch = [pools[draw(rng)][turn] for _ in range(cfg.batch_size)]
         batch = [pool[rng.randrange(len(pool))] for pool in batch]
         noisy, valid, target, masked, t, P = make_batch(
             batch, range(len(batch)), mask_id=ids["mask_id"], eot_id=ids["eot_id"], eos_id=ids["eos_id"], pad_id=ids["eos_id"],
@@ -228,8 +258,15 @@ def train(cfg: TrainConfig, out_dir, *, progress=None) -> dict:
             if progress is not None:
                 progress(step, sum(losses[-50:]) / 50, time.perf_counter() - t0)
             log.info("step %d stage %d masked answer accuracy %.3f lr %.2e", step, si, sum(accs[-50:]) / max(1, len(accs[-50:])), lr)
+        if cfg.save_every and step % cfg.save_every == 0 and frac < 1.0:
+            _save(model, tok, out_dir, cfg, mcfg, step, t0, losses, accs, stage_log)
+            model.train().requires_grad_(True)
         if frac >= 1.0:
             break
+    return _save(model, tok, out_dir, cfg, mcfg, step, t0, losses, accs, stage_log)
+
+
+def _save(model, tok, out_dir, cfg, mcfg, step, t0, losses, accs, stage_log) -> dict:
     model.eval().requires_grad_(False)
     model.tokenizer = tok
     save_pretrained(model, out_dir, dtype=torch.float32)

@@ -61,3 +61,45 @@ def test_train_mean_loss_and_list_item_tokens(tmp_path):
         == ['["Alice', 'ĠAdams"]']
     with pytest.raises(ValueError, match="unknown loss"):
         train(TrainConfig(loss="sum", steps=1), tmp_path / "bad")
+
+
+def test_task_sampler_family_mix_balances_families():
+    import random
+
+    from dllm.evals import tasks as T
+    from dllm.train import task_sampler
+
+    names = T.task_names()
+    draws = [task_sampler(names, "family")(random.Random(0)) for _ in range(1)]
+    assert draws[0] in names
+    rng = random.Random(0)
+    family, uniform = task_sampler(names, "family"), task_sampler(names, "uniform")
+    fam_counts, uni_counts = {}, {}
+    for _ in range(6000):
+        f = family(rng).split("/")[0]
+        u = uniform(rng).split("/")[0]
+        fam_counts[f] = fam_counts.get(f, 0) + 1
+        uni_counts[u] = uni_counts.get(u, 0) + 1
+    # family: a third each; uniform: 10 of the 13 tasks are waiting-line operations
+    assert all(abs(c / 6000 - 1 / 3) < 0.03 for c in fam_counts.values()) and len(fam_counts) == 3
+    assert abs(uni_counts["waiting_line"] / 6000 - 10 / 13) < 0.03
+    with pytest.raises(ValueError, match="unknown task mix 'even'.*uniform, family"):
+        task_sampler(names, "even")
+
+
+def test_train_chat_curriculum_family_mix_and_periodic_saves(tmp_path, monkeypatch):
+    import dllm.train as tr
+
+    torch.set_num_threads(1)
+    saved = []
+    real_save = tr.save_pretrained
+    monkeypatch.setattr(tr, "save_pretrained", lambda model, out, **kw: (saved.append(model.training),
+                                                                          real_save(model, out, **kw)))
+    cfg = TrainConfig(family="dream", d_model=32, n_layers=1, n_heads=2, mlp_hidden=64, steps=5, batch_size=4,
+                      examples_per_task=2, warmup=1, curriculum_name="chat", task_mix="family", save_every=2)
+    summary = train(cfg, tmp_path / "ckpt")
+    # saves after steps 2 and 4 and at the end, always in eval mode; training resumes in train mode in between
+    assert saved == [False, False, False] and summary["steps_done"] == 5
+    assert summary["train_config"]["curriculum_name"] == "chat" and summary["train_config"]["task_mix"] == "family"
+    with pytest.raises(ValueError, match="unknown curriculum 'fast'.*bare, chat"):
+        train(TrainConfig(curriculum_name="fast", steps=1), tmp_path / "bad")
