@@ -382,7 +382,8 @@ def test_train_tiny_ar_writes_a_transformers_guide(tmp_path, monkeypatch):
 
     monkeypatch.setattr(train_ar, "ARTrainConfig", partial(train_ar.ARTrainConfig, examples_per_task=2))
     rc = main(["train-tiny", "--family", "ar", "--out", str(tmp_path / "ar"), "--steps", "2", "--batch-size", "2",
-               "--d-model", "16", "--layers", "1", "--heads", "2", "--mlp", "32", "--threads", "1"])
+               "--d-model", "16", "--layers", "1", "--heads", "2", "--mlp", "32", "--threads", "1",
+               "--list-item-tokens"])  # the bundled dLLMs' tokenizer layout
     assert rc == 0
     summary = json.loads((tmp_path / "ar" / "training.json").read_text())
     assert summary["steps_done"] == 2 and summary["final_loss"] > 0
@@ -393,7 +394,8 @@ def test_train_tiny_ar_writes_a_transformers_guide(tmp_path, monkeypatch):
     out = generate(model, ["What is 1 + 2?"], guide=str(tmp_path / "ar"), gen_length=8)
     assert out.sequences.shape == (1, 8)
     cont = train_ar.train(train_ar.ARTrainConfig(d_model=16, n_layers=1, n_heads=2, mlp_hidden=32, steps=1, batch_size=2, lr=0.0,
-                               examples_per_task=2, init_from=str(tmp_path / "ar")), tmp_path / "cont")
+                               examples_per_task=2, init_from=str(tmp_path / "ar"), list_item_tokens=True),
+                          tmp_path / "cont")
     assert cont["steps_done"] == 1
     again = AutoModelForCausalLM.from_pretrained(str(tmp_path / "cont"))
     for (n, a), (_, b) in zip(guide.state_dict().items(), again.state_dict().items()):
