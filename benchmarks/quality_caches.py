@@ -10,15 +10,13 @@ run against threshold decoding without cache. Results go to ``--out`` (one resum
 
 from __future__ import annotations
 
-import argparse
 import statistics
 from pathlib import Path
 
 import torch
+from _suite import load_suite_model, suite_parser
 
-from dllm.assets import model_path
 from dllm.evals.parallelbench_sweep import load_samples, run_sweep
-from dllm.models.loading import load_model
 
 CACHES = ("none", "prefix", "dual", "dkv-decode", "dkv-greedy", "freecache", "elastic")
 
@@ -34,20 +32,11 @@ def _key(line: dict) -> tuple:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="llada-tiny")
-    ap.add_argument("--tasks", default="waiting_line,puzzle")
-    ap.add_argument("--n", type=int, default=10, help="samples per task")
-    ap.add_argument("--gen-length", type=int, default=32)
+    ap = suite_parser("runs/cache-quality")
     ap.add_argument("--block-length", type=int, default=32)
     ap.add_argument("--method", default=None, help="method spec (default: threshold:tau=0.9:block_length=B)")
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--out", default="runs/cache-quality")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model = load_model(model_path(args.model), dtype=torch.float32)
+    model = load_suite_model(args)
     method = args.method or f"threshold:tau=0.9:block_length={args.block_length}"
     root = Path(args.out)
     rows = []

@@ -10,17 +10,15 @@ markdown report with the plot is written to ``<out>/report.md``.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 from collections import defaultdict
 from pathlib import Path
 
 import torch
+from _suite import load_suite_model, suite_parser
 
-from dllm.assets import model_path
 from dllm.evals.parallelbench_report import write_report
 from dllm.evals.parallelbench_sweep import load_samples, run_sweep
-from dllm.models.loading import load_model
 from dllm.samplers import SAMPLERS
 
 SKIP = {"guided"}  # needs a guide model: benchmarks/bench_guided.py
@@ -34,19 +32,10 @@ CURVES = (
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="llada-tiny")
-    ap.add_argument("--tasks", default="waiting_line,puzzle")
-    ap.add_argument("--n", type=int, default=10, help="samples per task")
-    ap.add_argument("--gen-length", type=int, default=32)
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=None)
+    ap = suite_parser("runs/sampler-quality")
     ap.add_argument("--curves", nargs="*", default=list(CURVES))
-    ap.add_argument("--out", default="runs/sampler-quality")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model = load_model(model_path(args.model), dtype=torch.float32)
+    model = load_suite_model(args)
     family = getattr(model.spec, "family", "llada")
     presets = [n for n in sorted(SAMPLERS) if n not in SKIP
                and not (family == "llada" and n.startswith("dream")) and not (family != "llada" and n.startswith("llada"))]

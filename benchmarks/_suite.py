@@ -1,0 +1,31 @@
+"""Options and model loading shared by the quality benchmarks (``quality_samplers.py``, ``quality_caches.py``),
+so both tables are measured on the same suite settings."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from dllm.assets import model_path
+from dllm.models.loading import load_model
+
+
+def suite_parser(out: str) -> argparse.ArgumentParser:
+    """A parser with the suite options (model, tasks, samples per task, lengths, batch, threads, output)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llada-tiny")
+    ap.add_argument("--tasks", default="waiting_line,puzzle")
+    ap.add_argument("--n", type=int, default=10, help="samples per task")
+    ap.add_argument("--gen-length", type=int, default=32)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default=out)
+    return ap
+
+
+def load_suite_model(args: argparse.Namespace):
+    """Set the thread count and load ``args.model`` (a bundled name or a path) in fp32."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return load_model(model_path(args.model), dtype=torch.float32)
