@@ -115,6 +115,24 @@ CONTRACT = settings(max_examples=30, deadline=None, suppress_health_check=[Healt
 @CONTRACT
 @given(case=cases())
 def test_step_contract(name, params, case):
+    _check_step_contract(name, params, case)
+
+
+EOS_IS_MASK = Case(  # found by the property test: a row that stopped filled its masks with EOS == the mask id
+    logits=torch.tensor([[[0.5507, 0.2704, 0.6472, 0.2490], [-0.3354, 0.4564, -0.6255, 0.4539]]]),
+    ctx_args={"x": torch.tensor([[0, 0]]), "cand": torch.tensor([[True, True]]), "step": torch.tensor([0]),
+              "steps": torch.tensor([1]), "n_region_start": torch.tensor([2]), "region_lo": torch.tensor([5]),
+              "region_hi": torch.tensor([7]), "win_lo": 5, "canvas_len": 10, "gen_lo": 5, "global_step": 0,
+              "total_steps": 1, "mask_id": 0, "eos_id": 0, "eot_id": 3},
+    V=4)
+
+
+@pytest.mark.parametrize(("name", "params"), CONFIGS, ids=IDS)
+def test_step_contract_when_eos_is_the_mask_id(name, params):
+    _check_step_contract(name, params, dataclasses.replace(EOS_IS_MASK, logits=EOS_IS_MASK.logits.clone()))
+
+
+def _check_step_contract(name, params, case):
     sampler = get_sampler(name, **params)
     ctx = case.ctx(seed=1)
     exclude_mask(case.logits, ctx.mask_id)  # samplers get logits as the decode loop hands them over

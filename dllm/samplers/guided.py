@@ -262,8 +262,10 @@ class GuidedSampler:
             st = ctx.state["guided"] = self._init_state(canvas, gen_lo, pad, dev)
         cand = ctx.cand
         draft = gumbel_argmax(logits, self.temperature, ctx)  # argmax at temperature 0
-        stop_ids = torch.tensor([i for i in (ctx.eos_id, ctx.eot_id) if i is not None], device=dev, dtype=torch.long)
-        eos = next((i for i in (ctx.eos_id, ctx.eot_id) if i is not None), 0)  # fill after a stop (needs one)
+        # stop tokens, never the mask id (a model whose EOS id is its mask id has no usable EOS)
+        stops = [i for i in (ctx.eos_id, ctx.eot_id) if i is not None and i != ctx.mask_id]
+        stop_ids = torch.tensor(stops, device=dev, dtype=torch.long)
+        eos = stops[0] if stops else 0  # fill after a stop (only used once a row has hit one)
 
         # The canvas with this step's drafts in the candidate positions (what the guide is fed).
         full = canvas.clone()
