@@ -138,7 +138,8 @@ def cmd_train_tiny(args) -> int:
                       seed=args.seed, threads=args.threads, time_budget_s=args.time_budget,
                       init_from=args.init_from, task_curriculum=not args.no_curriculum,
                       list_item_tokens=args.list_item_tokens, loss=args.loss, task_mix=args.task_mix,
-                      curriculum_name=args.curriculum, save_every=args.save_every)
+                      curriculum_name=args.curriculum, save_every=args.save_every,
+                      tie_embeddings=args.tie_embeddings)
 
     def progress(step, loss, secs):
         print(f"step {step}/{cfg.steps}  loss {loss:.4f}  {secs:.0f}s", file=sys.stderr, flush=True)
@@ -220,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--task-mix", choices=["uniform", "family"], default="uniform",
                    help="uniform: every task of a stage equally often (default); family: each task family equally")
     t.add_argument("--save-every", type=int, default=0, help="also write the checkpoint every N steps")
+    t.add_argument("--tie-embeddings", action="store_true",
+                   help="the output head shares the input embedding matrix (LLaDA weight_tying, Dream "
+                        "tie_word_embeddings); copying a prompt token then needs no per-token output weights")
     t.set_defaults(func=cmd_train_tiny)
 
     e = sub.add_parser("eval-tasks", help="score a model on the synthetic tasks (held-out seed)")

@@ -59,6 +59,7 @@ class TrainConfig:
     task_mix: str = "uniform"  # "uniform": every task of a stage equally; "family": each family equally, then its tasks
     curriculum_name: str = "bare"  # which staged curriculum (CURRICULA) when task_curriculum is on
     save_every: int = 0  # also write the checkpoint every this many steps (0: only at the end)
+    tie_embeddings: bool = False  # output head shares the input embedding (LLaDA weight_tying / Dream tie_word_embeddings)
 
 
 def encode_example(tok, ex: T.Example, with_example: bool = True) -> tuple[list[int], list[int]]:
@@ -197,6 +198,7 @@ def train(cfg: TrainConfig, out_dir, *, progress=None) -> dict:
         vocab_size=len(tok), d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=kv,
         mlp_hidden=cfg.mlp_hidden, max_seq_len=512, rope_theta=10000.0,
         norm_eps=1e-5 if cfg.family == "llada" else 1e-6, qkv_bias=cfg.family == "dream",
+        tie_embeddings=cfg.tie_embeddings,
     )
     model = Transformer(mcfg, spec)
     init_weights(model)

@@ -103,3 +103,27 @@ def test_train_chat_curriculum_family_mix_and_periodic_saves(tmp_path, monkeypat
     assert summary["train_config"]["curriculum_name"] == "chat" and summary["train_config"]["task_mix"] == "family"
     with pytest.raises(ValueError, match="unknown curriculum 'fast'.*bare, chat"):
         train(TrainConfig(curriculum_name="fast", steps=1), tmp_path / "bad")
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_train_tied_embeddings_checkpoint(tmp_path, family):
+    """--tie-embeddings: the checkpoint says so in the family's own config field, stores no separate output
+    matrix, loads back tied, and has one vocabulary matrix fewer than the untied model."""
+    from safetensors import safe_open
+
+    torch.set_num_threads(1)
+    cfg = TrainConfig(family=family, d_model=32, n_layers=1, n_heads=2, mlp_hidden=64, steps=2, batch_size=4,
+                      examples_per_task=2, warmup=1, tie_embeddings=True, list_item_tokens=True)
+    summary = train(cfg, tmp_path / "ckpt")
+    hf = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert hf["weight_tying" if family == "llada" else "tie_word_embeddings"] is True
+    with safe_open(str(tmp_path / "ckpt" / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    head = "model.transformer.ff_out.weight" if family == "llada" else "lm_head.weight"
+    assert head not in keys and len(keys) > 0
+    model = dllm.load_model(tmp_path / "ckpt", dtype=torch.float32)
+    assert model.head.weight.data_ptr() == model.embed.weight.data_ptr()
+    out = dllm.generate(model, ["What is 1 + 2?"], gen_length=8, steps=8)
+    assert out.sequences.shape == (1, 8)
+    untied = train(TrainConfig(**{**cfg.__dict__, "tie_embeddings": False}), tmp_path / "untied")
+    assert untied["parameters"] == summary["parameters"] + model.config.vocab_size * model.config.d_model

@@ -112,6 +112,8 @@ def load_model(
     with torch.device("meta"):
         model = Transformer(cfg, spec)
     state = _read_state(files, spec, cfg, dt)
+    if cfg.tie_embeddings:  # one stored matrix; the module lists it under both names
+        state["head.weight"] = state["embed.weight"]
     model.load_state_dict(state, assign=True, strict=True)
     if cfg.tie_embeddings:
         model.head.weight = model.embed.weight
