@@ -223,7 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--save-every", type=int, default=0, help="also write the checkpoint every N steps")
     t.add_argument("--tie-embeddings", action="store_true",
                    help="the output head shares the input embedding matrix (LLaDA weight_tying, Dream "
-                        "tie_word_embeddings); copying a prompt token then needs no per-token output weights")
+                        "tie_word_embeddings); copying a prompt token then needs no per-token output weights. The ar "
+                        "guide is always tied")
     t.set_defaults(func=cmd_train_tiny)
 
     e = sub.add_parser("eval-tasks", help="score a model on the synthetic tasks (held-out seed)")
