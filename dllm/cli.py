@@ -139,7 +139,8 @@ def cmd_train_tiny(args) -> int:
                       init_from=args.init_from, task_curriculum=not args.no_curriculum,
                       list_item_tokens=args.list_item_tokens, loss=args.loss, task_mix=args.task_mix,
                       curriculum_name=args.curriculum, save_every=args.save_every,
-                      tie_embeddings=args.tie_embeddings)
+                      tie_embeddings=args.tie_embeddings, examples_per_task=args.examples_per_task,
+                      tasks=args.tasks, eval_every=args.eval_every, eval_n=args.eval_n)
 
     def progress(step, loss, secs):
         print(f"step {step}/{cfg.steps}  loss {loss:.4f}  {secs:.0f}s", file=sys.stderr, flush=True)
@@ -218,9 +219,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "operations, then every task; each stage until its tasks are learned)")
     t.add_argument("--curriculum", choices=["bare", "chat"], default="bare",
                    help="bare: bare lists first, then chat copy (default); chat: single-turn chat copy first")
-    t.add_argument("--task-mix", choices=["uniform", "family"], default="uniform",
-                   help="uniform: every task of a stage equally often (default); family: each task family equally")
+    t.add_argument("--task-mix", choices=["uniform", "family", "adaptive"], default="uniform",
+                   help="uniform: every task of a stage equally often (default); family: each task family equally; "
+                        "adaptive: each family equally, its tasks weighted by how far their last --eval-every score "
+                        "is from 1")
     t.add_argument("--save-every", type=int, default=0, help="also write the checkpoint every N steps")
+    t.add_argument("--examples-per-task", type=int, default=4000,
+                   help="fixed training pool per task; 0: fresh examples every draw (streamed from new seeds)")
+    t.add_argument("--tasks", default=None, help="train on these tasks only (fnmatch pattern or family; no curriculum)")
+    t.add_argument("--eval-every", type=int, default=0,
+                   help="every N steps, greedy one-token-per-step accuracy on held-out examples (logged, training.json)")
+    t.add_argument("--eval-n", type=int, default=8, help="examples per task in that evaluation")
     t.add_argument("--tie-embeddings", action="store_true",
                    help="the output head shares the input embedding matrix (LLaDA weight_tying, Dream "
                         "tie_word_embeddings); copying a prompt token then needs no per-token output weights. The ar "

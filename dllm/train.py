@@ -45,7 +45,7 @@ class TrainConfig:
     lr: float = 2e-3
     warmup: int = 100
     weight_decay: float = 0.01
-    examples_per_task: int = 4000
+    examples_per_task: int = 4000  # fixed pool per task; 0: fresh examples streamed from new seeds (ExampleStream)
     multi_turn: float = 0.6  # fraction of prompts that carry the worked example turn (stages may lower it)
     seed: int = 0
     threads: int | None = None
@@ -56,10 +56,16 @@ class TrainConfig:
     list_item_tokens: bool = False  # tokenizer layout with one token per list item (tokenizer_build.SPLIT_PATTERN)
     decay_from: float = 0.75  # learning rate constant after warmup until this progress, then cosine decay
     init_from: str | None = None  # continue from an existing checkpoint of the same family and shape
-    task_mix: str = "uniform"  # "uniform": every task of a stage equally; "family": each family equally, then its tasks
+    task_mix: str = "uniform"  # "uniform": every task of a stage equally; "family": each family equally, then its
+    # tasks; "adaptive": like "family", each task weighted by adaptive_floor + (1 - its last periodic eval score)
+    adaptive_floor: float = 0.1
     curriculum_name: str = "bare"  # which staged curriculum (CURRICULA) when task_curriculum is on
     save_every: int = 0  # also write the checkpoint every this many steps (0: only at the end)
     tie_embeddings: bool = False  # output head shares the input embedding (LLaDA weight_tying / Dream tie_word_embeddings)
+    tasks: str | None = None  # fnmatch pattern: train on these tasks only (no curriculum); None: every task
+    eval_every: int = 0  # greedy one-token-per-step evaluation on held-out examples every N steps (0: never)
+    eval_n: int = 8  # examples per task in that evaluation
+    eval_seed: int = 777  # its data seed (the reported evaluation uses 12345, training data never these)
 
 
 def encode_example(tok, ex: T.Example, with_example: bool = True) -> tuple[list[int], list[int]]:
@@ -73,6 +79,34 @@ def encode_example(tok, ex: T.Example, with_example: bool = True) -> tuple[list[
 
 
 BARE_COPY = "bare/copy"
+STREAM_SEED_BASE = 1_000_000  # streamed chunks use seeds >= this, never the evaluation seeds
+
+
+class ExampleStream:
+    """Fresh encoded training examples of one task: seeded chunks generated on demand, each chunk seed used
+    once (``STREAM_SEED_BASE * (seed + 1) + k`` for the k-th chunk). ``draw(turn)`` returns the next example
+    without (turn 0) or with (turn 1) the worked example turn, like a pool entry of :func:`build_pools`."""
+
+    def __init__(self, tok, name: str, seed: int, chunk: int = 256, eot_id: int | None = None):
+        self.tok, self.name, self.chunk, self.eot_id = tok, name, chunk, eot_id
+        self.seed0 = STREAM_SEED_BASE * (seed + 1)
+        self.k, self.buf, self.pos = 0, [], 0
+
+    def _refill(self):
+        source = "waiting_line/copy" if self.name == BARE_COPY else self.name
+        exs = T.generate(source, self.chunk, self.seed0 + self.k)
+        self.k += 1
+        self.buf, self.pos = exs, 0
+
+    def draw(self, turn: int) -> tuple[list[int], list[int]]:
+        if self.pos >= len(self.buf):
+            self._refill()
+        ex = self.buf[self.pos]
+        self.pos += 1
+        if self.name == BARE_COPY:
+            _, a = encode_example(self.tok, ex, with_example=False)
+            return a + [self.eot_id], a
+        return encode_example(self.tok, ex, with_example=bool(turn))
 
 
 def build_pools(tok, n_per_task: int, seed: int, eot_id: int | None = None) -> dict[str, tuple[list, list]]:
@@ -126,15 +160,18 @@ CHAT_FIRST = (
 )
 ALL_TASKS = (Stage(("*",), None, None, 1.0),)
 CURRICULA = {"bare": CURRICULUM, "chat": CHAT_FIRST}
-TASK_MIXES = ("uniform", "family")
+TASK_MIXES = ("uniform", "family", "adaptive")
 
 
 def stage_tasks(stage: Stage) -> list[str]:
     return [n for pat in stage.tasks for n in ([pat] if pat == BARE_COPY else T.task_names(pat))]
 
 
-def task_sampler(names: list[str], mix: str):
-    """A function of an RNG that draws a task name: uniformly, or a family uniformly then one of its tasks."""
+def task_sampler(names: list[str], mix: str, scores: dict[str, float] | None = None, floor: float = 0.1):
+    """A function of an RNG that draws a task name: uniformly; a family uniformly then one of its tasks
+    (``family``); or ``adaptive``: each family the same total weight, split over its tasks in proportion to
+    ``floor + 1 - score`` (``scores``: the last periodic evaluation, 0 for tasks not yet evaluated), so steps
+    go to the tasks not yet solved while solved ones keep being rehearsed."""
     if mix not in TASK_MIXES:
         raise ValueError(f"unknown task mix {mix!r}; known: {', '.join(TASK_MIXES)}")
     if mix == "uniform":
@@ -143,7 +180,15 @@ def task_sampler(names: list[str], mix: str):
     for n in names:
         groups.setdefault(n.split("/", 1)[0] if n != BARE_COPY else "waiting_line", []).append(n)
     fams = list(groups.values())
-    return lambda rng: rng.choice(rng.choice(fams))
+    if mix == "family":
+        return lambda rng: rng.choice(rng.choice(fams))
+    scores = scores or {}
+    flat, weights = [], []
+    for tasks in fams:
+        w = [floor + 1.0 - scores.get(n, 0.0) for n in tasks]
+        flat += tasks
+        weights += [x / sum(w) / len(fams) for x in w]
+    return lambda rng: rng.choices(flat, weights)[0]
 
 
 def make_batch(pool, idx, *, mask_id, eot_id, eos_id, pad_id, rng: random.Random, eps: float):
@@ -180,6 +225,10 @@ def train(cfg: TrainConfig, out_dir, *, progress=None) -> dict:
         raise ValueError(f"unknown curriculum {cfg.curriculum_name!r}; known: {', '.join(CURRICULA)}")
     if cfg.task_mix not in TASK_MIXES:
         raise ValueError(f"unknown task mix {cfg.task_mix!r}; known: {', '.join(TASK_MIXES)}")
+    if cfg.task_mix == "adaptive" and not cfg.eval_every:
+        raise ValueError("task_mix 'adaptive' weights tasks by the periodic evaluation: set eval_every > 0")
+    if cfg.tasks is not None and not T.task_names(cfg.tasks):
+        raise ValueError(f"no task matches {cfg.tasks!r}; known tasks: {', '.join(T.task_names())}")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
@@ -210,15 +259,31 @@ def train(cfg: TrainConfig, out_dir, *, progress=None) -> dict:
             raise ValueError(f"--init-from {cfg.init_from}: its config {start.config} differs from {mcfg}")
         model.load_state_dict(start.state_dict())
     model.mask_id, model.eos_id, model.pad_id, model.eot_id = ids["mask_id"], ids["eos_id"], ids["eos_id"], ids["eot_id"]
-    pools = build_pools(tok, cfg.examples_per_task, seed=cfg.seed + 1000, eot_id=ids["eot_id"])
+    if cfg.examples_per_task > 0:
+        pools = build_pools(tok, cfg.examples_per_task, seed=cfg.seed + 1000, eot_id=ids["eot_id"])
+
+        def draw_example(name, turn):
+            pool = pools[name][turn]
+            return pool[rng.randrange(len(pool))]
+    else:
+        streams = {n: ExampleStream(tok, n, cfg.seed, eot_id=ids["eot_id"]) for n in [*T.task_names(), BARE_COPY]}
+
+        def draw_example(name, turn):
+            return streams[name].draw(turn)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     t0 = time.perf_counter()
     losses = []
     step = 0
     model.train()
-    stages = CURRICULA[cfg.curriculum_name] if cfg.task_curriculum else ALL_TASKS
+    if cfg.tasks is not None:
+        stages = (Stage((cfg.tasks,), None, None, 1.0),)
+    else:
+        stages = CURRICULA[cfg.curriculum_name] if cfg.task_curriculum else ALL_TASKS
+    evals = []
     si, stage_log, accs = 0, [], []
-    draw = task_sampler(stage_tasks(stages[0]), cfg.task_mix)  # the current stage's tasks, resolved once per stage
+    last_scores: dict[str, float] = {}
+    # the current stage's tasks, resolved once per stage (and after each evaluation for the adaptive mix)
+    draw = task_sampler(stage_tasks(stages[0]), cfg.task_mix, last_scores, cfg.adaptive_floor)
     for step in range(1, cfg.steps + 1):
         # Progress drives the schedules: steps done, or time used when a budget is set (so a budgeted run
         # still warms up, follows the curriculum and anneals to the end).
@@ -233,7 +298,7 @@ def train(cfg: TrainConfig, out_dir, *, progress=None) -> dict:
             stage_log.append({"stage": si, "tasks": list(stages[si].tasks), "step": step,
                               "seconds": round(time.perf_counter() - t0, 1)})
             log.info("curriculum stage %d (%s) from step %d", si, ", ".join(stages[si].tasks), step)
-            draw = task_sampler(stage_tasks(stages[si]), cfg.task_mix)
+            draw = task_sampler(stage_tasks(stages[si]), cfg.task_mix, last_scores, cfg.adaptive_floor)
         stage = stages[si]
         decay = max(0.0, (frac - cfg.decay_from) / (1 - cfg.decay_from)) if cfg.decay_from < 1 else 0.0
         lr = cfg.lr * min(1.0, step / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * min(decay, 1.0)))
@@ -241,8 +306,7 @@ def train(cfg: TrainConfig, out_dir, *, progress=None) -> dict:
             g["lr"] = max(lr, cfg.lr * 0.02)
         p_multi = cfg.multi_turn if stage.multi_turn is None else stage.multi_turn
         turn = 1 if rng.random() < p_multi else 0
-        batch = [pools[draw(rng)][turn] for _ in range(cfg.batch_size)]
-        batch = [pool[rng.randrange(len(pool))] for pool in batch]
+        batch = [draw_example(draw(rng), turn) for _ in range(cfg.batch_size)]
         noisy, valid, target, masked, t, P = make_batch(
             batch, range(len(batch)), mask_id=ids["mask_id"], eot_id=ids["eot_id"], eos_id=ids["eos_id"], pad_id=ids["eos_id"],
             rng=rng, eps=cfg.eps)
@@ -260,15 +324,42 @@ def train(cfg: TrainConfig, out_dir, *, progress=None) -> dict:
             if progress is not None:
                 progress(step, sum(losses[-50:]) / 50, time.perf_counter() - t0)
             log.info("step %d stage %d masked answer accuracy %.3f lr %.2e", step, si, sum(accs[-50:]) / max(1, len(accs[-50:])), lr)
+        if cfg.eval_every and step % cfg.eval_every == 0:
+            evals.append(periodic_eval(model, tok, cfg, step, time.perf_counter() - t0))
+            model.train().requires_grad_(True)
+            last_scores = evals[-1]["tasks"]
+            if cfg.task_mix == "adaptive":
+                draw = task_sampler(stage_tasks(stages[si]), cfg.task_mix, last_scores, cfg.adaptive_floor)
         if cfg.save_every and step % cfg.save_every == 0 and frac < 1.0:
-            _save(model, tok, out_dir, cfg, mcfg, step, t0, losses, accs, stage_log)
+            _save(model, tok, out_dir, cfg, mcfg, step, t0, losses, accs, stage_log, evals)
             model.train().requires_grad_(True)
         if frac >= 1.0:
             break
-    return _save(model, tok, out_dir, cfg, mcfg, step, t0, losses, accs, stage_log)
+    return _save(model, tok, out_dir, cfg, mcfg, step, t0, losses, accs, stage_log, evals)
 
 
-def _save(model, tok, out_dir, cfg, mcfg, step, t0, losses, accs, stage_log) -> dict:
+def periodic_eval(model, tok, cfg: TrainConfig, step: int, seconds: float) -> dict:
+    """Greedy one-token-per-step accuracy (the model's baseline sampler, gen 32) on ``cfg.eval_n`` held-out
+    examples per task of seed ``cfg.eval_seed``; logged and returned as a record for training.json."""
+    from dllm.config import GenerateConfig
+    from dllm.evals.runner import evaluate_tasks, family_average
+
+    model.eval()
+    model.tokenizer = tok
+    with torch.no_grad():
+        res = evaluate_tasks(model, T.task_names(cfg.tasks), cfg.eval_n, cfg.eval_seed,
+                             GenerateConfig(gen_length=32, block_length=32, steps=32), batch_size=64)
+    fam = family_average(res)
+    rec = {"step": step, "seconds": round(seconds, 1), "family_mean": round(fam["mean"], 4),
+           "families": {k: round(v, 4) for k, v in fam.items() if k != "mean"},
+           "tasks": {r.task: round(r.score, 4) for r in res}}
+    log.info("eval step %d family mean %.3f %s | %s", step, fam["mean"],
+             " ".join(f"{k} {v:.2f}" for k, v in rec["families"].items()),
+             " ".join(f"{t.split('/')[-1]} {v:.2f}" for t, v in rec["tasks"].items()))
+    return rec
+
+
+def _save(model, tok, out_dir, cfg, mcfg, step, t0, losses, accs, stage_log, evals=()) -> dict:
     model.eval().requires_grad_(False)
     model.tokenizer = tok
     save_pretrained(model, out_dir, dtype=torch.float32)
@@ -281,6 +372,7 @@ def _save(model, tok, out_dir, cfg, mcfg, step, t0, losses, accs, stage_log) -> 
         "final_loss": sum(losses[-50:]) / max(1, len(losses[-50:])),
         "final_masked_answer_accuracy": sum(accs[-50:]) / max(1, len(accs[-50:])),
         "curriculum": stage_log,
+        "evals": list(evals),
     }
     (out_dir / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

@@ -127,3 +127,74 @@ def test_train_tied_embeddings_checkpoint(tmp_path, family):
     assert out.sequences.shape == (1, 8)
     untied = train(TrainConfig(**{**cfg.__dict__, "tie_embeddings": False}), tmp_path / "untied")
     assert untied["parameters"] == summary["parameters"] + model.config.vocab_size * model.config.d_model
+
+
+def test_example_stream_gives_fresh_examples_and_never_the_eval_seeds(monkeypatch):
+    """Streamed training data: chunks come from new seeds (>= STREAM_SEED_BASE, so never the evaluation seeds
+    777 / 12345), a drawn example is never repeated across chunks, and the stream is deterministic."""
+    from transformers import AutoTokenizer
+
+    from dllm import train as tr
+    from dllm.evals import tasks as T
+
+    from dllm.assets import BUNDLED
+
+    tok = AutoTokenizer.from_pretrained(str(BUNDLED["llada-tiny"]))
+    seeds = []
+    real = T.generate
+    monkeypatch.setattr(T, "generate", lambda name, n, seed: seeds.append(seed) or real(name, n, seed))
+    a = tr.ExampleStream(tok, "waiting_line/copy", seed=0, chunk=4)
+    draws = [a.draw(i % 2) for i in range(10)]  # 3 chunks
+    assert seeds == [tr.STREAM_SEED_BASE, tr.STREAM_SEED_BASE + 1, tr.STREAM_SEED_BASE + 2]
+    answers = [tuple(ans) for _, ans in draws]
+    assert len(set(answers)) == len(answers)
+    # turn 1 carries the worked example: a longer prompt with the same answer as turn 0 would have
+    single, multi = draws[0][0], draws[1][0]
+    assert len(multi) > len(single)
+    b = tr.ExampleStream(tok, "waiting_line/copy", seed=0, chunk=4)
+    assert [b.draw(i % 2) for i in range(10)] == draws
+    # the bare-copy stage: the list then end-of-turn as the prompt, the list as the answer
+    bare = tr.ExampleStream(tok, tr.BARE_COPY, seed=0, chunk=4, eot_id=7).draw(0)
+    assert bare[0] == bare[1] + [7]
+
+
+def test_task_sampler_adaptive_mix_weights_unsolved_tasks():
+    import random
+
+    from dllm.train import task_sampler
+
+    names = ["waiting_line/copy", "waiting_line/sort", "puzzle/sudoku", "arithmetic/addition"]
+    scores = {"waiting_line/copy": 1.0, "waiting_line/sort": 0.0, "puzzle/sudoku": 0.5}
+    draw = task_sampler(names, "adaptive", scores, floor=0.1)
+    rng = random.Random(0)
+    n = 30000
+    counts = {k: 0 for k in names}
+    for _ in range(n):
+        counts[draw(rng)] += 1
+    frac = {k: v / n for k, v in counts.items()}
+    # each family a third; inside waiting_line, copy (solved) 0.1 : sort (unsolved) 1.1
+    assert abs(frac["puzzle/sudoku"] - 1 / 3) < 0.02 and abs(frac["arithmetic/addition"] - 1 / 3) < 0.02
+    assert abs(frac["waiting_line/copy"] - (1 / 3) * 0.1 / 1.2) < 0.01
+    assert abs(frac["waiting_line/sort"] - (1 / 3) * 1.1 / 1.2) < 0.02
+    with pytest.raises(ValueError, match="unknown task mix"):
+        task_sampler(names, "bogus")
+
+
+def test_train_tasks_filter_stream_and_periodic_eval(tmp_path):
+    """--tasks restricts training, --examples-per-task 0 streams, --eval-every records greedy held-out scores
+    (per task, per family, family mean) in training.json; the adaptive mix needs the periodic evaluation."""
+    torch.set_num_threads(1)
+    cfg = TrainConfig(family="llada", d_model=32, n_layers=1, n_heads=2, mlp_hidden=64, steps=4, batch_size=4,
+                      warmup=1, examples_per_task=0, tasks="waiting_line/c*", eval_every=2, eval_n=2,
+                      task_mix="adaptive", list_item_tokens=True)
+    summary = train(cfg, tmp_path / "ckpt")
+    assert [e["step"] for e in summary["evals"]] == [2, 4]
+    ev = summary["evals"][-1]
+    assert set(ev["tasks"]) == {"waiting_line/copy"} and set(ev["families"]) == {"waiting_line"}
+    assert 0.0 <= ev["family_mean"] <= 1.0 and ev["family_mean"] == ev["tasks"]["waiting_line/copy"]
+    saved = json.loads((tmp_path / "ckpt" / "training.json").read_text())
+    assert saved["evals"] == summary["evals"] and saved["train_config"]["tasks"] == "waiting_line/c*"
+    with pytest.raises(ValueError, match="no task matches"):
+        train(TrainConfig(**{**cfg.__dict__, "tasks": "nope/*"}), tmp_path / "bad")
+    with pytest.raises(ValueError, match="eval_every"):
+        train(TrainConfig(**{**cfg.__dict__, "eval_every": 0}), tmp_path / "bad2")
