@@ -90,6 +90,7 @@ SHAPES = [
     (2, 7, 1, 7, 33, 64, 1),  # GQA 7:1, padded rows, a fully masked batch row
     (1, 2, 2, 33, 7, 16, None),  # MHA, more queries than keys
     (1, 1, 1, 129, 33, 16, None),  # many query tiles
+    (2, 4, 1, 7, 1, 16, 1),  # a single key (Lk = 1), GQA 4:1; batch row 1 fully masked
 ]
 
 
@@ -99,6 +100,8 @@ def test_attention_matches_reference(shape, dtype):
     B, Hq, Hkv, Lq, Lk, D, full = shape
     q, k, v = _inputs(B, Hq, Hkv, Lq, Lk, D, dtype)
     mask = _padding(B, Lk, full_row=full) if full is not None or Lk > 8 else None
+    if Lk == 1:
+        assert mask is not None and mask[0].all()  # row 0 attends to its only key, row 1 to nothing
     out, lse = T.attention(q, k, v, key_padding_mask=mask, return_lse=True)
     assert out.shape == q.shape and out.dtype == dtype and lse.shape == (B, Hq, Lq) and lse.dtype == torch.float32
     ref_out, ref_lse = _naive(q.double(), k.double(), v.double(), mask)  # float64 oracle
@@ -154,6 +157,34 @@ def test_attention_rejects_bad_gqa():
         T.attention(q, k, v)
 
 
+@pytest.mark.parametrize("twin", ["triton", "reference"])
+def test_key_padding_mask_must_be_batch_by_keys_bool(twin):
+    """Both twins refuse a mask that is not ``[B, Lk]`` bool (a ``[1, Lk]`` mask with B = 2 used to be read with the
+    wrong batch stride by the Triton kernel); an explicitly expanded mask (batch stride 0) gives the right answer."""
+    M = T if twin == "triton" else R
+    B, Lk = 2, 9
+    q, k, v = _inputs(B, 2, 1, 3, Lk, 16, torch.float32, seed=9)
+    one = torch.ones(1, Lk, dtype=torch.bool, device=DEV)
+    one[0, 2:5] = False
+    for bad, what in ((one, r"\[B, Lk\] = \[2, 9\].*\[1, 9\].*expand\(2, 9\)"),
+                      (one.expand(B, Lk)[:, :-1], r"\[B, Lk\] = \[2, 9\].*\[2, 8\]"),
+                      (one.expand(B, Lk).long(), "bool.*torch.int64.*mask.bool")):
+        with pytest.raises(ValueError, match=what):
+            M.attention(q, k, v, key_padding_mask=bad)
+        with pytest.raises(ValueError, match=what):
+            M.attention(q, k, v, key_padding_mask=bad, return_lse=True)
+        with pytest.raises(ValueError, match=what):
+            M.attention_mass(q, k, key_padding_mask=bad)
+    full = one.expand(B, Lk).contiguous()
+    out, lse = M.attention(q, k, v, key_padding_mask=one.expand(B, Lk), return_lse=True)
+    ref, ref_lse = _naive(q.double(), k.double(), v.double(), full)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+    mass = M.attention_mass(q, k, key_padding_mask=one.expand(B, Lk))
+    assert torch.equal(mass, M.attention_mass(q, k, key_padding_mask=full))
+    assert (mass[:, 2:5] == 0).all() and (mass[:, :2] > 0).all()
+
+
 # ------------------------------------------------------------------------------------------- attention mass
 
 
@@ -164,14 +195,25 @@ def test_attention_mass_matches_reference_and_sums(dtype):
     mask = _padding(B, Lk, seed=2, full_row=1)
     mass = T.attention_mass(q, k, key_padding_mask=mask)
     assert mass.shape == (B, Lk) and mass.dtype == torch.float32
-    ref = R.attention_mass(q.float(), k.float(), key_padding_mask=mask)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(mass, ref, atol=tol, rtol=tol)
-    torch.testing.assert_close(mass.sum(-1).cpu(), torch.tensor([Hq * Lq, 0.0]), atol=Hq * Lq * tol, rtol=0)
+    oracle = _naive_mass(q.double(), k.double(), mask)  # float64 oracle
+    _assert_close_rule(mass, oracle, _naive_mass(q, k, mask), dtype, "mass")
+    _assert_close_rule(R.attention_mass(q, k, key_padding_mask=mask), oracle, _naive_mass(q, k, mask), dtype,
+                       "reference mass")
+    # the kernel normalises with its own fp32 LSE: the sum is Hq x Lq to fp32 rounding, whatever the input dtype
+    torch.testing.assert_close(mass.sum(-1).cpu(), torch.tensor([Hq * Lq, 0.0]), atol=Hq * Lq * 1e-5, rtol=0)
     assert (mass[0][~mask[0]] == 0).all()
     # with the LSE from the attention kernel: the same values
     _, lse = T.attention(q, k, k, key_padding_mask=mask, return_lse=True)
     torch.testing.assert_close(T.attention_mass(q, k, key_padding_mask=mask, lse=lse), mass, atol=1e-6, rtol=1e-6)
+
+
+def _naive_mass(q, k, mask):
+    """Plain PyTorch attention mass entirely in the inputs' precision (the tolerance baseline), ``[B, Lk]``."""
+    group = q.shape[1] // k.shape[1]
+    s = (q @ k.repeat_interleave(group, 1).transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        s = s.masked_fill(~mask[:, None, None, :], float("-inf"))
+    return torch.nan_to_num(torch.softmax(s, -1), nan=0.0).sum(dim=(1, 2))
 
 
 def test_attention_mass_permutes_with_keys():
@@ -208,6 +250,15 @@ def _check_stats(got, ref, atol):
         torch.testing.assert_close(a, b, atol=atol, rtol=atol, msg=name)
 
 
+def _naive_stats(x, token):
+    """``(p_token, p_max, p_second, entropy)`` of ``softmax(x)`` computed plainly in ``x``'s own dtype (the
+    tolerance baseline; in float64, the oracle), with the proposal ``token`` given."""
+    p = torch.softmax(x, -1)
+    top2 = torch.topk(p, 2, -1).values
+    entropy = -torch.special.xlogy(p, p).sum(-1)
+    return p.gather(-1, token[..., None]).squeeze(-1), top2[..., 0], top2[..., 1], entropy
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_confidence_stats_matches_reference(dtype, temperature):
@@ -215,8 +266,16 @@ def test_confidence_stats_matches_reference(dtype, temperature):
     noise = torch.rand(2, 3, 1031, generator=torch.Generator().manual_seed(1)).to(DEV) if temperature else None
     got = T.confidence_stats(x, temperature, noise)
     ref = R.confidence_stats(x, temperature, noise)
-    _check_stats(got, ref, 1e-5)
+    # exact by construction: the same argmax (first maximal index) of the same float32 values
+    assert torch.equal(got.token, ref.token) and got.token.dtype == torch.int64
     assert got.token.shape == (2, 3)
+    # probabilities and entropy: the flash-attention rule against a float64 oracle, in both dtypes
+    oracle = _naive_stats(x.double(), got.token)
+    baseline = _naive_stats(x, got.token)
+    for name, a, o, b, r in zip(("p_token", "p_max", "p_second", "entropy"), got[1:], oracle, baseline, ref[1:]):
+        assert a.dtype == torch.float32 and a.shape == (2, 3), name
+        _assert_close_rule(a, o, b, dtype, name)
+        _assert_close_rule(r, o, b, dtype, "reference " + name)
     if temperature == 0:
         assert torch.equal(got.p_token, got.p_max)
 
@@ -362,11 +421,96 @@ def test_auto_fused_keeps_exact_path_on_reference_backend(monkeypatch):
     assert torch.equal(auto.sequences, forced.sequences)
 
 
-def test_fused_option_is_checked():
+BASELINE_SAMPLERS = [
+    pytest.param("llada", {"remasking": "low_confidence"}, id="llada-low_confidence"),
+    pytest.param("dream", {"alg": "maskgit_plus"}, id="dream-maskgit_plus"),
+    pytest.param("dream", {"alg": "topk_margin"}, id="dream-topk_margin"),
+    pytest.param("dream", {"alg": "entropy"}, id="dream-entropy"),
+]
+
+
+@pytest.mark.parametrize(("family", "params"), BASELINE_SAMPLERS)
+def test_baseline_samplers_use_triton_confidence_kernel(monkeypatch, family, params):
+    """With the Triton backend, LLaDA's greedy low-confidence remasking and Dream's greedy confidence algorithms
+    take proposal and score from the fused kernel, once per forward, and decode the same tokens as the plain
+    PyTorch path (reference backend, where ``fused="auto"`` keeps the bit-exact path)."""
+    import dllm
+    from dllm.samplers import get_sampler
+    from tests.conftest import ragged_prompts, random_model
+
+    model = random_model(family).to(DEV)
+    prompts = ragged_prompts(2)
+    kw = {"gen_length": 8, "steps": 4} | ({"block_length": 4} if family == "llada" else {})
+    K.set_backend("reference")
+    ref_calls = _spy_confidence(monkeypatch, R)
+    plain = dllm.generate(model, prompts, sampler=get_sampler(family, **params), **kw)
+    assert ref_calls == []  # auto on the reference backend: the plain path, the dispatcher is not called
+    K.set_backend("triton")
+    calls = _spy_confidence(monkeypatch, T)
+    fused = dllm.generate(model, prompts, sampler=get_sampler(family, **params), **kw)
+    assert fused.stats.nfe > 1 and len(calls) == fused.stats.nfe
+    assert torch.equal(fused.sequences, plain.sequences)
+    off = dllm.generate(model, prompts, sampler=get_sampler(family, fused="off", **params), **kw)
+    assert len(calls) == fused.stats.nfe  # fused="off": no further kernel call
+    assert torch.equal(off.sequences, plain.sequences)
+
+
+def test_baseline_samplers_fuse_only_where_allowed():
+    """Which steps go through the kernel: never at T > 0, with random remasking, Dream's ``origin``, a non-float32
+    softmax or LLaDA's EOS/EOT exclusion (not even with ``fused="on"``), never with ``"off"``; ``"auto"`` only on
+    the Triton backend (and, for Dream, whose softmax runs in the logits' dtype, float32 logits)."""
+    from types import SimpleNamespace
+
+    from dllm.samplers import DreamSampler, LLaDASampler
+
+    ctx = SimpleNamespace(eos_id=1, eot_id=2)
+    f32 = torch.zeros(1, 2, 16, device=DEV)
+    bf16 = f32.bfloat16()
+    K.set_backend("reference")
+    assert not LLaDASampler()._fused(f32, ctx) and not DreamSampler(alg="entropy")._fused(f32)
+    assert LLaDASampler(fused="on")._fused(f32, ctx) and DreamSampler(alg="entropy", fused="on")._fused(bf16)
+    K.set_backend("triton")
+    assert LLaDASampler()._fused(f32, ctx) and LLaDASampler()._fused(bf16, ctx)  # float32 confidence softmax
+    assert LLaDASampler(softmax_dtype="model")._fused(f32, ctx)
+    assert LLaDASampler(confidence_eos_eot_inf=True)._fused(f32, SimpleNamespace(eos_id=None, eot_id=None))
+    assert DreamSampler(alg="maskgit_plus")._fused(f32) and not DreamSampler(alg="maskgit_plus")._fused(bf16)
+    never_llada = [({"temperature": 0.5}, f32), ({"remasking": "random"}, f32), ({"softmax_dtype": "float64"}, f32),
+                   ({"softmax_dtype": "model"}, bf16), ({"confidence_eos_eot_inf": True}, f32)]
+    for kw, logits in never_llada:
+        for fused in ("auto", "on"):
+            assert not LLaDASampler(fused=fused, **kw)._fused(logits, ctx), (kw, fused)
+    for kw in ({"alg": "origin"}, {"temperature": 0.5}):
+        for fused in ("auto", "on"):
+            assert not DreamSampler(fused=fused, **kw)._fused(f32), (kw, fused)
+    assert not LLaDASampler(fused="off")._fused(f32, ctx) and not DreamSampler(fused="off")._fused(f32)
+
+
+def test_dream_fused_scores_match_dream_definitions():
+    """``fused_scores`` gives Dream's scores: p_max, top-1 minus top-2, and the negative entropy, which differs
+    from Dream's ``sum p log(p + 1e-10)`` by less than ``V * 1e-10``."""
+    from dllm.samplers.dream import _alg_confidence, fused_scores
+
+    x = _logits((5, 300), torch.float32, seed=11)
+    probs = torch.softmax(x, -1)
+    conf = probs.max(-1).values
+    for alg in ("maskgit_plus", "topk_margin", "entropy"):
+        got, tok = fused_scores(x, alg)  # the dispatcher: the reference backend here
+        assert torch.equal(tok, x.argmax(-1)) and got.dtype == torch.float32
+        want = _alg_confidence(probs, conf, alg)
+        if alg == "entropy":  # Dream's score is higher by sum p log(1 + 1e-10 / p), in [0, V * 1e-10]
+            torch.testing.assert_close(got, want, atol=300 * 1e-10 + 1e-6, rtol=0)
+        else:
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="origin.*no fused score"):
+        fused_scores(x, "origin")
+
+
+@pytest.mark.parametrize("name", ["threshold", "llada", "dream"])
+def test_fused_option_is_checked(name):
     from dllm.samplers import get_sampler
 
     with pytest.raises(ValueError, match="fused.*auto.*on.*off"):
-        get_sampler("threshold", fused="yes")
+        get_sampler(name, fused="yes")
 
 
 # ------------------------------------------------------------------------------------------------ GPU only

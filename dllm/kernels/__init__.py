@@ -6,6 +6,11 @@ is available and Triton imports, else ``reference`` (pure PyTorch, :mod:`dllm.ke
 selected. The Triton functions run CUDA tensors, and CPU tensors under ``TRITON_INTERPRET=1``; other CPU tensors
 go to the reference functions, so a CUDA process can still run CPU models. The environment variable
 ``DLLM_KERNELS=reference|triton`` replaces the automatic choice (not an explicit :func:`set_backend`).
+
+Callers: the model's attention (:func:`attention`), Elastic-Cache (:func:`attention_mass`), and the samplers' greedy
+confidence (:func:`confidence_stats`: ``ComposedSampler``, ``LLaDASampler`` and ``DreamSampler`` with their
+``fused`` option, by default only where :func:`uses_triton` is true, so the reference backend keeps their bit-exact
+PyTorch paths).
 """
 
 from __future__ import annotations
@@ -66,8 +71,8 @@ def get_backend() -> str:
 
 
 def uses_triton(t) -> bool:
-    """Whether the dispatcher sends tensor ``t`` to a Triton kernel (Triton backend, and a CUDA tensor or the
-    Triton interpreter)."""
+    """Whether the dispatcher sends tensor ``t`` (any shape and dtype) to a Triton kernel (Triton backend, and a
+    CUDA tensor or the Triton interpreter)."""
     return get_backend() == "triton" and _module._usable(t)
 
 

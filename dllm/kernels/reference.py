@@ -14,6 +14,31 @@ import torch
 import torch.nn.functional as F
 
 
+def check_key_padding_mask(key_padding_mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> None:
+    """Raise a ValueError unless ``key_padding_mask`` is None or a ``[B, Lk]`` bool tensor on ``q``'s device.
+
+    Both twins call this: a broadcastable mask (e.g. ``[1, Lk]`` with ``B = 2``) is refused rather than silently
+    read with the wrong batch stride; the caller expands it (``mask.expand(B, Lk)``, a view, no copy).
+
+    Args:
+        key_padding_mask: ``[B, Lk]`` bool, True where a key may be attended to, or None.
+        q: ``[B, Hq, Lq, D]`` queries (batch size and device are read from it).
+        k: ``[B, Hkv, Lk, D]`` keys (key length is read from it).
+    """
+    if key_padding_mask is None:
+        return
+    B, Lk = q.shape[0], k.shape[2]
+    m = key_padding_mask
+    if m.dtype != torch.bool:
+        raise ValueError(f"key_padding_mask must be a bool tensor (True = attend), got {m.dtype}; "
+                         "convert it with mask.bool() (or mask != 0)")
+    if tuple(m.shape) != (B, Lk):
+        raise ValueError(f"key_padding_mask must have shape [B, Lk] = [{B}, {Lk}], got {list(m.shape)}; "
+                         f"expand a broadcastable mask explicitly with mask.expand({B}, {Lk})")
+    if m.device != q.device:
+        raise ValueError(f"key_padding_mask is on {m.device} but q is on {q.device}; move it with mask.to(q.device)")
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -27,16 +52,22 @@ def attention(
         q: ``[B, Hq, Lq, D]`` float16/bfloat16/float32.
         k: ``[B, Hkv, Lk, D]`` same dtype as ``q``.
         v: ``[B, Hkv, Lk, D]`` same dtype as ``q``.
-        key_padding_mask: optional ``[B, Lk]`` bool, True where a key may be attended to.
+        key_padding_mask: optional ``[B, Lk]`` bool, True where a key may be attended to; any strides (a
+            ``[1, Lk]`` mask must be expanded by the caller, ``mask.expand(B, Lk)``: other shapes raise ValueError).
         return_lse: also return the natural-log log-sum-exp of the scaled scores, ``[B, Hq, Lq]`` float32.
 
     Returns:
         ``out`` ``[B, Hq, Lq, D]`` in ``q.dtype`` (and ``lse`` when asked). Query rows whose keys are all
         masked get zeros (and ``lse = -inf``), never NaN.
+
+    Raises:
+        ValueError: ``Hq`` is not a multiple of ``Hkv``, or ``key_padding_mask`` is not a ``[B, Lk]`` bool tensor
+            on ``q``'s device (a broadcastable ``[1, Lk]`` mask is refused: expand it first).
     """
     hq, hkv = q.shape[1], k.shape[1]
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    check_key_padding_mask(key_padding_mask, q, k)
     if not return_lse:
         mask = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=hq != hkv)
@@ -73,12 +104,17 @@ def attention_mass(
     Args:
         q: ``[B, Hq, Lq, D]`` (only the selected query rows), float16/bfloat16/float32.
         k: ``[B, Hkv, Lk, D]``, same dtype.
-        key_padding_mask: optional ``[B, Lk]`` bool, True where a key may be attended to.
+        key_padding_mask: optional ``[B, Lk]`` bool, True where a key may be attended to; any strides (a
+            ``[1, Lk]`` mask must be expanded by the caller, ``mask.expand(B, Lk)``: other shapes raise ValueError).
         lse: optional ``[B, Hq, Lq]`` float32 log-sum-exp from :func:`attention` (recomputed when None).
 
     Returns:
         ``[B, Lk]`` float32. Over all keys it sums to ``Hq * Lq`` per batch row (minus fully masked rows).
+
+    Raises:
+        ValueError: ``key_padding_mask`` is not a ``[B, Lk]`` bool tensor on ``q``'s device.
     """
+    check_key_padding_mask(key_padding_mask, q, k)
     scores = _scores(q, k, key_padding_mask)
     if lse is None:
         lse = torch.logsumexp(scores, dim=-1)

@@ -133,7 +133,7 @@ def _attn_fwd(
                  out.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
 
-def _check(q, k, v=None):
+def _check(q, k, v=None, key_padding_mask=None):
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError("q and k must be [B, H, L, D]")
     hq, hkv = q.shape[1], k.shape[1]
@@ -145,14 +145,14 @@ def _check(q, k, v=None):
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch or head dim")
     if any(t.dtype != q.dtype or t.device != q.device for t in (k, v) if t is not None):
         raise ValueError("q, k and v must share dtype and device")
+    reference.check_key_padding_mask(key_padding_mask, q, k)
 
 
 def _mask_arg(key_padding_mask, q):
+    """Kernel arguments for a ``[B, Lk]`` bool mask already checked by :func:`_check` (read as uint8)."""
     if key_padding_mask is None:
         return q, 0, 0, False  # dummy pointer, never read
-    m = key_padding_mask
-    if m.dtype == torch.bool:
-        m = m.view(torch.uint8)
+    m = key_padding_mask.view(torch.uint8)
     return m, m.stride(0), m.stride(1), True
 
 
@@ -194,7 +194,8 @@ def attention(q, k, v, key_padding_mask=None, return_lse=False):
         q: ``[B, Hq, Lq, D]`` float16/bfloat16/float32, any strides.
         k: ``[B, Hkv, Lk, D]`` same dtype, any strides.
         v: ``[B, Hkv, Lk, D]`` same dtype, any strides.
-        key_padding_mask: optional ``[B, Lk]`` bool, True where a key may be attended to.
+        key_padding_mask: optional ``[B, Lk]`` bool, True where a key may be attended to; any strides (a
+            ``[1, Lk]`` mask must be expanded by the caller, ``mask.expand(B, Lk)``: other shapes raise ValueError).
         return_lse: also return the natural-log LSE of the scaled scores, ``[B, Hq, Lq]`` float32.
 
     Returns:
@@ -203,7 +204,7 @@ def attention(q, k, v, key_padding_mask=None, return_lse=False):
     """
     if not _usable(q):
         return reference.attention(q, k, v, key_padding_mask=key_padding_mask, return_lse=return_lse)
-    _check(q, k, v)
+    _check(q, k, v, key_padding_mask)
     (q, k, v), back = _widen(q, k, v)
     out, lse = _attention_lse(q, k, v, key_padding_mask, write_out=True)
     if back is not None:
@@ -265,7 +266,8 @@ def attention_mass(q, k, key_padding_mask=None, lse=None):
     Args:
         q: ``[B, Hq, Lq, D]`` (only the selected query rows), float16/bfloat16/float32, any strides.
         k: ``[B, Hkv, Lk, D]``, same dtype, any strides.
-        key_padding_mask: optional ``[B, Lk]`` bool, True where a key may be attended to.
+        key_padding_mask: optional ``[B, Lk]`` bool, True where a key may be attended to; any strides (a
+            ``[1, Lk]`` mask must be expanded by the caller, ``mask.expand(B, Lk)``: other shapes raise ValueError).
         lse: optional ``[B, Hq, Lq]`` float32 natural-log LSE from :func:`attention` (recomputed when None by an
             LSE-only pass of the attention kernel).
 
@@ -275,7 +277,7 @@ def attention_mass(q, k, key_padding_mask=None, lse=None):
     """
     if not _usable(q):
         return reference.attention_mass(q, k, key_padding_mask=key_padding_mask, lse=lse)
-    _check(q, k)
+    _check(q, k, key_padding_mask=key_padding_mask)
     (q, k), _ = _widen(q, k)
     B, Hq, Lq, D = q.shape
     Lk = k.shape[2]

@@ -10,6 +10,14 @@
 Proposals: ``logits / T``, top-p, top-k, then a categorical draw (``T > 0``) or the argmax. Dream's
 reference uses the batch-average mask count ``m``; here ``m`` is the row's own count, which is identical
 whenever all rows have the same number of masks (always, without early stop) and correct otherwise.
+
+Greedy confidence algorithms (``temperature = 0``, any ``alg`` but ``origin``) can take the proposal and its
+score from :func:`dllm.kernels.confidence_stats` (one pass over the vocabulary, no softmax tensor; see
+``fused``): ``maskgit_plus`` = ``p_max``, ``topk_margin`` = ``p_max - p_second``, ``entropy`` = ``-H`` (the
+negative entropy in nats). Dream's reference scores entropy as ``sum p log(p + 1e-10)``; ``-H = sum p log p``
+is lower by ``sum p log(1 + 1e-10 / p)``, between 0 and ``V * 1e-10`` (1.3e-5 at V = 126,464) and nearly the
+same for every position, so only near-ties can rank differently. By default the fused path runs only where the
+dispatcher runs the Triton kernel (CUDA) on float32 logits; the CPU / reference backend keeps the bit-exact path.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dllm import kernels
 from dllm.samplers.base import (
     NOISE_SCOPES,
     StepContext,
@@ -29,6 +38,7 @@ from dllm.samplers.base import (
     select_topk,
     top2_values,
 )
+from dllm.samplers.composed import FUSED_CHOICES
 
 ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 
@@ -49,14 +59,23 @@ def top_k_logits(logits: torch.Tensor, top_k: int) -> torch.Tensor:
     return logits.masked_fill(logits < kth, torch.finfo(logits.dtype).min)
 
 
-def dream_proposal(logits, temperature, top_p, top_k, alg, generator):
-    """``(confidence, x0)`` for ``[N, V]`` logits, Dream's ``sample_tokens`` rule."""
+def dream_proposal(logits, temperature, top_p, top_k, alg, generator, fused: bool = False):
+    """``(confidence, x0)`` for ``[N, V]`` float logits, Dream's ``sample_tokens`` rule: ``[N]`` scores (the
+    softmax dtype: the logits' own, float32 when ``fused``) and ``[N]`` int64 proposals.
+
+    ``fused`` (greedy only, ``alg`` not ``origin``): proposal and score from :func:`fused_scores` after the
+    top-p / top-k filters."""
     if temperature > 0:
         logits = logits / temperature
     if top_p is not None and top_p < 1:
         logits = top_p_logits(logits, top_p)
     if top_k is not None:
         logits = top_k_logits(logits, top_k)
+    if fused:
+        if temperature > 0 or alg == "origin":
+            raise ValueError(f"the fused confidence path needs temperature 0 and a confidence alg, got "
+                             f"temperature={temperature}, alg={alg!r}; pass fused=False")
+        return fused_scores(logits, alg)
     if temperature > 0:
         probs = torch.softmax(logits, dim=-1)
         x0 = torch.multinomial(probs, 1, replacement=True, generator=generator).squeeze(-1)
@@ -78,6 +97,23 @@ def dream_proposal(logits, temperature, top_p, top_k, alg, generator):
 
 
 _CHUNK_ROWS = 4  # 4 rows x 126,464 fp32 probabilities = 2 MB
+
+
+def fused_scores(logits: torch.Tensor, alg: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy ``(confidence [N] float32, x0 [N] int64)`` for ``[N, V]`` float logits from one
+    :func:`dllm.kernels.confidence_stats` call (float32 softmax): ``maskgit_plus`` -> ``p_max``,
+    ``topk_margin`` -> ``p_max - p_second``, ``entropy`` -> ``-H`` (see the module docstring for how it differs
+    from Dream's ``sum p log(p + 1e-10)``)."""
+    stats = kernels.confidence_stats(logits)
+    if alg == "maskgit_plus":
+        conf = stats.p_token  # == p_max at temperature 0
+    elif alg == "topk_margin":
+        conf = stats.p_max - stats.p_second
+    elif alg == "entropy":
+        conf = -stats.entropy
+    else:
+        raise ValueError(f"Dream alg {alg!r} has no fused score; fused algs: maskgit_plus, topk_margin, entropy")
+    return conf, stats.token
 
 
 def _alg_confidence(probs: torch.Tensor, conf: torch.Tensor, alg: str) -> torch.Tensor:
@@ -112,6 +148,15 @@ class DreamSampler:
 
     ``noise_scope="canvas"`` draws the ``alg_temp`` multinomial over the whole canvas row as the reference
     does (its random stream); ``"region"`` draws it over the window only.
+
+    ``fused``: ``"auto"`` (default), ``"on"`` or ``"off"``: at ``temperature = 0`` with ``maskgit_plus``,
+    ``topk_margin`` or ``entropy``, take the proposal and its score from :func:`dllm.kernels.confidence_stats`
+    through the kernel dispatcher (scores in float32; see the module docstring for the entropy offset).
+    ``"auto"`` does so where :func:`dllm.kernels.uses_triton` is true and the logits are float32 (Dream's
+    softmax runs in the logits' dtype, so only then are the semantics those of a float32 softmax); elsewhere
+    the bit-exact PyTorch path runs. ``"on"`` forces the dispatcher for any logits dtype (the kernel reads
+    them in float32; on CPU it runs the kernel's PyTorch twin). ``origin`` and ``temperature > 0`` always take
+    the plain path.
     """
 
     alg: str = "entropy"
@@ -121,6 +166,7 @@ class DreamSampler:
     alg_temp: float | None = None
     eps: float = 1e-3
     noise_scope: str = "region"
+    fused: str = "auto"
     name: str = "dream"
 
     def __post_init__(self):
@@ -136,8 +182,17 @@ class DreamSampler:
             raise ValueError(f"alg_temp must be >= 0, got {self.alg_temp}")
         check_range("eps", self.eps, 0, 1, lo_open=True, hi_open=True)
         check_choice("noise_scope", self.noise_scope, NOISE_SCOPES)
+        check_choice("fused", self.fused, FUSED_CHOICES)
+
+    def _fused(self, logits: torch.Tensor) -> bool:
+        """Whether this step's proposal and score come from :func:`dllm.kernels.confidence_stats`."""
+        if self.fused == "off" or self.temperature != 0 or self.alg == "origin":
+            return False
+        return self.fused == "on" or (logits.dtype == torch.float32 and kernels.uses_triton(logits))
 
     def step(self, logits: torch.Tensor, ctx: StepContext) -> StepResult:
+        """``logits``: ``[B, W, V]`` float (mask column at ``-inf``); returns ``[B, W]`` int64 proposals and a
+        ``[B, W]`` bool commit mask."""
         B, W, _ = logits.shape
         cand = ctx.cand
         flat_logits = logits[cand]  # [N, V], row-major like the reference's logits[mask_index]
@@ -155,7 +210,7 @@ class DreamSampler:
             commit[cand] = reveal
             return StepResult(proposal, commit)
         conf_flat, x0 = dream_proposal(flat_logits, self.temperature, self.top_p, self.top_k, self.alg,
-                                       ctx.generator)
+                                       ctx.generator, fused=self._fused(logits))
         proposal[cand] = x0
         conf = torch.full((B, W), float("-inf"), dtype=conf_flat.dtype, device=logits.device)
         conf[cand] = conf_flat

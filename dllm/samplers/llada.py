@@ -3,6 +3,11 @@
 Per region (block) with ``S`` steps and ``n`` masked positions at its start, step ``i`` commits
 ``n // S + (i < n % S)`` tokens: the most confident candidates (``low_confidence``: softmax probability of
 the proposal) or uniformly random ones (``random``).
+
+At temperature 0 with ``low_confidence`` remasking and a float32 confidence softmax, the proposal and its
+probability can come from :func:`dllm.kernels.confidence_stats` (one pass over the vocabulary, no softmax
+tensor; see ``fused``). By default that happens only where the kernel dispatcher runs the Triton kernel (CUDA);
+the CPU / reference backend keeps the plain PyTorch path, bit-identical to LLaDA's ``generate.py``.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dllm import kernels
 from dllm.samplers.base import (
     NOISE_SCOPES,
     SOFTMAX_DTYPES,
@@ -23,6 +29,7 @@ from dllm.samplers.base import (
     select_topk,
     token_prob,
 )
+from dllm.samplers.composed import FUSED_CHOICES
 
 REMASKING = ("low_confidence", "random")
 __all__ = ["REMASKING", "SOFTMAX_DTYPES", "LLaDASampler", "even_quota"]
@@ -43,6 +50,15 @@ class LLaDASampler:
             and older LLaDA) or ``"model"`` (current LLaDA: the logits' own dtype).
         noise_scope: ``"region"`` draws noise for the window only; ``"canvas"`` draws it for every canvas
             position as the reference does (same distribution, the reference's random stream).
+        fused: ``"auto"`` (default), ``"on"`` or ``"off"``: take the greedy proposal and its probability from
+            :func:`dllm.kernels.confidence_stats` (token = argmax, score = ``p_token``, computed in float32 from
+            the logits) through the kernel dispatcher. Only possible at ``temperature = 0`` with
+            ``low_confidence`` remasking, a float32 softmax (``softmax_dtype="float32"``, or ``"model"`` with
+            float32 logits) and no EOS/EOT exclusion (``confidence_eos_eot_inf`` needs the proposal of the
+            unexcluded logits); otherwise the plain path runs whatever ``fused`` says. ``"auto"`` uses it where
+            :func:`dllm.kernels.uses_triton` is true (Triton backend on CUDA); elsewhere the bit-exact PyTorch
+            path runs. ``"on"`` forces the dispatcher (on CPU, the kernel's PyTorch twin: the same tokens up to
+            float rounding of the scores).
     """
 
     temperature: float = 0.0
@@ -52,6 +68,7 @@ class LLaDASampler:
     eos_eot_quirk: bool = False
     softmax_dtype: str = "float32"
     noise_scope: str = "region"
+    fused: str = "auto"
     name: str = "llada"
 
     def __post_init__(self):
@@ -60,19 +77,36 @@ class LLaDASampler:
         check_choice("remasking", self.remasking, REMASKING)
         check_choice("softmax_dtype", self.softmax_dtype, SOFTMAX_DTYPES)
         check_choice("noise_scope", self.noise_scope, NOISE_SCOPES)
+        check_choice("fused", self.fused, FUSED_CHOICES)
 
     def step(self, logits: torch.Tensor, ctx: StepContext) -> StepResult:
+        """``logits``: ``[B, W, V]`` float (mask column at ``-inf``); returns ``[B, W]`` int64 proposals and a
+        ``[B, W]`` bool commit mask."""
         if self.logits_eos_inf and ctx.eos_id is not None:
             logits = logits.clone()
             logits[..., ctx.eos_id] = float("-inf")
-        x0 = gumbel_argmax(logits, self.temperature, ctx, self.noise_scope)
-        if self.remasking == "low_confidence":
-            conf = self._confidence(logits, x0, ctx)
+        if self._fused(logits, ctx):
+            stats = kernels.confidence_stats(logits)  # one pass: argmax and its float32 softmax probability
+            x0, conf = stats.token, stats.p_token
         else:
-            B, W = x0.shape
-            conf = canvas_rand((), ctx, W, B, torch.float32, x0.device, self.noise_scope)
+            x0 = gumbel_argmax(logits, self.temperature, ctx, self.noise_scope)
+            if self.remasking == "low_confidence":
+                conf = self._confidence(logits, x0, ctx)
+            else:
+                B, W = x0.shape
+                conf = canvas_rand((), ctx, W, B, torch.float32, x0.device, self.noise_scope)
         commit = select_topk(conf, ctx.cand, even_quota(ctx))
         return StepResult(torch.where(ctx.cand, x0, ctx.x), commit)
+
+    def _fused(self, logits: torch.Tensor, ctx: StepContext) -> bool:
+        """Whether this step's proposal and score come from :func:`dllm.kernels.confidence_stats`."""
+        if self.fused == "off" or self.temperature != 0 or self.remasking != "low_confidence":
+            return False
+        if (SOFTMAX_DTYPES[self.softmax_dtype] or logits.dtype) != torch.float32:
+            return False
+        if self.confidence_eos_eot_inf and (ctx.eos_id is not None or ctx.eot_id is not None):
+            return False
+        return self.fused == "on" or kernels.uses_triton(logits)
 
     def _confidence(self, logits, x0, ctx: StepContext) -> torch.Tensor:
         if self.confidence_eos_eot_inf:
