@@ -135,9 +135,8 @@ def test_example_stream_gives_fresh_examples_and_never_the_eval_seeds(monkeypatc
     from transformers import AutoTokenizer
 
     from dllm import train as tr
-    from dllm.evals import tasks as T
-
     from dllm.assets import BUNDLED
+    from dllm.evals import tasks as T
 
     tok = AutoTokenizer.from_pretrained(str(BUNDLED["llada-tiny"]))
     seeds = []
