@@ -123,7 +123,7 @@ def cmd_train_tiny(args) -> int:
         cfg = ARTrainConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads, mlp_hidden=args.mlp,
                             steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                             threads=args.threads, time_budget_s=args.time_budget, init_from=args.init_from,
-                            list_item_tokens=args.list_item_tokens)
+                            list_item_tokens=args.list_item_tokens, examples_per_task=args.examples_per_task)
         summary = train_ar(cfg, args.out, progress=lambda step, loss, secs: print(
             f"step {step}/{cfg.steps}  loss {loss:.4f}  {secs:.0f}s", file=sys.stderr, flush=True))
         print(json.dumps(summary, indent=2))

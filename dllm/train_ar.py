@@ -40,7 +40,7 @@ class ARTrainConfig:
     lr: float = 3e-3
     warmup: int = 100
     weight_decay: float = 0.01
-    examples_per_task: int = 2000
+    examples_per_task: int = 2000  # fixed pool per task; 0: fresh examples streamed from new seeds (dllm.train.ExampleStream)
     multi_turn: float = 0.6  # fraction of prompts with the worked example turn (the evaluation prompts have it)
     dream_template: float = 0.5  # fraction of prompts rendered with the Dream (Qwen-style) chat template
     seed: int = 0
@@ -102,7 +102,7 @@ def make_batch(items, pad_id: int, eot_ids: list[int]):
 
 def train(cfg: ARTrainConfig, out_dir, *, progress=None) -> dict:
     """Train, save to ``out_dir`` and return a summary (also written to ``out_dir/training.json``)."""
-    from dllm.train import build_pools
+    from dllm.train import ExampleStream, build_pools
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -111,8 +111,19 @@ def train(cfg: ARTrainConfig, out_dir, *, progress=None) -> dict:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok, tok_dream = _tokenizers(out_dir, cfg.list_item_tokens)
-    pools = {"llada": build_pools(tok, cfg.examples_per_task, seed=cfg.seed + 1000),
-             "dream": build_pools(tok_dream, cfg.examples_per_task, seed=cfg.seed + 1000)}
+    toks = {"llada": tok, "dream": tok_dream}
+    if cfg.examples_per_task > 0:
+        pools = {fam: build_pools(t, cfg.examples_per_task, seed=cfg.seed + 1000) for fam, t in toks.items()}
+
+        def draw_example(fam, name, turn):
+            pool = pools[fam][name][turn]
+            return pool[rng.randrange(len(pool))]
+    else:  # each template its own stream of fresh examples (different seeds)
+        streams = {(fam, n): ExampleStream(t, n, cfg.seed + i) for i, (fam, t) in enumerate(toks.items())
+                   for n in T.task_names()}
+
+        def draw_example(fam, name, turn):
+            return streams[fam, name].draw(turn)
     eot = {"llada": tok.convert_tokens_to_ids("<|eot_id|>"), "dream": tok.convert_tokens_to_ids("<|im_end|>")}
     pad = tok.convert_tokens_to_ids("<|endoftext|>")
     model = build_model(cfg, tok)
@@ -137,8 +148,7 @@ def train(cfg: ARTrainConfig, out_dir, *, progress=None) -> dict:
         items, eots = [], []
         for _ in range(cfg.batch_size):
             fam = "dream" if rng.random() < cfg.dream_template else "llada"
-            pool = pools[fam][rng.choice(names)][1 if rng.random() < cfg.multi_turn else 0]
-            items.append(pool[rng.randrange(len(pool))])
+            items.append(draw_example(fam, rng.choice(names), 1 if rng.random() < cfg.multi_turn else 0))
             eots.append(eot[fam])
         ids, att, labels = make_batch(items, pad, eots)
         logits = model(input_ids=ids, attention_mask=att).logits

@@ -367,11 +367,10 @@ def test_guide_cache_with_holes_matches_clean_forward(compact):
         torch.testing.assert_close(out[b], clean, atol=1e-5, rtol=1e-5)
 
 
-def test_train_tiny_ar_writes_a_transformers_guide(tmp_path, monkeypatch):
-    """`dllm train-tiny --family ar`: a few steps write a LlamaForCausalLM with the dLLMs' tokenizer, usable as a
-    guide; --init-from continues from its weights."""
+def test_train_tiny_ar_writes_a_transformers_guide(tmp_path):
+    """`dllm train-tiny --family ar`: a few steps (on streamed fresh examples, --examples-per-task 0) write a
+    LlamaForCausalLM with the dLLMs' tokenizer, usable as a guide; --init-from continues from its weights."""
     import json
-    from functools import partial
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -380,10 +379,9 @@ def test_train_tiny_ar_writes_a_transformers_guide(tmp_path, monkeypatch):
     from dllm.cli import main
     from dllm.models import load_model
 
-    monkeypatch.setattr(train_ar, "ARTrainConfig", partial(train_ar.ARTrainConfig, examples_per_task=2))
     rc = main(["train-tiny", "--family", "ar", "--out", str(tmp_path / "ar"), "--steps", "2", "--batch-size", "2",
                "--d-model", "16", "--layers", "1", "--heads", "2", "--mlp", "32", "--threads", "1",
-               "--list-item-tokens"])  # the bundled dLLMs' tokenizer layout
+               "--examples-per-task", "0", "--list-item-tokens"])  # the bundled dLLMs' tokenizer layout
     assert rc == 0
     summary = json.loads((tmp_path / "ar" / "training.json").read_text())
     assert summary["steps_done"] == 2 and summary["final_loss"] > 0
