@@ -123,7 +123,8 @@ def cmd_train_tiny(args) -> int:
         cfg = ARTrainConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads, mlp_hidden=args.mlp,
                             steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                             threads=args.threads, time_budget_s=args.time_budget, init_from=args.init_from,
-                            list_item_tokens=args.list_item_tokens, examples_per_task=args.examples_per_task)
+                            list_item_tokens=args.list_item_tokens, examples_per_task=args.examples_per_task,
+                            tokenizer_layout=args.tokenizer_layout)
         summary = train_ar(cfg, args.out, progress=lambda step, loss, secs: print(
             f"step {step}/{cfg.steps}  loss {loss:.4f}  {secs:.0f}s", file=sys.stderr, flush=True))
         print(json.dumps(summary, indent=2))
@@ -140,7 +141,8 @@ def cmd_train_tiny(args) -> int:
                       list_item_tokens=args.list_item_tokens, loss=args.loss, task_mix=args.task_mix,
                       curriculum_name=args.curriculum, save_every=args.save_every,
                       tie_embeddings=args.tie_embeddings, examples_per_task=args.examples_per_task,
-                      tasks=args.tasks, eval_every=args.eval_every, eval_n=args.eval_n)
+                      tasks=args.tasks, eval_every=args.eval_every, eval_n=args.eval_n,
+                      tokenizer_layout=args.tokenizer_layout)
 
     def progress(step, loss, secs):
         print(f"step {step}/{cfg.steps}  loss {loss:.4f}  {secs:.0f}s", file=sys.stderr, flush=True)
@@ -224,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "adaptive: each family equally, its tasks weighted by how far their last --eval-every score "
                         "is from 1")
     t.add_argument("--save-every", type=int, default=0, help="also write the checkpoint every N steps")
+    t.add_argument("--tokenizer-layout", choices=["gpt2", "list-items", "names"], default=None,
+                   help="how names and lists are tokenized: gpt2 (GPT-2 split), list-items (one token per list item, "
+                        "= --list-item-tokens), names (one token per name, the same in lists and instructions)")
     t.add_argument("--examples-per-task", type=int, default=4000,
                    help="fixed training pool per task; 0: fresh examples every draw (streamed from new seeds)")
     t.add_argument("--tasks", default=None, help="train on these tasks only (fnmatch pattern or family; no curriculum)")

@@ -54,6 +54,7 @@ class TrainConfig:
     task_curriculum: bool = True  # CURRICULUM: copy, then copy/reverse, then list operations, then every task
     loss: str = "weighted"  # "weighted": LLaDA's 1/t-weighted sum over masked tokens; "mean": plain masked mean
     list_item_tokens: bool = False  # tokenizer layout with one token per list item (tokenizer_build.SPLIT_PATTERN)
+    tokenizer_layout: str | None = None  # "gpt2" | "list-items" | "names" (tokenizer_build.LAYOUTS); None: from list_item_tokens
     decay_from: float = 0.75  # learning rate constant after warmup until this progress, then cosine decay
     init_from: str | None = None  # continue from an existing checkpoint of the same family and shape
     task_mix: str = "uniform"  # "uniform": every task of a stage equally; "family": each family equally, then its
@@ -235,7 +236,7 @@ def train(cfg: TrainConfig, out_dir, *, progress=None) -> dict:
     rng = random.Random(cfg.seed)
     out_dir = Path(out_dir)
     spec = SPECS[cfg.family]
-    tok_dir = build_tokenizer(out_dir, cfg.family, list_items=cfg.list_item_tokens)
+    tok_dir = build_tokenizer(out_dir, cfg.family, list_items=cfg.list_item_tokens, layout=cfg.tokenizer_layout)
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
     ids = {
         "mask_id": tok.convert_tokens_to_ids(spec.mask_token),

@@ -48,18 +48,19 @@ class ARTrainConfig:
     time_budget_s: float | None = None  # stop early; the cosine schedule follows the elapsed fraction
     max_seq_len: int = 512
     list_item_tokens: bool = False  # tokenizer layout with one token per list item (see dllm/train.py)
+    tokenizer_layout: str | None = None  # "gpt2" | "list-items" | "names"; None: from list_item_tokens
     init_from: str | None = None  # continue from an AR checkpoint of the same shape
 
 
-def _tokenizers(out_dir: Path, list_items: bool = False):
+def _tokenizers(out_dir: Path, list_items: bool = False, layout: str | None = None):
     """(LLaDA-template tokenizer saved in ``out_dir``, Dream-template tokenizer from a scratch directory)."""
     from transformers import AutoTokenizer
 
     from dllm.models.tokenizer_build import build_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(build_tokenizer(out_dir, "llada", list_items=list_items)))
+    tok = AutoTokenizer.from_pretrained(str(build_tokenizer(out_dir, "llada", list_items=list_items, layout=layout)))
     with tempfile.TemporaryDirectory() as tmp:
-        tok_dream = AutoTokenizer.from_pretrained(str(build_tokenizer(tmp, "dream", list_items=list_items)))
+        tok_dream = AutoTokenizer.from_pretrained(str(build_tokenizer(tmp, "dream", list_items=list_items, layout=layout)))
     if tok.get_vocab() != tok_dream.get_vocab():  # pragma: no cover - guarded by tokenizer_build
         raise RuntimeError("the LLaDA and Dream tokenizer builds differ in vocabulary")
     return tok, tok_dream
@@ -110,7 +111,7 @@ def train(cfg: ARTrainConfig, out_dir, *, progress=None) -> dict:
     rng = random.Random(cfg.seed)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tok, tok_dream = _tokenizers(out_dir, cfg.list_item_tokens)
+    tok, tok_dream = _tokenizers(out_dir, cfg.list_item_tokens, cfg.tokenizer_layout)
     toks = {"llada": tok, "dream": tok_dream}
     if cfg.examples_per_task > 0:
         pools = {fam: build_pools(t, cfg.examples_per_task, seed=cfg.seed + 1000) for fam, t in toks.items()}

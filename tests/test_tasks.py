@@ -559,6 +559,43 @@ def test_list_item_tokenizer_layout(tmp_path):
                     assert len(backend.model.tokenize(piece)) == 1, (name, piece)
 
 
+def test_names_tokenizer_layout(tmp_path):
+    """``layout="names"``: each name is one token, the very same token in every list position and in the
+    instruction that names it (so copying, moving or inserting a name never changes its token); the list
+    structure is ``[``, ``, `` and ``]``; every pre-token of the task texts is one token; text round-trips."""
+    from transformers import AutoTokenizer
+
+    from dllm.models.tokenizer_build import build_tokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(build_tokenizer(tmp_path / "names", "llada", layout="names")))
+
+    def pieces(text):
+        return tok.convert_ids_to_tokens(tok.encode(text, add_special_tokens=False))
+
+    ex = T.generate("waiting_line/insert_index", 1, 5)[0]
+    word = ex.metadata["word"] if "word" in ex.metadata else ex.answer["word"]
+    first, last = word.split()
+    target = pieces(ex.target)
+    names = T.parse_list(ex.target)
+    assert len(target) == 3 * len(names) + 1  # "[" + (first, last, ", ") per name, "]" instead of the last ", "
+    assert target[0] == "[" and target[-1] == "]" and target[3] == ",Ġ"
+    question = pieces(ex.prompt)
+    assert f'"{first}' in question and f'Ġ{last}"' in question  # the inserted name as the instruction writes it
+    assert f'"{first}' in target and f'Ġ{last}"' in target  # ... is the same two tokens in the answer list
+    for f, l in zip(T.FIRST_NAMES, T.LAST_NAMES):
+        assert pieces(f'["{f} {l}"]') == ["[", f'"{f}', f"Ġ{l}" + '"', "]"]
+        assert pieces(f'Insert "{f} {l}" at') == ["Insert", "Ġ", f'"{f}', f"Ġ{l}" + '"', "Ġat"]
+    backend = tok.backend_tokenizer
+    for name in ALL_TASKS:
+        for ex in T.generate(name, 10, 7):
+            for text in [m["content"] for m in ex.messages] + [ex.target]:
+                assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+                for piece, _ in backend.pre_tokenizer.pre_tokenize_str(text):
+                    assert len(backend.model.tokenize(piece)) == 1, (name, piece)
+    with pytest.raises(ValueError, match="unknown tokenizer layout"):
+        build_tokenizer(tmp_path / "bad", "llada", layout="words")
+
+
 def test_chat_templates(toks):
     from dllm.models.tokenizer_build import chat_text
 

@@ -52,6 +52,19 @@ SPLIT_PATTERN = (
     r"""\["\p{L}+| "\p{L}+| \p{L}+"[,\]]"""
     r"""|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 )
+#: Pre-tokenizer split of the ``names`` layout: every name is one token, the same one wherever it appears (in
+#: any list position and in an instruction such as ``Insert "Bella Quinn" at position 2:``): first names keep
+#: their opening quote (``"Bella``), last names their closing quote (`` Quinn"``), and the list structure is
+#: ``[``, ``, `` and ``]``: ``["Grace Turner", "Bella Quinn"]`` -> ``[`` ``"Grace`` `` Turner"`` ``, ``
+#: ``"Bella`` `` Quinn"`` ``]``. Copying or moving a name is then the identity on tokens; in the ``list_items``
+#: layout a name has up to four token forms (``["Bella``, `` "Bella``, `` Quinn",``, `` Quinn"]``, plus the
+#: instruction's `` Quinn``) and tiny models did not learn to carry a name from an instruction into a list.
+NAMES_SPLIT_PATTERN = (
+    r""""\p{L}+| \p{L}+"|, (?=")| (?=")|\[(?=")"""
+    r"""|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+)
+#: Tokenizer layouts: GPT-2's split (the first bundled checkpoints), one token per list item, one token per name.
+LAYOUTS = ("gpt2", "list-items", "names")
 MODEL_MAX_LENGTH = 2048
 
 LLADA_CHAT_TEMPLATE = (
@@ -85,9 +98,10 @@ _CORPUS_FULL_STYLE = 40
 _CORPUS_SEED = 1234
 
 
-def corpus(examples_per_task: int = _CORPUS_PER_TASK, list_items: bool = False) -> Iterator[str]:
+def corpus(examples_per_task: int = _CORPUS_PER_TASK, list_items: bool = False, layout: str | None = None) -> Iterator[str]:
     """Deterministic training text: task chats (content and chat-template glue, special tokens left out),
-    digits, letters and role names (``list_items``: also every name on its own)."""
+    digits, letters and role names (``list-items`` and ``names`` layouts: also every name on its own)."""
+    layout = resolve_layout(layout, list_items)
     from dllm.evals import tasks
 
     for role in _ROLES:
@@ -96,9 +110,13 @@ def corpus(examples_per_task: int = _CORPUS_PER_TASK, list_items: bool = False) 
     yield from "0123456789"
     for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ":
         yield f"{c} {c}\n{c},{c}."
-    if list_items:  # names alone, not only as list items
+    if layout == "list-items":  # names alone, not only as list items
         for name in tasks.FIRST_NAMES + tasks.LAST_NAMES:
             yield f"{name} {name}\n{name} {name}"
+    elif layout == "names":  # every first and last name in its one token form
+        for first, last in zip(tasks.FIRST_NAMES, tasks.LAST_NAMES):
+            yield f'"{first} {last}" "{first} {last}"'
+
     for name in tasks.task_names():
         for i, ex in enumerate(tasks.generate(name, examples_per_task, _CORPUS_SEED)):
             texts = [m["content"] for m in ex.messages] + [ex.target]
@@ -113,19 +131,32 @@ def corpus(examples_per_task: int = _CORPUS_PER_TASK, list_items: bool = False) 
         yield ex.messages[-1]["content"]
 
 
+def resolve_layout(layout: str | None, list_items: bool = False) -> str:
+    """The tokenizer layout name: ``layout`` if given, else ``"list-items"`` / ``"gpt2"`` from ``list_items``."""
+    if layout is None:
+        return "list-items" if list_items else "gpt2"
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown tokenizer layout {layout!r}; known: {', '.join(LAYOUTS)}")
+    if list_items and layout != "list-items":
+        raise ValueError(f"list_items=True contradicts layout={layout!r}; pass only layout")
+    return layout
+
+
 def train_tokenizer(vocab_size: int | None = None, examples_per_task: int = _CORPUS_PER_TASK,
-                    list_items: bool = False):
-    """Train and return the ``tokenizers.Tokenizer`` (same result on every call). ``list_items``: the layout
-    that keeps each list item with its punctuation (:data:`SPLIT_PATTERN`); default: GPT-2's split."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+                    list_items: bool = False, layout: str | None = None):
+    """Train and return the ``tokenizers.Tokenizer`` (same result on every call). ``layout``: ``"gpt2"``
+    (GPT-2's split, the default), ``"list-items"`` (each list item kept with its punctuation,
+    :data:`SPLIT_PATTERN`; ``list_items=True`` is the same) or ``"names"`` (one token per name,
+    :data:`NAMES_SPLIT_PATTERN`)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+    layout = resolve_layout(layout, list_items)
     tok = Tokenizer(models.BPE())
-    from tokenizers import Regex
-
     if vocab_size is None:
-        vocab_size = LIST_ITEMS_VOCAB_SIZE if list_items else DEFAULT_VOCAB_SIZE
-    if list_items:
-        split = [pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
+        vocab_size = LIST_ITEMS_VOCAB_SIZE if layout == "list-items" else DEFAULT_VOCAB_SIZE
+    if layout != "gpt2":
+        pattern = SPLIT_PATTERN if layout == "list-items" else NAMES_SPLIT_PATTERN
+        split = [pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     else:
         split = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
@@ -138,8 +169,21 @@ def train_tokenizer(vocab_size: int | None = None, examples_per_task: int = _COR
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(list(corpus(examples_per_task, list_items)), trainer=trainer)
+    tok.train_from_iterator(list(corpus(examples_per_task, layout=layout)), trainer=trainer)
+    if layout == "names":
+        _check_name_tokens(tok)
     return tok
+
+
+def _check_name_tokens(tok) -> None:
+    """Every name of the tasks must be a single token in the ``names`` layout (else raise)."""
+    from dllm.evals import tasks
+
+    for first, last in zip(tasks.FIRST_NAMES, tasks.LAST_NAMES):
+        pieces = tok.encode(f'["{first} {last}"]').tokens
+        if len(pieces) != 4:
+            raise RuntimeError(f"names layout: {first} {last} is not one token per name: {pieces}; "
+                               "raise the vocabulary size")
 
 
 def _tokenizer_config(tok, family: str) -> dict[str, Any]:
@@ -170,18 +214,18 @@ def _tokenizer_config(tok, family: str) -> dict[str, Any]:
 
 
 def build_tokenizer(out_dir: str | Path, family: str, vocab_size: int | None = None,
-                    list_items: bool = False) -> Path:
+                    list_items: bool = False, layout: str | None = None) -> Path:
     """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json`` to ``out_dir``.
 
-    ``family`` is ``"llada"`` or ``"dream"``; the vocabulary is the same for both. ``list_items`` selects the
-    layout with one token per list item (:data:`SPLIT_PATTERN`; not that of the bundled checkpoints).
+    ``family`` is ``"llada"`` or ``"dream"``; the vocabulary is the same for both. ``layout`` (see
+    :func:`train_tokenizer`; ``list_items=True`` means ``"list-items"``) picks how names and lists are split.
     Returns ``out_dir``.
     """
     if family not in FAMILIES:
         raise ValueError(f"unknown tokenizer family {family!r}; expected one of {sorted(FAMILIES)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer(vocab_size, list_items=list_items)
+    tok = train_tokenizer(vocab_size, list_items=list_items, layout=layout)
     for i, token in enumerate(SPECIAL_TOKENS):
         if tok.token_to_id(token) != i:
             raise RuntimeError(f"special token {token} did not get id {i}")
