@@ -10,7 +10,11 @@ threshold-style rules commit about one token per step and each block takes ~32 s
 Each figure is the minimum over ``--repeats`` runs (the per-step mean within a run), to damp the noise of a
 shared machine.
 
+The ``guided`` preset is left out: its guide is a causal LM with the dLLM's tokenizer, which the random
+126,464-token model has not (``benchmarks/bench_guided.py`` measures it on the bundled tiny models).
+
     python benchmarks/bench_samplers.py [--batch 1] [--repeats 5] [--threads N] [--device cpu|cuda]
+                                        [--samplers klass,llada]
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from dllm.train import init_weights
 
 V, BLOCK = 126_464, 32
 BASELINES = ("llada", "dream-maskgit-plus")
+SKIPPED = ("guided",)  # needs a guide LM with the dLLM's tokenizer (benchmarks/bench_guided.py)
 
 
 def _sync(device):
@@ -94,7 +99,15 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=64, help="generation length (blocks of 32)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--samplers", default=None,
+                    help="comma-separated names to measure (default: the baselines and every preset but guided)")
     args = ap.parse_args()
+    names = [n for n in (*BASELINES, *PRESETS) if n not in SKIPPED]
+    if args.samplers:
+        names = args.samplers.split(",")
+        bad = sorted(set(names) - set(BASELINES) - set(PRESETS) | set(names) & set(SKIPPED))
+        if bad:
+            ap.error(f"--samplers: cannot measure {bad}; choose from {', '.join(n for n in (*BASELINES, *PRESETS) if n not in SKIPPED)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -110,7 +123,7 @@ def main() -> None:
           f"floor in the loop (fresh logits + loop bookkeeping): {floor * 1e3:.2f} ms\n")
     print("| sampler | steps | tokens/step | per-step ms | x floor | x bare softmax |")
     print("|---|---|---|---|---|---|")
-    for name in (*BASELINES, *PRESETS):
+    for name in names:
         sec, nfe = per_step(model, prompts, sampler_for(name), args.gen, args.repeats)
         print(f"| {name} | {nfe} | {args.gen / nfe:.2f} | {sec * 1e3:.2f} | {sec / floor:.2f} | {sec / bare:.2f} |",
               flush=True)

@@ -26,7 +26,8 @@ class GenerateStats:
     time_sampler: float
     time_cache: float
     time_total: float
-    trace: list[dict[str, Any]] = field(default_factory=list)  # per step: committed per row, region bounds, cache stats
+    trace: list[dict[str, Any]] = field(default_factory=list)  # per step: committed per row, region bounds,
+    # early_commit per row, the sampler's / block policy's info, cache stats
 
 
 @dataclass
@@ -281,7 +282,10 @@ def generate(
         nfe += 1
         row_nfe += active.long()
         step_in += 1
-        trace.append({"committed": commit.sum(-1), "lo": lo.clone(), "hi": hi.clone(), **pinfo, **res.info, **cstats})
+        # early commit (Prophet's all-in step, a guided row's EOS fill): recorded on every step, False when none
+        early = res.finish & active if res.finish is not None else torch.zeros_like(active)
+        trace.append({"committed": commit.sum(-1), "lo": lo.clone(), "hi": hi.clone(), "early_commit": early, **pinfo,
+                      **res.info, **cstats})
 
         # Region bookkeeping, vectorised over rows.
         masked = x == model.mask_id

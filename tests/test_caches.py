@@ -3,14 +3,19 @@ and every cache with several samplers / block policies / batch sizes."""
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import ragged_prompts, random_model
 from helpers_parity import cached_model, prompt_set
 
+import dllm
 from dllm import generate
 from dllm.caches import CACHES, KVCache, get_cache
 from dllm.caches.base import rows_from_mask
+from dllm.samplers import SAMPLERS as SAMPLER_REGISTRY
 
 CACHE_NAMES = [n for n in CACHES if n != "none"]
 
@@ -38,6 +43,35 @@ def test_refresh_every_step_reproduces_no_cache(family, name, batch):
     out = generate(model, prompts, cache=get_cache(name, refresh_every=1), **kw)
     assert torch.equal(out.sequences, base)
     assert all(rec["refresh_layer"] == 0 for rec in out.stats.trace)
+
+
+@functools.cache
+def bundled_model(family: str):
+    """The bundled trained tiny model (``dllm/assets/{family}-tiny``) in fp32; read-only in the tests."""
+    return dllm.load_model(Path(dllm.__file__).parent / "assets" / f"{family}-tiny", dtype=torch.float32)
+
+
+def bundled_prompts(batch: int) -> list:
+    """Chat prompts of the waiting-line task: batch 3 has three prompt lengths (left padding)."""
+    from dllm.evals import tasks as T
+
+    return [ex.messages for ex in T.generate("waiting_line/reverse", 3, seed=7)][:batch]
+
+
+@pytest.mark.parametrize("name", CACHE_NAMES)
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("bundled", ["llada", "dream"])
+def test_refresh_every_step_reproduces_no_cache_on_bundled_models(bundled, name, batch):
+    """The same exactness on the bundled trained tiny models (confident, structured attention)."""
+    model = bundled_model(bundled)
+    prompts = bundled_prompts(batch)
+    kw = dict(gen_length=16, block_length=8, steps=16)
+    base = generate(model, prompts, **kw)
+    out = generate(model, prompts, cache=get_cache(name, refresh_every=1), **kw)
+    assert torch.equal(out.sequences, base.sequences)
+    assert all(rec["refresh_layer"] == 0 for rec in out.stats.trace)
+    if batch == 3:
+        assert len(set(out.prompt_lengths)) == 3  # ragged
 
 
 def test_stats_in_trace():
@@ -162,19 +196,42 @@ def test_dream_dual_partial_logits_match_full_on_window():
 
 
 # ------------------------------------------------------------------------ every cache x samplers
-SAMPLERS = [("threshold", {"block_length": 8}), ("llada", {"block_length": 8}), ("prophet", {"block_length": 8}),
-            ("adablock", {})]
+SAMPLER_NAMES = sorted(n for n in SAMPLER_REGISTRY if n != "guided")  # guided: tests/test_guided.py
+SAMPLER_PARAMS = {
+    # random models have no tokenizer: delimiter ids; most of the vocabulary, so blocks really vary
+    "adablock": {"delimiters": tuple(range(3, 60)), "delimiter_threshold": 0.2},
+    "prophet-firing": {"early": 2.0, "mid": 1.0, "late": 0.5},  # low thresholds: the all-in step fires
+}
 
 
-@pytest.mark.filterwarnings("ignore:AdaBlock delimiters")
+def _sampler(name):
+    from dllm import get_sampler
+
+    return get_sampler(name.removesuffix("-firing"), **SAMPLER_PARAMS.get(name, {}))
+
+
 @pytest.mark.parametrize("name", CACHE_NAMES)
-@pytest.mark.parametrize("sampler,kw", SAMPLERS, ids=[s for s, _ in SAMPLERS])
-def test_every_cache_with_samplers(family, name, sampler, kw):
+@pytest.mark.parametrize("sampler", [*SAMPLER_NAMES, "prophet-firing"])
+def test_every_cache_with_every_sampler(family, name, sampler):
+    """Every registered sampler (its block policy / early commit included) with every cache, ragged batch 3
+    with EOS early stop: the default refresh decodes every position; a refresh every step equals no cache."""
     model = cached_model(family, 0, eos_heavy=True)
-    out = generate(model, ragged_prompts(3), gen_length=16, steps=16, sampler=sampler, cache=name,
-                   eos_early_stop=True, **kw)
+    prompts = ragged_prompts(3)
+    kw = dict(gen_length=16, block_length=8, steps=16, sampler=_sampler(sampler), seed=0, eos_early_stop=True)
+    out = generate(model, prompts, cache=name, **kw)
     assert not out.sequences.eq(model.mask_id).any()
     assert out.stats.nfe <= 16 + 4
+    partial = any(r["refresh_layer"] != 0 for r in out.stats.trace)  # the cache was used
+    # (dkv-decode refreshes at a region's first two steps: AdaBlock's short delimiter blocks may take no more)
+    assert partial or out.stats.nfe == 1 or (name == "dkv-decode" and sampler == "adablock")
+    base = generate(model, prompts, cache="none", **kw)
+    exact = generate(model, prompts, cache=get_cache(name, refresh_every=1), **kw)
+    assert torch.equal(exact.sequences, base.sequences)
+    assert exact.stats.row_nfe == base.stats.row_nfe
+    if sampler == "prophet-firing":
+        assert any(any(r["early_commit"]) for r in out.stats.trace)
+    if sampler == "adablock":
+        assert any(any(r["delimiter_block"]) for r in out.stats.trace)
 
 
 def test_cfg_with_cache():
@@ -186,16 +243,32 @@ def test_cfg_with_cache():
         assert not generate(model, prompt_set(3, 0), cache=name, **kw).sequences.eq(model.mask_id).any()
 
 
+def _lockstep(out) -> bool:
+    """Whether every row's region started at the same column on every step."""
+    return all(len(set(r["lo"])) == 1 for r in out.stats.trace)
+
+
 def test_batch_rows_independent_with_cache():
-    """A row's output with a cache does not depend on the other rows of the batch (no row mixing)."""
+    """The documented batch property (docs/caches.md, "Batches"): rows never mix, and while the rows'
+    regions advance together every cache but elastic computes for a row exactly what it computes for it alone,
+    so a row's output does not depend on the other rows; when the regions drift apart only the exact mode
+    (a refresh every step) is batch-independent, for every cache."""
     model = cached_model("llada", 0)
     prompts = ragged_prompts(3)
-    kw = dict(gen_length=16, block_length=8, steps=16, sampler="threshold")
-    for name in ("dual", "dkv-decode", "freecache"):
-        both = generate(model, prompts, cache=name, **kw).sequences
+    kw = dict(gen_length=16, block_length=8, steps=16)
+    for name in ("prefix", "dual", "dkv-decode", "dkv-greedy", "freecache"):
+        both = generate(model, prompts, cache=name, sampler="threshold", **kw)
+        assert _lockstep(both), name  # the precondition (one token per step on this model)
+        assert any(r["refresh_layer"] == -1 for r in both.stats.trace), name
         for i, p in enumerate(prompts):
-            alone = generate(model, [p], cache=name, **kw).sequences[0]
-            assert torch.equal(both[i], alone), (name, i)
+            alone = generate(model, [p], cache=name, sampler="threshold", **kw).sequences[0]
+            assert torch.equal(both.sequences[i], alone), (name, i)
+    for name in CACHE_NAMES:  # the factor rule commits different counts per row: the regions drift apart
+        both = generate(model, prompts, cache=get_cache(name, refresh_every=1), sampler="factor", **kw)
+        assert not _lockstep(both), name
+        for i, p in enumerate(prompts):
+            alone = generate(model, [p], cache=get_cache(name, refresh_every=1), sampler="factor", **kw).sequences[0]
+            assert torch.equal(both.sequences[i], alone), (name, i)
 
 
 def test_invalid_refresh_every():

@@ -273,6 +273,10 @@ COMPOSITIONS = {
        for c in ("prob", "margin", "neg_entropy", "random")},
     **{f"eoser+{c}+quota": (lambda c=c: ComposedSampler(Quota(), confidence=c, eos_rejection=EOSRejection(0.4)))
        for c in ("prob", "margin", "neg_entropy", "random")},
+    # EOS early rejection with the other confidence rules (threshold-style rules: progress = fraction decoded)
+    "eoser+factor": lambda: ComposedSampler(Factor(1.0), eos_rejection=EOSRejection(0.4, "decoded")),
+    "eoser+localleap": lambda: ComposedSampler(LocalLeap(0.6, 0.4), eos_rejection=EOSRejection(0.4, "decoded")),
+    "eoser+klass": lambda: ComposedSampler(KLStable(0.3, 0.05), eos_rejection=EOSRejection(0.4)),
     **{f"prophet+{b}": (lambda b=b: get_sampler("prophet", base=b, early=2.0, mid=1.0, late=0.5))
        for b in ("llada", "fast-dllm", "credit", "localleap", "klass", "dream", "dream-origin", "eoser-ass", "factor")},
     "prophet+adablock": lambda: Prophet(ComposedSampler(Threshold(0.5), block_policy=AdaBlock(8, 0.2, DELIMS)),
@@ -297,8 +301,44 @@ def test_composition_matrix(family, combo):
         assert [sum(t["committed"][b] for t in out.stats.trace) for b in range(3)] == [32, 32, 32]
         if combo.startswith("prophet"):
             assert all("early_commit" in t for t in out.stats.trace)
+        if combo.startswith("eoser"):  # the EOS attenuation ran on every step
+            assert all(len(t["eos_factor"]) == 3 for t in out.stats.trace)
         if "adablock" in combo:
             assert any(any(t["delimiter_block"]) for t in out.stats.trace), "no delimiter block in the composition"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_klass_preset_fused_path_decodes_like_the_composed_rule(family, monkeypatch):
+    """The ``klass`` preset's chunked CPU path (one window row per chunk here) gives the tokens and per-step
+    trace of ``ComposedSampler(KLStable(...))`` through the decode loop (ragged batch, several blocks)."""
+    monkeypatch.setattr(KLStable, "chunk_bytes", 1)  # one row per chunk
+    model = cached_model(family, 1)
+    prompts = prompt_set(3, 1)
+    kw = dict(gen_length=24, block_length=8, steps=24)
+    preset = dllm.generate(model, prompts, sampler=get_sampler("klass", conf_threshold=0.3, kl_threshold=0.05), **kw)
+    plain = dllm.generate(model, prompts, sampler=ComposedSampler(KLStable(0.3, 0.05)), **kw)
+    assert torch.equal(preset.sequences, plain.sequences)
+    assert preset.stats.trace == plain.stats.trace
+    assert any(sum(t["klass_ready"]) for t in preset.stats.trace)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_early_commit_is_recorded_false_on_every_step_without_prophet(family):
+    """Every step's trace says whether an early commit fired, for every sampler: False throughout for
+    samplers that have none (every registered one but Prophet and the guided sampler's EOS fill)."""
+    model = random_model(family, seed=5)
+    prompts = ragged_prompts(3, seed=2)
+    names = [n for n in SAMPLERS if n not in ("prophet", "guided")]
+    assert len(names) >= 20
+    for name in names:
+        sampler = get_sampler(name, **_preset_kw(name, model))
+        out = dllm.generate(model, prompts, gen_length=16, block_length=8, steps=16, sampler=sampler, seed=1)
+        trace = out.stats.trace
+        assert trace and all(t["early_commit"] == [False, False, False] for t in trace), name
+    # Prophet (always firing) over the same loop: the key is the same, and True
+    out = dllm.generate(model, prompts, gen_length=16, block_length=8, steps=16,
+                        sampler=Prophet(get_sampler("llada"), early=0.0, mid=0.0, late=0.0))
+    assert [t["early_commit"] for t in out.stats.trace] == [[True, True, True]]
 
 
 def test_prophet_fill_covers_the_whole_generation_and_stops_the_row():

@@ -260,6 +260,83 @@ def test_klass_matches_the_reference_within_a_block():
     assert fired > 0, "the KL-stable path never fired; adjust the test logits"
 
 
+def _klass_shifting_window_run(monkeypatch, chunk_bytes, sampler=None):
+    """KLASS steps over a canvas of 12 columns whose window start moves (0, 1, 2, ...) while the region stays,
+    three rows with different masks; per step the proposals, commits, ``klass_ready`` and the KL history of
+    every still masked position."""
+    monkeypatch.setattr(KLStable, "chunk_bytes", chunk_bytes)
+    B, T, V = 3, 12, 30
+    g = torch.Generator().manual_seed(11)
+    sampler = sampler or ComposedSampler(KLStable(conf_threshold=0.3, kl_threshold=0.05, history=2))
+    base = torch.randn(B, T, V, generator=g) * 3
+    x = torch.full((B, T), V - 1)
+    x[:, :2] = 4  # the first two columns are decoded: the window may start before or after them
+    x[1, 2:5] = 7  # rows 1 and 2 have fewer masks: the rows' masked columns differ
+    x[2, 6:8] = 7
+    state: dict = {}
+    out = []
+    for s in range(T):
+        win_lo = s % 3
+        logits = exclude_mask(base[:, win_lo:] + 0.03 * s * torch.randn(B, T - win_lo, V, generator=g), V - 1)
+        xw = x[:, win_lo:]
+        cand = xw == V - 1
+        if not cand.any():
+            break
+        ctx = make_ctx(cand, x=xw, win_lo=win_lo, step=s, steps=T, n_start=T, mask_id=V - 1, state=state,
+                       region_lo=0, canvas_len=T)
+        res = sampler.step(logits, ctx)
+        masked = x == V - 1
+        out.append((res.proposal.clone(), res.commit.clone(), res.info["klass_ready"].clone(),
+                    state["klass"]["hist"][masked].clone()))
+        x[:, win_lo:] = torch.where(res.commit & cand, res.proposal, xw)
+    return out
+
+
+ONE_PASS = 1 << 40  # chunk_bytes: the whole window in one chunk (the GPU layout)
+
+
+def _same_runs(first, second):
+    assert len(first) == len(second) > 4
+    for a, b in zip(first, second):
+        for u, v in zip(a, b):
+            assert torch.equal(u, v)
+    assert sum(int(r[2].sum()) for r in first) > 0, "the KL-stable path never fired; adjust the test logits"
+    assert any(torch.isfinite(r[3]).any() for r in first)
+
+
+@pytest.mark.parametrize("rows_per_chunk", [1, 3])
+def test_klass_chunked_kl_equals_the_one_pass_kl(monkeypatch, rows_per_chunk):
+    """On CPU the KL runs in cache-sized chunks of window rows, only over rows still masked in some batch row;
+    every KL a masked position has is the one-pass value, bit for bit, and so are the commits."""
+    whole = _klass_shifting_window_run(monkeypatch, ONE_PASS)
+    chunked = _klass_shifting_window_run(monkeypatch, rows_per_chunk * 3 * 30 * 4)  # B * V * 4 bytes per row
+    _same_runs(whole, chunked)
+
+
+@pytest.mark.parametrize("softmax_dtype", ["float32", "float64"])
+@pytest.mark.parametrize("rows_per_chunk", [1, 3, None])
+def test_klass_preset_fused_path_equals_the_composed_path(monkeypatch, rows_per_chunk, softmax_dtype):
+    """The ``klass`` preset's CPU path (proposal, softmax and KL per chunk of rows) reproduces
+    ``ComposedSampler(KLStable(...))`` bit for bit: proposals, commits, readiness and KL history."""
+    from dllm.samplers.presets import KLASSSampler
+
+    chunk = ONE_PASS if rows_per_chunk is None else rows_per_chunk * 3 * 30 * (8 if softmax_dtype == "float64" else 4)
+    preset = get_sampler("klass", conf_threshold=0.3, kl_threshold=0.05, softmax_dtype=softmax_dtype)
+    assert isinstance(preset, KLASSSampler) and preset._chunked(torch.zeros(1, 1, 1))
+    composed = ComposedSampler(KLStable(conf_threshold=0.3, kl_threshold=0.05), softmax_dtype=softmax_dtype)
+    _same_runs(_klass_shifting_window_run(monkeypatch, ONE_PASS, composed),
+               _klass_shifting_window_run(monkeypatch, chunk, preset))
+    # the fused proposal and confidence are the whole-window argmax and softmax, bit for bit
+    g = torch.Generator().manual_seed(3)
+    logits = exclude_mask(torch.randn(3, 7, 3000, generator=g) * 4, 2999)
+    cand = torch.ones(3, 7, dtype=torch.bool)
+    monkeypatch.setattr(KLStable, "chunk_bytes", 2 * 3 * 3000 * 4)
+    x0, conf, _ = preset.rule.fused_step(logits, make_ctx(cand, mask_id=2999), softmax_dtype)
+    dt = torch.float64 if softmax_dtype == "float64" else torch.float32
+    assert torch.equal(x0, logits.argmax(-1))
+    assert torch.equal(conf, torch.softmax(logits.to(dt), -1).gather(-1, x0[..., None]).squeeze(-1))
+
+
 @pytest.mark.parametrize("span", ["region", "0:3", "masked"])
 def test_prophet_gap_and_schedule_match_the_reference(span):
     g = torch.Generator().manual_seed(2)

@@ -23,10 +23,12 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import torch
 
 from dllm.samplers.base import (
+    SOFTMAX_DTYPES,
     StepContext,
     check_range,
     ensure_progress,
     even_quota,
+    fast_argmax,
     select_topk,
 )
 
@@ -217,46 +219,135 @@ class KLStable:
             raise TypeError(f"fallback must be a commit rule, got {self.fallback!r}")
 
     def kl_step(self, logits: torch.Tensor, probs: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """Record this step's KL to the previous step per window position; ``[B, W]`` stable mask."""
-        B, W, _ = logits.shape
-        st = ctx.state.setdefault("klass", {})
-        dt = probs.dtype
-        # log-normaliser from the two maxima: p_max = exp(l_max - lse)
-        lse = logits.amax(-1).to(dt) - torch.log(probs.amax(-1))
-        if "hist" not in st:
-            st["hist"] = torch.full((B, ctx.canvas_len, self.history), math.inf, device=logits.device)
-            st["region"] = ctx.region_lo.clone()
-        same_region = st["region"] == ctx.region_lo
-        st["hist"].masked_fill_(~same_region[:, None, None], math.inf)
-        kl = torch.full((B, W), math.inf, dtype=dt, device=logits.device)
-        if "logits" in st:
-            plo, prev, prev_lse = st["lo"], st["logits"], st["lse"]
-            a, b = max(plo, ctx.win_lo), min(plo + prev.shape[1], ctx.win_lo + W)
-            if a < b:
-                cur = slice(a - ctx.win_lo, b - ctx.win_lo)
-                old = slice(a - plo, b - plo)
-                a_, b_ = logits[:, cur].to(dt), prev[:, old].to(dt)
-                buf = st.get("scratch")
-                if buf is None or buf.shape != a_.shape or buf.dtype != dt:
-                    buf = st["scratch"] = torch.empty_like(a_)  # reused: no fresh 16 MB page faults per step
-                d = torch.sub(a_, b_, out=buf)
-                dot = d.mul_(probs[:, cur]).nansum(-1)  # 0 * (-inf - -inf) = nan where p = 0: dropped
-                kl[:, cur] = (dot - lse[:, cur] + prev_lse[:, old]).clamp_min(0)
-        kl = torch.where(same_region[:, None], kl, torch.full_like(kl, math.inf))
-        hw = st["hist"][:, ctx.win_lo : ctx.win_lo + W]
-        hw.copy_(torch.cat([hw[..., 1:], kl.float()[..., None]], -1))
-        st["logits"], st["lse"], st["lo"], st["region"] = logits, lse, ctx.win_lo, ctx.region_lo.clone()
-        return (hw < self.kl_threshold).all(-1)
+        """Record this step's KL to the previous step per window position; ``[B, W]`` stable mask.
 
-    def select(self, conf, ctx, *, logits, probs=None):
-        if probs is None:
-            probs = torch.softmax(logits.float(), dim=-1)
-        stable = self.kl_step(logits, probs, ctx)
+        Cost: the KL is computed only for window rows still masked in some batch row (a decoded position
+        never becomes a candidate again, so the others keep ``inf``), in chunks of rows small enough to stay
+        in the CPU's cache (:meth:`_chunk_rows`; on GPU one chunk, the whole window). Within a chunk the
+        arithmetic is the plain vectorised form, so each computed value is the same whatever the chunking.
+        """
+        B, W, _ = logits.shape
+        dt = probs.dtype
+        R = self._chunk_rows(logits, dt)
+        acc = _KLChunks(self, logits, ctx, dt)
+        if R >= W:
+            spans = [(0, W)]
+        else:  # chunks holding a row still masked somewhere (one host sync), last first: the rows the
+            # sampler's softmax wrote last are the likeliest to be still cached
+            live = torch.nn.functional.pad((ctx.x == ctx.mask_id).any(0), (0, -W % R)).view(-1, R).any(-1)
+            spans = [(a, min(a + R, W)) for a in (live.nonzero().squeeze(-1) * R).flip(0).tolist()]
+        for a, b in spans:
+            acc.add(a, b, logits[:, a:b].to(dt), probs[:, a:b])
+        return acc.finish()
+
+    def fused_step(self, logits: torch.Tensor, ctx: StepContext,
+                   softmax_dtype: str = "float32") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Greedy proposal, its ``prob`` confidence and the stable mask in one pass over cache-sized chunks of
+        window rows (``(x0, conf, stable)``, each ``[B, W]``): per chunk the argmax, the softmax (never
+        materialised for the whole window) and, for rows still masked somewhere, the KL, while the chunk's
+        rows are in cache. Bit-identical to ``fast_argmax``, ``softmax(logits)[x0]`` and :meth:`kl_step` over
+        the whole window (the ``klass`` preset's CPU path; tested)."""
+        B, W, _ = logits.shape
+        dt = SOFTMAX_DTYPES[softmax_dtype] or logits.dtype
+        R = self._chunk_rows(logits, dt)
+        acc = _KLChunks(self, logits, ctx, dt)
+        live = (ctx.x == ctx.mask_id).any(0).tolist()  # one host sync
+        x0 = torch.empty((B, W), dtype=torch.long, device=logits.device)
+        conf = torch.empty((B, W), dtype=dt, device=logits.device)
+        for a in range(0, W, R):
+            b = min(a + R, W)
+            la = logits[:, a:b]
+            xa = fast_argmax(la)
+            ld = la.to(dt)
+            pa = torch.softmax(ld, dim=-1)
+            x0[:, a:b] = xa
+            conf[:, a:b] = pa.gather(-1, xa[..., None]).squeeze(-1)
+            if any(live[a:b]):
+                acc.add(a, b, ld, pa, xa)
+        return x0, conf, acc.finish()
+
+    #: bytes of logits per chunk on CPU: a few rows, so that a chunk's logits and probabilities stay cached
+    #: between its ops (4 rows at LLaDA's vocabulary and batch 1: 1-8 rows measured within noise)
+    chunk_bytes: ClassVar[int] = 1 << 21
+
+    def _chunk_rows(self, logits: torch.Tensor, dt: torch.dtype) -> int:
+        """Window rows per KL chunk: the whole window on GPU (one vectorised pass); on CPU the rows whose
+        ``[B, rows, V]`` slice fits :attr:`chunk_bytes` (at least one row)."""
+        B, W, V = logits.shape
+        if logits.device.type != "cpu":
+            return W
+        return max(1, self.chunk_bytes // max(1, B * V * torch.finfo(dt).bits // 8))
+
+    def decide(self, conf: torch.Tensor, ctx: StepContext, stable: torch.Tensor, *, logits=None,
+               probs=None) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The commit from the stable mask: stable and confident candidates, else the fallback's."""
         ready = ctx.cand & stable & (conf > self.conf_threshold)
         has = ready.any(-1)
         fb, _ = self.fallback.select(conf, ctx, logits=logits, probs=probs)
         commit = torch.where(has[:, None], ready, fb)
         return ensure_progress(commit, conf, ctx.cand, only_empty=True), {"klass_ready": ready.sum(-1)}
+
+    def select(self, conf, ctx, *, logits, probs=None):
+        if probs is None:
+            probs = torch.softmax(logits.float(), dim=-1)
+        return self.decide(conf, ctx, self.kl_step(logits, probs, ctx), logits=logits, probs=probs)
+
+
+class _KLChunks:
+    """One step of :class:`KLStable`'s KL bookkeeping, fed chunk by chunk (``add``), then ``finish``: the
+    per-region history in ``ctx.state["klass"]`` and the stable mask. Rows never added keep KL ``inf`` and no
+    log-normaliser (so their KL at the next step is ``inf`` too)."""
+
+    def __init__(self, rule: KLStable, logits: torch.Tensor, ctx: StepContext, dt: torch.dtype):
+        B, W, _ = logits.shape
+        self.rule, self.ctx, self.dt, self.W = rule, ctx, dt, W
+        st = self.st = ctx.state.setdefault("klass", {})
+        if "hist" not in st:
+            st["hist"] = torch.full((B, ctx.canvas_len, rule.history), math.inf, device=logits.device)
+            st["region"] = ctx.region_lo.clone()
+        self.same_region = st["region"] == ctx.region_lo
+        st["hist"].masked_fill_(~self.same_region[:, None, None], math.inf)
+        self.logits = logits
+        self.prev = st.get("logits")
+        self.shift = 0 if self.prev is None else ctx.win_lo - st["lo"]  # window row w = previous window's w + shift
+        self.lmax, self.pmax, self.dots, self.rows, self.krows = [], [], [], [], []
+
+    def add(self, a: int, b: int, la: torch.Tensor, pa: torch.Tensor, top: torch.Tensor | None = None) -> None:
+        """Window rows ``[a, b)``: their logits (in the softmax dtype), probabilities and optionally the
+        logits' argmax ``top`` (then the largest logit is read there instead of searched for)."""
+        # log-normaliser from the two maxima: p_max = exp(l_max - lse)
+        self.lmax.append(la.amax(-1) if top is None else la.gather(-1, top[..., None]).squeeze(-1))
+        self.pmax.append(pa.amax(-1))
+        self.rows.append((a, b))
+        prev, shift = self.prev, self.shift
+        c0, c1 = (0, 0) if prev is None else (max(a, -shift), min(b, prev.shape[1] - shift))
+        if c0 >= c1:  # none of these rows was in the previous window
+            return
+        cur = slice(c0 - a, c1 - a)
+        old = prev[:, c0 + shift : c1 + shift].to(self.dt)
+        buf = self.st.get("scratch")
+        if buf is None or buf.numel() < old.numel() or buf.dtype != self.dt or buf.device != old.device:
+            buf = self.st["scratch"] = torch.empty(old.numel(), dtype=self.dt, device=old.device)  # reused
+        d = torch.sub(la[:, cur], old, out=buf[: old.numel()].view(old.shape))
+        self.dots.append(d.mul_(pa[:, cur]).nansum(-1))  # 0 * (-inf - -inf) = nan where p = 0: dropped
+        self.krows.append((c0, c1))
+
+    def finish(self) -> torch.Tensor:
+        st, ctx, W, dev = self.st, self.ctx, self.W, self.logits.device
+        B = self.logits.shape[0]
+        kl = torch.full((B, W), math.inf, dtype=self.dt, device=dev)
+        lse = torch.full((B, W), math.inf, dtype=self.dt, device=dev)  # inf: not computed (KL inf next step)
+        if self.rows:
+            idx = torch.tensor([i for a, b in self.rows for i in range(a, b)], device=dev)
+            lse[:, idx] = torch.cat(self.lmax, -1) - torch.log(torch.cat(self.pmax, -1))
+        if self.krows:
+            idx = torch.tensor([i for a, b in self.krows for i in range(a, b)], device=dev)
+            kl[:, idx] = (torch.cat(self.dots, -1) - lse[:, idx] + st["lse"][:, idx + self.shift]).clamp_min(0)
+        kl = torch.where(self.same_region[:, None], kl, torch.full_like(kl, math.inf))
+        hw = st["hist"][:, ctx.win_lo : ctx.win_lo + W]
+        hw.copy_(torch.cat([hw[..., 1:], kl.float()[..., None]], -1))
+        st["logits"], st["lse"], st["lo"], st["region"] = self.logits, lse, ctx.win_lo, ctx.region_lo.clone()
+        return (hw < self.rule.kl_threshold).all(-1)
 
 
 RULES = {"quota": Quota, "ascending": Ascending, "threshold": Threshold, "factor": Factor,
