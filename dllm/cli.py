@@ -120,11 +120,20 @@ def cmd_train_tiny(args) -> int:
         from dllm.train_ar import ARTrainConfig
         from dllm.train_ar import train as train_ar
 
+        dllm_only = {"--loss": args.loss != "weighted", "--no-curriculum": args.no_curriculum,
+                     "--curriculum": args.curriculum != "bare", "--task-mix": args.task_mix != "uniform",
+                     "--tasks": args.tasks is not None, "--eval-every": args.eval_every != 0, "--eval-n": args.eval_n != 8}
+        given = [name for name, set_ in dllm_only.items() if set_]
+        if given:
+            raise SystemExit(f"error: {', '.join(given)} apply to the dLLM families only; the ar guide trains "
+                             "on every task with next-token loss (evaluate it with benchmarks/eval_ar_tasks.py). "
+                             "Drop them or use --family llada|dream")
+
         cfg = ARTrainConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads, mlp_hidden=args.mlp,
                             steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                             threads=args.threads, time_budget_s=args.time_budget, init_from=args.init_from,
                             list_item_tokens=args.list_item_tokens, examples_per_task=args.examples_per_task,
-                            tokenizer_layout=args.tokenizer_layout)
+                            tokenizer_layout=args.tokenizer_layout, save_every=args.save_every)
         summary = train_ar(cfg, args.out, progress=lambda step, loss, secs: print(
             f"step {step}/{cfg.steps}  loss {loss:.4f}  {secs:.0f}s", file=sys.stderr, flush=True))
         print(json.dumps(summary, indent=2))

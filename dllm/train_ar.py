@@ -50,6 +50,7 @@ class ARTrainConfig:
     list_item_tokens: bool = False  # tokenizer layout with one token per list item (see dllm/train.py)
     tokenizer_layout: str | None = None  # "gpt2" | "list-items" | "names"; None: from list_item_tokens
     init_from: str | None = None  # continue from an AR checkpoint of the same shape
+    save_every: int = 0  # also write the checkpoint (and training.json so far) every this many steps
 
 
 def _tokenizers(out_dir: Path, list_items: bool = False, layout: str | None = None):
@@ -164,10 +165,18 @@ def train(cfg: ARTrainConfig, out_dir, *, progress=None) -> dict:
             progress(step, sum(losses[-50:]) / 50, time.perf_counter() - t0)
         if frac >= 1.0:
             break
-    train_s = time.perf_counter() - t0
+        if cfg.save_every and step % cfg.save_every == 0:
+            _save(model, tok, out_dir, cfg, step, time.perf_counter() - t0, losses)
+            model.train()
+    return _save(model, tok, out_dir, cfg, step, time.perf_counter() - t0, losses)
+
+
+def _save(model, tok, out_dir: Path, cfg: ARTrainConfig, step: int, train_s: float, losses: list[float]) -> dict:
+    """Write the checkpoint, the tokenizer and ``training.json``; return the summary."""
     model.eval().requires_grad_(False)
     model.save_pretrained(str(out_dir), safe_serialization=True)
     tok.save_pretrained(str(out_dir))
+    model.requires_grad_(True)
     summary = {
         "train_config": asdict(cfg),
         "model_config": {k: getattr(model.config, k) for k in (

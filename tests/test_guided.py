@@ -398,3 +398,28 @@ def test_train_tiny_ar_writes_a_transformers_guide(tmp_path):
     again = AutoModelForCausalLM.from_pretrained(str(tmp_path / "cont"))
     for (n, a), (_, b) in zip(guide.state_dict().items(), again.state_dict().items()):
         assert torch.allclose(a, b, atol=1e-6), n
+
+
+def test_train_tiny_ar_save_every_and_dllm_only_options(tmp_path, monkeypatch):
+    """The ar trainer writes its checkpoint every --save-every steps (not only at the end), and the options that
+    only the dLLM trainer reads are refused for --family ar instead of being ignored."""
+    import dllm.train_ar as train_ar
+    from dllm.cli import main
+
+    saved = []
+    real_save = train_ar._save
+
+    def spy(model, tok, out_dir, cfg, step, *rest):
+        saved.append(step)
+        return real_save(model, tok, out_dir, cfg, step, *rest)
+
+    monkeypatch.setattr(train_ar, "_save", spy)
+    summary = train_ar.train(train_ar.ARTrainConfig(d_model=16, n_layers=1, n_heads=2, mlp_hidden=32, steps=5,
+                                                    batch_size=2, examples_per_task=0, list_item_tokens=True,
+                                                    save_every=2), tmp_path / "ar")
+    assert saved == [2, 4, 5] and summary["steps_done"] == 5
+    assert (tmp_path / "ar" / "model.safetensors").exists()
+    for extra in (["--eval-every", "5"], ["--task-mix", "adaptive"], ["--no-curriculum"], ["--loss", "mean"]):
+        with pytest.raises(SystemExit, match=extra[0]):
+            main(["train-tiny", "--family", "ar", "--out", str(tmp_path / "x"), "--steps", "1", *extra])
+    assert not (tmp_path / "x").exists()
