@@ -145,11 +145,22 @@ class Prophet:
             off, length = self.span
             lo = ctx.gen_lo + off
             span = ((cols >= lo) & (cols < lo + length))[None].expand(B, W)
-        top2 = top2_values(logits).float()
-        g = (top2[..., 0] - top2[..., 1]).nan_to_num(nan=0.0, posinf=1e4)
         n = span.sum(-1)
+        # the top-2 pass reads only the columns between the first and the last one some row's span covers
+        # (a view, no copy; decoded columns leave a region's span); per-column values are unchanged
+        used = span.any(0).nonzero().squeeze(-1)
+        g = logits.new_zeros(span.shape, dtype=torch.float32)
+        if used.numel():
+            lo, hi = int(used[0]), int(used[-1]) + 1
+            g[:, lo:hi] = self._gaps(logits[:, lo:hi])
         mean = (g * span).sum(-1) / n.clamp_min(1)
         return mean, n > 0
+
+    @staticmethod
+    def _gaps(logits: torch.Tensor) -> torch.Tensor:
+        """``[B, W']`` top-2 logit gap per column (float32; an all ``-inf`` column gives 0)."""
+        top2 = top2_values(logits).float()
+        return (top2[..., 0] - top2[..., 1]).nan_to_num(nan=0.0, posinf=1e4)
 
     def step(self, logits: torch.Tensor, ctx: StepContext) -> StepResult:
         B, W, _ = logits.shape
