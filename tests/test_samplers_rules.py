@@ -260,10 +260,15 @@ def test_klass_matches_the_reference_within_a_block():
     assert fired > 0, "the KL-stable path never fired; adjust the test logits"
 
 
+def _klass_kl_values(state):
+    """The KL values the lazy KLStable has computed for the steps it keeps (``nan``: not computed)."""
+    return [r.kl.clone() for r in state["klass"]["steps"]]
+
+
 def _klass_shifting_window_run(monkeypatch, chunk_bytes, sampler=None):
     """KLASS steps over a canvas of 12 columns whose window start moves (0, 1, 2, ...) while the region stays,
-    three rows with different masks; per step the proposals, commits, ``klass_ready`` and the KL history of
-    every still masked position."""
+    three rows with different masks; per step the proposals, commits, ``klass_ready`` and the KL values
+    computed for the kept steps."""
     monkeypatch.setattr(KLStable, "chunk_bytes", chunk_bytes)
     B, T, V = 3, 12, 30
     g = torch.Generator().manual_seed(11)
@@ -285,9 +290,8 @@ def _klass_shifting_window_run(monkeypatch, chunk_bytes, sampler=None):
         ctx = make_ctx(cand, x=xw, win_lo=win_lo, step=s, steps=T, n_start=T, mask_id=V - 1, state=state,
                        region_lo=0, canvas_len=T)
         res = sampler.step(logits, ctx)
-        masked = x == V - 1
         out.append((res.proposal.clone(), res.commit.clone(), res.info["klass_ready"].clone(),
-                    state["klass"]["hist"][masked].clone()))
+                    _klass_kl_values(state)))
         x[:, win_lo:] = torch.where(res.commit & cand, res.proposal, xw)
     return out
 
@@ -298,10 +302,14 @@ ONE_PASS = 1 << 40  # chunk_bytes: the whole window in one chunk (the GPU layout
 def _same_runs(first, second):
     assert len(first) == len(second) > 4
     for a, b in zip(first, second):
-        for u, v in zip(a, b):
+        for u, v in zip(a[:3], b[:3]):
             assert torch.equal(u, v)
+        assert len(a[3]) == len(b[3])
+        for u, v in zip(a[3], b[3]):  # KL values computed in both (nan: not computed; the set depends on the
+            both = ~torch.isnan(u) & ~torch.isnan(v)  # chunking) are the same, bit for bit
+            assert torch.equal(u[both], v[both])
     assert sum(int(r[2].sum()) for r in first) > 0, "the KL-stable path never fired; adjust the test logits"
-    assert any(torch.isfinite(r[3]).any() for r in first)
+    assert sum(int(torch.isfinite(u).sum()) for r in first for u in r[3]) > 10
 
 
 @pytest.mark.parametrize("rows_per_chunk", [1, 3])
@@ -335,6 +343,110 @@ def test_klass_preset_fused_path_equals_the_composed_path(monkeypatch, rows_per_
     dt = torch.float64 if softmax_dtype == "float64" else torch.float32
     assert torch.equal(x0, logits.argmax(-1))
     assert torch.equal(conf, torch.softmax(logits.to(dt), -1).gather(-1, x0[..., None]).squeeze(-1))
+
+
+class _EagerKLASS:
+    """The eager form of KLStable's stable mask (what the rule computed before its KL became lazy): every step
+    the KL of every window position against the previous step (``inf`` where the position was not in the
+    previous window or the row's region changed), a per-canvas-column history of the last ``history`` values
+    shifted at the window's columns only, reset when a row's region changes."""
+
+    def __init__(self, rule, B, T, dt):
+        self.rule, self.dt = rule, dt
+        self.hist = torch.full((B, T, rule.history), float("inf"))
+        self.prev = None
+
+    def step(self, logits, ctx):
+        l = logits.to(self.dt)
+        p = torch.softmax(l, -1)
+        lse = l.amax(-1) - torch.log(p.amax(-1))
+        B, W, _ = l.shape
+        kl = torch.full((B, W), float("inf"), dtype=self.dt)
+        if self.prev is not None:
+            pl, plse, plo, preg = self.prev
+            same = preg == ctx.region_lo
+            self.hist[~same] = float("inf")
+            for w in range(W):
+                v = w + ctx.win_lo - plo
+                if 0 <= v < pl.shape[1]:
+                    d = torch.nansum((l[:, w] - pl[:, v].to(self.dt)) * p[:, w], -1)
+                    kl[:, w] = (d - lse[:, w] + plse[:, v]).clamp_min(0)
+            kl[~same] = float("inf")
+        hw = self.hist[:, ctx.win_lo : ctx.win_lo + W]
+        hw.copy_(torch.cat([hw[..., 1:], kl.float()[..., None]], -1))
+        self.prev = (logits, lse, ctx.win_lo, ctx.region_lo.clone())
+        return (hw < self.rule.kl_threshold).all(-1), kl.float(), p
+
+
+@pytest.mark.parametrize("history", [1, 2, 3])
+@pytest.mark.parametrize(("path", "softmax_dtype"), [("fused", "float32"), ("fused", "float64"),
+                                                     ("composed", "float32"), ("composed", "float64")])
+def test_klass_lazy_kl_commits_what_the_eager_history_commits(monkeypatch, path, softmax_dtype, history):
+    """The lazy KL (only at confident candidates, past distributions recomputed from the kept logits) against
+    the eager per-step history: three rows with different masks, a window start that moves (0, 1, 2, 1, ...)
+    and regions that change at different steps per row; the same proposals, commits and ``klass_ready`` at
+    every step, and every KL value the lazy form computed equals the eager one (bit for bit)."""
+    from dllm.samplers.presets import KLASSSampler
+
+    B, T, V = 3, 20, 40
+    dt = torch.float64 if softmax_dtype == "float64" else torch.float32
+    rule = KLStable(conf_threshold=0.3, kl_threshold=0.05, history=history)
+    row_bytes = B * V * (8 if softmax_dtype == "float64" else 4)
+    if path == "fused":  # chunks of one window row
+        monkeypatch.setattr(KLStable, "chunk_bytes", row_bytes)
+        sampler = KLASSSampler(rule, softmax_dtype=softmax_dtype)
+        assert sampler._chunked(torch.zeros(1, 1, 1))
+    else:  # chunks of three window rows, or the whole window (the GPU layout)
+        monkeypatch.setattr(KLStable, "chunk_bytes", 3 * row_bytes if history != 2 else ONE_PASS)
+        sampler = ComposedSampler(rule, softmax_dtype=softmax_dtype)
+    eager = _EagerKLASS(rule, B, T, dt)
+    g = torch.Generator().manual_seed(21)
+    base = torch.randn(B, T, V, generator=g) * 3
+    x = torch.full((B, T), V - 1)
+    x[0, [0, 5]] = 4
+    x[1, 2:4] = 7
+    x[2, [1, 9, 12]] = 7
+    switch = torch.tensor([5, 8, 11])  # the step at which each row's region [0, 8) becomes [8, 20)
+    state: dict = {}
+    prev_kl, prev_hot = None, torch.zeros(B, T, dtype=torch.bool)
+    fired = fired_after_switch = revived = 0
+    for s in range(16):
+        win_lo = (0, 1, 2, 1)[s % 4]
+        region_lo = torch.where(s >= switch, 8, 0)
+        step = 0.1 * torch.randn(B, T, V, generator=g)  # a random walk: a slow drift
+        step[:, ::3] *= 6  # some columns drift faster: KL values on both sides of the threshold
+        base += step
+        logits = exclude_mask(base[:, win_lo:].clone(), V - 1)
+        xw = x[:, win_lo:]
+        cols = torch.arange(win_lo, T)
+        cand = (xw == V - 1) & (cols[None] >= region_lo[:, None]) & (cols[None] < region_lo[:, None] + 8 + 4 * (region_lo[:, None] > 0))
+        ctx = make_ctx(cand, x=xw, win_lo=win_lo, step=s, steps=T, n_start=T, mask_id=V - 1, state=state,
+                       region_lo=region_lo, canvas_len=T)
+        res = sampler.step(logits, ctx)
+        stable, kl, p = eager.step(logits, ctx)
+        x0 = logits.argmax(-1)
+        conf = p.gather(-1, x0[..., None]).squeeze(-1)
+        want, info = rule.decide(conf, ctx, stable)
+        assert torch.equal(res.proposal, torch.where(cand, x0, xw)), s
+        assert torch.equal(res.commit, want), s
+        assert torch.equal(res.info["klass_ready"], info["klass_ready"]), s
+        kept = state["klass"]["steps"]
+        assert len(kept) == min(s + 1, history)
+        for got, ref in zip(reversed(kept), (kl, prev_kl)):  # this step's and (history > 1) the previous one's
+            done = ~torch.isnan(got.kl)
+            assert torch.equal(got.kl[done], ref[done]), s
+        assert not torch.isnan(kept[-1].kl[cand & (conf > rule.conf_threshold)]).any()  # computed where confident
+        ready = cand & stable & (conf > rule.conf_threshold)
+        fired += int(ready.sum())
+        fired_after_switch += int(ready[s >= switch + history].sum())
+        hot = torch.zeros(B, T, dtype=torch.bool)
+        hot[:, win_lo:] = cand & (conf > rule.conf_threshold)
+        revived += int((ready & ~prev_hot[:, win_lo:]).sum())  # stable, but not confident at the step before
+        prev_kl, prev_hot = kl, hot
+        x[:, win_lo:] = torch.where(res.commit, res.proposal, xw)
+    assert fired > 10 and fired_after_switch > 0, "the KL-stable path never fired; adjust the test logits"
+    if history > 1:  # their earlier KL values were not computed when needed: recomputed from the kept logits
+        assert revived > 0, "no position became KL-stable without having been confident; adjust the test logits"
 
 
 @pytest.mark.parametrize("span", ["region", "0:3", "masked"])

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from dllm.samplers.adablock import AdaBlock
-from dllm.samplers.base import StepContext, StepResult, ensure_progress
+from dllm.samplers.base import StepContext, StepResult
 from dllm.samplers.composed import ComposedSampler
 from dllm.samplers.guided import guided
 from dllm.samplers.prophet import Prophet
@@ -145,9 +145,10 @@ class KLASSSampler(ComposedSampler):
     """``ComposedSampler(KLStable(...))`` (the ``klass`` preset) with a faster CPU path for its greedy case.
 
     At temperature 0 with the ``prob`` score, no credit fusion or EOS rejection, on CPU, the proposal, the
-    softmax and the KL run together per cache-sized chunk of window rows (:meth:`KLStable.fused_step`)
-    instead of three passes over the whole ``[B, W, V]`` window: the same tokens, confidences and KL history,
-    bit for bit (tested); every other case is :meth:`ComposedSampler.step`."""
+    softmax and (where a chunk holds a confident candidate) the KL run together per cache-sized chunk of
+    window rows (:meth:`KLStable.fused_step`) instead of separate passes over the whole ``[B, W, V]`` window:
+    the same tokens, confidences, commits and KL values, bit for bit (tested); every other case is
+    :meth:`ComposedSampler.step`."""
 
     def _chunked(self, logits: torch.Tensor) -> bool:
         rule = self.rule
@@ -159,8 +160,9 @@ class KLASSSampler(ComposedSampler):
         if not self._chunked(logits):
             return super().step(logits, ctx)
         x0, conf, stable = self.rule.fused_step(logits, ctx, self.softmax_dtype)
+        # decide's commit is within the candidates and has progressed already (ComposedSampler.step's
+        # ensure_progress(commit & cand, ...) would return it unchanged: two fewer small passes)
         commit, info = self.rule.decide(conf, ctx, stable, logits=logits)
-        commit = ensure_progress(commit & ctx.cand, conf, ctx.cand, only_empty=True)
         return StepResult(torch.where(ctx.cand, x0, ctx.x), commit, info)
 
 

@@ -200,6 +200,11 @@ class KLStable:
     Gumbel-noised logits at temperature > 0), in the sampler's softmax dtype (the reference: float64), and
     the KL is exact, ``sum p (l - l') - lse + lse'`` from the logits (the reference adds 1e-12 inside its
     logs, which caps the terms where the previous probability underflowed).
+
+    The KL is evaluated lazily (:class:`_KLHistory`): only at the confident candidates, the only positions
+    where it can change a commit, from the last ``history`` steps' logits, which the rule keeps by reference
+    in :attr:`StepContext.state` (``history`` ``[B, W, V]`` tensors alive at a time). The commits are the
+    eager per-step history's and each value computed is the eager one, bit for bit (tested).
     """
 
     conf_threshold: float = 0.9
@@ -218,42 +223,46 @@ class KLStable:
         if not hasattr(self.fallback, "select"):
             raise TypeError(f"fallback must be a commit rule, got {self.fallback!r}")
 
-    def kl_step(self, logits: torch.Tensor, probs: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """Record this step's KL to the previous step per window position; ``[B, W]`` stable mask.
-
-        Cost: the KL is computed only for window rows still masked in some batch row (a decoded position
-        never becomes a candidate again, so the others keep ``inf``), in chunks of rows small enough to stay
-        in the CPU's cache (:meth:`_chunk_rows`; on GPU one chunk, the whole window). Within a chunk the
-        arithmetic is the plain vectorised form, so each computed value is the same whatever the chunking.
-        """
-        B, W, _ = logits.shape
+    def kl_step(self, logits: torch.Tensor, probs: torch.Tensor, ctx: StepContext,
+                conf: torch.Tensor) -> torch.Tensor:
+        """Record this step and return the ``[B, W]`` stable mask, evaluated only where it can matter: at the
+        candidates with ``conf > conf_threshold`` (``False`` everywhere else: not evaluated; see
+        :class:`_KLHistory`). ``probs`` must be ``softmax(logits.to(probs.dtype))`` (what the composed
+        sampler passes). This step's KL is computed only for the chunks of window rows
+        (:meth:`_chunk_rows`) holding such a candidate."""
+        W = logits.shape[1]
         dt = probs.dtype
         R = self._chunk_rows(logits, dt)
-        acc = _KLChunks(self, logits, ctx, dt)
-        if R >= W:
-            spans = [(0, W)]
-        else:  # chunks holding a row still masked somewhere (one host sync), last first: the rows the
-            # sampler's softmax wrote last are the likeliest to be still cached
-            live = torch.nn.functional.pad((ctx.x == ctx.mask_id).any(0), (0, -W % R)).view(-1, R).any(-1)
-            spans = [(a, min(a + R, W)) for a in (live.nonzero().squeeze(-1) * R).flip(0).tolist()]
-        for a, b in spans:
-            acc.add(a, b, logits[:, a:b].to(dt), probs[:, a:b])
-        return acc.finish()
+        hist = _KLHistory(self, logits, ctx, dt)
+        hot = ctx.cand & (conf > self.conf_threshold)
+        rows = hot.any(0)
+        if R < W:  # (one host sync) the chunks holding a confident candidate
+            rows = torch.nn.functional.pad(rows, (0, -W % R)).view(-1, R).any(-1)
+            for a in (rows.nonzero().squeeze(-1) * R).tolist():
+                b = min(a + R, W)
+                hist.rows(a, b, logits[:, a:b].to(dt), probs[:, a:b])
+        elif bool(rows.any()):
+            hist.rows(0, W, logits.to(dt), probs)
+        return hist.finish(hot)
 
     def fused_step(self, logits: torch.Tensor, ctx: StepContext,
                    softmax_dtype: str = "float32") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Greedy proposal, its ``prob`` confidence and the stable mask in one pass over cache-sized chunks of
-        window rows (``(x0, conf, stable)``, each ``[B, W]``): per chunk the argmax, the softmax (never
-        materialised for the whole window) and, for rows still masked somewhere, the KL, while the chunk's
-        rows are in cache. Bit-identical to ``fast_argmax``, ``softmax(logits)[x0]`` and :meth:`kl_step` over
-        the whole window (the ``klass`` preset's CPU path; tested)."""
+        window rows (``(x0, conf, stable)``, each ``[B, W]``): per chunk the argmax and the softmax (never
+        materialised for the whole window), the log-normaliser from the two (``l[x0] - log conf``: the
+        largest probability is the one at the argmax) and, for a chunk holding a confident candidate, this
+        step's KL while its probabilities are in cache. Bit-identical to ``fast_argmax``,
+        ``softmax(logits)[x0]`` and :meth:`kl_step` (the ``klass`` preset's CPU path; tested); ``stable`` as
+        in :meth:`kl_step`."""
         B, W, _ = logits.shape
         dt = SOFTMAX_DTYPES[softmax_dtype] or logits.dtype
         R = self._chunk_rows(logits, dt)
-        acc = _KLChunks(self, logits, ctx, dt)
-        live = (ctx.x == ctx.mask_id).any(0).tolist()  # one host sync
+        hist = _KLHistory(self, logits, ctx, dt)
+        thr = torch.full(ctx.cand.shape, self.conf_threshold, dtype=dt, device=logits.device)
+        thr.masked_fill_(~ctx.cand, math.inf)  # conf > thr: a confident candidate
         x0 = torch.empty((B, W), dtype=torch.long, device=logits.device)
         conf = torch.empty((B, W), dtype=dt, device=logits.device)
+        lmax = torch.empty((B, W), dtype=dt, device=logits.device)
         for a in range(0, W, R):
             b = min(a + R, W)
             la = logits[:, a:b]
@@ -261,14 +270,17 @@ class KLStable:
             ld = la.to(dt)
             pa = torch.softmax(ld, dim=-1)
             x0[:, a:b] = xa
-            conf[:, a:b] = pa.gather(-1, xa[..., None]).squeeze(-1)
-            if any(live[a:b]):
-                acc.add(a, b, ld, pa, xa)
-        return x0, conf, acc.finish()
+            ca = conf[:, a:b] = pa.gather(-1, xa[..., None]).squeeze(-1)
+            lmax[:, a:b] = ld.gather(-1, xa[..., None]).squeeze(-1)
+            if (ca > thr[:, a:b]).any():  # a confident candidate (on CPU, where this runs, no device sync)
+                hist.rows(a, b, ld, pa, lse=False)
+        hist.cur.lse = lmax - torch.log(conf)
+        return x0, conf, hist.finish(conf > thr)
 
     #: bytes of logits per chunk on CPU: a few rows, so that a chunk's logits and probabilities stay cached
-    #: between its ops (4 rows at LLaDA's vocabulary and batch 1: 1-8 rows measured within noise)
-    chunk_bytes: ClassVar[int] = 1 << 21
+    #: between its ops (8 rows at LLaDA's vocabulary and batch 1: with the lazy KL, 4 MiB measured at or
+    #: near the best of 2-16 MiB and one pass, with no, some or all rows confident)
+    chunk_bytes: ClassVar[int] = 1 << 22
 
     def _chunk_rows(self, logits: torch.Tensor, dt: torch.dtype) -> int:
         """Window rows per KL chunk: the whole window on GPU (one vectorised pass); on CPU the rows whose
@@ -280,74 +292,174 @@ class KLStable:
 
     def decide(self, conf: torch.Tensor, ctx: StepContext, stable: torch.Tensor, *, logits=None,
                probs=None) -> tuple[torch.Tensor, dict[str, Any]]:
-        """The commit from the stable mask: stable and confident candidates, else the fallback's."""
+        """The commit from the stable mask: stable and confident candidates, else the fallback's (within the
+        candidates, at least each row's best one). ``stable`` is read only at the confident candidates."""
         ready = ctx.cand & stable & (conf > self.conf_threshold)
         has = ready.any(-1)
         fb, _ = self.fallback.select(conf, ctx, logits=logits, probs=probs)
-        commit = torch.where(has[:, None], ready, fb)
+        commit = torch.where(has[:, None], ready, fb & ctx.cand)
         return ensure_progress(commit, conf, ctx.cand, only_empty=True), {"klass_ready": ready.sum(-1)}
 
     def select(self, conf, ctx, *, logits, probs=None):
         if probs is None:
             probs = torch.softmax(logits.float(), dim=-1)
-        return self.decide(conf, ctx, self.kl_step(logits, probs, ctx), logits=logits, probs=probs)
+        return self.decide(conf, ctx, self.kl_step(logits, probs, ctx, conf), logits=logits, probs=probs)
 
 
-class _KLChunks:
-    """One step of :class:`KLStable`'s KL bookkeeping, fed chunk by chunk (``add``), then ``finish``: the
-    per-region history in ``ctx.state["klass"]`` and the stable mask. Rows never added keep KL ``inf`` and no
-    log-normaliser (so their KL at the next step is ``inf`` too)."""
+@dataclass(eq=False)
+class _KLStep:
+    """One decode step as :class:`_KLHistory` keeps it (window row ``w`` is canvas column ``lo + w``)."""
+
+    logits: torch.Tensor  # [B, W, V] the step's logits: a reference to the sampler's input, not a copy
+    lo: int  # canvas column of window row 0
+    region: torch.Tensor  # [B] the rows' region starts
+    lse: torch.Tensor  # [B, W] log-normalisers (softmax dtype), nan: not computed (yet)
+    kl: torch.Tensor  # [B, W] float32 KL(p_this step || p_step before), nan: not computed (yet)
+
+
+class _KLHistory:
+    """:class:`KLStable`'s bookkeeping for one step, lazy. Instead of the KL of every still-masked position at
+    every step, ``ctx.state["klass"]["steps"]`` keeps the last ``history`` steps (:class:`_KLStep`: their
+    logits by reference, so ``history`` ``[B, W, V]`` logits tensors stay alive, plus ``[B, W]`` caches of
+    the log-normalisers and KL values computed so far). A position's KL values are needed only when it is a
+    confident candidate: then this step's (computed by the caller with the chunk's probabilities at hand,
+    :meth:`rows`) and, newest first while all stay below the threshold, the earlier steps' from the cache, or
+    recomputed from the kept logits (``softmax(l.to(dt))``: bit for bit the probabilities the step had).
+    KL values are computed per range of window rows for all batch rows at once (the eager form's
+    arithmetic and layout), and all are cached: a position confident at consecutive steps costs one KL row
+    per step, with its probabilities in cache, as in the eager form.
+
+    The verdict is the eager rule's: ``KL(p_s || p_{s-1}) < kl_threshold`` at each of the last ``history``
+    steps ``s``, where the KL is ``inf`` when the position was not in step ``s - 1``'s window (the eager
+    per-column history then holds that ``inf`` among its last ``history`` values), when the row's region
+    changed between the two steps (the eager per-region reset), or when fewer than ``history`` earlier steps
+    exist. Each value is the eager one, bit for bit: ``nansum((l - l') * p) - lse + lse'`` clamped at 0,
+    cast to float32 (tested against an eager restatement)."""
 
     def __init__(self, rule: KLStable, logits: torch.Tensor, ctx: StepContext, dt: torch.dtype):
         B, W, _ = logits.shape
-        self.rule, self.ctx, self.dt, self.W = rule, ctx, dt, W
+        self.rule, self.dt, self.R = rule, dt, rule._chunk_rows(logits, dt)
         st = self.st = ctx.state.setdefault("klass", {})
-        if "hist" not in st:
-            st["hist"] = torch.full((B, ctx.canvas_len, rule.history), math.inf, device=logits.device)
-            st["region"] = ctx.region_lo.clone()
-        self.same_region = st["region"] == ctx.region_lo
-        st["hist"].masked_fill_(~self.same_region[:, None, None], math.inf)
-        self.logits = logits
-        self.prev = st.get("logits")
-        self.shift = 0 if self.prev is None else ctx.win_lo - st["lo"]  # window row w = previous window's w + shift
-        self.lmax, self.pmax, self.dots, self.rows, self.krows = [], [], [], [], []
+        self.past: list[_KLStep] = st.get("steps", [])  # oldest first
+        nan, dev = math.nan, logits.device
+        self.cur = _KLStep(logits, ctx.win_lo, ctx.region_lo.clone(), torch.full((B, W), nan, dtype=dt, device=dev),
+                           torch.full((B, W), nan, device=dev))
+        st["steps"] = [*self.past, self.cur][-rule.history:]
+        self.spans: list[tuple[int, int]] = []  # this step's rows passed to rows(), for the KL in finish()
+        self.dots: list[torch.Tensor] = []
 
-    def add(self, a: int, b: int, la: torch.Tensor, pa: torch.Tensor, top: torch.Tensor | None = None) -> None:
-        """Window rows ``[a, b)``: their logits (in the softmax dtype), probabilities and optionally the
-        logits' argmax ``top`` (then the largest logit is read there instead of searched for)."""
-        # log-normaliser from the two maxima: p_max = exp(l_max - lse)
-        self.lmax.append(la.amax(-1) if top is None else la.gather(-1, top[..., None]).squeeze(-1))
-        self.pmax.append(pa.amax(-1))
-        self.rows.append((a, b))
-        prev, shift = self.prev, self.shift
-        c0, c1 = (0, 0) if prev is None else (max(a, -shift), min(b, prev.shape[1] - shift))
-        if c0 >= c1:  # none of these rows was in the previous window
+    def rows(self, a: int, b: int, l: torch.Tensor, p: torch.Tensor, lse: bool = True) -> None:
+        """This step's KL at window rows ``[a, b)``, from their logits ``l`` (softmax dtype) and probabilities
+        ``p`` (``[B, b - a, V]``): the dot ``sum p (l - l')`` now, while they are at hand; the rest, once for
+        all rows, in :meth:`finish`. ``lse=False``: the caller sets ``self.cur.lse`` before :meth:`finish`
+        (else the rows' log-normalisers are taken from ``l`` and ``p`` now)."""
+        q = self.past[-1] if self.past else None
+        self.cur.kl[:, a:b] = math.inf  # rows not in the previous window
+        c0, c1 = self._overlap(self.cur, q, a, b)
+        if c0 < c1:
+            cur = slice(c0 - a, c1 - a)
+            if lse:
+                self._lse(self.cur, c0, c1, l[:, cur], p[:, cur])
+            self.spans.append((c0, c1))
+            self.dots.append(self._dot(l[:, cur], p[:, cur], q.logits[:, c0 + self.cur.lo - q.lo : c1 + self.cur.lo - q.lo]))
+
+    def finish(self, hot: torch.Tensor) -> torch.Tensor:
+        """The ``[B, W]`` stable mask at the ``hot`` positions (``False`` elsewhere)."""
+        cur, thr = self.cur, self.rule.kl_threshold
+        stable = torch.zeros_like(hot)
+        if self.spans:  # this step's KL at the rows passed to rows()
+            q = self.past[-1]
+            idx = torch.tensor([i for a, e in self.spans for i in range(a, e)], device=cur.kl.device)
+            self._set_kl(cur, q, idx, torch.cat(self.dots, -1), self._lse(q, idx + (cur.lo - q.lo)))
+        b, w = hot.nonzero(as_tuple=True)
+        if not b.numel():
+            return stable
+        self._fill(cur, self.past[-1] if self.past else None, b, w)  # rows the caller did not pass
+        keep = cur.kl[b, w] < thr
+        for j in range(1, self.rule.history):  # the earlier steps' KL, newest first, while all stay below
+            b, w = b[keep], w[keep]
+            if not b.numel():
+                return stable
+            if j > len(self.past):  # not enough steps yet: the eager history still holds its initial inf
+                return stable
+            s, q = self.past[-j], (self.past[-j - 1] if j < len(self.past) else None)
+            v = w + (cur.lo - s.lo)  # the position's window row at step s
+            inw = (v >= 0) & (v < s.kl.shape[1])  # else inf (see above)
+            b, w, v = b[inw], w[inw], v[inw]
+            self._fill(s, q, b, v)
+            keep = s.kl[b, v] < thr
+        stable[b[keep], w[keep]] = True
+        return stable
+
+    def _fill(self, s: _KLStep, q: _KLStep | None, b: torch.Tensor, w: torch.Tensor) -> None:
+        """Compute step ``s``'s KL where it is not known at ``(b, w)``, by runs of at most ``R`` window rows."""
+        todo = torch.isnan(s.kl[b, w])
+        if not todo.any():
             return
-        cur = slice(c0 - a, c1 - a)
-        old = prev[:, c0 + shift : c1 + shift].to(self.dt)
+        runs: list[list[int]] = []
+        for r in sorted(set(w[todo].tolist())):
+            if runs and runs[-1][1] == r and r - runs[-1][0] < self.R:
+                runs[-1][1] = r + 1
+            else:
+                runs.append([r, r + 1])
+        for a, e in runs:
+            self._kl_rows(s, q, a, e)
+
+    @staticmethod
+    def _overlap(s: _KLStep, q: _KLStep | None, a: int, b: int) -> tuple[int, int]:
+        """The part ``[c0, c1)`` of step ``s``'s window rows ``[a, b)`` that was in step ``q``'s window."""
+        if q is None:
+            return 0, 0
+        shift = s.lo - q.lo  # row w of step s is row w + shift of step q
+        return max(a, -shift), min(b, q.kl.shape[1] - shift)
+
+    def _dot(self, l: torch.Tensor, p: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+        """``sum p (l - old)`` over the vocabulary (``[B, n, V]`` each; ``old`` converted to the softmax dtype)."""
+        old = old.to(self.dt)
         buf = self.st.get("scratch")
         if buf is None or buf.numel() < old.numel() or buf.dtype != self.dt or buf.device != old.device:
             buf = self.st["scratch"] = torch.empty(old.numel(), dtype=self.dt, device=old.device)  # reused
-        d = torch.sub(la[:, cur], old, out=buf[: old.numel()].view(old.shape))
-        self.dots.append(d.mul_(pa[:, cur]).nansum(-1))  # 0 * (-inf - -inf) = nan where p = 0: dropped
-        self.krows.append((c0, c1))
+        d = torch.sub(l, old, out=buf[: old.numel()].view(old.shape))
+        return d.mul_(p).nansum(-1)  # 0 * (-inf - -inf) = nan where p = 0: dropped
 
-    def finish(self) -> torch.Tensor:
-        st, ctx, W, dev = self.st, self.ctx, self.W, self.logits.device
-        B = self.logits.shape[0]
-        kl = torch.full((B, W), math.inf, dtype=self.dt, device=dev)
-        lse = torch.full((B, W), math.inf, dtype=self.dt, device=dev)  # inf: not computed (KL inf next step)
-        if self.rows:
-            idx = torch.tensor([i for a, b in self.rows for i in range(a, b)], device=dev)
-            lse[:, idx] = torch.cat(self.lmax, -1) - torch.log(torch.cat(self.pmax, -1))
-        if self.krows:
-            idx = torch.tensor([i for a, b in self.krows for i in range(a, b)], device=dev)
-            kl[:, idx] = (torch.cat(self.dots, -1) - lse[:, idx] + st["lse"][:, idx + self.shift]).clamp_min(0)
-        kl = torch.where(self.same_region[:, None], kl, torch.full_like(kl, math.inf))
-        hw = st["hist"][:, ctx.win_lo : ctx.win_lo + W]
-        hw.copy_(torch.cat([hw[..., 1:], kl.float()[..., None]], -1))
-        st["logits"], st["lse"], st["lo"], st["region"] = self.logits, lse, ctx.win_lo, ctx.region_lo.clone()
-        return (hw < self.rule.kl_threshold).all(-1)
+    def _set_kl(self, s: _KLStep, q: _KLStep, idx, dots: torch.Tensor, lse_q: torch.Tensor) -> None:
+        """``s.kl[:, idx] = KL`` from the dots and the log-normalisers (``inf`` where the row's region changed)."""
+        v = (dots - s.lse[:, idx] + lse_q).clamp_min(0)
+        same = (s.region == q.region)[:, None]
+        s.kl[:, idx] = torch.where(same, v, torch.full_like(v, math.inf)).float()
+
+    def _kl_rows(self, s: _KLStep, q: _KLStep | None, a: int, b: int) -> None:
+        """``s.kl[:, a:b]``: float32 ``KL(p_s || p_q)`` at step ``s``'s window rows ``[a, b)`` (``q``: the step
+        before, or None), recomputed from the kept logits; ``inf`` where the position was not in ``q``'s
+        window or the row's region changed."""
+        s.kl[:, a:b] = math.inf
+        c0, c1 = self._overlap(s, q, a, b)
+        if c0 < c1:
+            l = s.logits[:, c0:c1].to(self.dt)
+            p = torch.softmax(l, dim=-1)
+            lo_q = c0 + s.lo - q.lo
+            self._lse(s, c0, c1, l, p)
+            self._set_kl(s, q, slice(c0, c1), self._dot(l, p, q.logits[:, lo_q : lo_q + c1 - c0]),
+                         self._lse(q, torch.arange(lo_q, lo_q + c1 - c0, device=s.kl.device)))
+
+    def _lse(self, s: _KLStep, a, b: int | None = None, l: torch.Tensor | None = None,
+             p: torch.Tensor | None = None) -> torch.Tensor:
+        """Step ``s``'s log-normalisers at window rows ``[a, b)`` (or at the index tensor ``a``) from the two
+        maxima (``p_max = exp(l_max - lse)``), computed (and cached) where not known yet (``l`` / ``p``: the
+        rows' logits and probabilities when at hand, for a range)."""
+        if b is not None:
+            val = s.lse[:, a:b]
+            if torch.isnan(val).any():
+                if l is None:
+                    l = s.logits[:, a:b].to(self.dt)
+                    p = torch.softmax(l, dim=-1)
+                val.copy_(l.amax(-1) - torch.log(p.amax(-1)))
+            return val
+        rows = torch.isnan(s.lse[:, a]).any(0)
+        if rows.any():
+            for r in a[rows].tolist():
+                self._lse(s, r, r + 1)
+        return s.lse[:, a]
 
 
 RULES = {"quota": Quota, "ascending": Ascending, "threshold": Threshold, "factor": Factor,
