@@ -122,7 +122,8 @@ def cmd_train_tiny(args) -> int:
 
         dllm_only = {"--loss": args.loss != "weighted", "--no-curriculum": args.no_curriculum,
                      "--curriculum": args.curriculum != "bare", "--task-mix": args.task_mix != "uniform",
-                     "--tasks": args.tasks is not None, "--eval-every": args.eval_every != 0, "--eval-n": args.eval_n != 8}
+                     "--tasks": args.tasks is not None, "--eval-every": args.eval_every != 0, "--eval-n": args.eval_n != 8,
+                     "--init-from-ar": args.init_from_ar is not None}
         given = [name for name, set_ in dllm_only.items() if set_]
         if given:
             raise SystemExit(f"error: {', '.join(given)} apply to the dLLM families only; the ar guide trains "
@@ -146,7 +147,7 @@ def cmd_train_tiny(args) -> int:
     cfg = TrainConfig(family=args.family, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
                       mlp_hidden=args.mlp, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                       seed=args.seed, threads=args.threads, time_budget_s=args.time_budget,
-                      init_from=args.init_from, task_curriculum=not args.no_curriculum,
+                      init_from=args.init_from, init_from_ar=args.init_from_ar, task_curriculum=not args.no_curriculum,
                       list_item_tokens=args.list_item_tokens, loss=args.loss, task_mix=args.task_mix,
                       curriculum_name=args.curriculum, save_every=args.save_every,
                       tie_embeddings=args.tie_embeddings, examples_per_task=args.examples_per_task,
@@ -219,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--threads", type=int, default=None)
     t.add_argument("--time-budget", type=float, default=None, help="stop after this many seconds")
     t.add_argument("--init-from", default=None, help="continue training from this checkpoint")
+    t.add_argument("--init-from-ar", default=None,
+                   help="dream only: start from a causal LM of the same shape and tokenizer (e.g. the ar guide), "
+                        "Dream's recipe; its key/value heads are taken over (give --tie-embeddings for a tied one, like ar-tiny)")
     t.add_argument("--list-item-tokens", action="store_true",
                    help="tokenizer with one token per list item (['[\"Kevin', ' Irving\",', ...]: every list token "
                         "distinct, see docs/tiny-models.md); not the bundled checkpoints' tokenizer: train the "

@@ -57,6 +57,7 @@ class TrainConfig:
     tokenizer_layout: str | None = None  # "gpt2" | "list-items" | "names" (tokenizer_build.LAYOUTS); None: from list_item_tokens
     decay_from: float = 0.75  # learning rate constant after warmup until this progress, then cosine decay
     init_from: str | None = None  # continue from an existing checkpoint of the same family and shape
+    init_from_ar: str | None = None  # Dream only: start from a causal LM checkpoint of the same shape (train_ar)
     task_mix: str = "uniform"  # "uniform": every task of a stage equally; "family": each family equally, then its
     # tasks; "adaptive": like "family", each task weighted by adaptive_floor + (1 - its last periodic eval score)
     adaptive_floor: float = 0.1
@@ -214,6 +215,71 @@ def make_batch(pool, idx, *, mask_id, eot_id, eos_id, pad_id, rng: random.Random
     return noisy, valid, target, masked, t, P
 
 
+
+def _check_init_from_ar(cfg: TrainConfig, tok) -> dict:
+    """Validate ``cfg.init_from_ar`` against the run (family, shape, vocabulary); return the AR config."""
+    if cfg.family != "dream":
+        raise ValueError("init_from_ar needs family 'dream': Dream's shifted logits predict the next token like a "
+                         "causal LM (the Dream recipe); LLaDA's predict the token at the position itself")
+    if cfg.init_from:
+        raise ValueError("give either init_from (a dLLM checkpoint) or init_from_ar (a causal LM), not both")
+    ar_dir = Path(cfg.init_from_ar)
+    if not (ar_dir / "config.json").exists():
+        raise FileNotFoundError(f"init_from_ar {ar_dir}: no config.json (expected a causal LM saved with "
+                                "save_pretrained, e.g. by `dllm train-tiny --family ar`)")
+    c = json.loads((ar_dir / "config.json").read_text())
+    want = {"hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+            "intermediate_size": cfg.mlp_hidden, "vocab_size": len(tok)}
+    bad = {k: (c.get(k), v) for k, v in want.items() if c.get(k) != v}
+    if bad:
+        raise ValueError(f"init_from_ar {ar_dir}: shape differs from this run ({', '.join(f'{k}: checkpoint {a}, run {b}' for k, (a, b) in bad.items())}); "
+                         "train with the checkpoint's --d-model/--layers/--heads/--mlp and tokenizer layout")
+    if cfg.n_kv_heads is not None and c.get("num_key_value_heads", cfg.n_heads) != cfg.n_kv_heads:
+        raise ValueError(f"init_from_ar {ar_dir}: {c.get('num_key_value_heads')} key/value heads, the run asks {cfg.n_kv_heads}")
+    if c.get("tie_word_embeddings", False) != cfg.tie_embeddings:
+        raise ValueError(f"init_from_ar {ar_dir}: tie_word_embeddings is {c.get('tie_word_embeddings', False)}; "
+                         f"train with{'' if c.get('tie_word_embeddings') else 'out'} --tie-embeddings to match")
+    tok_file = ar_dir / "tokenizer.json"
+    if tok_file.exists():
+        ar_vocab = json.loads(tok_file.read_text())["model"]["vocab"]
+        run_vocab = tok.get_vocab()
+        if any(run_vocab.get(k) != v for k, v in ar_vocab.items()):
+            raise ValueError(f"init_from_ar {ar_dir}: its tokenizer's vocabulary differs from this run's; use the "
+                             "same tokenizer layout (--list-item-tokens / --tokenizer-layout) for both")
+    return c
+
+
+def load_ar_weights(model: Transformer, ar_dir) -> None:
+    """Initialise a Dream-format ``model`` from a Llama/Qwen2-style causal LM checkpoint of the same shape
+    (Dream's own recipe: start from an autoregressive model, then adapt with the masked-diffusion loss; the
+    shifted logits keep the next-token head). Tensor names are Dream's (Qwen2 style); QKV biases the causal
+    LM does not have start at zero; an untied run without ``lm_head.weight`` starts its head from the
+    embedding."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(ar_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"init_from_ar {ar_dir}: no *.safetensors weights")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        sd.update(load_file(str(f)))
+    state = model.state_dict()
+    new = {}
+    for ours, theirs in SPECS["dream"].key_map(model.config).items():
+        if theirs in sd:
+            t = sd[theirs]
+        elif ours.endswith(".bias"):
+            t = torch.zeros_like(state[ours])
+        elif ours == "head.weight" and "model.embed_tokens.weight" in sd:
+            t = sd["model.embed_tokens.weight"]
+        else:
+            raise ValueError(f"init_from_ar {ar_dir}: the checkpoint has no tensor {theirs!r}")
+        if tuple(t.shape) != tuple(state[ours].shape):
+            raise ValueError(f"init_from_ar {ar_dir}: {theirs} has shape {tuple(t.shape)}, the model needs "
+                             f"{tuple(state[ours].shape)}")
+        new[ours] = t.to(state[ours].dtype)
+    model.load_state_dict(new, strict=not model.config.tie_embeddings)
+
 def train(cfg: TrainConfig, out_dir, *, progress=None) -> dict:
     """Train and save; returns a summary dict (also written to ``out_dir/training.json``)."""
     from transformers import AutoTokenizer
@@ -243,7 +309,10 @@ def train(cfg: TrainConfig, out_dir, *, progress=None) -> dict:
         "eot_id": tok.convert_tokens_to_ids(spec.eot_token),
         "eos_id": tok.convert_tokens_to_ids("<|endoftext|>"),
     }
+    ar_config = _check_init_from_ar(cfg, tok) if cfg.init_from_ar else None
     kv = cfg.n_kv_heads or (cfg.n_heads if cfg.family == "llada" else max(1, cfg.n_heads // 2))
+    if ar_config is not None and cfg.n_kv_heads is None:
+        kv = ar_config.get("num_key_value_heads", cfg.n_heads)
     mcfg = TransformerConfig(
         vocab_size=len(tok), d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=kv,
         mlp_hidden=cfg.mlp_hidden, max_seq_len=512, rope_theta=10000.0,
@@ -259,6 +328,8 @@ def train(cfg: TrainConfig, out_dir, *, progress=None) -> dict:
         if start.config != mcfg:
             raise ValueError(f"--init-from {cfg.init_from}: its config {start.config} differs from {mcfg}")
         model.load_state_dict(start.state_dict())
+    if cfg.init_from_ar:
+        load_ar_weights(model, cfg.init_from_ar)
     model.mask_id, model.eos_id, model.pad_id, model.eot_id = ids["mask_id"], ids["eos_id"], ids["eos_id"], ids["eot_id"]
     if cfg.examples_per_task > 0:
         pools = build_pools(tok, cfg.examples_per_task, seed=cfg.seed + 1000, eot_id=ids["eot_id"])

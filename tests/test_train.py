@@ -197,3 +197,40 @@ def test_train_tasks_filter_stream_and_periodic_eval(tmp_path):
         train(TrainConfig(**{**cfg.__dict__, "tasks": "nope/*"}), tmp_path / "bad")
     with pytest.raises(ValueError, match="eval_every"):
         train(TrainConfig(**{**cfg.__dict__, "eval_every": 0}), tmp_path / "bad2")
+
+
+def test_dream_init_from_ar_takes_the_causal_lm_weights(tmp_path):
+    """--init-from-ar (Dream only): the Dream-format model starts from a causal LM's tensors (Qwen2-style names,
+    zero QKV biases, its key/value head count); at the last position, where causal and bidirectional attention
+    see the same keys, the first layer's output equals the causal LM's; wrong family, shape or tying are refused."""
+    from transformers import AutoModelForCausalLM
+
+    import dllm.train_ar as train_ar
+    from dllm.models.loading import load_model
+    from dllm.models.transformer import rope_tables
+    from dllm.train import TrainConfig, train
+
+    small = dict(d_model=16, n_layers=1, n_heads=2, mlp_hidden=32, batch_size=2, examples_per_task=2, list_item_tokens=True)
+    train_ar.train(train_ar.ARTrainConfig(steps=3, **small), tmp_path / "ar")
+    ar = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ar"), dtype=torch.float32).eval()
+    base = dict(family="dream", steps=1, lr=0.0, warmup=1, task_curriculum=False, **small)
+    train(TrainConfig(init_from_ar=str(tmp_path / "ar"), tie_embeddings=True, **base), tmp_path / "dream")
+    m = load_model(tmp_path / "dream", dtype=torch.float32)
+    assert m.config.n_kv_heads == ar.config.num_key_value_heads == 2 and m.config.tie_embeddings
+    sd = ar.state_dict()
+    assert torch.equal(m.layers[0].q.weight, sd["model.layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(m.embed.weight, sd["model.embed_tokens.weight"])
+    assert not m.layers[0].q.bias.any() and not m.layers[0].v.bias.any()
+    x = torch.tensor([[5, 17, 300, 42]])
+    with torch.no_grad():
+        want = ar.model.layers[0](ar.model.embed_tokens(x), position_embeddings=ar.model.rotary_emb(
+            ar.model.embed_tokens(x), torch.arange(4)[None]), attention_mask=None)
+        want = want[0] if isinstance(want, tuple) else want
+        got = m.layers[0](m.embed(x), *rope_tables(torch.arange(4)[None], m.config.head_dim, m.config.rope_theta), None, 0)
+    assert torch.allclose(got[0, -1], want[0, -1], atol=1e-3)  # rms eps 1e-6 here, 1e-5 in the Llama
+    with pytest.raises(ValueError, match="family 'dream'"):
+        train(TrainConfig(init_from_ar=str(tmp_path / "ar"), tie_embeddings=True, **{**base, "family": "llada"}), tmp_path / "x")
+    with pytest.raises(ValueError, match="tie_word_embeddings"):
+        train(TrainConfig(init_from_ar=str(tmp_path / "ar"), **base), tmp_path / "y")
+    with pytest.raises(ValueError, match="shape differs"):
+        train(TrainConfig(init_from_ar=str(tmp_path / "ar"), tie_embeddings=True, **{**base, "mlp_hidden": 64}), tmp_path / "z")
