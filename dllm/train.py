@@ -223,11 +223,10 @@ def _check_init_from_ar(cfg: TrainConfig, tok) -> dict:
                          "causal LM (the Dream recipe); LLaDA's predict the token at the position itself")
     if cfg.init_from:
         raise ValueError("give either init_from (a dLLM checkpoint) or init_from_ar (a causal LM), not both")
+    from dllm.models.loading import read_config
+
     ar_dir = Path(cfg.init_from_ar)
-    if not (ar_dir / "config.json").exists():
-        raise FileNotFoundError(f"init_from_ar {ar_dir}: no config.json (expected a causal LM saved with "
-                                "save_pretrained, e.g. by `dllm train-tiny --family ar`)")
-    c = json.loads((ar_dir / "config.json").read_text())
+    c = read_config(ar_dir)
     want = {"hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
             "intermediate_size": cfg.mlp_hidden, "vocab_size": len(tok)}
     bad = {k: (c.get(k), v) for k, v in want.items() if c.get(k) != v}
@@ -257,11 +256,10 @@ def load_ar_weights(model: Transformer, ar_dir) -> None:
     embedding."""
     from safetensors.torch import load_file
 
-    files = sorted(Path(ar_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"init_from_ar {ar_dir}: no *.safetensors weights")
+    from dllm.models.loading import weight_files
+
     sd: dict[str, torch.Tensor] = {}
-    for f in files:
+    for f in weight_files(Path(ar_dir)):  # model.safetensors or the shards of its index
         sd.update(load_file(str(f)))
     state = model.state_dict()
     new = {}

@@ -167,16 +167,13 @@ def train(cfg: ARTrainConfig, out_dir, *, progress=None) -> dict:
             break
         if cfg.save_every and step % cfg.save_every == 0:
             _save(model, tok, out_dir, cfg, step, time.perf_counter() - t0, losses)
-            model.train()
     return _save(model, tok, out_dir, cfg, step, time.perf_counter() - t0, losses)
 
 
 def _save(model, tok, out_dir: Path, cfg: ARTrainConfig, step: int, train_s: float, losses: list[float]) -> dict:
     """Write the checkpoint, the tokenizer and ``training.json``; return the summary."""
-    model.eval().requires_grad_(False)
     model.save_pretrained(str(out_dir), safe_serialization=True)
     tok.save_pretrained(str(out_dir))
-    model.requires_grad_(True)
     summary = {
         "train_config": asdict(cfg),
         "model_config": {k: getattr(model.config, k) for k in (
