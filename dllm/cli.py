@@ -115,16 +115,19 @@ def cmd_samplers(args) -> int:
     return 0
 
 
+_DLLM_ONLY_TRAIN_OPTIONS = ("loss", "no_curriculum", "curriculum", "task_mix", "tasks", "eval_every", "eval_n",
+                            "init_from_ar")
+
+
 def cmd_train_tiny(args) -> int:
     if args.family == "ar":  # the AR guide (a transformers LlamaForCausalLM): dllm/train_ar.py
         from dllm.train_ar import ARTrainConfig
         from dllm.train_ar import train as train_ar
 
-        dllm_only = {"--loss": args.loss != "weighted", "--no-curriculum": args.no_curriculum,
-                     "--curriculum": args.curriculum != "bare", "--task-mix": args.task_mix != "uniform",
-                     "--tasks": args.tasks is not None, "--eval-every": args.eval_every != 0, "--eval-n": args.eval_n != 8,
-                     "--init-from-ar": args.init_from_ar is not None}
-        given = [name for name, set_ in dllm_only.items() if set_]
+        # the options only the dLLM trainer reads, refused when changed from the parser's own default
+        parser = args.train_tiny_parser
+        given = [f"--{dest.replace('_', '-')}" for dest in _DLLM_ONLY_TRAIN_OPTIONS
+                 if getattr(args, dest) != parser.get_default(dest)]
         if given:
             raise SystemExit(f"error: {', '.join(given)} apply to the dLLM families only; the ar guide trains "
                              "on every task with next-token loss (evaluate it with benchmarks/eval_ar_tasks.py). "
@@ -221,8 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--time-budget", type=float, default=None, help="stop after this many seconds")
     t.add_argument("--init-from", default=None, help="continue training from this checkpoint")
     t.add_argument("--init-from-ar", default=None,
-                   help="dream only: start from a causal LM of the same shape and tokenizer (e.g. the ar guide), "
-                        "Dream's recipe; its key/value heads are taken over (give --tie-embeddings for a tied one, like ar-tiny)")
+                   help="start from a causal LM of the same shape and tokenizer (e.g. the ar guide): Dream's recipe "
+                        "(LLaDA too: its unshifted head then learns the shift); its key/value heads are taken over (give --tie-embeddings for a tied one, like ar-tiny)")
     t.add_argument("--list-item-tokens", action="store_true",
                    help="tokenizer with one token per list item (['[\"Kevin', ' Irving\",', ...]: every list token "
                         "distinct, see docs/tiny-models.md); not the bundled checkpoints' tokenizer: train the "
@@ -252,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the output head shares the input embedding matrix (LLaDA weight_tying, Dream "
                         "tie_word_embeddings); copying a prompt token then needs no per-token output weights. The ar "
                         "guide is always tied")
-    t.set_defaults(func=cmd_train_tiny)
+    t.set_defaults(func=cmd_train_tiny, train_tiny_parser=t)
 
     e = sub.add_parser("eval-tasks", help="score a model on the synthetic tasks (held-out seed)")
     e.add_argument("--tasks", default=None, help="fnmatch pattern or family (default: all)")

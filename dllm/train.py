@@ -57,7 +57,7 @@ class TrainConfig:
     tokenizer_layout: str | None = None  # "gpt2" | "list-items" | "names" (tokenizer_build.LAYOUTS); None: from list_item_tokens
     decay_from: float = 0.75  # learning rate constant after warmup until this progress, then cosine decay
     init_from: str | None = None  # continue from an existing checkpoint of the same family and shape
-    init_from_ar: str | None = None  # Dream only: start from a causal LM checkpoint of the same shape (train_ar)
+    init_from_ar: str | None = None  # start from a causal LM checkpoint of the same shape (train_ar)
     task_mix: str = "uniform"  # "uniform": every task of a stage equally; "family": each family equally, then its
     # tasks; "adaptive": like "family", each task weighted by adaptive_floor + (1 - its last periodic eval score)
     adaptive_floor: float = 0.1
@@ -218,9 +218,6 @@ def make_batch(pool, idx, *, mask_id, eot_id, eos_id, pad_id, rng: random.Random
 
 def _check_init_from_ar(cfg: TrainConfig, tok) -> dict:
     """Validate ``cfg.init_from_ar`` against the run (family, shape, vocabulary); return the AR config."""
-    if cfg.family != "dream":
-        raise ValueError("init_from_ar needs family 'dream': Dream's shifted logits predict the next token like a "
-                         "causal LM (the Dream recipe); LLaDA's predict the token at the position itself")
     if cfg.init_from:
         raise ValueError("give either init_from (a dLLM checkpoint) or init_from_ar (a causal LM), not both")
     from dllm.models.loading import read_config
@@ -249,11 +246,14 @@ def _check_init_from_ar(cfg: TrainConfig, tok) -> dict:
 
 
 def load_ar_weights(model: Transformer, ar_dir) -> None:
-    """Initialise a Dream-format ``model`` from a Llama/Qwen2-style causal LM checkpoint of the same shape
-    (Dream's own recipe: start from an autoregressive model, then adapt with the masked-diffusion loss; the
-    shifted logits keep the next-token head). Tensor names are Dream's (Qwen2 style); QKV biases the causal
-    LM does not have start at zero; an untied run without ``lm_head.weight`` starts its head from the
-    embedding."""
+    """Initialise ``model`` from a Llama/Qwen2-style causal LM checkpoint of the same shape.
+
+    Dream's own recipe: start from an autoregressive model, then adapt with the masked-diffusion loss; the
+    shifted logits keep the next-token head. A LLaDA-format model takes the same tensors (the layer maps are
+    the same; LLaDA has no QKV biases), but its unshifted head predicts the token at the position itself, so
+    the adaptation must also learn to move the prediction one position right. The causal LM is read with
+    Qwen2/Llama tensor names (the Dream spec's map); QKV biases it does not have start at zero; an untied run
+    without ``lm_head.weight`` starts its head from the embedding."""
     from safetensors.torch import load_file
 
     from dllm.models.loading import weight_files

@@ -199,10 +199,11 @@ def test_train_tasks_filter_stream_and_periodic_eval(tmp_path):
         train(TrainConfig(**{**cfg.__dict__, "eval_every": 0}), tmp_path / "bad2")
 
 
-def test_dream_init_from_ar_takes_the_causal_lm_weights(tmp_path):
-    """--init-from-ar (Dream only): the Dream-format model starts from a causal LM's tensors (Qwen2-style names,
-    zero QKV biases, its key/value head count); at the last position, where causal and bidirectional attention
-    see the same keys, the first layer's output equals the causal LM's; wrong family, shape or tying are refused."""
+def test_init_from_ar_takes_the_causal_lm_weights(tmp_path):
+    """--init-from-ar: a Dream-format model starts from a causal LM's tensors (Qwen2-style names, zero QKV biases,
+    its key/value head count), and so does a LLaDA-format one; at the last position, where causal and
+    bidirectional attention see the same keys, the first layer's output equals the causal LM's; wrong shape or
+    tying are refused."""
     from transformers import AutoModelForCausalLM
 
     import dllm.train_ar as train_ar
@@ -228,8 +229,14 @@ def test_dream_init_from_ar_takes_the_causal_lm_weights(tmp_path):
         want = want[0] if isinstance(want, tuple) else want
         got = m.layers[0](m.embed(x), *rope_tables(torch.arange(4)[None], m.config.head_dim, m.config.rope_theta), None, 0)
     assert torch.allclose(got[0, -1], want[0, -1], atol=1e-3)  # rms eps 1e-6 here, 1e-5 in the Llama
-    with pytest.raises(ValueError, match="family 'dream'"):
-        train(TrainConfig(init_from_ar=str(tmp_path / "ar"), tie_embeddings=True, **{**base, "family": "llada"}), tmp_path / "x")
+    train(TrainConfig(init_from_ar=str(tmp_path / "ar"), tie_embeddings=True, **{**base, "family": "llada"}), tmp_path / "llada")
+    ml = load_model(tmp_path / "llada", dtype=torch.float32)
+    assert ml.spec.family == "llada" and ml.config.n_kv_heads == 2 and not ml.config.qkv_bias
+    assert torch.equal(ml.layers[0].k.weight, sd["model.layers.0.self_attn.k_proj.weight"])
+    assert torch.equal(ml.layers[0].down.weight, sd["model.layers.0.mlp.down_proj.weight"])
+    with torch.no_grad():
+        got = ml.layers[0](ml.embed(x), *rope_tables(torch.arange(4)[None], ml.config.head_dim, ml.config.rope_theta), None, 0)
+    assert torch.allclose(got[0, -1], want[0, -1], atol=1e-5)  # the same rms eps (1e-5) as the Llama
     with pytest.raises(ValueError, match="tie_word_embeddings"):
         train(TrainConfig(init_from_ar=str(tmp_path / "ar"), **base), tmp_path / "y")
     with pytest.raises(ValueError, match="shape differs"):
