@@ -10,11 +10,17 @@ threshold-style rules commit about one token per step and each block takes ~32 s
 Each figure is the minimum over ``--repeats`` runs (the per-step mean within a run), to damp the noise of a
 shared machine.
 
+``--confident F`` makes a share ``F`` of the canvas columns confident: their logits get +40 at one fixed
+token, so those positions are near-certain and stable from step to step (the columns are picked by a fixed
+hash of the column index). The random model alone is never confident, so without it the rules that only do
+work at confident candidates (KLASS's KL, Prophet's early commit) are measured on their cheap path; e.g.
+``--samplers llada,klass --confident 0.125`` (4 of 32 rows) and ``--confident 1``.
+
 The ``guided`` preset is left out: its guide is a causal LM with the dLLM's tokenizer, which the random
 126,464-token model has not (``benchmarks/bench_guided.py`` measures it on the bundled tiny models).
 
     python benchmarks/bench_samplers.py [--batch 1] [--repeats 5] [--threads N] [--device cpu|cuda]
-                                        [--samplers klass,llada]
+                                        [--samplers klass,llada] [--confident 0.125]
 """
 
 from __future__ import annotations
@@ -63,11 +69,29 @@ def per_step(model, prompts, sampler, gen: int, repeats: int) -> tuple[float, in
     return best, nfe
 
 
-def build_model(device) -> Transformer:
+class ConfidentModel(Transformer):
+    """The random model with a share ``confident`` of its columns made certain (+40 at one token per column)."""
+
+    confident = 0.0
+
+    def forward(self, tokens, *, logits_idx=None, **kw):
+        logits = super().forward(tokens, logits_idx=logits_idx, **kw)
+        if self.confident > 0:
+            B, T = tokens.shape
+            cols = torch.arange(T, device=tokens.device).expand(B, T) if logits_idx is None else logits_idx
+            hot = (cols * 2654435761 % 1000) < self.confident * 1000  # a fixed pseudo-random choice of columns
+            token = 1000 + cols % 97  # not the mask, EOS or EOT id
+            boost = torch.zeros_like(logits).scatter_(-1, token[..., None], 40.0)
+            logits = logits + boost * hot[..., None]
+        return logits
+
+
+def build_model(device, confident: float = 0.0) -> Transformer:
     cfg = TransformerConfig(vocab_size=V, d_model=64, n_layers=1, n_heads=2, n_kv_heads=2, mlp_hidden=128,
                             max_seq_len=512)
     torch.manual_seed(0)
-    model = Transformer(cfg, LLADA)
+    model = ConfidentModel(cfg, LLADA)
+    model.confident = confident
     init_weights(model, std=0.5)
     model.eval().requires_grad_(False).to(device)
     model.mask_id, model.eos_id, model.eot_id, model.pad_id = V - 1, 1, 2, 1
@@ -101,7 +125,11 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--samplers", default=None,
                     help="comma-separated names to measure (default: the baselines and every preset but guided)")
+    ap.add_argument("--confident", type=float, default=0.0,
+                    help="share of the columns made confident and stable (0: the random model alone)")
     args = ap.parse_args()
+    if not 0 <= args.confident <= 1:
+        ap.error(f"--confident {args.confident} is out of range; give a share in [0, 1]")
     names = [n for n in (*BASELINES, *PRESETS) if n not in SKIPPED]
     if args.samplers:
         names = args.samplers.split(",")
@@ -113,8 +141,8 @@ def main() -> None:
     device = torch.device(args.device)
     B = args.batch
     print(f"torch {torch.__version__}, device {device}, threads {torch.get_num_threads()}, batch {B}, "
-          f"gen {args.gen}, block {BLOCK}, V {V}")
-    model = build_model(device)
+          f"gen {args.gen}, block {BLOCK}, V {V}, confident share {args.confident}")
+    model = build_model(device, args.confident)
     prompts = [[5 + i, 6, 7, 8] for i in range(B)]
     logits = torch.randn(B, BLOCK, V, device=device)
     bare = _min_time(lambda: torch.softmax(logits, dim=-1), max(args.repeats, 5) * 4, device)
