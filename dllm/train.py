@@ -16,7 +16,7 @@ import logging
 import math
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -57,6 +57,7 @@ class TrainConfig:
     tokenizer_layout: str | None = None  # "gpt2" | "list-items" | "names" (tokenizer_build.LAYOUTS); None: from list_item_tokens
     decay_from: float = 0.75  # learning rate constant after warmup until this progress, then cosine decay
     init_from: str | None = None  # continue from an existing checkpoint of the same family and shape
+    shuffle_targets: str = "random"  # training target of waiting_line/shuffle: "random" | "rotation" (rotation_targets)
     init_from_ar: str | None = None  # start from a causal LM checkpoint of the same shape (train_ar)
     task_mix: str = "uniform"  # "uniform": every task of a stage equally; "family": each family equally, then its
     # tasks; "adaptive": like "family", each task weighted by adaptive_floor + (1 - its last periodic eval score)
@@ -80,6 +81,26 @@ def encode_example(tok, ex: T.Example, with_example: bool = True) -> tuple[list[
     return prompt, answer
 
 
+SHUFFLE_TARGETS = ("random", "rotation")
+
+
+def rotation_targets(exs: list[T.Example], seed: int) -> list[T.Example]:
+    """``waiting_line/shuffle`` examples with the training target replaced by a cyclic rotation of the input
+    list by ``r`` places, ``r`` drawn uniformly from ``1 .. n - 1`` (seeded): still a valid shuffle (same names,
+    a different order), and still a multi-answer target (``n - 1`` modes: parallel decoding can mix two
+    rotations), but one that a committed name pins down, unlike a uniformly random permutation. The prompt
+    (and its worked example) is unchanged; other tasks' examples are returned as they are."""
+    rng = random.Random(seed)
+    out = []
+    for ex in exs:
+        if ex.task == "waiting_line/shuffle":
+            names = list(ex.answer["input"])
+            r = rng.randint(1, len(names) - 1)
+            ex = replace(ex, answer={**ex.answer, "example": T.list_to_str(names[r:] + names[:r])})
+        out.append(ex)
+    return out
+
+
 BARE_COPY = "bare/copy"
 STREAM_SEED_BASE = 1_000_000  # streamed chunks use seeds >= this, never the evaluation seeds
 
@@ -89,14 +110,18 @@ class ExampleStream:
     once (``STREAM_SEED_BASE * (seed + 1) + k`` for the k-th chunk). ``draw(turn)`` returns the next example
     without (turn 0) or with (turn 1) the worked example turn, like a pool entry of :func:`build_pools`."""
 
-    def __init__(self, tok, name: str, seed: int, chunk: int = 256, eot_id: int | None = None):
+    def __init__(self, tok, name: str, seed: int, chunk: int = 256, eot_id: int | None = None,
+                 shuffle_targets: str = "random"):
         self.tok, self.name, self.chunk, self.eot_id = tok, name, chunk, eot_id
+        self.shuffle_targets = shuffle_targets
         self.seed0 = STREAM_SEED_BASE * (seed + 1)
         self.k, self.buf, self.pos = 0, [], 0
 
     def _refill(self):
         source = "waiting_line/copy" if self.name == BARE_COPY else self.name
         exs = T.generate(source, self.chunk, self.seed0 + self.k)
+        if self.shuffle_targets == "rotation":
+            exs = rotation_targets(exs, self.seed0 + self.k)
         self.k += 1
         self.buf, self.pos = exs, 0
 
@@ -111,7 +136,8 @@ class ExampleStream:
         return encode_example(self.tok, ex, with_example=bool(turn))
 
 
-def build_pools(tok, n_per_task: int, seed: int, eot_id: int | None = None) -> dict[str, tuple[list, list]]:
+def build_pools(tok, n_per_task: int, seed: int, eot_id: int | None = None,
+                shuffle_targets: str = "random") -> dict[str, tuple[list, list]]:
     """Per task, encoded training examples once without and once with the worked example turn (the
     evaluation prompts carry it; plain one-turn prompts such as ``dllm generate "Please copy the list
     exactly: ..."`` work too). With ``eot_id``, also :data:`BARE_COPY`: the list alone, then end-of-turn, as
@@ -119,6 +145,8 @@ def build_pools(tok, n_per_task: int, seed: int, eot_id: int | None = None) -> d
     pools = {}
     for name in T.task_names():
         exs = T.generate(name, n_per_task, seed)
+        if shuffle_targets == "rotation":
+            exs = rotation_targets(exs, seed)
         pools[name] = ([encode_example(tok, ex, with_example=False) for ex in exs],
                        [encode_example(tok, ex, with_example=True) for ex in exs])
     if eot_id is not None:
@@ -292,6 +320,8 @@ def train(cfg: TrainConfig, out_dir, *, progress=None) -> dict:
         raise ValueError(f"unknown task mix {cfg.task_mix!r}; known: {', '.join(TASK_MIXES)}")
     if cfg.task_mix == "adaptive" and not cfg.eval_every:
         raise ValueError("task_mix 'adaptive' weights tasks by the periodic evaluation: set eval_every > 0")
+    if cfg.shuffle_targets not in SHUFFLE_TARGETS:
+        raise ValueError(f"unknown shuffle_targets {cfg.shuffle_targets!r}; known: {', '.join(SHUFFLE_TARGETS)}")
     if cfg.tasks is not None and not T.task_names(cfg.tasks):
         raise ValueError(f"no task matches {cfg.tasks!r}; known tasks: {', '.join(T.task_names())}")
     if cfg.threads:
@@ -330,13 +360,15 @@ def train(cfg: TrainConfig, out_dir, *, progress=None) -> dict:
         load_ar_weights(model, cfg.init_from_ar)
     model.mask_id, model.eos_id, model.pad_id, model.eot_id = ids["mask_id"], ids["eos_id"], ids["eos_id"], ids["eot_id"]
     if cfg.examples_per_task > 0:
-        pools = build_pools(tok, cfg.examples_per_task, seed=cfg.seed + 1000, eot_id=ids["eot_id"])
+        pools = build_pools(tok, cfg.examples_per_task, seed=cfg.seed + 1000, eot_id=ids["eot_id"],
+                            shuffle_targets=cfg.shuffle_targets)
 
         def draw_example(name, turn):
             pool = pools[name][turn]
             return pool[rng.randrange(len(pool))]
     else:
-        streams = {n: ExampleStream(tok, n, cfg.seed, eot_id=ids["eot_id"]) for n in [*T.task_names(), BARE_COPY]}
+        streams = {n: ExampleStream(tok, n, cfg.seed, eot_id=ids["eot_id"], shuffle_targets=cfg.shuffle_targets)
+                   for n in [*T.task_names(), BARE_COPY]}
 
         def draw_example(name, turn):
             return streams[name].draw(turn)

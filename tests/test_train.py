@@ -157,6 +157,47 @@ def test_example_stream_gives_fresh_examples_and_never_the_eval_seeds(monkeypatc
     assert bare[0] == bare[1] + [7]
 
 
+def test_rotation_shuffle_targets(tmp_path):
+    """--shuffle-targets rotation: the shuffle training targets are rotations of the input by 1..n-1 places
+    (valid shuffles: the task's own scorer accepts them), every rotation occurs, the prompt is unchanged, other
+    tasks are untouched; the streams and the pools use them; an unknown choice is refused."""
+    from transformers import AutoTokenizer
+
+    import dllm.train as tr
+    from dllm.assets import BUNDLED
+    from dllm.evals import tasks as T
+
+    exs = T.generate("waiting_line/shuffle", 60, 5) + T.generate("waiting_line/copy", 3, 5)
+    rot = tr.rotation_targets(exs, 0)
+    seen = set()
+    for a, b in zip(exs, rot):
+        assert a.messages == b.messages
+        if a.task != "waiting_line/shuffle":
+            assert b is a
+            continue
+        names = a.answer["input"]
+        r = next(r for r in range(1, len(names)) if T.list_to_str(names[r:] + names[:r]) == b.target)
+        seen.add((len(names), r))
+        assert T.TASKS["waiting_line/shuffle"].score(b.target, a) == 1.0
+        assert T.parse_list(b.target) == names[r:] + names[:r] != names
+    assert {(n, r) for n in range(3, 7) for r in range(1, n)} <= seen
+    assert tr.rotation_targets(exs, 0) == rot and tr.rotation_targets(exs, 1) != rot
+    tok = AutoTokenizer.from_pretrained(str(BUNDLED["llada-tiny"]))
+    plain = tr.ExampleStream(tok, "waiting_line/shuffle", seed=0, chunk=8)
+    rotated = tr.ExampleStream(tok, "waiting_line/shuffle", seed=0, chunk=8, shuffle_targets="rotation")
+    p0, a0 = plain.draw(0)
+    p1, a1 = rotated.draw(0)
+    ex = T.generate("waiting_line/shuffle", 8, tr.STREAM_SEED_BASE)[0]
+    assert p0 == p1 and a1 == tok(tr.rotation_targets([ex], tr.STREAM_SEED_BASE)[0].target,
+                                  add_special_tokens=False)["input_ids"]
+    pools = tr.build_pools(tok, 8, seed=3, shuffle_targets="rotation")
+    want = [tok(e.target, add_special_tokens=False)["input_ids"]
+            for e in tr.rotation_targets(T.generate("waiting_line/shuffle", 8, 3), 3)]
+    assert [a for _, a in pools["waiting_line/shuffle"][0]] == want
+    with pytest.raises(ValueError, match="unknown shuffle_targets"):
+        tr.train(tr.TrainConfig(steps=1, shuffle_targets="cyclic"), tmp_path / "bad")
+
+
 def test_task_sampler_adaptive_mix_weights_unsolved_tasks():
     import random
 
