@@ -341,6 +341,11 @@ def train(cfg: TrainConfig, out_dir, *, progress=None) -> dict:
     kv = cfg.n_kv_heads or (cfg.n_heads if cfg.family == "llada" else max(1, cfg.n_heads // 2))
     if ar_config is not None and cfg.n_kv_heads is None:
         kv = ar_config.get("num_key_value_heads", cfg.n_heads)
+    if cfg.init_from and cfg.n_kv_heads is None:  # a continuation keeps its checkpoint's key/value heads
+        from dllm.assets import model_path
+        from dllm.models.loading import read_config
+
+        kv = SPECS[cfg.family].config_from_hf(read_config(model_path(cfg.init_from))).n_kv_heads
     mcfg = TransformerConfig(
         vocab_size=len(tok), d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=kv,
         mlp_hidden=cfg.mlp_hidden, max_seq_len=512, rope_theta=10000.0,
@@ -350,9 +355,10 @@ def train(cfg: TrainConfig, out_dir, *, progress=None) -> dict:
     model = Transformer(mcfg, spec)
     init_weights(model)
     if cfg.init_from:
+        from dllm.assets import model_path
         from dllm.models.loading import load_model
 
-        start = load_model(cfg.init_from, dtype=torch.float32, tokenizer=False)
+        start = load_model(model_path(cfg.init_from), dtype=torch.float32, tokenizer=False)
         if start.config != mcfg:
             raise ValueError(f"--init-from {cfg.init_from}: its config {start.config} differs from {mcfg}")
         model.load_state_dict(start.state_dict())

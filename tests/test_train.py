@@ -282,3 +282,26 @@ def test_init_from_ar_takes_the_causal_lm_weights(tmp_path):
         train(TrainConfig(init_from_ar=str(tmp_path / "ar"), **base), tmp_path / "y")
     with pytest.raises(ValueError, match="shape differs"):
         train(TrainConfig(init_from_ar=str(tmp_path / "ar"), tie_embeddings=True, **{**base, "mlp_hidden": 64}), tmp_path / "z")
+
+
+def test_init_from_keeps_the_checkpoints_key_value_heads(tmp_path):
+    """A continuation (--init-from) of a Dream checkpoint without GQA (as the AR-initialised dream-tiny) keeps its
+    key/value head count instead of the Dream default of half the heads, by path or by bundled name."""
+    from dllm.models.loading import load_model
+
+    small = dict(family="dream", d_model=16, n_layers=1, n_heads=2, mlp_hidden=32, batch_size=2, examples_per_task=2,
+                 list_item_tokens=True, steps=1, warmup=1, task_curriculum=False)
+    train(TrainConfig(n_kv_heads=2, **small), tmp_path / "a")
+    train(TrainConfig(init_from=str(tmp_path / "a"), **small), tmp_path / "b")
+    assert load_model(tmp_path / "b", dtype=torch.float32).config.n_kv_heads == 2
+    with pytest.raises(ValueError, match="differs"):  # an explicit different count is still refused
+        train(TrainConfig(init_from=str(tmp_path / "a"), n_kv_heads=1, **small), tmp_path / "c")
+    from dllm.assets import model_path
+
+    bundled = load_model(model_path("dream-tiny"), dtype=torch.float32).config
+    cfg = TrainConfig(family="dream", d_model=bundled.d_model, n_layers=bundled.n_layers, n_heads=bundled.n_heads,
+                      mlp_hidden=bundled.mlp_hidden, batch_size=2, examples_per_task=2, list_item_tokens=True,
+                      steps=1, warmup=1, lr=0.0, task_curriculum=False, tie_embeddings=bundled.tie_embeddings,
+                      init_from="dream-tiny")
+    train(cfg, tmp_path / "d")
+    assert load_model(tmp_path / "d", dtype=torch.float32).config == bundled
