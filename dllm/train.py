@@ -243,7 +243,6 @@ def make_batch(pool, idx, *, mask_id, eot_id, eos_id, pad_id, rng: random.Random
     return noisy, valid, target, masked, t, P
 
 
-
 def _check_init_from_ar(cfg: TrainConfig, tok) -> dict:
     """Validate ``cfg.init_from_ar`` against the run (family, shape, vocabulary); return the AR config."""
     if cfg.init_from:
@@ -306,6 +305,7 @@ def load_ar_weights(model: Transformer, ar_dir) -> None:
         new[ours] = t.to(state[ours].dtype)
     model.load_state_dict(new, strict=not model.config.tie_embeddings)
 
+
 def train(cfg: TrainConfig, out_dir, *, progress=None) -> dict:
     """Train and save; returns a summary dict (also written to ``out_dir/training.json``)."""
     from transformers import AutoTokenizer
@@ -338,14 +338,17 @@ def train(cfg: TrainConfig, out_dir, *, progress=None) -> dict:
         "eos_id": tok.convert_tokens_to_ids("<|endoftext|>"),
     }
     ar_config = _check_init_from_ar(cfg, tok) if cfg.init_from_ar else None
-    kv = cfg.n_kv_heads or (cfg.n_heads if cfg.family == "llada" else max(1, cfg.n_heads // 2))
-    if ar_config is not None and cfg.n_kv_heads is None:
-        kv = ar_config.get("num_key_value_heads", cfg.n_heads)
-    if cfg.init_from and cfg.n_kv_heads is None:  # a continuation keeps its checkpoint's key/value heads
+    start = None
+    if cfg.init_from:  # read once: its key/value heads (unless given) and, below, its weights
         from dllm.assets import model_path
-        from dllm.models.loading import read_config
+        from dllm.models.loading import load_model
 
-        kv = SPECS[cfg.family].config_from_hf(read_config(model_path(cfg.init_from))).n_kv_heads
+        start = load_model(model_path(cfg.init_from), dtype=torch.float32, tokenizer=False)
+    kv = cfg.n_kv_heads or (cfg.n_heads if cfg.family == "llada" else max(1, cfg.n_heads // 2))
+    if cfg.n_kv_heads is None and ar_config is not None:
+        kv = ar_config.get("num_key_value_heads", cfg.n_heads)
+    if cfg.n_kv_heads is None and start is not None:  # a continuation keeps its checkpoint's key/value heads
+        kv = start.config.n_kv_heads
     mcfg = TransformerConfig(
         vocab_size=len(tok), d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=kv,
         mlp_hidden=cfg.mlp_hidden, max_seq_len=512, rope_theta=10000.0,
@@ -354,11 +357,7 @@ def train(cfg: TrainConfig, out_dir, *, progress=None) -> dict:
     )
     model = Transformer(mcfg, spec)
     init_weights(model)
-    if cfg.init_from:
-        from dllm.assets import model_path
-        from dllm.models.loading import load_model
-
-        start = load_model(model_path(cfg.init_from), dtype=torch.float32, tokenizer=False)
+    if start is not None:
         if start.config != mcfg:
             raise ValueError(f"--init-from {cfg.init_from}: its config {start.config} differs from {mcfg}")
         model.load_state_dict(start.state_dict())
