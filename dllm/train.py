@@ -101,6 +101,12 @@ def rotation_targets(exs: list[T.Example], seed: int) -> list[T.Example]:
     return out
 
 
+def training_examples(name: str, n: int, seed: int, shuffle_targets: str = "random") -> list[T.Example]:
+    """``n`` seeded examples of task ``name`` with the training targets ``shuffle_targets`` asks for."""
+    exs = T.generate(name, n, seed)
+    return rotation_targets(exs, seed) if shuffle_targets == "rotation" else exs
+
+
 BARE_COPY = "bare/copy"
 STREAM_SEED_BASE = 1_000_000  # streamed chunks use seeds >= this, never the evaluation seeds
 
@@ -119,11 +125,8 @@ class ExampleStream:
 
     def _refill(self):
         source = "waiting_line/copy" if self.name == BARE_COPY else self.name
-        exs = T.generate(source, self.chunk, self.seed0 + self.k)
-        if self.shuffle_targets == "rotation":
-            exs = rotation_targets(exs, self.seed0 + self.k)
+        self.buf, self.pos = training_examples(source, self.chunk, self.seed0 + self.k, self.shuffle_targets), 0
         self.k += 1
-        self.buf, self.pos = exs, 0
 
     def draw(self, turn: int) -> tuple[list[int], list[int]]:
         if self.pos >= len(self.buf):
@@ -144,9 +147,7 @@ def build_pools(tok, n_per_task: int, seed: int, eot_id: int | None = None,
     the prompt, and the same list as the answer (no instruction, no chat template; the warm-up stage)."""
     pools = {}
     for name in T.task_names():
-        exs = T.generate(name, n_per_task, seed)
-        if shuffle_targets == "rotation":
-            exs = rotation_targets(exs, seed)
+        exs = training_examples(name, n_per_task, seed, shuffle_targets)
         pools[name] = ([encode_example(tok, ex, with_example=False) for ex in exs],
                        [encode_example(tok, ex, with_example=True) for ex in exs])
     if eot_id is not None:
