@@ -116,7 +116,7 @@ def cmd_samplers(args) -> int:
 
 
 _DLLM_ONLY_TRAIN_OPTIONS = ("loss", "no_curriculum", "curriculum", "task_mix", "tasks", "eval_every", "eval_n",
-                            "init_from_ar", "shuffle_targets")
+                            "init_from_ar", "shuffle_targets", "edit_targets")
 
 
 def cmd_train_tiny(args) -> int:
@@ -155,7 +155,8 @@ def cmd_train_tiny(args) -> int:
                       curriculum_name=args.curriculum, save_every=args.save_every,
                       tie_embeddings=args.tie_embeddings, examples_per_task=args.examples_per_task,
                       tasks=args.tasks, eval_every=args.eval_every, eval_n=args.eval_n,
-                      tokenizer_layout=args.tokenizer_layout, shuffle_targets=args.shuffle_targets)
+                      tokenizer_layout=args.tokenizer_layout, shuffle_targets=args.shuffle_targets,
+                      edit_targets=args.edit_targets)
 
     def progress(step, loss, secs):
         print(f"step {step}/{cfg.steps}  loss {loss:.4f}  {secs:.0f}s", file=sys.stderr, flush=True)
@@ -255,6 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training target of waiting_line/shuffle: random (a uniformly random different order, the "
                         "task's own; default) or rotation (the list rotated by 1..n-1 places: still a valid, "
                         "multi-answer shuffle that one committed name pins down; docs/tiny-models.md)")
+    t.add_argument("--edit-targets", choices=["random", "last"], default="random",
+                   help="training target of waiting_line/{insert,remove,replace}_random: random (a random position, "
+                        "the task's own; default) or last (always the last position: one valid answer, no longer "
+                        "multi-answer; docs/tiny-models.md)")
     t.add_argument("--tie-embeddings", action="store_true",
                    help="the output head shares the input embedding matrix (LLaDA weight_tying, Dream "
                         "tie_word_embeddings); copying a prompt token then needs no per-token output weights. The ar "

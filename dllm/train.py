@@ -58,6 +58,7 @@ class TrainConfig:
     decay_from: float = 0.75  # learning rate constant after warmup until this progress, then cosine decay
     init_from: str | None = None  # continue from an existing checkpoint of the same family and shape
     shuffle_targets: str = "random"  # training target of waiting_line/shuffle: "random" | "rotation" (rotation_targets)
+    edit_targets: str = "random"  # training target of the *_random edits: "random" | "last" (last_edit_targets)
     init_from_ar: str | None = None  # start from a causal LM checkpoint of the same shape (train_ar)
     task_mix: str = "uniform"  # "uniform": every task of a stage equally; "family": each family equally, then its
     # tasks; "adaptive": like "family", each task weighted by adaptive_floor + (1 - its last periodic eval score)
@@ -101,10 +102,38 @@ def rotation_targets(exs: list[T.Example], seed: int) -> list[T.Example]:
     return out
 
 
-def training_examples(name: str, n: int, seed: int, shuffle_targets: str = "random") -> list[T.Example]:
-    """``n`` seeded examples of task ``name`` with the training targets ``shuffle_targets`` asks for."""
+EDIT_TARGETS = ("random", "last")
+
+
+def last_edit_targets(exs: list[T.Example]) -> list[T.Example]:
+    """``waiting_line/{insert,remove,replace}_random`` examples with the training target replaced by the edit
+    at the last position (the new name appended, the last name removed, the last name replaced): one of the
+    answers the task's scorer accepts, always the same one, so the target is no longer multi-answer. The
+    prompt (and its worked example) is unchanged; other tasks' examples are returned as they are."""
+    out = []
+    for ex in exs:
+        op = ex.task.split("/", 1)[-1]
+        if ex.task.startswith("waiting_line/") and op in ("insert_random", "remove_random", "replace_random"):
+            names = list(ex.answer["input"])
+            if op == "insert_random":
+                edited = names + [ex.answer["word"]]
+            elif op == "remove_random":
+                edited = names[:-1]
+            else:
+                edited = names[:-1] + [ex.answer["word"]]
+            ex = replace(ex, answer={**ex.answer, "example": T.list_to_str(edited)})
+        out.append(ex)
+    return out
+
+
+def training_examples(name: str, n: int, seed: int, shuffle_targets: str = "random",
+                      edit_targets: str = "random") -> list[T.Example]:
+    """``n`` seeded examples of task ``name`` with the training targets ``shuffle_targets`` and
+    ``edit_targets`` ask for."""
     exs = T.generate(name, n, seed)
-    return rotation_targets(exs, seed) if shuffle_targets == "rotation" else exs
+    if shuffle_targets == "rotation":
+        exs = rotation_targets(exs, seed)
+    return last_edit_targets(exs) if edit_targets == "last" else exs
 
 
 BARE_COPY = "bare/copy"
@@ -117,15 +146,16 @@ class ExampleStream:
     without (turn 0) or with (turn 1) the worked example turn, like a pool entry of :func:`build_pools`."""
 
     def __init__(self, tok, name: str, seed: int, chunk: int = 256, eot_id: int | None = None,
-                 shuffle_targets: str = "random"):
+                 shuffle_targets: str = "random", edit_targets: str = "random"):
         self.tok, self.name, self.chunk, self.eot_id = tok, name, chunk, eot_id
-        self.shuffle_targets = shuffle_targets
+        self.shuffle_targets, self.edit_targets = shuffle_targets, edit_targets
         self.seed0 = STREAM_SEED_BASE * (seed + 1)
         self.k, self.buf, self.pos = 0, [], 0
 
     def _refill(self):
         source = "waiting_line/copy" if self.name == BARE_COPY else self.name
-        self.buf, self.pos = training_examples(source, self.chunk, self.seed0 + self.k, self.shuffle_targets), 0
+        self.buf = training_examples(source, self.chunk, self.seed0 + self.k, self.shuffle_targets, self.edit_targets)
+        self.pos = 0
         self.k += 1
 
     def draw(self, turn: int) -> tuple[list[int], list[int]]:
@@ -140,14 +170,14 @@ class ExampleStream:
 
 
 def build_pools(tok, n_per_task: int, seed: int, eot_id: int | None = None,
-                shuffle_targets: str = "random") -> dict[str, tuple[list, list]]:
+                shuffle_targets: str = "random", edit_targets: str = "random") -> dict[str, tuple[list, list]]:
     """Per task, encoded training examples once without and once with the worked example turn (the
     evaluation prompts carry it; plain one-turn prompts such as ``dllm generate "Please copy the list
     exactly: ..."`` work too). With ``eot_id``, also :data:`BARE_COPY`: the list alone, then end-of-turn, as
     the prompt, and the same list as the answer (no instruction, no chat template; the warm-up stage)."""
     pools = {}
     for name in T.task_names():
-        exs = training_examples(name, n_per_task, seed, shuffle_targets)
+        exs = training_examples(name, n_per_task, seed, shuffle_targets, edit_targets)
         pools[name] = ([encode_example(tok, ex, with_example=False) for ex in exs],
                        [encode_example(tok, ex, with_example=True) for ex in exs])
     if eot_id is not None:
@@ -323,6 +353,8 @@ def train(cfg: TrainConfig, out_dir, *, progress=None) -> dict:
         raise ValueError("task_mix 'adaptive' weights tasks by the periodic evaluation: set eval_every > 0")
     if cfg.shuffle_targets not in SHUFFLE_TARGETS:
         raise ValueError(f"unknown shuffle_targets {cfg.shuffle_targets!r}; known: {', '.join(SHUFFLE_TARGETS)}")
+    if cfg.edit_targets not in EDIT_TARGETS:
+        raise ValueError(f"unknown edit_targets {cfg.edit_targets!r}; known: {', '.join(EDIT_TARGETS)}")
     if cfg.tasks is not None and not T.task_names(cfg.tasks):
         raise ValueError(f"no task matches {cfg.tasks!r}; known tasks: {', '.join(T.task_names())}")
     if cfg.threads:
@@ -367,13 +399,14 @@ def train(cfg: TrainConfig, out_dir, *, progress=None) -> dict:
     model.mask_id, model.eos_id, model.pad_id, model.eot_id = ids["mask_id"], ids["eos_id"], ids["eos_id"], ids["eot_id"]
     if cfg.examples_per_task > 0:
         pools = build_pools(tok, cfg.examples_per_task, seed=cfg.seed + 1000, eot_id=ids["eot_id"],
-                            shuffle_targets=cfg.shuffle_targets)
+                            shuffle_targets=cfg.shuffle_targets, edit_targets=cfg.edit_targets)
 
         def draw_example(name, turn):
             pool = pools[name][turn]
             return pool[rng.randrange(len(pool))]
     else:
-        streams = {n: ExampleStream(tok, n, cfg.seed, eot_id=ids["eot_id"], shuffle_targets=cfg.shuffle_targets)
+        streams = {n: ExampleStream(tok, n, cfg.seed, eot_id=ids["eot_id"], shuffle_targets=cfg.shuffle_targets,
+                                    edit_targets=cfg.edit_targets)
                    for n in [*T.task_names(), BARE_COPY]}
 
         def draw_example(name, turn):

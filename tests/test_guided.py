@@ -421,7 +421,7 @@ def test_train_tiny_ar_save_every_and_dllm_only_options(tmp_path, monkeypatch):
     assert (tmp_path / "ar" / "model.safetensors").exists()
     for extra in (["--eval-every", "5"], ["--task-mix", "adaptive"], ["--no-curriculum"], ["--loss", "mean"],
                   ["--eval-n", "3"], ["--tasks", "waiting_line/copy"], ["--curriculum", "chat"], ["--init-from-ar", "p"],
-                  ["--shuffle-targets", "rotation"]):
+                  ["--shuffle-targets", "rotation"], ["--edit-targets", "last"]):
         with pytest.raises(SystemExit, match=extra[0]):
             main(["train-tiny", "--family", "ar", "--out", str(tmp_path / "x"), "--steps", "1", *extra])
     assert not (tmp_path / "x").exists()

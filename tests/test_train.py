@@ -198,6 +198,45 @@ def test_rotation_shuffle_targets(tmp_path):
         tr.train(tr.TrainConfig(steps=1, shuffle_targets="cyclic"), tmp_path / "bad")
 
 
+def test_last_edit_targets(tmp_path):
+    """--edit-targets last: the random edits' training targets edit the last position (append, drop the last,
+    replace the last), which the task's own scorer accepts; the prompt is unchanged, other tasks (the by-index
+    edits included) are untouched; the streams and the pools use them; an unknown choice is refused."""
+    from transformers import AutoTokenizer
+
+    import dllm.train as tr
+    from dllm.assets import BUNDLED
+    from dllm.evals import tasks as T
+
+    ops = ("insert_random", "remove_random", "replace_random")
+    exs = [e for op in ops for e in T.generate(f"waiting_line/{op}", 20, 5)]
+    others = T.generate("waiting_line/insert_index", 3, 5) + T.generate("waiting_line/shuffle", 3, 5)
+    out = tr.last_edit_targets(exs + others)
+    for a, b in zip(exs, out):
+        names, op = a.answer["input"], a.task.split("/")[1]
+        assert a.messages == b.messages
+        want = {"insert_random": names + [a.answer.get("word")], "remove_random": names[:-1],
+                "replace_random": names[:-1] + [a.answer.get("word")]}[op]
+        assert T.parse_list(b.target) == want
+        assert T.TASKS[a.task].score(b.target, a) == 1.0
+    assert sum(a.target != b.target for a, b in zip(exs, out)) > len(exs) // 2  # most targets did change
+    assert all(b is a for a, b in zip(others, out[len(exs):]))
+    tok = AutoTokenizer.from_pretrained(str(BUNDLED["llada-tiny"]))
+    stream = tr.ExampleStream(tok, "waiting_line/remove_random", seed=0, chunk=8, edit_targets="last")
+    _, a0 = stream.draw(0)
+    ex = T.generate("waiting_line/remove_random", 8, tr.STREAM_SEED_BASE)[0]
+    assert a0 == tok(T.list_to_str(ex.answer["input"][:-1]), add_special_tokens=False)["input_ids"]
+    pools = tr.build_pools(tok, 8, seed=3, shuffle_targets="rotation", edit_targets="last")
+    want = [tok(e.target, add_special_tokens=False)["input_ids"]
+            for e in tr.last_edit_targets(T.generate("waiting_line/insert_random", 8, 3))]
+    assert [a for _, a in pools["waiting_line/insert_random"][0]] == want
+    rot = [tok(e.target, add_special_tokens=False)["input_ids"]
+           for e in tr.rotation_targets(T.generate("waiting_line/shuffle", 8, 3), 3)]
+    assert [a for _, a in pools["waiting_line/shuffle"][0]] == rot  # both options at once
+    with pytest.raises(ValueError, match="unknown edit_targets"):
+        tr.train(tr.TrainConfig(steps=1, edit_targets="first"), tmp_path / "bad")
+
+
 def test_task_sampler_adaptive_mix_weights_unsolved_tasks():
     import random
 
