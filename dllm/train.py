@@ -112,12 +112,11 @@ def last_edit_targets(exs: list[T.Example]) -> list[T.Example]:
     prompt (and its worked example) is unchanged; other tasks' examples are returned as they are."""
     out = []
     for ex in exs:
-        op = ex.task.split("/", 1)[-1]
-        if ex.task.startswith("waiting_line/") and op in ("insert_random", "remove_random", "replace_random"):
+        if ex.task in ("waiting_line/insert_random", "waiting_line/remove_random", "waiting_line/replace_random"):
             names = list(ex.answer["input"])
-            if op == "insert_random":
+            if ex.task == "waiting_line/insert_random":
                 edited = names + [ex.answer["word"]]
-            elif op == "remove_random":
+            elif ex.task == "waiting_line/remove_random":
                 edited = names[:-1]
             else:
                 edited = names[:-1] + [ex.answer["word"]]
