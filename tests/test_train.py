@@ -344,3 +344,17 @@ def test_init_from_keeps_the_checkpoints_key_value_heads(tmp_path):
                       init_from="dream-tiny")
     train(cfg, tmp_path / "d")
     assert load_model(tmp_path / "d", dtype=torch.float32).config == bundled
+
+
+def test_cli_target_choices_are_the_trainers():
+    """The train-tiny parser lists its --shuffle-targets / --edit-targets choices itself (it does not import
+    dllm.train, which imports torch): they must stay the trainer's own."""
+    import argparse
+
+    import dllm.train as tr
+    from dllm.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    choices = {a.dest: tuple(a.choices) for a in sub.choices["train-tiny"]._actions if a.choices}
+    assert choices["shuffle_targets"] == tr.SHUFFLE_TARGETS
+    assert choices["edit_targets"] == tr.EDIT_TARGETS
