@@ -1,0 +1,99 @@
+"""Golden trajectories recorded from the public reference implementations, and how we compare against them.
+
+A fixture file (``tests/fixtures/golden/<name>.json``) is data written by a recording script under
+``benchmarks/golden/`` that ran the reference code locally (the reference code never enters this repository).
+Schema::
+
+    {"reference": {"repo": "owner/name", "commit": "<sha>", "file": "path/in/repo.py", "function": "name"},
+     "model": "llada-tiny" | "dream-tiny" | {"shaped": "llada" | "dream", "seed": int},
+     "weights_sha256": "<sha256 of the model's state dict, see state_sha256>",
+     "cases": [{"id": str,
+                "prompt_ids": [[int, ...], ...],          # one list per row (usually one row)
+                "params": {...},                           # the reference call's arguments, verbatim
+                "output": [[int, ...], ...],               # generated ids per row (gen_length each)
+                "nfe": int,                                # model forward calls the reference made
+                "steps": [[[int, ...], ...], ...]}]}        # per forward, per row: generated positions (0-based
+                                                           # offsets into the generation) committed after it
+
+``steps`` has one entry per reference forward (an entry may be empty, e.g. the extra forward per block of
+Fast-dLLM's cached generators); positions are sorted ascending.
+
+On our side :func:`record_steps` runs ``dllm.generate`` with a forward pre-hook that snapshots the canvas
+before each forward; the difference between consecutive snapshots (and the final output) gives the positions
+committed after each forward, in the same layout as the fixture.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+FIXTURES = Path(__file__).parent / "fixtures" / "golden"
+
+
+def load_fixture(name: str) -> dict:
+    return json.loads((FIXTURES / f"{name}.json").read_text())
+
+
+def save_fixture(name: str, data: dict) -> Path:
+    FIXTURES.mkdir(parents=True, exist_ok=True)
+    path = FIXTURES / f"{name}.json"
+    path.write_text(json.dumps(data, separators=(",", ":")) + "\n")
+    return path
+
+
+def state_sha256(module: torch.nn.Module) -> str:
+    """A digest of a model's weights (names, shapes, fp32 bytes), to check both sides used the same ones."""
+    h = hashlib.sha256()
+    for name, t in sorted(module.state_dict().items()):
+        h.update(name.encode())
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.detach().to(torch.float32).contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def steps_from_canvases(canvases: list[torch.Tensor], final: torch.Tensor, prompt_len: int, mask_id: int):
+    """Per forward, per row: generated positions that went from mask to a token between the canvas seen by
+    this forward and the next one (the last forward is compared with ``final``). Canvases are ``[B, T]``
+    with the generation at columns ``prompt_len:``."""
+    out = []
+    seq = [c[:, prompt_len:] for c in canvases] + [final]
+    for before, after in zip(seq[:-1], seq[1:]):
+        newly = (before == mask_id) & (after != mask_id)
+        out.append([row.nonzero().flatten().tolist() for row in newly])
+    return out
+
+
+def record_steps(model, prompts, **generate_kwargs):
+    """``dllm.generate`` with the canvas recorded before every forward: ``(output, steps)`` where ``steps``
+    follows the fixture layout. A CFG forward (two stacked batches) is recorded once (its first half)."""
+    import dllm
+
+    canvases: list[torch.Tensor] = []
+
+    def hook(_module, args, kwargs):
+        x = args[0] if args else kwargs["tokens"]
+        canvases.append(x.detach().clone())
+
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        out = dllm.generate(model, prompts, **generate_kwargs)
+    finally:
+        handle.remove()
+    B = out.sequences.shape[0]
+    canvases = [c[:B] for c in canvases]
+    P = canvases[0].shape[1] - out.sequences.shape[1]
+    return out, steps_from_canvases(canvases, out.sequences, P, model.mask_id)
+
+
+def first_divergence(ours: list, ref: list) -> str | None:
+    """``None`` when the two step lists are equal, else a message naming the first differing forward."""
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        if a != b:
+            return f"forward {i}: ours committed {a}, the reference {b}"
+    if len(ours) != len(ref):
+        return f"ours made {len(ours)} forwards, the reference {len(ref)}"
+    return None
