@@ -12,7 +12,7 @@ import torch
 from dllm.caches.base import CacheState, NoCache
 from dllm.config import GenerateConfig
 from dllm.samplers import get_sampler
-from dllm.samplers.base import StepContext, exclude_mask
+from dllm.samplers.base import StepContext
 from dllm.samplers.blocks import resolve_blocks
 
 
@@ -172,8 +172,8 @@ def generate(
     if isinstance(sampler, str):
         sampler = get_sampler(sampler)
     sampler = sampler or default_sampler(model)
-    if hasattr(sampler, "bind_model"):  # e.g. the guided sampler: load its guide, check the tokenizers
-        sampler.bind_model(model)
+    if hasattr(sampler, "bind_model"):  # the guided sampler loads its guide; KLASS takes the family's style
+        sampler = sampler.bind_model(model) or sampler
     if cache is None and getattr(model, "supports_cache", False):
         cache = getattr(sampler, "cache", None)  # the preset's preference (fast-dllm: dual)
     if isinstance(cache, str):
@@ -249,8 +249,7 @@ def generate(
                                              committed, nfe, key_mask))
         t0 = clock.now()
         clock.t["cache"] += t0 - tc
-        logits = exclude_mask(_forward(model, x, positions, key_mask, cols.expand(B, -1), config, cache, query_idx),
-                              model.mask_id)
+        logits = _forward(model, x, positions, key_mask, cols.expand(B, -1), config, cache, query_idx)
         t1 = clock.now()
         cstats = step_stats(n_layers) if step_stats is not None else {}
         xw = x[:, w_lo:w_hi]

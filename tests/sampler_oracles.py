@@ -219,18 +219,22 @@ class DenseCredit:
 
 # ------------------------------------------------------------------------------------------ decode loops
 def _forward(model, x, positions, attn):
-    """Full-canvas logits (Dream-format models: already shifted), mask id excluded (as ``dllm`` does)."""
-    logits = model(x, positions=positions, attn_mask=attn).clone()
-    logits[..., model.mask_id] = NEG_INF
-    return logits
+    """Full-canvas logits (Dream-format models: already shifted), the whole vocabulary as the references see it."""
+    return model(x, positions=positions, attn_mask=attn).clone()
 
 
-def _proposal(logits: torch.Tensor, temperature: float, g) -> torch.Tensor:
+def _proposal(logits: torch.Tensor, temperature: float, g, mask_id: int) -> torch.Tensor:
+    """Argmax (Gumbel-max at ``temperature > 0``) over every token but the mask id: the one deliberate
+    difference from the references, which would commit a proposed mask id as a no-op. The noise is drawn for
+    the whole vocabulary, as the references draw it."""
     if temperature == 0:
-        return logits.argmax(-1)
-    l64 = logits.to(torch.float64)
-    noise = torch.rand(l64.shape, dtype=torch.float64, generator=g)
-    return (l64.exp() / (-torch.log(noise)) ** temperature).argmax(-1)
+        scores = logits.clone()
+    else:
+        l64 = logits.to(torch.float64)
+        noise = torch.rand(l64.shape, dtype=torch.float64, generator=g)
+        scores = l64.exp() / (-torch.log(noise)) ** temperature
+    scores[..., mask_id] = NEG_INF
+    return scores.argmax(-1)
 
 
 def _prob(logits: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
@@ -263,7 +267,7 @@ def block_oracle(model, prompts, *, gen_length: int, block_length: int, rule, te
                 for j in range(B):
                     fused[j, lo:hi] = credits[j].fuse(logits[j, lo:hi], x[j, lo:hi] == mask_id, (lo, hi))
                 logits = fused
-            x0 = _proposal(logits, temperature, g)
+            x0 = _proposal(logits, temperature, g, mask_id)
             conf = _prob(logits, x0)
             for j in range(B):
                 cand = [(lo <= c < hi) and bool(x[j, c] == mask_id) for c in range(T)]
@@ -298,7 +302,7 @@ def prophet_oracle(model, prompts, *, gen_length: int, block_length: int, steps:
             if all(done):
                 break
             logits = _forward(model, x, positions, attn)
-            x0 = logits.argmax(-1)
+            x0 = _proposal(logits, 0.0, None, mask_id)
             conf = _prob(logits, x0)
             top2 = torch.topk(logits, 2, dim=-1).values
             for j in range(B):
@@ -338,7 +342,7 @@ def adablock_oracle(model, prompts, *, gen_length: int, b0: int, ids: list[int],
     bounds = [None] * B
     while any(generated[j] < gen_length or bounds[j] is not None for j in range(B)):
         logits = _forward(model, x, positions, attn)
-        x0 = logits.argmax(-1)
+        x0 = _proposal(logits, 0.0, None, mask_id)
         conf = _prob(logits, x0)
         for j in range(B):
             if bounds[j] is None:

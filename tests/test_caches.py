@@ -401,3 +401,45 @@ def test_elastic_preset_slides_and_matches_plain_sliding_threshold_with_full_ref
         out = generate(model, prompt_set(3, 2), sampler="elastic",
                        cache=get_cache("elastic", refresh_every=1), **kw)
         assert torch.equal(out.sequences, base.sequences), family
+
+
+# ---------------------------------------------------------------------------------------- dKV-Cache-Decode
+def test_dkv_decode_recomputes_the_reference_rows_and_refreshes_on_the_block_step():
+    """dKV-Cache-Decode as its reference runs it: full forwards at the block-local steps 0, 1 and every
+    multiple of ``refresh_every`` (3 here: 8 steps per block is not a multiple, so a global forward count
+    would refresh elsewhere); at the other steps exactly the still-masked positions and the tokens decoded at
+    the previous step are computed (not the block's tokens decoded earlier)."""
+    model = cached_model("llada", 0)
+    prompts = prompt_set(1, 0)
+    P = len(prompts[0])
+    canvases = []
+    handle = model.register_forward_pre_hook(lambda _m, args, _kw: canvases.append(args[0].clone()), with_kwargs=True)
+    try:
+        out = generate(model, prompts, gen_length=16, block_length=8, steps=16, sampler="dkv",
+                       cache=get_cache("dkv-decode", refresh_every=3))
+    finally:
+        handle.remove()
+    T = P + 16
+    for step, (rec, x) in enumerate(zip(out.stats.trace, canvases)):
+        i = step % 8  # the step inside the block (every block takes its 8 steps)
+        if i < 2 or i % 3 == 0:
+            assert rec["refresh_layer"] == 0 and rec["active"] == [T], (step, rec)
+            continue
+        decoded_last = (canvases[step - 1] != x) & (canvases[step - 1] == model.mask_id)
+        want = int(((x == model.mask_id) | decoded_last).sum())
+        assert rec["refresh_layer"] == -1 and rec["active"] == [want], (step, rec["active"], want)
+    # the earlier variant recomputes the whole current block and refreshes on the global forward count
+    glob = generate(model, prompts, gen_length=16, block_length=8, steps=16, sampler="dkv",
+                    cache=get_cache("dkv-decode", refresh_every=3, refresh="global"))
+    assert [r["refresh_layer"] for r in glob.stats.trace] != [r["refresh_layer"] for r in out.stats.trace]
+    with pytest.raises(ValueError, match="unknown dkv-decode refresh 'x'; known: block, global"):
+        get_cache("dkv-decode", refresh="x")
+
+
+def test_dkv_decode_refreshing_every_step_is_the_no_cache_run(family):
+    model = cached_model(family, 1)
+    prompts = prompt_set(3, 1)
+    kw = dict(gen_length=16, block_length=8, steps=16, sampler="dkv")
+    ref = generate(model, prompts, cache="none", **kw)
+    out = generate(model, prompts, cache=get_cache("dkv-decode", refresh_every=1), **kw)
+    assert torch.equal(out.sequences, ref.sequences)

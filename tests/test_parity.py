@@ -5,8 +5,8 @@ full-canvas forward per step, per-row loops and the reference's random stream; `
 the same tokens on tiny random-weight fp32 models, for several seeds, batch 1 and batch 3 (ragged, left
 padded), temperature 0 and > 0.
 
-Test models (``helpers_parity.cached_model``) never propose the mask id (a trained checkpoint never does;
-see ``NoMaskHead``). The EOS/EOT options are tested on an "EOS-heavy" variant that proposes EOS/EOT at many
+Test models (``helpers_parity.cached_model``) give the mask id a large probability but never the argmax (see
+``MaskGapHead``): scores must come from the full-vocabulary softmax, as in the references. The EOS/EOT options are tested on an "EOS-heavy" variant that proposes EOS/EOT at many
 positions, so the options actually change the output.
 """
 
@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers_parity import cached_model, prompt_set
+from conftest import MASK
+from helpers_parity import MASK_BOOST, cached_model, prompt_set
 from oracles import dream_oracle, llada_oracle
 
 import dllm
@@ -29,11 +30,17 @@ def _mismatch(kind, seed, case, ours, ref, ties) -> str:
             f" oracle boundary ties (step, row, k, value): {ties}")
 
 
+def _boost(sampling: dict) -> float:
+    """The test model's mask gap: a likely mask at temperature 0, an unlikely one under sampling noise (where a
+    drawn mask id is a no-op commit in the reference and the best other token in dllm, a deliberate difference)."""
+    return MASK_BOOST if sampling.get("temperature", 0.0) == 0 and not sampling.get("cfg") else -8.0
+
+
 # --------------------------------------------------------------------------------------------------- LLaDA
 def run_llada(seed: int, batch: int = 3, gen: int = 16, block: int = 8, steps: int = 8, cfg: float = 0.0,
               eos_heavy: bool = False, oracle_override: dict | None = None, **skw):
     """(ours, oracle) for one LLaDA configuration; ``skw`` are LLaDASampler / oracle sampling options."""
-    model = cached_model("llada", seed, eos_heavy)
+    model = cached_model("llada", seed, eos_heavy, mask_boost=_boost({**skw, "cfg": cfg}))
     prompts = prompt_set(batch, seed)
     skw.setdefault("softmax_dtype", "model")
     gseed = 1000 + seed
@@ -105,7 +112,7 @@ def test_llada_parity(case, request):
 
 # --------------------------------------------------------------------------------------------------- Dream
 def run_dream(seed: int, batch: int = 3, gen: int = 16, steps: int = 16, **skw):
-    model = cached_model("dream", seed)
+    model = cached_model("dream", seed, mask_boost=_boost(skw))
     prompts = prompt_set(batch, seed)
     gseed = 2000 + seed
     ours = dllm.generate(model, prompts, gen_length=gen, block_length=None, steps=steps, seed=gseed,
@@ -201,6 +208,23 @@ def test_llada_parity_detects_a_different_rule():
                               oracle_override={"eos_eot_quirk": True})
         quirk_differs |= not torch.equal(ours.sequences, ref.sequences)
     assert remask_differs and stream_differs and quirk_differs
+
+
+def test_parity_detects_scores_normalised_without_the_mask():
+    """The test models' mask probability is not negligible: confidences renormalised without the mask column
+    (the mask logit at -inf before the softmax) commit in another order than the reference on some seed."""
+    differs = False
+    for seed in SEEDS:
+        model, prompts = cached_model("llada", seed), prompt_set(3, seed)
+        kw = {"gen_length": 16, "block_length": 8, "steps": 8, "seed": seed}
+        ref = llada_oracle(model, prompts, **kw).sequences
+        handle = model.head.register_forward_hook(lambda _m, _i, out: out.index_fill_(-1, torch.tensor([MASK]), -1e30))
+        try:
+            renormalised = llada_oracle(model, prompts, **kw).sequences
+        finally:
+            handle.remove()
+        differs |= not torch.equal(ref, renormalised)
+    assert differs
 
 
 def test_dream_parity_detects_a_different_rule():

@@ -315,11 +315,36 @@ def test_klass_preset_fused_path_decodes_like_the_composed_rule(family, monkeypa
     model = cached_model(family, 1)
     prompts = prompt_set(3, 1)
     kw = dict(gen_length=24, block_length=8, steps=24)
-    preset = dllm.generate(model, prompts, sampler=get_sampler("klass", conf_threshold=0.3, kl_threshold=0.05), **kw)
+    preset = dllm.generate(model, prompts, sampler=get_sampler("klass", conf_threshold=0.3, kl_threshold=0.05,
+                                                               style="llada"), **kw)
     plain = dllm.generate(model, prompts, sampler=ComposedSampler(KLStable(0.3, 0.05)), **kw)
     assert torch.equal(preset.sequences, plain.sequences)
     assert preset.stats.trace == plain.stats.trace
     assert any(sum(t["klass_ready"]) for t in preset.stats.trace)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_klass_preset_takes_the_style_of_the_model_family(family):
+    """``klass`` (style ``auto``) decodes a LLaDA model as KLASS's LLaDA script (``conf > thr``, else the even
+    quota, block 64) and a Dream model as its Dream code (``conf >= thr``, else the single most confident
+    candidate, the whole canvas as one region); the two styles differ on these models."""
+    model, prompts = cached_model(family, 1), prompt_set(3, 1)
+    kw = dict(gen_length=16, steps=8)
+    auto = dllm.generate(model, prompts, sampler=get_sampler("klass", conf_threshold=0.3, kl_threshold=0.05), **kw)
+    dream_rule = ComposedSampler(KLStable(0.3, 0.05, fallback=None, inclusive=True))
+    llada_rule = ComposedSampler(KLStable(0.3, 0.05))
+    dream = dllm.generate(model, prompts, sampler=dream_rule, block_length=None, **kw)
+    llada = dllm.generate(model, prompts, sampler=llada_rule, block_length=64 if kw["gen_length"] % 64 == 0 else None,
+                          **kw)
+    assert torch.equal(auto.sequences, dream.sequences if family == "dream" else llada.sequences)
+    assert not torch.equal(dream.sequences, llada.sequences) or dream.stats.nfe != llada.stats.nfe
+    for style in ("llada", "dream"):
+        s = get_sampler("klass", style=style)
+        assert s.style == style and s.rule.inclusive == (style == "dream")
+        assert s.block_length == (None if style == "dream" else 64)
+    assert get_sampler("klass", style="dream", block_length=8).block_length == 8
+    with pytest.raises(ValueError, match="unknown style 'x'; known: auto, llada, dream"):
+        get_sampler("klass", style="x")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -22,7 +22,13 @@ from dllm.samplers import (
     Threshold,
     get_sampler,
 )
-from dllm.samplers.base import StepContext, exclude_mask
+from dllm.samplers.base import StepContext
+
+
+def exclude_mask(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
+    """Logits with no mass on the mask id (in place)."""
+    logits[..., mask_id] = float("-inf")
+    return logits
 
 
 def make_ctx(cand: torch.Tensor, *, x=None, win_lo=0, step=0, steps=4, n_start=None, global_step=0,

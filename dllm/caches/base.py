@@ -107,6 +107,9 @@ class KVCache:
     """
 
     name = "kv"
+    #: True for a policy whose partial forwards compute only the rows of the columns the sampler reads (the
+    #: candidates), not every window column: the model then returns zero logits for the other columns.
+    sparse_logits = False
 
     def __init__(self, refresh_every: int | None = None):
         if refresh_every is not None and (not isinstance(refresh_every, int) or refresh_every < 1):
@@ -141,7 +144,7 @@ class KVCache:
             self._rows, self._counts, self._refresh_layer = None, torch.full((B,), T, device=state.x.device), 0
             self.after_plan(state, None)
             return None, 0
-        mask = mask | logit_rows(state)
+        mask = mask | self.read_rows(state)
         if state.valid is not None:
             mask = mask & state.valid
         self._rows = rows_from_mask(mask)
@@ -152,6 +155,11 @@ class KVCache:
 
     def after_plan(self, state: CacheState, rows) -> None:
         pass
+
+    def read_rows(self, state: CacheState) -> torch.Tensor:
+        """``[B, T]`` bool rows computed in every partial forward on top of :meth:`select`'s: by default those
+        of every column the sampler may read (:func:`logit_rows`)."""
+        return logit_rows(state)
 
     def select(self, state: CacheState) -> torch.Tensor | None:  # pragma: no cover - abstract
         raise NotImplementedError

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from dllm.caches.base import CacheState, KVCache, region_start
+from dllm.caches.base import CacheState, KVCache, logit_rows, region_start
 
 
 def _cols(state: CacheState) -> torch.Tensor:
@@ -43,21 +43,47 @@ class DualCache(KVCache):
 
 
 class DKVDecode(KVCache):
-    """dKV-Cache-Decode: recompute every still-masked position and the tokens decoded at the previous step
-    (the delayed rule: a token decoded at step t is recomputed at t + 1 and read from the cache from t + 2);
-    full forward at the first ``full_steps`` steps of each block and every ``refresh_every`` forwards
-    (the reference's ``cache_reloading_step``; default 8)."""
+    """dKV-Cache-Decode (``horseee/dKV-Cache``, ``generation_utils/llada_dkv_cache_decode.py``): recompute every
+    still-masked position and the tokens decoded at the previous step (the delayed rule: a token decoded at
+    step t is recomputed at t + 1 and read from the cache from t + 2), nothing else: tokens of the current
+    block decoded two or more steps ago keep their cached K/V and get no logits (no sampler reads them). Full
+    forward at the block-local steps ``i < full_steps`` and ``i % refresh_every == 0`` (the reference's
+    ``cache_reloading_step``, default 8; 1: every step, the no-cache run).
+
+    ``refresh="global"`` is the earlier variant of this policy: the whole current block is recomputed at every
+    step and full forwards come every ``refresh_every`` forwards counted over the whole generation (as the
+    other caches count them) plus the first ``full_steps`` steps of each block."""
 
     name = "dkv-decode"
+    REFRESH = ("block", "global")
 
-    def __init__(self, refresh_every: int | None = 8, full_steps: int = 2):
-        super().__init__(refresh_every)
-        self.full_steps = int(full_steps)
+    def __init__(self, refresh_every: int | None = 8, full_steps: int = 2, refresh: str = "block"):
+        if refresh not in self.REFRESH:
+            raise ValueError(f"unknown dkv-decode refresh {refresh!r}; known: {', '.join(self.REFRESH)}")
+        super().__init__(refresh_every if refresh == "global" else None)
+        if refresh == "block" and refresh_every is not None and (not isinstance(refresh_every, int)
+                                                                   or refresh_every < 1):
+            raise ValueError(f"refresh_every={refresh_every!r} must be a positive integer or None (never)")
+        self.reload, self.full_steps, self.refresh = refresh_every, int(full_steps), refresh
+        self.sparse_logits = refresh == "block"
+
+    def __repr__(self) -> str:
+        return f"DKVDecode(refresh_every={self.reload}, full_steps={self.full_steps}, refresh={self.refresh!r})"
 
     def select(self, state):
-        if bool((state.active & (state.step_in < self.full_steps)).any()):
+        full = state.step_in < self.full_steps
+        if self.refresh == "block" and self.reload is not None:
+            full = full | (state.step_in % self.reload == 0)
+        if bool((state.active & full).any()):
             return None
         return (state.x == state.mask_id) | state.committed
+
+    def read_rows(self, state):
+        if self.refresh == "global":
+            return logit_rows(state)
+        # the rows whose logits give the still-masked columns (column c from row c - shift)
+        masked = state.x == state.mask_id
+        return torch.roll(masked, -state.shift, dims=1) if state.shift else masked
 
 
 class DKVGreedy(KVCache):

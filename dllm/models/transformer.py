@@ -187,7 +187,9 @@ class Transformer(nn.Module):
                 the full keys, e.g. for attention mass).
             logits_idx: ``[B, R]`` int64 canvas columns whose *token* predictions are wanted; for families
                 with shifted logits (Dream) the prediction for column ``c`` comes from hidden row ``c - 1``.
-                ``None`` returns all ``T`` columns (shift applied the way the reference does it).
+                ``None`` returns all ``T`` columns (shift applied the way the reference does it). In a partial
+                forward every wanted row must be in ``query_idx`` (else ``ValueError``), unless the cache has
+                ``sparse_logits = True``: then such columns get all-zero logits.
 
         Returns:
             ``[B, R, V]`` (or ``[B, T, V]``) logits in the model dtype.
@@ -222,16 +224,18 @@ class Transformer(nn.Module):
             if not (logits_idx is None and shift == 0):
                 h = h.gather(1, idx[..., None].expand(-1, -1, h.shape[-1]))
             return self.head(self.norm(h))
-        # Partial forward: the wanted rows must be among the computed ones.
+        # Partial forward: the wanted rows must be among the computed ones, except with a cache that computes
+        # only the rows whose logits the sampler reads (``cache.sparse_logits``, dKV-Cache-Decode: not the
+        # tokens decoded two or more steps ago): their columns get all-zero logits, never candidates.
         want = torch.arange(T, device=tokens.device).expand(B, T) if logits_idx is None else logits_idx
         want = (want - shift).clamp_min(0)
         hit = want[:, :, None] == rows[:, None, :]  # [B, R, Q]
-        if not bool(hit.any(-1).all()):
+        if not getattr(cache, "sparse_logits", False) and not bool(hit.any(-1).all()):
             raise ValueError("logits were asked for rows outside query_idx; the cache's active set must contain "
                              "every row whose logits are read (for shifted-logit families, column c needs row c - 1)")
         pos = hit.to(torch.int8).argmax(-1)
         h = h.gather(1, pos[..., None].expand(-1, -1, h.shape[-1]))
-        return self.head(self.norm(h))
+        return self.head(self.norm(h)).masked_fill(~hit.any(-1)[..., None], 0.0)
 
 
 def default_positions(attn_mask, B: int, T: int, device) -> torch.Tensor:

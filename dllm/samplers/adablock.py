@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from dllm.config import GenerateConfig
-from dllm.samplers.base import check_range, fast_argmax, token_prob
+from dllm.samplers.base import check_range, fast_argmax
 
 DELIMITER_MODES = ("newline", "newline-exact")
 FAMILY_THRESHOLDS = {"llada": 0.3, "dream": 0.5}
@@ -153,8 +153,10 @@ class AdaBlock:
             return hi, steps, {"block_start": fresh.clone(), "delimiter_conf": nan, "delimiter_block": fresh.clone()}
         W = logits.shape[1]
         cols = win_lo + torch.arange(W, device=logits.device)
-        x0 = fast_argmax(logits)
-        conf = token_prob(logits, x0)  # float32 softmax probability of the prediction
+        x0 = fast_argmax(logits)  # over the whole vocabulary, as the reference (a mask prediction is no delimiter)
+        # the reference's exp(l - logsumexp(l)) in the logits' dtype: it saturates to exactly 1.0 for confident
+        # delimiters (a softmax may not), and among equal maxima the first delimiter wins
+        conf = torch.exp(logits.gather(-1, x0[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1))
         ids = torch.tensor(self.delimiters, dtype=torch.long, device=logits.device)
         win = int(self.window * cfg.gen_length)
         in_win = (cols[None] >= lo[:, None]) & (cols[None] < (lo + win)[:, None]) & (cols[None] < hi[:, None])

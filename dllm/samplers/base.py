@@ -12,6 +12,7 @@ returns a proposal for every window position plus the subset to commit. Contract
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -139,22 +140,38 @@ def top2_values(x: torch.Tensor) -> torch.Tensor:
     return torch.topk(torch.cat(cands, -1), 2, dim=-1).values
 
 
+def argmax_unmasked(x: torch.Tensor, mask_id: int | None) -> torch.Tensor:
+    """``x.argmax(-1)`` over every column but ``mask_id``: the proposal of a step, never the mask token.
+
+    The mask column is set to ``-inf`` in place for the argmax and restored after (``[...]`` writes, no copy
+    of ``x``), so the probabilities computed from ``x`` elsewhere keep the whole vocabulary, as the reference
+    implementations compute them."""
+    if mask_id is None or not 0 <= mask_id < x.shape[-1]:
+        return fast_argmax(x)
+    with mask_column_excluded(x, mask_id):
+        return fast_argmax(x)
+
+
+@contextmanager
+def mask_column_excluded(x: torch.Tensor, mask_id: int):
+    """``x[..., mask_id] = -inf`` for the duration of the block, restored on exit (in place, no copy)."""
+    saved = x[..., mask_id].clone()
+    x[..., mask_id] = float("-inf")
+    try:
+        yield x
+    finally:
+        x[..., mask_id] = saved
+
+
 def gumbel_argmax(logits: torch.Tensor, temperature: float, ctx: StepContext, scope: str = "region"):
-    """LLaDA's Gumbel-max in float64: ``argmax(exp(l) / (-log u) ** T)``; plain argmax at ``T = 0``."""
+    """LLaDA's Gumbel-max in float64: ``argmax(exp(l) / (-log u) ** T)``; plain argmax at ``T = 0``. The mask
+    token is never proposed (:func:`argmax_unmasked`); the noise is drawn for the whole vocabulary, so the
+    random stream is the reference's."""
     if temperature == 0:
-        return fast_argmax(logits)
+        return argmax_unmasked(logits, ctx.mask_id)
     B, W, V = logits.shape
     u = canvas_rand((V,), ctx, W, B, torch.float64, logits.device, scope)
-    return fast_argmax(logits.to(torch.float64).exp() / (-torch.log(u)) ** temperature)
-
-
-def exclude_mask(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
-    """The mask token is never a valid output: its logit becomes -inf, in place (``B x W`` writes, no copy).
-
-    The decode loop applies this to the logits it owns before every ``sampler.step``, so no sampler can
-    propose the mask id; every other token's score, and the random stream, are unchanged."""
-    logits[..., mask_id] = float("-inf")
-    return logits
+    return argmax_unmasked(logits.to(torch.float64).exp() / (-torch.log(u)) ** temperature, ctx.mask_id)
 
 
 def select_topk(conf: torch.Tensor, cand: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

@@ -97,7 +97,7 @@ class ComposedSampler:
         if self.credit is not None and self._sparse_credit():
             x0, conf, raw_top = self.credit.propose(logits, ctx, self.softmax_dtype)
         elif self.credit is None and self._fused(logits):
-            x0, conf = fused_proposal(logits, self.confidence)
+            x0, conf = fused_proposal(logits, self.confidence, ctx.mask_id)
         else:
             if self.credit is not None:
                 logits, raw_top = self.credit.apply(logits, ctx)

@@ -32,13 +32,14 @@ from dllm.samplers.base import (
     NOISE_SCOPES,
     StepContext,
     StepResult,
+    argmax_unmasked,
     check_choice,
     check_range,
-    fast_argmax,
     select_topk,
     top2_values,
 )
 from dllm.samplers.composed import FUSED_CHOICES
+from dllm.samplers.scores import unmasked_confidence_stats
 
 ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 
@@ -59,12 +60,16 @@ def top_k_logits(logits: torch.Tensor, top_k: int) -> torch.Tensor:
     return logits.masked_fill(logits < kth, torch.finfo(logits.dtype).min)
 
 
-def dream_proposal(logits, temperature, top_p, top_k, alg, generator, fused: bool = False):
+def dream_proposal(logits, temperature, top_p, top_k, alg, generator, fused: bool = False, mask_id: int | None = None):
     """``(confidence, x0)`` for ``[N, V]`` float logits, Dream's ``sample_tokens`` rule: ``[N]`` scores (the
     softmax dtype: the logits' own, float32 when ``fused``) and ``[N]`` int64 proposals.
 
+    Scores come from the softmax over the whole vocabulary (the reference's); ``mask_id`` is never proposed:
+    the greedy proposal is the best other token, and a categorical draw that lands on it (it has the
+    probability the model gives it) is replaced by the best other token, keeping the random stream.
+
     ``fused`` (greedy only, ``alg`` not ``origin``): proposal and score from :func:`fused_scores` after the
-    top-p / top-k filters."""
+    top-p / top-k filters (the full-vocabulary scores, the mask never proposed)."""
     if temperature > 0:
         logits = logits / temperature
     if top_p is not None and top_p < 1:
@@ -75,10 +80,12 @@ def dream_proposal(logits, temperature, top_p, top_k, alg, generator, fused: boo
         if temperature > 0 or alg == "origin":
             raise ValueError(f"the fused confidence path needs temperature 0 and a confidence alg, got "
                              f"temperature={temperature}, alg={alg!r}; pass fused=False")
-        return fused_scores(logits, alg)
+        return fused_scores(logits, alg, mask_id)
     if temperature > 0:
         probs = torch.softmax(logits, dim=-1)
         x0 = torch.multinomial(probs, 1, replacement=True, generator=generator).squeeze(-1)
+        if mask_id is not None:
+            x0 = torch.where(x0 == mask_id, argmax_unmasked(probs, mask_id), x0)
         conf = probs.gather(-1, x0[:, None]).squeeze(-1)
         return _alg_confidence(probs, conf, alg), x0
     # Greedy: the same row-wise operations, a few rows at a time so that each row's probabilities stay in
@@ -87,7 +94,7 @@ def dream_proposal(logits, temperature, top_p, top_k, alg, generator, fused: boo
     confs, x0s = [], []
     for chunk in logits.split(_CHUNK_ROWS):
         probs = torch.softmax(chunk, dim=-1)
-        x0 = fast_argmax(probs)  # == probs.max(-1).indices (first maximal index)
+        x0 = argmax_unmasked(probs, mask_id)  # == probs.max(-1).indices (first maximal index), mask excluded
         conf = probs.gather(-1, x0[:, None]).squeeze(-1)
         confs.append(_alg_confidence(probs, conf, alg))
         x0s.append(x0)
@@ -99,12 +106,12 @@ def dream_proposal(logits, temperature, top_p, top_k, alg, generator, fused: boo
 _CHUNK_ROWS = 4  # 4 rows x 126,464 fp32 probabilities = 2 MB
 
 
-def fused_scores(logits: torch.Tensor, alg: str) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_scores(logits: torch.Tensor, alg: str, mask_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy ``(confidence [N] float32, x0 [N] int64)`` for ``[N, V]`` float logits from one
     :func:`dllm.kernels.confidence_stats` call (float32 softmax): ``maskgit_plus`` -> ``p_max``,
     ``topk_margin`` -> ``p_max - p_second``, ``entropy`` -> ``-H`` (see the module docstring for how it differs
     from Dream's ``sum p log(p + 1e-10)``)."""
-    stats = kernels.confidence_stats(logits)
+    stats = unmasked_confidence_stats(logits, mask_id)
     if alg == "maskgit_plus":
         conf = stats.p_token  # == p_max at temperature 0
     elif alg == "topk_margin":
@@ -202,7 +209,7 @@ class DreamSampler:
             u = torch.rand(flat_logits.shape[0], generator=ctx.generator, device=logits.device)
             reveal = u < ratio[:, None].expand(B, W)[cand]
             _, x0 = dream_proposal(flat_logits[reveal], self.temperature, self.top_p, self.top_k, self.alg,
-                                   ctx.generator)
+                                   ctx.generator, mask_id=ctx.mask_id)
             flat = torch.full((flat_logits.shape[0],), ctx.mask_id, dtype=torch.long, device=logits.device)
             flat[reveal] = x0
             proposal[cand] = flat
@@ -210,7 +217,7 @@ class DreamSampler:
             commit[cand] = reveal
             return StepResult(proposal, commit)
         conf_flat, x0 = dream_proposal(flat_logits, self.temperature, self.top_p, self.top_k, self.alg,
-                                       ctx.generator, fused=self._fused(logits))
+                                       ctx.generator, fused=self._fused(logits), mask_id=ctx.mask_id)
         proposal[cand] = x0
         conf = torch.full((B, W), float("-inf"), dtype=conf_flat.dtype, device=logits.device)
         conf[cand] = conf_flat

@@ -30,6 +30,7 @@ from dllm.samplers.base import (
     token_prob,
 )
 from dllm.samplers.composed import FUSED_CHOICES
+from dllm.samplers.scores import unmasked_confidence_stats
 
 REMASKING = ("low_confidence", "random")
 __all__ = ["REMASKING", "SOFTMAX_DTYPES", "LLaDASampler", "even_quota"]
@@ -86,7 +87,7 @@ class LLaDASampler:
             logits = logits.clone()
             logits[..., ctx.eos_id] = float("-inf")
         if self._fused(logits, ctx):
-            stats = kernels.confidence_stats(logits)  # one pass: argmax and its float32 softmax probability
+            stats = unmasked_confidence_stats(logits, ctx.mask_id)  # one pass: argmax and its probability
             x0, conf = stats.token, stats.p_token
         else:
             x0 = gumbel_argmax(logits, self.temperature, ctx, self.noise_scope)

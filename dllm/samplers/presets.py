@@ -8,12 +8,12 @@ wrapper. ``block_length`` / ``block_policy`` on the result are the preset's pref
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from dllm.samplers.adablock import AdaBlock
-from dllm.samplers.base import StepContext, StepResult
+from dllm.samplers.base import StepContext, StepResult, check_choice
 from dllm.samplers.composed import ComposedSampler
 from dllm.samplers.guided import guided
 from dllm.samplers.prophet import Prophet
@@ -21,17 +21,17 @@ from dllm.samplers.rules import Ascending, Factor, KLStable, LocalLeap, Quota, T
 from dllm.samplers.transforms import CreditFusion, EOSRejection
 
 
-def _common(temperature, confidence, softmax_dtype, block_length, name, fused="auto"):
+def _common(temperature, confidence, softmax_dtype, block_length, name, fused="auto", noise_scope="region"):
     return {"temperature": temperature, "confidence": confidence, "softmax_dtype": softmax_dtype,
-            "block_length": block_length, "name": name, "fused": fused}
+            "block_length": block_length, "name": name, "fused": fused, "noise_scope": noise_scope}
 
 
 def threshold_sampler(tau: float = 0.9, temperature: float = 0.0, confidence: str = "prob",
-                      softmax_dtype: str = "float32", max_slack: float = 0.0, block_length: int | None = None,
+                      softmax_dtype: str = "float32", noise_scope: str = "region", max_slack: float = 0.0, block_length: int | None = None,
                       fused: str = "auto", name: str = "threshold") -> ComposedSampler:
     """Fast-dLLM threshold rule: commit every candidate with ``conf >= tau`` plus the best one."""
     return ComposedSampler(Threshold(tau, max_slack),
-                           **_common(temperature, confidence, softmax_dtype, block_length, name, fused))
+                           **_common(temperature, confidence, softmax_dtype, block_length, name, fused, noise_scope))
 
 
 def _cache(cache):
@@ -39,63 +39,63 @@ def _cache(cache):
 
 
 def fast_dllm(tau: float = 0.9, temperature: float = 0.0, confidence: str = "prob",
-              softmax_dtype: str = "float32", block_length: int | None = 32, cache: str | None = "dual",
+              softmax_dtype: str = "float32", noise_scope: str = "region", block_length: int | None = 32, cache: str | None = "dual",
               name: str = "fast-dllm") -> ComposedSampler:
     """Fast-dLLM parallel decoding: threshold 0.9, block 32, dual cache (when the caller passes none)."""
     return ComposedSampler(Threshold(tau), cache=_cache(cache),
-                           **_common(temperature, confidence, softmax_dtype, block_length, name))
+                           **_common(temperature, confidence, softmax_dtype, block_length, name, noise_scope=noise_scope))
 
 
 def elastic(tau: float = 0.9, window: int = 16, gamma: float = 0.9, track_num: int = 1, temperature: float = 0.0,
-            confidence: str = "prob", softmax_dtype: str = "float32", name: str = "elastic") -> ComposedSampler:
+            confidence: str = "prob", softmax_dtype: str = "float32", noise_scope: str = "region", name: str = "elastic") -> ComposedSampler:
     """Elastic-Cache: threshold 0.9 over a window sliding over the first ``window`` (16) remaining masks
     (:class:`~dllm.samplers.blocks.SlidingWindow`), elastic cache (gamma 0.9, one tracked token per layer)."""
     from dllm.samplers.blocks import SlidingWindow
 
     return ComposedSampler(Threshold(tau), cache=("elastic", (("gamma", gamma), ("track_num", track_num))),
                            block_policy=SlidingWindow(window),
-                           **_common(temperature, confidence, softmax_dtype, None, name))
+                           **_common(temperature, confidence, softmax_dtype, None, name, noise_scope=noise_scope))
 
 
-def dkv(refresh_every: int = 8, temperature: float = 0.0, confidence: str = "prob", softmax_dtype: str = "float32",
+def dkv(refresh_every: int = 8, temperature: float = 0.0, confidence: str = "prob", softmax_dtype: str = "float32", noise_scope: str = "region",
         block_length: int | None = None, name: str = "dkv") -> ComposedSampler:
     """dKV-Cache-Decode over LLaDA's low-confidence even quota (cache_reloading_step 8). The softmax is float32
     like every preset's; ``softmax_dtype="float64"`` is the reference's (older LLaDA code), at about 10x the
     per-step sampler cost at a 126k vocabulary on CPU."""
     return ComposedSampler(Quota(), cache=("dkv-decode", (("refresh_every", refresh_every),)),
-                           **_common(temperature, confidence, softmax_dtype, block_length, name))
+                           **_common(temperature, confidence, softmax_dtype, block_length, name, noise_scope=noise_scope))
 
 
 def factor_sampler(factor: float = 1.0, quirk: bool = False, temperature: float = 0.0, confidence: str = "prob",
-                   softmax_dtype: str = "float32", block_length: int | None = None, fused: str = "auto",
+                   softmax_dtype: str = "float32", noise_scope: str = "region", block_length: int | None = None, fused: str = "auto",
                    name: str = "factor") -> ComposedSampler:
     """Fast-dLLM factor rule: longest sorted prefix with ``c_n >= 1 - factor / (n + 1)``."""
     return ComposedSampler(Factor(factor, quirk),
-                           **_common(temperature, confidence, softmax_dtype, block_length, name, fused))
+                           **_common(temperature, confidence, softmax_dtype, block_length, name, fused, noise_scope))
 
 
 def localleap(kappa: float = 0.9, tau: float | None = 0.75, radius: int = 4, temperature: float = 0.0,
-              confidence: str = "prob", softmax_dtype: str = "float32", block_length: int | None = 32,
+              confidence: str = "prob", softmax_dtype: str = "float32", noise_scope: str = "region", block_length: int | None = 32,
               name: str = "localleap") -> ComposedSampler:
     """LocalLeap: anchors ``conf >= kappa``, relaxed ``tau`` within ``radius`` of an anchor; block 32."""
-    return ComposedSampler(LocalLeap(kappa, tau, radius), **_common(temperature, confidence, softmax_dtype, block_length, name))
+    return ComposedSampler(LocalLeap(kappa, tau, radius), **_common(temperature, confidence, softmax_dtype, block_length, name, noise_scope=noise_scope))
 
 
 def credit(alpha: float = 0.7, beta: float = 0.8, gamma: float = 0.2, tau: float = 0.9, slots: int = 8,
-           temperature: float = 0.0, confidence: str = "prob", softmax_dtype: str = "float32",
+           temperature: float = 0.0, confidence: str = "prob", softmax_dtype: str = "float32", noise_scope: str = "region",
            block_length: int | None = 32, name: str = "credit") -> ComposedSampler:
     """CreditDecoding (dInfer): trace credits fused into the logits, then the threshold rule; block 32."""
     return ComposedSampler(Threshold(tau), credit=CreditFusion(alpha, beta, gamma, slots),
-                           **_common(temperature, confidence, softmax_dtype, block_length, name))
+                           **_common(temperature, confidence, softmax_dtype, block_length, name, noise_scope=noise_scope))
 
 
 def credit_localleap(alpha: float = 0.7, beta: float = 0.8, gamma: float = 0.2, slots: int = 8, kappa: float = 0.9,
                      tau: float | None = 0.75, radius: int = 4, temperature: float = 0.0, confidence: str = "prob",
-                     softmax_dtype: str = "float32", block_length: int | None = 32,
+                     softmax_dtype: str = "float32", noise_scope: str = "region", block_length: int | None = 32,
                      name: str = "credit-localleap") -> ComposedSampler:
     """CreditDecoding's fused logits with the LocalLeap rule (a composition, not a paper preset)."""
     return ComposedSampler(LocalLeap(kappa, tau, radius), credit=CreditFusion(alpha, beta, gamma, slots),
-                           **_common(temperature, confidence, softmax_dtype, block_length, name))
+                           **_common(temperature, confidence, softmax_dtype, block_length, name, noise_scope=noise_scope))
 
 
 def prophet(base: str = "llada", early: float = 7.5, mid: float = 5.0, late: float = 2.5, span="region",
@@ -112,32 +112,32 @@ def prophet(base: str = "llada", early: float = 7.5, mid: float = 5.0, late: flo
 
 def adablock(tau: float = 0.9, block_length: int | None = None, delimiter_threshold: float | None = None,
              delimiters="newline", window: float = 0.25, temperature: float = 0.0, confidence: str = "prob",
-             softmax_dtype: str = "float32", name: str = "adablock") -> ComposedSampler:
+             softmax_dtype: str = "float32", noise_scope: str = "region", name: str = "adablock") -> ComposedSampler:
     """AdaBlock-dLLM: delimiter-aligned blocks (fallback ``block_length``, default 32) with threshold 0.9."""
     policy = AdaBlock(block_length, delimiter_threshold, delimiters, window)
     return ComposedSampler(Threshold(tau), block_policy=policy,
-                           **_common(temperature, confidence, softmax_dtype, None, name))
+                           **_common(temperature, confidence, softmax_dtype, None, name, noise_scope=noise_scope))
 
 
 def eoser(gamma_min: float = 0.4, progress: str = "step", temperature: float = 0.0, confidence: str = "prob",
-          softmax_dtype: str = "float32", block_length: int | None = None, name: str = "eoser") -> ComposedSampler:
+          softmax_dtype: str = "float32", noise_scope: str = "region", block_length: int | None = None, name: str = "eoser") -> ComposedSampler:
     """EOS early rejection over LLaDA's even quota (full diffusion: one block)."""
     return ComposedSampler(Quota(), eos_rejection=EOSRejection(gamma_min, progress),
-                           **_common(temperature, confidence, softmax_dtype, block_length, name))
+                           **_common(temperature, confidence, softmax_dtype, block_length, name, noise_scope=noise_scope))
 
 
 def ascending(steps: int | None = None, per_region: bool = False, temperature: float = 0.0, confidence: str = "prob",
-              softmax_dtype: str = "float32", block_length: int | None = None, name: str = "ascending") -> ComposedSampler:
+              softmax_dtype: str = "float32", noise_scope: str = "region", block_length: int | None = None, name: str = "ascending") -> ComposedSampler:
     """Ascending step size: ``2**i`` tokens at step ``i`` (one block of 256: 8 steps)."""
-    return ComposedSampler(Ascending(steps, per_region), **_common(temperature, confidence, softmax_dtype, block_length, name))
+    return ComposedSampler(Ascending(steps, per_region), **_common(temperature, confidence, softmax_dtype, block_length, name, noise_scope=noise_scope))
 
 
 def eoser_ass(gamma_min: float = 0.01, steps: int | None = None, per_region: bool = False, temperature: float = 0.0,
-              confidence: str = "prob", softmax_dtype: str = "float32", block_length: int | None = None,
+              confidence: str = "prob", softmax_dtype: str = "float32", noise_scope: str = "region", block_length: int | None = None,
               name: str = "eoser-ass") -> ComposedSampler:
     """EOSER + ASS (paper configuration: one block, ``gamma_min = 0.01``, EOSER progress of the ascending schedule)."""
     return ComposedSampler(Ascending(steps, per_region), eos_rejection=EOSRejection(gamma_min, "ass"),
-                           **_common(temperature, confidence, softmax_dtype, block_length, name))
+                           **_common(temperature, confidence, softmax_dtype, block_length, name, noise_scope=noise_scope))
 
 
 @dataclass(frozen=True)
@@ -149,6 +149,23 @@ class KLASSSampler(ComposedSampler):
     window rows (:meth:`KLStable.fused_step`) instead of separate passes over the whole ``[B, W, V]`` window:
     the same tokens, confidences, commits and KL values, bit for bit (tested); every other case is
     :meth:`ComposedSampler.step`."""
+
+    style: str = "llada"
+    auto_block: bool = False
+
+    def styled(self, style: str) -> KLASSSampler:
+        """This sampler with the rule (and, with ``auto_block``, the block length) of a reference style."""
+        dream = style == "dream"
+        rule = replace(self.rule, inclusive=dream, fallback=None if dream else Quota())
+        block = (None if dream else 64) if self.auto_block else self.block_length
+        return replace(self, rule=rule, style=style, block_length=block)
+
+    def bind_model(self, model) -> KLASSSampler:
+        """Resolve ``style="auto"`` from the model family (Dream-format: ``"dream"``, else ``"llada"``)."""
+        if self.style != "auto":
+            return self
+        family = getattr(getattr(model, "spec", None), "family", "llada")
+        return self.styled("dream" if family == "dream" else "llada")
 
     def _chunked(self, logits: torch.Tensor) -> bool:
         rule = self.rule
@@ -166,12 +183,24 @@ class KLASSSampler(ComposedSampler):
         return StepResult(torch.where(ctx.cand, x0, ctx.x), commit, info)
 
 
-def klass(conf_threshold: float = 0.6, kl_threshold: float = 0.015, history: int = 2, temperature: float = 0.0,
-          confidence: str = "prob", softmax_dtype: str = "float32", block_length: int | None = 64,
-          name: str = "klass") -> ComposedSampler:
-    """KLASS (GSM8K script): KL-stable and ``conf > 0.6`` tokens, else the even quota; block 64."""
-    return KLASSSampler(KLStable(conf_threshold, kl_threshold, history),
-                        **_common(temperature, confidence, softmax_dtype, block_length, name))
+KLASS_STYLES = ("auto", "llada", "dream")
+
+
+def klass(conf_threshold: float = 0.6, kl_threshold: float = 0.015, history: int = 2, style: str = "auto",
+          temperature: float = 0.0, confidence: str = "prob", softmax_dtype: str = "float32", noise_scope: str = "region",
+          block_length: int | str | None = "auto", name: str = "klass") -> ComposedSampler:
+    """KLASS: KL-stable and confident tokens, else a fallback. ``style`` follows the reference of the model
+    family (``"auto"``: chosen when the sampler is bound to the model): ``"llada"`` is KLASS's LLaDA script
+    (``conf > conf_threshold``, else the even quota; block 64), ``"dream"`` its Dream code
+    (``conf >= conf_threshold``, else the most confident candidate alone; the whole canvas as one region).
+    ``block_length="auto"`` takes the style's."""
+    check_choice("style", style, KLASS_STYLES)
+    sampler = KLASSSampler(KLStable(conf_threshold, kl_threshold, history),
+                           **_common(temperature, confidence, softmax_dtype, 64, name, noise_scope=noise_scope), style="auto",
+                           auto_block=block_length == "auto")
+    if block_length != "auto":
+        sampler = replace(sampler, block_length=block_length)
+    return sampler if style == "auto" else sampler.styled(style)
 
 
 #: name -> (factory, description); registered by :mod:`dllm.samplers`.
@@ -190,5 +219,6 @@ PRESETS = {
     "ascending": (ascending, "Ascending step size: 2**i tokens at step i"),
     "eoser-ass": (eoser_ass, "EOSER (g 0.01 -> 1) + ascending step size, one block"),
     "guided": (guided, "AR-guided unmasking: dLLM drafts, a causal LM guide (default ar-tiny) verifies left to right"),
-    "klass": (klass, "KLASS: KL-stable (0.015, 2 steps) and conf > 0.6, else even quota; block 64"),
+    "klass": (klass, "KLASS: KL-stable (0.015, 2 steps) and confident (0.6) tokens, else the family reference's "
+                     "fallback (LLaDA: even quota, block 64; Dream: the most confident token, whole canvas)"),
 }

@@ -25,10 +25,10 @@ import torch
 from dllm.samplers.base import (
     SOFTMAX_DTYPES,
     StepContext,
+    argmax_unmasked,
     check_range,
     ensure_progress,
     even_quota,
-    fast_argmax,
     select_topk,
 )
 
@@ -190,8 +190,9 @@ class LocalLeap:
 @dataclass(frozen=True)
 class KLStable:
     """KLASS: commit the candidates whose predictive distribution is stable, ``KL(p_t || p_{t-1}) <
-    kl_threshold`` at each of the last ``history`` steps, and confident, ``conf > conf_threshold``; a row
-    with none falls back to ``fallback`` (the quota schedule).
+    kl_threshold`` at each of the last ``history`` steps, and confident, ``conf > conf_threshold``
+    (``conf >= conf_threshold`` with ``inclusive``); a row with none falls back to ``fallback`` (the quota
+    schedule, as KLASS's LLaDA script; ``None``: the most confident candidate alone, as its Dream code).
 
     The KL history is kept per region (:attr:`StepContext.state`): a position becomes eligible at the
     region's step ``history`` at the earliest. The reference (one full-canvas forward per step) also has the
@@ -211,6 +212,7 @@ class KLStable:
     kl_threshold: float = 0.01
     history: int = 2
     fallback: Any = field(default_factory=Quota)
+    inclusive: bool = False
     needs_probs: ClassVar[bool] = True
 
     def __post_init__(self):
@@ -220,8 +222,13 @@ class KLStable:
                     fix="; the GSM8K script uses 0.015")
         if not isinstance(self.history, int) or isinstance(self.history, bool) or self.history < 1:
             raise ValueError(f"history={self.history!r} is out of range; it must be an integer >= 1 (KLASS uses 2)")
-        if not hasattr(self.fallback, "select"):
-            raise TypeError(f"fallback must be a commit rule, got {self.fallback!r}")
+        if self.fallback is not None and not hasattr(self.fallback, "select"):
+            raise TypeError(f"fallback must be a commit rule or None (the most confident candidate), got "
+                            f"{self.fallback!r}")
+
+    def confident(self, conf: torch.Tensor, thr) -> torch.Tensor:
+        """``conf >= thr`` (``inclusive``, KLASS's Dream code) or ``conf > thr`` (its LLaDA script)."""
+        return conf >= thr if self.inclusive else conf > thr
 
     def kl_step(self, logits: torch.Tensor, probs: torch.Tensor, ctx: StepContext,
                 conf: torch.Tensor) -> torch.Tensor:
@@ -234,7 +241,7 @@ class KLStable:
         dt = probs.dtype
         R = self._chunk_rows(logits, dt)
         hist = _KLHistory(self, logits, ctx, dt)
-        hot = ctx.cand & (conf > self.conf_threshold)
+        hot = ctx.cand & self.confident(conf, self.conf_threshold)
         rows = hot.any(0)
         if R < W:  # (one host sync) the chunks holding a confident candidate
             rows = torch.nn.functional.pad(rows, (0, -W % R)).view(-1, R).any(-1)
@@ -251,7 +258,7 @@ class KLStable:
         window rows (``(x0, conf, stable)``, each ``[B, W]``): per chunk the argmax and the softmax (never
         materialised for the whole window), the log-normaliser from the two (``l[x0] - log conf``: the
         largest probability is the one at the argmax) and, for a chunk holding a confident candidate, this
-        step's KL while its probabilities are in cache. Bit-identical to ``fast_argmax``,
+        step's KL while its probabilities are in cache. Bit-identical to ``argmax_unmasked``,
         ``softmax(logits)[x0]`` and :meth:`kl_step` (the ``klass`` preset's CPU path; tested); ``stable`` as
         in :meth:`kl_step`."""
         B, W, _ = logits.shape
@@ -266,16 +273,16 @@ class KLStable:
         for a in range(0, W, R):
             b = min(a + R, W)
             la = logits[:, a:b]
-            xa = fast_argmax(la)
+            xa = argmax_unmasked(la, ctx.mask_id)
             ld = la.to(dt)
             pa = torch.softmax(ld, dim=-1)
             x0[:, a:b] = xa
             ca = conf[:, a:b] = pa.gather(-1, xa[..., None]).squeeze(-1)
             lmax[:, a:b] = ld.gather(-1, xa[..., None]).squeeze(-1)
-            if (ca > thr[:, a:b]).any():  # a confident candidate (on CPU, where this runs, no device sync)
+            if self.confident(ca, thr[:, a:b]).any():  # a confident candidate (on CPU: no device sync)
                 hist.rows(a, b, ld, pa, lse=False)
         hist.cur.lse = lmax - torch.log(conf)
-        return x0, conf, hist.finish(conf > thr)
+        return x0, conf, hist.finish(self.confident(conf, thr))
 
     #: bytes of logits per chunk on CPU: a few rows, so that a chunk's logits and probabilities stay cached
     #: between its ops (8 rows at LLaDA's vocabulary and batch 1: with the lazy KL, 4 MiB measured at or
@@ -294,9 +301,12 @@ class KLStable:
                probs=None) -> tuple[torch.Tensor, dict[str, Any]]:
         """The commit from the stable mask: stable and confident candidates, else the fallback's (within the
         candidates, at least each row's best one). ``stable`` is read only at the confident candidates."""
-        ready = ctx.cand & stable & (conf > self.conf_threshold)
+        ready = ctx.cand & stable & self.confident(conf, self.conf_threshold)
         has = ready.any(-1)
-        fb, _ = self.fallback.select(conf, ctx, logits=logits, probs=probs)
+        if self.fallback is None:  # ensure_progress adds each row's most confident candidate
+            fb = torch.zeros_like(ready)
+        else:
+            fb, _ = self.fallback.select(conf, ctx, logits=logits, probs=probs)
         commit = torch.where(has[:, None], ready, fb & ctx.cand)
         return ensure_progress(commit, conf, ctx.cand, only_empty=True), {"klass_ready": ready.sum(-1)}
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dllm.samplers.base import SOFTMAX_DTYPES, StepContext, check_range, fast_argmax, token_prob
+from dllm.samplers.base import SOFTMAX_DTYPES, StepContext, argmax_unmasked, check_range, token_prob
 
 EOS_PROGRESS = ("step", "step-total", "decoded", "ass")
 
@@ -71,7 +71,7 @@ class CreditFusion:
     def apply(self, logits: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense path: ``(fused logits [B, W, V] float32, raw top-1 token [B, W])``; updates the credits."""
         lf = logits.float()
-        top = fast_argmax(lf)
+        top = argmax_unmasked(lf, ctx.mask_id)
         p_top = token_prob(lf, top)
         tok, val = self.update(top, p_top, ctx)
         fused = lf.clone() if lf is logits else lf
@@ -85,11 +85,12 @@ class CreditFusion:
         ``softmax(fused)[v] = p[v] (1 + C[v]) ** alpha / (1 + sum_k p[k] ((1 + C[k]) ** alpha - 1))``."""
         dt = SOFTMAX_DTYPES[softmax_dtype] or logits.dtype
         p = torch.softmax(logits.to(dt), dim=-1)
-        top = fast_argmax(logits)
+        top = argmax_unmasked(logits, ctx.mask_id)
         p_top = p.gather(-1, top[..., None]).squeeze(-1)
         tok, val = self.update(top, p_top, ctx)
         boost = (self.alpha * torch.log1p(val)).to(dt)  # fused - raw logit at the credited tokens
         z = logits.gather(-1, tok).to(dt) + boost
+        z = z.masked_fill(val <= 0, float("-inf"))  # empty slots (their token id is a placeholder)
         z_top = logits.gather(-1, top[..., None]).to(dt)
         vals = torch.cat([z, z_top], -1)
         ids = torch.cat([tok, top[..., None]], -1)
