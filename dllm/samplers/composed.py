@@ -1,6 +1,6 @@
 """One sampler built from stages: logits transform -> proposal + confidence -> confidence modifier -> rule.
 
-Per step, on the window's ``[B, W, V]`` logits (mask column already at ``-inf``):
+Per step, on the window's ``[B, W, V]`` logits (the whole vocabulary; the mask id is never proposed):
 
 1. ``credit`` (optional, :class:`~dllm.samplers.transforms.CreditFusion`): fused logits
    ``l + alpha * log(1 + C)``; proposal and confidence come from them (at temperature 0 with the ``prob``

@@ -198,7 +198,7 @@ class DreamSampler:
         return self.fused == "on" or (logits.dtype == torch.float32 and kernels.uses_triton(logits))
 
     def step(self, logits: torch.Tensor, ctx: StepContext) -> StepResult:
-        """``logits``: ``[B, W, V]`` float (mask column at ``-inf``); returns ``[B, W]`` int64 proposals and a
+        """``logits``: ``[B, W, V]`` float (the whole vocabulary); returns ``[B, W]`` int64 proposals and a
         ``[B, W]`` bool commit mask."""
         B, W, _ = logits.shape
         cand = ctx.cand

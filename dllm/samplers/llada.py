@@ -81,7 +81,7 @@ class LLaDASampler:
         check_choice("fused", self.fused, FUSED_CHOICES)
 
     def step(self, logits: torch.Tensor, ctx: StepContext) -> StepResult:
-        """``logits``: ``[B, W, V]`` float (mask column at ``-inf``); returns ``[B, W]`` int64 proposals and a
+        """``logits``: ``[B, W, V]`` float (the whole vocabulary); returns ``[B, W]`` int64 proposals and a
         ``[B, W]`` bool commit mask."""
         if self.logits_eos_inf and ctx.eos_id is not None:
             logits = logits.clone()
