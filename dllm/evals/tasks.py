@@ -48,7 +48,6 @@ __all__ = [
     "Example",
     "Task",
     "count_sudoku_solutions",
-    "format_answer",
     "generate",
     "generate_addition",
     "generate_latin_square",
@@ -819,13 +818,6 @@ def score(prediction: str, example: Example) -> float:
 def score_strict(prediction: str, example: Example) -> float:
     """Strict (exact-format) score of ``prediction`` against ``example``."""
     return get_task(example.task).score_strict(prediction, example)
-
-
-def format_answer(task: str | Task | None, example: Example) -> str:
-    """The answer text to train on / compare with: the reference, or one valid answer (multi-answer)."""
-    if task is not None:
-        get_task(task)
-    return example.target
 
 
 def prompt_words() -> list[str]:

@@ -38,7 +38,6 @@ from dllm.kernels import reference
 from dllm.kernels.reference import ConfidenceStats
 
 _LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
 
 
 # Triton's @jit picks the interpreter when it decorates, so the mode is fixed when this module is imported.

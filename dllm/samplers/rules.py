@@ -470,7 +470,3 @@ class _KLHistory:
             for r in a[rows].tolist():
                 self._lse(s, r, r + 1)
         return s.lse[:, a]
-
-
-RULES = {"quota": Quota, "ascending": Ascending, "threshold": Threshold, "factor": Factor,
-         "localleap": LocalLeap, "klass": KLStable}
