@@ -89,7 +89,7 @@ class StandardTask:
         program = self.program(sample, output)
         res = run_program(program, timeout=timeout, memory_mb=memory_mb)
         return {"answer": A.extract_code(output), "correct": res.passed, "status": res.status,
-                "detail": res.detail[-500:]}
+                "detail": res.detail[-500:], "sandbox": res.isolation}
 
     def program(self, sample: Sample, output: str) -> str:
         row = sample.row
