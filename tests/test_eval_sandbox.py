@@ -125,7 +125,7 @@ def test_no_process_outlives_the_run(mode):
         time.sleep(0.2)
         assert _procs_with(token) == [], f"{mode}: background processes survived"
         # and the same when the run is stopped by its timeout
-        r = run_program(prog + "time.sleep(60)\n", guard=False, isolation=mode, timeout=1.5)
+        r = run_program(prog + "time.sleep(60)\n", guard=False, isolation=mode, timeout=1.0)
         assert r.status == "timeout"
         time.sleep(0.2)
         assert _procs_with(token) == [], f"{mode}: background processes survived a timeout"
