@@ -234,8 +234,8 @@ def _run(cmd: list[str], workdir: str, nonce: str, cfg: dict, timeout: float, mo
     got_nonce, _, rest = result.partition("\t")
     status, _, detail = rest.partition("\t")
     if got_nonce == nonce and status in ("passed", "failed", "memory"):
-        if status == "failed" and output.strip():
-            detail = f"{detail}\n--- output (tail) ---\n{_tail_lines(output)}"
+        if status == "failed" and output.strip():  # the error last: callers keep the end of `detail`
+            detail = f"output (last lines):\n{_tail_lines(output)}\n\n{detail}"
         return SandboxResult(status, status == "passed", rc, detail, secs, mode)
     if timed_out:
         return SandboxResult("timeout", False, None, f"killed after {timeout:g} s wall time", secs, mode)
