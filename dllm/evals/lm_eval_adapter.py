@@ -9,6 +9,8 @@ register it and then run lm_eval's own CLI with the remaining arguments)::
     accelerate launch --num_processes 8 -m dllm.evals.lm_eval_adapter --model dllm ...   # one model per GPU
 
 From Python: ``import dllm.evals.lm_eval_adapter`` then ``lm_eval.simple_evaluate(model="dllm", ...)``.
+Importing it also routes lm_eval's code tasks (``evaluate.load("code_eval")``) to the dllm sandbox
+(:mod:`dllm.evals.code_eval`).
 
 ``model_args``: ``pretrained`` (a checkpoint directory or a bundled name), ``sampler`` (a registered sampler;
 default: the family baseline), ``gen_length``, ``block_length``, ``steps``, ``cfg_scale``, ``cache``,
@@ -266,6 +268,9 @@ class DLLMLM(LM):
 
 if __name__ != "__main__":  # run as a script, the module below registers itself under its real name
     register_model("dllm")(DLLMLM)
+    from dllm.evals.code_eval import route_code_eval_to_sandbox
+
+    route_code_eval_to_sandbox()  # lm_eval's code tasks execute programs in the dllm sandbox
 
 
 def run_lm_eval_cli(argv: list[str] | None = None) -> int:

@@ -77,7 +77,9 @@ class StandardTask:
 
     # ------------------------------------------------------------------ scoring
     def score(self, sample: Sample, output: str, *, timeout: float = 10.0, memory_mb: int = 1024) -> dict:
-        """``{"answer", "correct", ...}`` for one output (already cut at the stop strings)."""
+        """``{"answer", "correct", ...}`` for one output (already cut at the stop strings). Code runs in
+        :func:`dllm.evals.sandbox.run_program` and is correct only when its tests ran and returned; code results
+        add ``status``, ``detail`` and ``sandbox`` (the isolation used)."""
         if self.name == "gsm8k":
             ans = A.extract_gsm8k_answer(output)
             return {"answer": ans, "correct": A.numbers_equal(ans, sample.reference)}
@@ -89,7 +91,7 @@ class StandardTask:
         program = self.program(sample, output)
         res = run_program(program, timeout=timeout, memory_mb=memory_mb)
         return {"answer": A.extract_code(output), "correct": res.passed, "status": res.status,
-                "detail": res.detail[-500:]}
+                "detail": res.detail[-500:], "sandbox": res.isolation}
 
     def program(self, sample: Sample, output: str) -> str:
         row = sample.row
