@@ -136,8 +136,9 @@ def _refuse_mismatch(spec: ModelSpec, cfg: TransformerConfig, unexpected: list[s
     n_held = max(held) + 1 if held else 0
     extra = sorted(i for i in held if i >= cfg.n_layers)
     if extra:
-        example = next(k for k in unexpected if _layer_index(k, spec) == extra[0])
-        raise ValueError(f"the weights hold {_span(extra)} (e.g. {example!r}) that config.json's {layers}="
+        surplus = [k for k in unexpected if _layer_index(k, spec) in extra]
+        raise ValueError(f"the weights hold {_span(extra)} ({len(surplus)} tensors: {surplus[0]!r}, ...) that "
+                         f"config.json's {layers}="
                          f"{cfg.n_layers} does not use: the checkpoint has {n_held} layers; set {layers} to {n_held}")
     absent = sorted({i for i in (_layer_index(k, spec) for k in missing) if i is not None and i >= n_held})
     if absent:
