@@ -253,6 +253,14 @@ def test_garbage_weights_name_the_file(tmp_path):
         load_model(d)
 
 
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json"])
+def test_corrupt_tokenizer_names_the_directory(name, tmp_path):
+    d = copy_bundled("llada", tmp_path)
+    (d / name).write_text('{"model": ')
+    with raises(ValueError, "tokenizer files in", re.escape(str(d)), "cannot be loaded", "tokenizer=False"):
+        load_model(d)
+
+
 def test_truncated_shard_and_bad_index(tmp_path):
     model = load_model(BUNDLED["dream"])
     d = save_pretrained(model, tmp_path / "sharded", max_shard_bytes=300_000)

@@ -102,6 +102,9 @@ def _load_tokenizer(path: Path):
         with warnings.catch_warnings():  # nor its deprecation notes about config fields it does not use here
             warnings.simplefilter("ignore", FutureWarning)
             return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # tokenizers and transformers raise many types; all mean the same to the user
+        raise ValueError(f"the tokenizer files in {path} cannot be loaded ({type(e).__name__}: {e}); copy them "
+                         "again from the original checkpoint, or pass tokenizer=False") from None
     finally:
         hf_logging.set_verbosity(level)
 
