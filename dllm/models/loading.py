@@ -152,7 +152,8 @@ def load_model(
     with torch.device("meta"):
         model = Transformer(cfg, spec)
     placement = _device_map(model, device_map, dt) if device_map is not None else None
-    plan = inspect_files(files, spec, cfg, read_index(path))
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    plan = inspect_files(files, spec, cfg, read_index(path), shapes)
     tok = _load_tokenizer(path) if tokenizer else None
     ids = _special_ids(hf_cfg, spec, cfg.vocab_size, tok)
     state = read_tensors(plan, dt, (lambda name: _placed(name, placement)) if placement else (lambda name: target))

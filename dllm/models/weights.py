@@ -72,11 +72,12 @@ def _span(indices: list[int]) -> str:
 
 
 def inspect_files(files: list[Path], spec: ModelSpec, cfg: TransformerConfig,
-                  weight_map: dict[str, str] | None = None) -> Plan:
+                  weight_map: dict[str, str] | None = None, expected: dict[str, tuple[int, ...]] | None = None) -> Plan:
     """Check the tensors in ``files`` against ``cfg`` from the headers only: every tensor is used, none is missing,
     none is stored twice, shapes agree with the config, dtypes are floating point and the index (``weight_map``)
-    matches the shards. Returns which tensors to read from which file."""
-    expected = Transformer.expected_shapes(cfg)
+    matches the shards. ``expected``: our parameter name -> shape, when the caller has the (meta) model already.
+    Returns which tensors to read from which file."""
+    expected = expected or Transformer.expected_shapes(cfg)
     wanted = spec.key_map(cfg)  # ours -> theirs
     ours_of = {v: k for k, v in wanted.items()}
     plan: Plan = {}
