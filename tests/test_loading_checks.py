@@ -398,3 +398,10 @@ def test_shard_size_as_string(tmp_path, reference):
     for p in d.glob("*.safetensors"):  # a shard over the limit holds one tensor larger than the limit
         assert p.stat().st_size <= 300_000 or len(load_file(str(p))) == 1, p.name
     assert torch.equal(logits_of(load_model(d, dtype=torch.float32)), reference["llada"])
+
+
+@pytest.mark.parametrize("bad", [0, -5, True, "lots"])
+def test_bad_shard_size_refused(bad, tmp_path):
+    model = load_model(BUNDLED["dream"], tokenizer=False)
+    with raises(ValueError, "shard|unit"):
+        save_pretrained(model, tmp_path / "s", max_shard_bytes=bad)
