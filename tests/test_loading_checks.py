@@ -111,6 +111,13 @@ def test_non_positive_sizes_refused(field, value, tmp_path):
         load_model(d)
 
 
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_tie_flag_must_be_boolean(family, tmp_path):
+    d = copy_bundled(family, tmp_path, **{TIE_KEY[family]: "false"})
+    with raises(ValueError, TIE_KEY[family], "true or false", "'false'"):
+        load_model(d)
+
+
 def test_zero_layers_dream(tmp_path):
     d = copy_bundled("dream", tmp_path, num_hidden_layers=0)
     with raises(ValueError, "num_hidden_layers", "positive integer"):

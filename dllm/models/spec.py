@@ -82,6 +82,13 @@ def _positive_float(c: dict, key: str, family: str, default: float) -> float:
     return float(v)
 
 
+def _flag(c: dict, key: str, family: str) -> bool:
+    v = c.get(key, False)
+    if not isinstance(v, bool) and v is not None:
+        raise ValueError(f"config.json of a {family} checkpoint: {key} must be true or false, got {v!r}")
+    return bool(v)
+
+
 def _check_fields(c: dict, family: str, rules: dict[str, tuple[tuple, str]], ignored: frozenset[str],
                   extra_bad: list[str]) -> None:
     """Refuse fields set to values the Transformer does not implement; log fields no rule or list knows.
@@ -162,8 +169,8 @@ def _llada_from_hf(c: dict) -> TransformerConfig:
         max_seq_len=_positive_int(c, "max_sequence_length", "LLaDA", 4096),
         rope_theta=_positive_float(c, "rope_theta", "LLaDA", 10000.0),
         norm_eps=_positive_float(c, "rms_norm_eps", "LLaDA", 1e-5),
-        qkv_bias=bool(c.get("include_qkv_bias", False)),
-        tie_embeddings=bool(c.get("weight_tying", False)),
+        qkv_bias=_flag(c, "include_qkv_bias", "LLaDA"),
+        tie_embeddings=_flag(c, "weight_tying", "LLaDA"),
     )
 
 
@@ -284,7 +291,7 @@ def _dream_from_hf(c: dict) -> TransformerConfig:
         rope_theta=theta,
         norm_eps=_positive_float(c, "rms_norm_eps", "Dream", 1e-6),
         qkv_bias=True,
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        tie_embeddings=_flag(c, "tie_word_embeddings", "Dream"),
     )
 
 
