@@ -1,4 +1,4 @@
-"""Load and save checkpoints in the published LLaDA / Dream formats from a local directory."""
+"""Load and save checkpoints in the published LLaDA / Dream formats (a local directory or a bundled name)."""
 
 from __future__ import annotations
 
@@ -156,7 +156,8 @@ def load_model(
     plan = inspect_files(files, spec, cfg, read_index(path), shapes)
     tok = _load_tokenizer(path) if tokenizer else None
     ids = _special_ids(hf_cfg, spec, cfg.vocab_size, tok)
-    state = read_tensors(plan, dt, (lambda name: _placed(name, placement)) if placement else (lambda name: target))
+    devices = {ours: _placed(ours, placement) if placement else target for keys in plan.values() for _, ours in keys}
+    state = read_tensors(plan, dt, devices.__getitem__)
     if cfg.tie_embeddings:  # one stored matrix; the module lists it under both names
         state["head.weight"] = state["embed.weight"]
     model.load_state_dict(state, assign=True, strict=True)
