@@ -370,6 +370,9 @@ def test_weights_read_straight_to_device(monkeypatch, reference):
     model = load_model(BUNDLED["dream"], dtype=torch.float32, device="cpu")
     assert spy.read_on == ["cpu"] * len(spy.refs) and model.device.type == "cpu"
     assert torch.equal(logits_of(model), reference["dream"])
+    spy.read_on.clear()
+    model = load_model(BUNDLED["dream"], dtype=torch.float32, device="cpu:0")  # as accelerate names the CPU
+    assert set(spy.read_on) == {"cpu"} and torch.equal(logits_of(model), reference["dream"])
 
 
 def test_bf16_load_keeps_no_fp32_copy(monkeypatch, reference):

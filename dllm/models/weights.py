@@ -43,7 +43,8 @@ def check_device(device, what: str = "device") -> torch.device:
 
 
 def _safetensors_device(dev: torch.device) -> str:
-    return dev.type if dev.index is None else f"{dev.type}:{dev.index}"
+    """safetensors' spelling: "cpu" (it refuses "cpu:0", which accelerate hands out), "cuda:1"..."""
+    return dev.type if dev.index is None or dev.type == "cpu" else f"{dev.type}:{dev.index}"
 
 
 def _open(f: Path, device: str = "cpu"):
