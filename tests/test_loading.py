@@ -194,18 +194,24 @@ def test_special_ids_from_config_and_tokenizer(saved, tmp_path):
     assert loaded.pad_id == tok.pad_token_id
     assert loaded.eot_id == tok.convert_tokens_to_ids(EOT_TOKEN[family])
     assert loaded.tokenizer is not None and len(loaded.tokenizer) == len(tok)
-    # config.json is what counts: edit the ids there
+    # config.json must agree with the tokenizer on the mask id; the other ids come from config.json
     cfg = json.loads((d / "config.json").read_text())
-    cfg.update(mask_token_id=7, eos_token_id=[6, 0], pad_token_id=3)
     e = tmp_path / "edited"
     e.mkdir()
     for f in d.iterdir():
         (e / f.name).write_bytes(f.read_bytes())
+    eos = tok.convert_tokens_to_ids(EOT_TOKEN[family])  # another special token
+    cfg.update(eos_token_id=[eos, 0], pad_token_id=3)
     (e / "config.json").write_text(json.dumps(cfg))
     edited = load_model(e, dtype=torch.float32)
-    assert (edited.mask_id, edited.eos_id, edited.pad_id) == (7, 6, 3)
+    assert (edited.mask_id, edited.eos_id, edited.pad_id) == (tok.mask_token_id, eos, 3)
     assert edited.eot_id == tok.convert_tokens_to_ids(EOT_TOKEN[family])  # eot comes from the tokenizer
-    # without a tokenizer, ids outside the checkpoint's vocabulary (the 8B defaults) are not used
+    cfg.update(mask_token_id=7)
+    (e / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=f"mask_token_id 7 differs .* set mask_token_id to {tok.mask_token_id}"):
+        load_model(e, dtype=torch.float32)
+    # without a tokenizer config.json is all there is, and ids outside the checkpoint's vocabulary (the 8B
+    # defaults) are not used
     bare = load_model(e, dtype=torch.float32, tokenizer=False)
     assert bare.tokenizer is None and bare.mask_id == 7
     assert bare.eot_id is None

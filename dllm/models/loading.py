@@ -1,17 +1,16 @@
-"""Load and save checkpoints in the published LLaDA / Dream formats from a local directory."""
+"""Load and save checkpoints in the published LLaDA / Dream formats (a local directory or a bundled name)."""
 
 from __future__ import annotations
 
 import json
-import logging
+import warnings
 from pathlib import Path
 
 import torch
 
 from dllm.models.spec import ModelSpec, spec_for_model_type
 from dllm.models.transformer import Transformer
-
-log = logging.getLogger(__name__)
+from dllm.models.weights import check_device, inspect_files, read_tensors
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -31,25 +30,48 @@ def resolve_dtype(dtype) -> torch.dtype | None:
 def read_config(path: Path) -> dict:
     cfg_file = path / "config.json"
     if not path.is_dir():
-        raise FileNotFoundError(f"model directory {str(path)!r} does not exist (pass a local checkpoint directory)")
+        from dllm.assets import BUNDLED
+
+        raise FileNotFoundError(f"model directory {str(path)!r} does not exist (pass a local checkpoint directory or "
+                                f"a bundled name: {', '.join(BUNDLED)})")
     if not cfg_file.is_file():
         raise FileNotFoundError(
             f"{cfg_file} is missing: a checkpoint directory needs config.json next to its safetensors weights"
         )
     try:
-        return json.loads(cfg_file.read_text())
+        cfg = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{cfg_file} is not valid JSON ({e}); restore it from the original checkpoint") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{cfg_file} holds {type(cfg).__name__}, not a JSON object; restore it from the checkpoint")
+    return cfg
+
+
+def read_index(path: Path) -> dict[str, str] | None:
+    """The ``weight_map`` (tensor name -> shard file) of a sharded checkpoint, None for a single file."""
+    index = path / "model.safetensors.index.json"
+    if not index.is_file():
+        return None
+    try:
+        data = json.loads(index.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{index} is not valid JSON ({e}); restore it from the original checkpoint") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"{index} has no weight_map (tensor name -> shard file name); restore it from the original "
+                         "checkpoint")
+    return weight_map
 
 
 def weight_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    weight_map = read_index(path)
+    if weight_map is not None:
+        files = sorted(set(weight_map.values()))
         missing = [f for f in files if not (path / f).is_file()]
         if missing:
             raise FileNotFoundError(
-                f"{index.name} lists shard(s) missing from {path}: {missing}; copy the complete checkpoint"
+                f"model.safetensors.index.json lists shard(s) missing from {path}: {missing}; copy the complete "
+                "checkpoint"
             )
         return [path / f for f in files]
     single = path / "model.safetensors"
@@ -77,7 +99,12 @@ def _load_tokenizer(path: Path):
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        with warnings.catch_warnings():  # nor its deprecation notes about config fields it does not use here
+            warnings.simplefilter("ignore", FutureWarning)
+            return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # tokenizers and transformers raise many types; all mean the same to the user
+        raise ValueError(f"the tokenizer files in {path} cannot be loaded ({type(e).__name__}: {e}); copy them "
+                         "again from the original checkpoint, or pass tokenizer=False") from None
     finally:
         hf_logging.set_verbosity(level)
 
@@ -90,125 +117,164 @@ def load_model(
     device_map=None,
     tokenizer: bool = True,
 ) -> Transformer:
-    """Load a LLaDA- or Dream-format checkpoint from a local directory.
+    """Load a LLaDA- or Dream-format checkpoint from a local directory or by bundled name.
+
+    The checkpoint is checked before any tensor is read: config.json fields the model does not implement are
+    refused, every tensor in the files must be used, none missing, shapes as the config implies; the mask and EOS
+    ids in config.json must agree with the tokenizer. Each tensor is then read straight onto its device and
+    converted to ``dtype`` there, one at a time.
 
     Args:
         path: directory with ``config.json``, ``model.safetensors`` (or shards plus
-            ``model.safetensors.index.json``) and the tokenizer files.
+            ``model.safetensors.index.json``) and the tokenizer files, or a bundled name (``"llada-tiny"``,
+            ``"dream-tiny"``).
         dtype: ``torch.dtype`` or name (``"bfloat16"``...); default: the checkpoint's ``torch_dtype``
             (fp32 on CPU when that is bf16/fp16 and no dtype is given would silently change numerics, so
             the stored dtype is kept).
-        device: a single device for all weights.
-        device_map: ``"auto"`` or an accelerate device map; layers are dispatched over several devices
-            through accelerate (for checkpoints larger than one device).
+        device: a single device for all weights (``"cpu"``, ``"cuda"``, ``"cuda:1"``...).
+        device_map: ``"auto"`` or a dict module name -> device (accelerate's format); layers are placed over
+            several devices and dispatched through accelerate (for checkpoints larger than one device).
         tokenizer: load the tokenizer (``model.tokenizer``); required for string prompts.
     """
+    if isinstance(path, str):
+        from dllm.assets import model_path
+
+        path = model_path(path)  # a bundled name, as on the command line
     path = Path(path)
+    if device is not None and device_map is not None:
+        raise ValueError("give device or device_map, not both")
+    target = check_device(device) if device is not None else torch.device("cpu")
     hf_cfg = read_config(path)
     spec = spec_for_model_type(hf_cfg.get("model_type"))
     cfg = spec.config_from_hf(hf_cfg)
     files = weight_files(path)
-    dt = resolve_dtype(dtype) or resolve_dtype(hf_cfg.get("torch_dtype") or "float32")
+    dt = resolve_dtype(dtype) or resolve_dtype(hf_cfg.get("torch_dtype") or hf_cfg.get("dtype") or "float32")
     with torch.device("meta"):
         model = Transformer(cfg, spec)
-    state = _read_state(files, spec, cfg, dt)
+    placement = _device_map(model, device_map, dt) if device_map is not None else None
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    plan = inspect_files(files, spec, cfg, read_index(path), shapes)
+    tok = _load_tokenizer(path) if tokenizer else None
+    ids = _special_ids(hf_cfg, spec, cfg.vocab_size, tok)
+    devices = {ours: _placed(ours, placement) if placement else target for keys in plan.values() for _, ours in keys}
+    state = read_tensors(plan, dt, devices.__getitem__)
     if cfg.tie_embeddings:  # one stored matrix; the module lists it under both names
         state["head.weight"] = state["embed.weight"]
     model.load_state_dict(state, assign=True, strict=True)
     if cfg.tie_embeddings:
         model.head.weight = model.embed.weight
     model.eval().requires_grad_(False)
-    if tokenizer:
-        model.tokenizer = _load_tokenizer(path)
-    _set_special_ids(model, hf_cfg, spec, model.tokenizer)
-    if device_map is not None:
-        model = _dispatch(model, device_map)
-    elif device is not None:
-        model = model.to(device)
+    model.tokenizer = tok
+    for name, value in ids.items():
+        setattr(model, name, value)
+    if placement is not None:
+        from accelerate import dispatch_model
+
+        model = dispatch_model(model, device_map={k: str(v) for k, v in placement.items()})
     return model
 
 
-def _set_special_ids(model: Transformer, hf_cfg: dict, spec: ModelSpec, tok=None) -> None:
+def _device_map(model: Transformer, device_map, dtype: torch.dtype) -> dict[str, torch.device]:
+    """Module name -> checked device; ``"auto"`` is resolved by accelerate on the (meta) model."""
+    if device_map == "auto":
+        from accelerate import infer_auto_device_map
+
+        device_map = infer_auto_device_map(model, no_split_module_classes=["Block"], dtype=dtype)
+    if not isinstance(device_map, dict) or not device_map:
+        raise ValueError(f"device_map must be 'auto' or a dict module name -> device, got {device_map!r}")
+    out = {}
+    for name, dev in device_map.items():
+        if dev == "disk":
+            raise ValueError(f"device_map puts {name!r} on 'disk': offloading weights to disk is not supported; "
+                             "map every module to a GPU or 'cpu'")
+        out[name] = check_device(dev, f"device_map entry {name!r} ->")
+    if model.config.tie_embeddings:  # the tied head lives with the embedding
+        out["head"] = _placed("embed.weight", out)
+    return out
+
+
+def _placed(name: str, placement: dict[str, torch.device]) -> torch.device:
+    """The device of parameter ``name``: the longest module prefix in ``placement``."""
+    owners = [k for k in placement if k == "" or name == k or name.startswith(k + ".")]
+    if not owners:
+        raise ValueError(f"device_map places no module holding {name!r}; add it (or an entry for \"\": all "
+                         "modules)")
+    return placement[max(owners, key=len)]
+
+
+def _special_ids(hf_cfg: dict, spec: ModelSpec, V: int, tok=None) -> dict[str, int | None]:
     """Special ids from config.json, else the tokenizer, else the family's published ids (when they fit the
-    vocabulary: a small checkpoint without a tokenizer does not get the 8B model's ids)."""
-    V = model.config.vocab_size
+    vocabulary: a small checkpoint without a tokenizer does not get the 8B model's ids). The mask and EOS ids of
+    config.json must agree with the tokenizer."""
 
     def pick(key: str, from_tok, default):
         value = hf_cfg.get(key)
         if isinstance(value, list):
             value = value[0] if value else None
         if value is not None:
-            if not isinstance(value, int) or not 0 <= value < V:
+            if type(value) is not int or not 0 <= value < V:
                 raise ValueError(f"{key} {value!r} in config.json is outside the vocabulary ({V}); fix it there")
             return value
-        if isinstance(from_tok, int) and from_tok != getattr(tok, "unk_token_id", None) and 0 <= from_tok < V:
+        if isinstance(from_tok, int) and 0 <= from_tok < V:
             return from_tok
         return default if default is not None and default < V else None
 
-    def tok_id(attr=None, token=None):
-        if tok is None:
-            return None
-        return getattr(tok, attr, None) if attr else tok.convert_tokens_to_ids(token)
+    def token_id(token: str) -> int | None:
+        i = tok.convert_tokens_to_ids(token)
+        return i if isinstance(i, int) and i != tok.unk_token_id else None
 
-    model.mask_id = pick("mask_token_id", tok_id("mask_token_id"), spec.mask_id)
-    if model.mask_id is None:
+    tok_mask = tok_eot = None
+    if tok is not None:
+        tok_mask = tok.mask_token_id if tok.mask_token_id is not None else token_id(spec.mask_token)
+        tok_eot = token_id(spec.eot_token)
+        _check_against_tokenizer(hf_cfg, tok, tok_mask)
+    ids = {"mask_id": pick("mask_token_id", tok_mask, spec.mask_id)}
+    if ids["mask_id"] is None:
         raise ValueError(
             f"no usable mask token id: config.json has no mask_token_id, the tokenizer has no mask token and "
             f"the {spec.family} default ({spec.mask_id}) is outside the vocabulary ({V}); add mask_token_id "
             "to config.json"
         )
-    model.eos_id = pick("eos_token_id", tok_id("eos_token_id"), spec.eos_id)
-    model.pad_id = pick("pad_token_id", tok_id("pad_token_id"), model.eos_id)
-    model.eot_id = pick("eot_token_id", tok_id(token=spec.eot_token), spec.eot_id)
+    ids["eos_id"] = pick("eos_token_id", getattr(tok, "eos_token_id", None), spec.eos_id)
+    ids["pad_id"] = pick("pad_token_id", getattr(tok, "pad_token_id", None), ids["eos_id"])
+    ids["eot_id"] = pick("eot_token_id", tok_eot, spec.eot_id)
+    return ids
 
 
-def _read_state(files: list[Path], spec: ModelSpec, cfg, dtype) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    expected = Transformer.expected_shapes(cfg)
-    wanted = spec.key_map(cfg)  # ours -> theirs
-    theirs_to_ours = {v: k for k, v in wanted.items()}
-    state: dict[str, torch.Tensor] = {}
-    unexpected = []
-    for f in files:
-        with safe_open(str(f), framework="pt") as fh:
-            for key in fh.keys():
-                ours = theirs_to_ours.get(key)
-                if ours is None:
-                    unexpected.append(key)
-                    continue
-                t = fh.get_tensor(key)
-                if not t.is_floating_point():
-                    raise ValueError(f"tensor {key!r} in {f.name} has dtype {t.dtype}; expected a float tensor")
-                if tuple(t.shape) != expected[ours]:
-                    raise ValueError(
-                        f"tensor {key!r} in {f.name} has shape {tuple(t.shape)} but config.json implies "
-                        f"{expected[ours]}; the weights do not match this config"
-                    )
-                state[ours] = t.to(dtype)
-    missing = [wanted[k] for k in wanted if k not in state]
-    if missing:
-        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise ValueError(f"checkpoint lacks tensor(s) {missing[:5]}{more} required by its config.json")
-    if unexpected:
-        log.warning("ignoring %d unexpected tensor(s), e.g. %s", len(unexpected), unexpected[:3])
-    return state
+def _check_against_tokenizer(hf_cfg: dict, tok, tok_mask: int | None) -> None:
+    mask = hf_cfg.get("mask_token_id")
+    if mask is not None and tok_mask is not None and mask != tok_mask:
+        name = tok.convert_ids_to_tokens(tok_mask)
+        raise ValueError(
+            f"config.json's mask_token_id {mask} differs from the tokenizer's mask token {name!r} (id {tok_mask}); "
+            f"decoding with the wrong mask id gives garbage: set mask_token_id to {tok_mask} in config.json (or, if "
+            f"the model was trained with id {mask}, make that token the tokenizer's mask_token)"
+        )
+    eos = hf_cfg.get("eos_token_id")
+    special = set(tok.all_special_ids)
+    special |= {i for i, t in (getattr(tok, "added_tokens_decoder", None) or {}).items() if getattr(t, "special", 0)}
+    for e in eos if isinstance(eos, list) else [eos]:
+        if isinstance(e, int) and e not in special:
+            shown = tok.convert_ids_to_tokens(e) if 0 <= e < len(tok) else "outside the tokenizer"
+            raise ValueError(
+                f"config.json's eos_token_id {e} ({shown!r}) is not a special token of the tokenizer, whose "
+                f"eos_token_id {tok.eos_token_id} is {tok.eos_token!r}; generation would never stop on it: set "
+                f"eos_token_id to {tok.eos_token_id} in config.json"
+            )
 
 
-def _dispatch(model: Transformer, device_map):
-    from accelerate import dispatch_model, infer_auto_device_map
+def save_pretrained(model: Transformer, path, *, dtype=None, max_shard_bytes: int | str | None = None) -> Path:
+    """Write ``model`` in its family's published format (config.json, safetensors, tokenizer).
 
-    if device_map == "auto":
-        device_map = infer_auto_device_map(model, no_split_module_classes=["Block"], dtype=model.dtype)
-    if isinstance(device_map, dict) and model.config.tie_embeddings:
-        device_map = {**device_map, "head": device_map.get("embed", next(iter(device_map.values())))}
-    return dispatch_model(model, device_map=device_map)
+    ``max_shard_bytes`` (bytes, or a size such as ``"5GB"``) splits the weights into
+    ``model-0000N-of-0000M.safetensors`` plus ``model.safetensors.index.json`` through ``huggingface_hub``'s
+    state-dict saving; without it one ``model.safetensors`` is written. Weight files of an earlier save in
+    ``path`` are removed."""
+    from huggingface_hub import save_torch_state_dict
 
-
-def save_pretrained(model: Transformer, path, *, dtype=None, max_shard_bytes: int | None = None) -> Path:
-    """Write ``model`` in its family's published format (config.json, safetensors, tokenizer)."""
-    from safetensors.torch import save_file
-
+    if isinstance(max_shard_bytes, bool) or (isinstance(max_shard_bytes, int) and max_shard_bytes < 1):
+        raise ValueError(f"max_shard_bytes must be a positive number of bytes or a size like '5GB', "
+                         f"got {max_shard_bytes!r}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     spec = model.spec
@@ -216,31 +282,11 @@ def save_pretrained(model: Transformer, path, *, dtype=None, max_shard_bytes: in
     ids = {"mask_id": model.mask_id, "eos_id": model.eos_id, "pad_id": model.pad_id}
     hf_cfg = spec.config_to_hf(model.config, ids)
     hf_cfg["torch_dtype"] = str(dt).removeprefix("torch.")
-    (path / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
     own = dict(model.state_dict())
     tensors = {theirs: own[ours].detach().to("cpu", dt).contiguous() for ours, theirs in spec.key_map(model.config).items()}
-    for stale in list(path.glob("model*.safetensors")) + list(path.glob("model.safetensors.index.json")):
-        stale.unlink()
-    if max_shard_bytes is None:
-        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    else:
-        shards: list[dict[str, torch.Tensor]] = [{}]
-        size = 0
-        for name, t in tensors.items():
-            nbytes = t.numel() * t.element_size()
-            if shards[-1] and size + nbytes > max_shard_bytes:
-                shards.append({})
-                size = 0
-            shards[-1][name] = t
-            size += nbytes
-        weight_map = {}
-        for i, shard in enumerate(shards, 1):
-            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(path / fname), metadata={"format": "pt"})
-            weight_map.update({name: fname for name in shard})
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (path / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
+    save_torch_state_dict(tensors, path, max_shard_size=max(total, 1) if max_shard_bytes is None else max_shard_bytes)
     if model.tokenizer is not None:
         model.tokenizer.save_pretrained(str(path))
     return path

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from dllm.models.transformer import TransformerConfig
+
+log = logging.getLogger(__name__)
 
 # Internal parameter names of dllm.models.Transformer, per layer and global.
 LAYER_PARAMS = ("attn_norm.weight", "q.weight", "q.bias", "k.weight", "k.bias", "v.weight", "v.bias",
@@ -32,6 +35,8 @@ class ModelSpec:
     mask_token: str
     shift_logits: bool
     max_context: int
+    layers_field: str = "n_layers"  # config.json field names, for error messages
+    tie_field: str = "weight_tying"
 
     def key_map(self, cfg: TransformerConfig) -> dict[str, str]:
         """Our name -> checkpoint name, for every tensor the checkpoint must contain."""
@@ -54,36 +59,118 @@ def _require(cfg: dict, keys: tuple[str, ...], family: str) -> None:
         raise ValueError(f"config.json of a {family} checkpoint lacks the field(s) {missing}")
 
 
+# Fields every transformers config.json may carry that do not change the forward pass (ids are checked elsewhere).
+_GENERIC_FIELDS = frozenset({
+    "architectures", "model_type", "auto_map", "transformers_version", "torch_dtype", "dtype", "_name_or_path",
+    "use_cache", "bos_token_id", "eos_token_id", "pad_token_id", "mask_token_id", "initializer_range",
+    "attention_dropout", "tokenizer_class", "return_dict", "output_attentions", "output_hidden_states",
+})
+
+
+def _positive_int(c: dict, key: str, family: str, default=None) -> int:
+    v = c.get(key, default)
+    if type(v) is not int or v < 1:  # bool is an int subclass: refused too
+        raise ValueError(f"config.json of a {family} checkpoint: {key} must be a positive integer, got {v!r}; "
+                         "fix it there (the published value is in the original config.json)")
+    return v
+
+
+def _positive_float(c: dict, key: str, family: str, default: float) -> float:
+    v = c.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v == float("inf"):
+        raise ValueError(f"config.json of a {family} checkpoint: {key} must be a positive number, got {v!r}")
+    return float(v)
+
+
+def _flag(c: dict, key: str, family: str) -> bool:
+    v = c.get(key, False)
+    if not isinstance(v, bool) and v is not None:
+        raise ValueError(f"config.json of a {family} checkpoint: {key} must be true or false, got {v!r}")
+    return bool(v)
+
+
+def _check_fields(c: dict, family: str, rules: dict[str, tuple[tuple, str]], ignored: frozenset[str],
+                  extra_bad: list[str]) -> None:
+    """Refuse fields set to values the Transformer does not implement; log fields no rule or list knows.
+
+    ``rules``: field -> (accepted values, what is supported). ``ignored``: fields known not to change the forward
+    pass (training and initialisation settings)."""
+    bad = [f"{key}={c[key]!r} is not supported (only {what})"
+           for key, (accepted, what) in rules.items() if key in c and c[key] not in accepted]
+    bad += extra_bad
+    if bad:
+        raise ValueError(f"unsupported {family} config in config.json: " + "; ".join(bad) + ". dllm does not "
+                         "implement such a model; loading it anyway would compute something else than it was trained to")
+    unknown = sorted(set(c) - set(rules) - ignored - _GENERIC_FIELDS)
+    if unknown:
+        log.warning("config.json has field(s) dllm does not know and ignores: %s; check that they do not change "
+                    "the %s model", unknown, family)
+
+
+def _config(family: str, **fields) -> TransformerConfig:
+    try:
+        return TransformerConfig(**fields)
+    except ValueError as e:
+        raise ValueError(f"config.json of a {family} checkpoint: {e}") from None
+
+
 # ---------------------------------------------------------------------------------------------- LLaDA
+_NONE_OR_FALSE = (None, False)
+_LLADA_RULES = {
+    "block_type": (("llama",), "'llama'"),
+    "activation_type": (("silu",), "'silu' (SiLU gate times up projection)"),
+    "layer_norm_type": (("rms",), "'rms'"),
+    "layer_norm_with_affine": ((True, None), "true"),
+    "bias_for_layer_norm": (_NONE_OR_FALSE, "false"),
+    "include_bias": (_NONE_OR_FALSE, "false"),
+    "alibi": (_NONE_OR_FALSE, "false: RoPE positions"),
+    "rope": ((True, None), "true"),
+    "rope_scaling": ((None,), "null: plain RoPE"),
+    "attention_layer_norm": (_NONE_OR_FALSE, "false: no QK norm"),
+    "clip_qkv": ((None,), "null"),
+    "multi_query_attention": (_NONE_OR_FALSE, "null or false: n_kv_heads sets the key/value heads"),
+    "input_emb_norm": (_NONE_OR_FALSE, "false"),
+    "scale_logits": (_NONE_OR_FALSE, "false"),
+    "block_group_size": ((1, None), "1"),
+}
+_LLADA_USED = frozenset({"d_model", "n_layers", "n_heads", "n_kv_heads", "mlp_hidden_size", "mlp_ratio", "vocab_size",
+                         "embedding_size", "max_sequence_length", "rope_theta", "rms_norm_eps", "include_qkv_bias",
+                         "weight_tying"})
+_LLADA_IGNORED = _LLADA_USED | {
+    "alibi_bias_max", "attention_layer_norm_with_affine", "embedding_dropout", "residual_dropout", "flash_attention",
+    "init_cutoff_factor", "init_device", "init_fn", "init_std", "precision",
+    "rope_full_precision",  # RoPE is always computed in fp32, as the published models set it
+}
+
+
 def _llada_from_hf(c: dict) -> TransformerConfig:
     _require(c, ("d_model", "n_layers", "n_heads", "vocab_size"), "LLaDA")
-    unsupported = []
-    if c.get("block_type", "llama") not in ("llama",):
-        unsupported.append(f"block_type={c['block_type']!r} (only 'llama')")
-    if c.get("activation_type", "silu") not in ("silu", "swiglu"):
-        unsupported.append(f"activation_type={c['activation_type']!r} (only 'silu')")
-    if c.get("layer_norm_type", "rms") not in ("rms",):
-        unsupported.append(f"layer_norm_type={c['layer_norm_type']!r} (only 'rms')")
-    if c.get("alibi", False) or not c.get("rope", True):
-        unsupported.append("position encoding other than RoPE")
-    if c.get("include_bias", False):
-        unsupported.append("include_bias=true")
-    if unsupported:
-        raise ValueError("unsupported LLaDA config: " + "; ".join(unsupported))
-    n_heads = c["n_heads"]
-    mlp = c.get("mlp_hidden_size") or int(c.get("mlp_ratio", 4) * c["d_model"])
-    return TransformerConfig(
-        vocab_size=c.get("embedding_size") or c["vocab_size"],
-        d_model=c["d_model"],
-        n_layers=c["n_layers"],
+    _check_fields(c, "LLaDA", _LLADA_RULES, _LLADA_IGNORED, [])
+    d_model = _positive_int(c, "d_model", "LLaDA")
+    n_heads = _positive_int(c, "n_heads", "LLaDA")
+    vocab = _positive_int(c, "vocab_size", "LLaDA")
+    if c.get("embedding_size") is not None:  # the embedding matrix may be padded beyond the vocabulary
+        vocab = _positive_int(c, "embedding_size", "LLaDA")
+        if vocab < c["vocab_size"]:
+            raise ValueError(f"config.json of a LLaDA checkpoint: embedding_size {vocab} is smaller than vocab_size "
+                             f"{c['vocab_size']}; fix it there")
+    if c.get("mlp_hidden_size") is not None:
+        mlp = _positive_int(c, "mlp_hidden_size", "LLaDA")
+    else:
+        mlp = int(_positive_float(c, "mlp_ratio", "LLaDA", 4) * d_model)
+    return _config(
+        "LLaDA",
+        vocab_size=vocab,
+        d_model=d_model,
+        n_layers=_positive_int(c, "n_layers", "LLaDA"),
         n_heads=n_heads,
-        n_kv_heads=c.get("n_kv_heads") or n_heads,
+        n_kv_heads=_positive_int(c, "n_kv_heads", "LLaDA") if c.get("n_kv_heads") is not None else n_heads,
         mlp_hidden=mlp,
-        max_seq_len=c.get("max_sequence_length", 4096),
-        rope_theta=float(c.get("rope_theta", 10000.0)),
-        norm_eps=float(c.get("rms_norm_eps", 1e-5)),
-        qkv_bias=bool(c.get("include_qkv_bias", False)),
-        tie_embeddings=bool(c.get("weight_tying", False)),
+        max_seq_len=_positive_int(c, "max_sequence_length", "LLaDA", 4096),
+        rope_theta=_positive_float(c, "rope_theta", "LLaDA", 10000.0),
+        norm_eps=_positive_float(c, "rms_norm_eps", "LLaDA", 1e-5),
+        qkv_bias=_flag(c, "include_qkv_bias", "LLaDA"),
+        tie_embeddings=_flag(c, "weight_tying", "LLaDA"),
     )
 
 
@@ -152,23 +239,59 @@ LLADA = ModelSpec(
 
 
 # ---------------------------------------------------------------------------------------------- Dream
+_DREAM_RULES = {
+    "hidden_act": (("silu",), "'silu'"),
+    "rope_scaling": ((None,), "null: plain RoPE"),
+    "use_sliding_window": (_NONE_OR_FALSE, "false: full attention"),
+}
+_DREAM_USED = frozenset({"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                         "num_key_value_heads", "vocab_size", "max_position_embeddings", "rope_theta", "rms_norm_eps",
+                         "tie_word_embeddings", "head_dim", "rope_parameters", "layer_types"})
+_DREAM_IGNORED = _DREAM_USED | {
+    "sliding_window", "max_window_layers",  # used only with use_sliding_window=true
+    "attention_bias", "mlp_bias",  # Dream's model code always has QKV biases and no MLP bias; the tensors decide
+}
+
+
+def _dream_rope(c: dict) -> tuple[float, list[str]]:
+    """RoPE theta from ``rope_theta`` or transformers 5's ``rope_parameters``; problems as messages."""
+    params = c.get("rope_parameters")
+    if params is None:
+        return _positive_float(c, "rope_theta", "Dream", 10000.0), []
+    kind = params.get("rope_type", "default") if isinstance(params, dict) else params
+    if kind != "default":
+        return 0.0, [f"rope_parameters={params!r} is not supported (only rope_type 'default')"]
+    return _positive_float({**c, **params}, "rope_theta", "Dream", 10000.0), []
+
+
 def _dream_from_hf(c: dict) -> TransformerConfig:
     _require(c, ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"), "Dream")
-    if c.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported Dream config: hidden_act={c['hidden_act']!r} (only 'silu')")
-    n_heads = c["num_attention_heads"]
-    return TransformerConfig(
-        vocab_size=c["vocab_size"],
-        d_model=c["hidden_size"],
-        n_layers=c["num_hidden_layers"],
+    d_model = _positive_int(c, "hidden_size", "Dream")
+    n_heads = _positive_int(c, "num_attention_heads", "Dream")
+    n_layers = _positive_int(c, "num_hidden_layers", "Dream")
+    theta, bad = _dream_rope(c)
+    if c.get("head_dim") is not None and c["head_dim"] * n_heads != d_model:
+        bad.append(f"head_dim={c['head_dim']!r} is not supported (only hidden_size / num_attention_heads = "
+                   f"{d_model // n_heads})")
+    layer_types = c.get("layer_types")
+    if layer_types is not None and any(t != "full_attention" for t in layer_types):
+        bad.append(f"layer_types={layer_types!r} is not supported (only 'full_attention' in every layer)")
+    _check_fields(c, "Dream", _DREAM_RULES, _DREAM_IGNORED, bad)
+    return _config(
+        "Dream",
+        vocab_size=_positive_int(c, "vocab_size", "Dream"),
+        d_model=d_model,
+        n_layers=n_layers,
         n_heads=n_heads,
-        n_kv_heads=c.get("num_key_value_heads") or n_heads,
-        mlp_hidden=c.get("intermediate_size") or 4 * c["hidden_size"],
-        max_seq_len=c.get("max_position_embeddings", 131072),
-        rope_theta=float(c.get("rope_theta", 10000.0)),
-        norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        n_kv_heads=(_positive_int(c, "num_key_value_heads", "Dream") if c.get("num_key_value_heads") is not None
+                    else n_heads),
+        mlp_hidden=(_positive_int(c, "intermediate_size", "Dream") if c.get("intermediate_size") is not None
+                    else 4 * d_model),
+        max_seq_len=_positive_int(c, "max_position_embeddings", "Dream", 131072),
+        rope_theta=theta,
+        norm_eps=_positive_float(c, "rms_norm_eps", "Dream", 1e-6),
         qkv_bias=True,
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        tie_embeddings=_flag(c, "tie_word_embeddings", "Dream"),
     )
 
 
@@ -226,6 +349,8 @@ DREAM = ModelSpec(
     mask_token="<|mask|>",
     shift_logits=True,
     max_context=2048,
+    layers_field="num_hidden_layers",
+    tie_field="tie_word_embeddings",
 )
 
 SPECS: dict[str, ModelSpec] = {"llada": LLADA, "dream": DREAM}
