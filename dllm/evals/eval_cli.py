@@ -82,7 +82,7 @@ def cmd_eval(args) -> int:
         summary = run_standard_eval(model, task, samples, config, args.out, prompts=ids, sampler=sampler,
                                     cache=args.cache, batch_size=args.batch_size, settings=settings,
                                     accelerator=accelerator, timeout=args.timeout, memory_mb=args.memory_mb,
-                                    on_start=bar.start, on_sample=bar.update)
+                                    overwrite=args.overwrite, on_start=bar.start, on_sample=bar.update)
     finally:
         bar.close()
     if summary is not None:
@@ -145,6 +145,8 @@ def add_parser(sub) -> None:
                     "--num_processes N -m dllm.cli eval ... (or torchrun --nproc_per_node N on CPU).")
     e.add_argument("task", metavar="TASK", help=f"one of: {', '.join(STANDARD_TASKS)}")
     e.add_argument("--out", required=True, help="results directory (rerun with the same directory to resume)")
+    e.add_argument("--overwrite", action="store_true",
+                   help="discard the results in --out when they were made with other settings (default: refuse)")
     e.add_argument("--data", default=None,
                    help="local JSONL (.jsonl/.jsonl.gz) with the public field names (gsm8k: question, answer; math: "
                         "problem, solution; mbpp: text, code, test_list, task_id; humaneval: task_id, prompt, test, "
