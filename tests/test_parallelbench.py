@@ -514,7 +514,7 @@ def test_resume_after_interruption(tiny, tmp_path):
     assert again.written == 0 and again.already_done == 27
     more = S.run_sweep(model, tmp_path / "cut", ["topk:k=2"], **SWEEP)  # a new setting extends the file
     assert more.written == 9 and len(S.load_samples(tmp_path / "cut")) == 36
-    with pytest.raises(ValueError, match="other settings"):
+    with pytest.raises(ValueError, match="different sweep settings \\(data.style: 'short' there, 'full' now\\)"):
         S.run_sweep(model, tmp_path / "cut", METHODS, **{**SWEEP, "style": "full"})
 
 
@@ -644,3 +644,31 @@ def test_cli_generate_score_run_report(tiny, tmp_path, capsys):
     assert "topk:k=8" in out and "plot not written" in out
     assert main(["parallelbench", "run", "--model", str(ckpt), "--method", "nope:x=1", "--out", str(run_dir)]) == 2
     assert "unknown method 'nope'" in capsys.readouterr()[1]
+
+
+def test_resume_recomputes_rewritten_records_and_refuses_changed_settings(tiny, tmp_path):
+    model, _ = tiny
+    PB.write_suite(tmp_path / "data", "waiting_line/copy", n=3, style="short")
+    kw = dict(data_dir=tmp_path / "data", batch_size=3)
+    first = S.run_sweep(model, tmp_path / "out", ["topk:k=8"], "waiting_line/copy", **kw)
+    assert first.written == 3
+    old = {x["index"]: x for x in S.load_samples(tmp_path / "out")}
+    # rewrite one record of the data file in place (same path, same index)
+    path = tmp_path / "data" / "waiting_line" / "copy.jsonl"
+    records = PB.read_jsonl(path)
+    records[1] = {**records[1], "input": {**records[1]["input"], "context": "[\"Zed Quill\", \"Amy Bo\"]"},
+                  "answer": "[\"Zed Quill\", \"Amy Bo\"]"}
+    PB.write_jsonl(path, records)
+    starts = []
+    res = S.run_sweep(model, tmp_path / "out", ["topk:k=8"], "waiting_line/copy", **kw,
+                      on_start=lambda todo, done: starts.append((todo, done)))
+    assert starts == [(1, 2)] and res.written == 1
+    lines = S.load_samples(tmp_path / "out")
+    assert sorted(x["index"] for x in lines) == [0, 1, 2]  # the stale line is gone, nothing doubled
+    new = {x["index"]: x for x in lines}
+    assert new[1]["answer"] == "[\"Zed Quill\", \"Amy Bo\"]" and new[0] == old[0] and new[2] == old[2]
+    # a changed decode configuration under the same directory: refused, naming the change and the fix
+    with pytest.raises(ValueError, match=r"gen_seed: 0 there, 1 now.*--overwrite"):
+        S.run_sweep(model, tmp_path / "out", ["topk:k=8"], "waiting_line/copy", **kw, gen_seed=1)
+    again = S.run_sweep(model, tmp_path / "out", ["topk:k=8"], "waiting_line/copy", **kw, gen_seed=1, overwrite=True)
+    assert again.written == 3 and again.already_done == 0 and len(S.load_samples(tmp_path / "out")) == 3

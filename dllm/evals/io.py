@@ -38,12 +38,24 @@ class ConfigChanged(ValueError):
 
 
 def check_pinned(old: Mapping, new: Mapping, where: str | Path, *, what: str = "decode settings") -> None:
-    """Raise :class:`ConfigChanged` naming every key whose value differs between ``old`` and ``new``."""
+    """Raise :class:`ConfigChanged` naming every key whose value differs between ``old`` and ``new`` (nested
+    dicts are compared key by key: ``data.style``)."""
+    old, new = _flat(old), _flat(new)
     diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
     if diff:
         changes = "; ".join(f"{k}: {old.get(k)!r} there, {new.get(k)!r} now" for k in diff)
         raise ConfigChanged(f"{where} holds results made with different {what} ({changes}); use another --out "
                             "directory, the same settings to resume, or --overwrite to discard those results")
+
+
+def _flat(d: Mapping, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, Mapping) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def repair(path: Path) -> None:

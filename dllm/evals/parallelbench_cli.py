@@ -145,7 +145,8 @@ def cmd_run(args) -> int:
                         sudoku_givens=args.sudoku_givens, text_data=_text_data(args), gen_length=args.gen_length,
                         batch_size=args.batch_size, cache=args.cache,
                         model_name=str(Path(model_path(args.model)).resolve()),
-                        allow_partial=args.partial_text_scores, gen_seed=args.gen_seed, on_start=on_start,
+                        allow_partial=args.partial_text_scores, gen_seed=args.gen_seed, overwrite=args.overwrite,
+                        on_start=on_start,
                         on_sample=on_sample)
     finally:
         bar.close()
@@ -211,6 +212,8 @@ def add_parser(sub) -> None:
                    help="method spec(s), repeatable: topk:k=1,2,4,8 | threshold:tau=0.5,0.6,...,1.0 | "
                         "NAME:param=v1,v2 (any registered sampler, see `dllm samplers`)")
     r.add_argument("--out", required=True, help="output directory (samples.jsonl, run.json, report.md)")
+    r.add_argument("--overwrite", action="store_true",
+                   help="discard the results in --out when they were made with other settings (default: refuse)")
     r.add_argument("--cache", default=None, help="cache policy name (default: none)")
     r.add_argument("--data-dir", default=None, help="run on the JSONL files of this directory (ours or the original's)")
     r.add_argument("--n", type=int, default=None, help="samples per task, spread over the file (default: all)")
