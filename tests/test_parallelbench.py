@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -302,6 +303,12 @@ def test_summary_and_paraphrase_metrics(backends):
     assert PB.bleu("the cat sat on the mat today", ["the cat sat on the mat today"]) == pytest.approx(1.0)
     assert PB.bleu("a dog ran", ["the cat sat on the mat today"]) == 0.0
     assert 0 < PB.bleu("the cat sat on the mat", ["the cat sat on the mat today"]) < 1  # brevity penalty
+    # short texts: smoothed sentence BLEU scores an exact copy 1; the original's unsmoothed BLEU scores it 0
+    assert PB.bleu("hello world", ["hello world"]) == pytest.approx(1.0)
+    assert PB.bleu("hello world", "hello world", smooth=False) == 0.0
+    # unsmoothed: every n-gram precision is 1, so the score is the brevity penalty exp(1 - 7/6)
+    assert PB.bleu("the cat sat on the mat", ["the cat sat on the mat today"], smooth=False) == pytest.approx(
+        math.exp(1 - 7 / 6))
     backends("bertscore", False)
     s = _score("paraphrase_summarize/chatgpt-paraphrases", para, "a feline rested on the rug")
     assert s["score"] is None and s["unavailable"] == ["bertscore"]
@@ -310,6 +317,8 @@ def test_summary_and_paraphrase_metrics(backends):
     assert s["score"] == pytest.approx(0.9 * (1 - PB.bleu("a feline rested on the rug", [para["answer"]["text"]])))
     assert _score("paraphrase_summarize/chatgpt-paraphrases", para, "the cat sat on the mat today")["score"] == 0.0
     assert _score("paraphrase_summarize/chatgpt-paraphrases", para, "")["score"] == 0.0
+    short = {"input": {"text": "hello world"}, "answer": {"text": "hello world"}}
+    assert _score("paraphrase_summarize/chatgpt-paraphrases", short, "hello world")["score"] == 0.0  # a copy
 
 
 def test_text_tasks_need_user_data(tmp_path):
