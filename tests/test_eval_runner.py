@@ -178,3 +178,21 @@ def test_cli_refuses_changed_decode_options(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "steps: None there, 4 now" in err and "--overwrite" in err and "Traceback" not in err
     assert cli_main([*args, "--steps", "4", "--overwrite"]) == 0
+
+
+def test_cli_notes_a_single_process_under_accelerate_launch_without_gpus(tmp_path, capsys, monkeypatch):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the note is for machines without GPUs")
+    # what `accelerate launch --num_processes 2` (no --multi_gpu) leaves on a CPU machine: one process, no WORLD_SIZE
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "False")
+    args = ["eval", "gsm8k", "--model", "llada-tiny", "--data", str(GSM8K), "--shots", "0", "--limit", "1",
+            "--gen-length", "8", "--block-length", "8", "--no-progress", "--out", str(tmp_path)]
+    assert cli_main(args) == 0
+    err = capsys.readouterr().err
+    assert "[dllm eval gsm8k: 1 process]" in err and "accelerate launch --multi_gpu --num_processes N" in err
+    monkeypatch.delenv("ACCELERATE_USE_CPU")
+    assert cli_main(args) == 0
+    assert "--multi_gpu" not in capsys.readouterr().err  # a plain run: no note

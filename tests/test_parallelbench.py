@@ -681,3 +681,30 @@ def test_resume_recomputes_rewritten_records_and_refuses_changed_settings(tiny, 
         S.run_sweep(model, tmp_path / "out", ["topk:k=8"], "waiting_line/copy", **kw, gen_seed=1)
     again = S.run_sweep(model, tmp_path / "out", ["topk:k=8"], "waiting_line/copy", **kw, gen_seed=1, overwrite=True)
     assert again.written == 3 and again.already_done == 0 and len(S.load_samples(tmp_path / "out")) == 3
+
+
+def test_run_style_defaults_to_the_bundled_models_prompts(tmp_path, capsys, monkeypatch):
+    import argparse
+
+    from dllm.assets import BUNDLED
+    from dllm.evals.parallelbench_cli import _style
+
+    ns = argparse.Namespace
+    assert _style(ns(style=None, model=None)) == "short"  # the default model is llada-tiny
+    assert _style(ns(style=None, model="dream-tiny")) == "short"
+    assert _style(ns(style=None, model=str(BUNDLED["llada-tiny"]))) == "short"  # its path counts too
+    assert "--style full" in capsys.readouterr().err
+    assert _style(ns(style=None, model=str(tmp_path))) == "full"  # any other checkpoint: the original prompts
+    assert _style(ns(style="full", model=None)) == "full"  # an explicit choice wins
+    assert _style(ns(style=None)) == "full"  # `generate` (no model)
+    # the documented command, small: meaningful scores with the default style on the bundled model
+    out = tmp_path / "run"
+    assert main(["parallelbench", "run", "--tasks", "waiting_line/copy", "--method", "threshold:tau=0.9",
+                 "--method", "localleap", "--n", "4", "--no-report", "--out", str(out)]) == 0
+    lines = S.load_samples(out)
+    assert len(lines) == 8 and sum(x["score"] for x in lines) >= 6
+    assert json.loads((out / "run.json").read_text())["pinned"]["data"]["style"] == "short"
+    # several processes would each run the whole sweep into one file: refused
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["parallelbench", "run", "--method", "topk:k=1", "--out", str(tmp_path / "x")]) == 2
+    assert "single-process" in capsys.readouterr().err
