@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import sys
 from pathlib import Path
@@ -67,15 +68,45 @@ def _decode_setup(args):
     return config, sampler
 
 
+def _batch_line(line: str, where: str):
+    """One ``--batch-file`` line: ``{"prompt": ...}`` (a string, a conversation or token ids); a JSON list of
+    ``{"role", "content"}`` messages (a conversation) or of integers (token ids); anything else is plain text
+    (``[INST] ...`` included)."""
+    text = line.strip()
+    if text.startswith("{"):
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: a line starting with '{{' must be a JSON object ({exc.msg}); e.g. "
+                             '{"prompt": "..."}') from None
+        if not isinstance(obj, dict) or "prompt" not in obj:
+            raise ValueError(f'{where}: a JSON object line needs a "prompt" key, e.g. {{"prompt": "..."}}')
+        return obj["prompt"]
+    if text.startswith("["):
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError:
+            return line
+        if obj and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in obj):
+            return obj
+        if obj and all(isinstance(t, int) and not isinstance(t, bool) for t in obj):
+            return obj
+    return line
+
+
+def _unescape(text: str) -> str:
+    """Backslash escapes (``\\n``, ``\\t``, ``\\u00e9``) decoded; every other character kept as it is."""
+    return codecs.decode(text.encode("latin-1", "backslashreplace"), "unicode_escape")
+
+
 def cmd_generate(args) -> int:
     from dllm.generate import generate
 
     prompts = list(args.prompt or [])
     if args.batch_file:
-        lines = Path(args.batch_file).read_text().splitlines()
-        prompts += [json.loads(ln) if ln.lstrip().startswith(("{", "[")) else ln for ln in lines if ln.strip()]
-    prompts = [p["prompt"] if isinstance(p, dict) else p for p in prompts]
-    prompts = [p.encode().decode("unicode_escape") if args.escapes else p for p in prompts]
+        lines = Path(args.batch_file).read_text(encoding="utf-8").splitlines()
+        prompts += [_batch_line(ln, f"{args.batch_file}:{i}") for i, ln in enumerate(lines, 1) if ln.strip()]
+    prompts = [_unescape(p) if args.escapes and isinstance(p, str) else p for p in prompts]
     if not prompts:
         raise SystemExit("error: give a PROMPT or --batch-file")
     model = _load(args)
@@ -172,6 +203,8 @@ def cmd_eval_tasks(args) -> int:
     from dllm.evals import tasks as T
     from dllm.evals.runner import evaluate_tasks, family_average
 
+    if args.n < 1:
+        raise ValueError(f"--n must be >= 1 (examples per task), got {args.n}")
     model = _load(args)
     config, sampler = _decode_setup(args)
     names = T.task_names(args.tasks)
@@ -200,7 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text with a model (default: the bundled llada-tiny)")
     g.add_argument("prompt", nargs="*", help="prompt text(s); the chat template is applied")
-    g.add_argument("--batch-file", help="file with one prompt per line (plain text or JSON string/object)")
+    g.add_argument("--batch-file", help="file with one prompt per line: plain text, {\"prompt\": ...}, or a JSON "
+                   "list of chat messages or of token ids (other lines starting with '[' are plain text)")
     g.add_argument("--escapes", action="store_true", help=r"interpret backslash escapes such as \n in prompts")
     g.add_argument("--json", action="store_true", help="print sequences, texts, nfe and timing as JSON")
     _add_decode_args(g)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 
@@ -32,14 +34,22 @@ class GenerateConfig:
     chat_template: bool = True
 
     def __post_init__(self):
-        if not isinstance(self.gen_length, int) or self.gen_length <= 0:
-            raise ValueError(f"gen_length must be a positive integer, got {self.gen_length!r}")
-        if self.block_length is not None and (not isinstance(self.block_length, int) or self.block_length <= 0):
-            raise ValueError(f"block_length must be a positive integer or None, got {self.block_length!r}")
-        if self.steps is not None and (not isinstance(self.steps, int) or self.steps <= 0):
-            raise ValueError(f"steps must be a positive integer or None, got {self.steps!r}")
-        if self.cfg_scale < 0:
-            raise ValueError(f"cfg_scale must be >= 0, got {self.cfg_scale}")
+        # bool is an int subclass but never a length; numpy integers are stored as plain ints
+        for name, optional in (("gen_length", False), ("block_length", True), ("steps", True)):
+            v = getattr(self, name)
+            if optional and v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0:
+                raise ValueError(f"{name} must be a positive integer{' or None' if optional else ''}, got {v!r}")
+            object.__setattr__(self, name, int(v))
+        c = self.cfg_scale
+        if isinstance(c, bool) or not isinstance(c, numbers.Real) or not math.isfinite(c) or c < 0:
+            raise ValueError(f"cfg_scale must be >= 0 and finite (0: no guidance), got {c!r}")
+        object.__setattr__(self, "cfg_scale", float(c))
+        if self.seed is not None:
+            if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):
+                raise ValueError(f"seed must be an integer (Python or numpy) or None, got {self.seed!r}")
+            object.__setattr__(self, "seed", int(self.seed))
 
     @property
     def block(self) -> int:

@@ -77,6 +77,9 @@ def prepare_prompts(model, prompts, attention_mask=None, chat_template=True) -> 
     else:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)):
             prompts = [prompts]
+        if isinstance(prompts, (bytes, bytearray)) or any(isinstance(p, (bytes, bytearray)) for p in prompts):
+            raise ValueError("bytes prompts are not accepted: decode them to str first (b.decode('utf-8')), or pass "
+                             "token ids as a list of ints")
         if not isinstance(prompts, Sequence) or len(prompts) == 0:
             raise ValueError("prompts must be a non-empty string, list of strings, list of token-id lists, "
                              "list of chat conversations or a 2-D tensor")

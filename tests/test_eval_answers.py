@@ -71,7 +71,7 @@ def test_math_equivalent(pred, ref):
 
 
 @pytest.mark.parametrize("pred,ref", [("\\frac{1}{3}", "\\frac{1}{2}"), ("(3,5)", "(3,4)"), ("7", "-7"),
-                                      (None, "1"), ("\\sqrt{3}", "\\sqrt{2}")])
+                                      (None, "1"), ("\\sqrt{3}", "\\sqrt{2}"), ("12", "1,2"), ("1,2", "12")])
 def test_math_not_equivalent(pred, ref):
     assert not A.math_equiv(pred, ref)
 

@@ -36,5 +36,11 @@ def test_two_processes_match_one(tmp_path):
     assert [tuple(r[k] for k in keys) for r in a] == [tuple(r[k] for k in keys) for r in b]
     # the table is printed once, by the main process
     assert two.stdout.count("| gsm8k | 5 |") == 1 and one.stdout.count("| gsm8k | 5 |") == 1
+    # the number of processes is reported at the start, once
+    assert two.stderr.count("[dllm eval gsm8k: 2 processes]") == 1 and "[dllm eval gsm8k: 1 process]" in one.stderr
     sa, sb = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("one", "two"))
     assert (sa["n"], sa["correct"], sa["answer_tokens"]) == (sb["n"], sb["correct"], sb["answer_tokens"])
+    # a two-process directory resumes in one process (the content keys do not depend on the process count)
+    again = _cli(args, out=tmp_path / "two")
+    assert "0 samples scored, 5 already" in again.stderr
+    assert _lines(tmp_path / "two" / "samples.jsonl") == b

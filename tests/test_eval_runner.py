@@ -120,3 +120,79 @@ def test_datasets_path_fails_clearly_offline(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", offline)
     assert cli_main(["eval", "mbpp", "--out", str(tmp_path), "--limit", "1"]) == 2
     assert "pass --data PATH" in capsys.readouterr().err
+
+
+def _data(tmp_path, rows):
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _run_file(model, data, out, config=CONFIG, **kw):
+    task = get_standard_task("gsm8k")
+    samples, pool = load_samples(task, str(data), shots=0)
+    prompts = build_prompts(task, samples, pool, 0)
+    return run_standard_eval(model, task, samples, config, out, prompts=prompts, settings={"k": 1}, **kw)
+
+
+def test_rewritten_record_is_recomputed_under_the_same_out(tiny, tmp_path):
+    rows = [json.loads(x) for x in GSM8K.read_text().splitlines()[:3]]
+    data = _data(tmp_path, rows)
+    first = _run_file(tiny, data, tmp_path / "out")
+    assert first.written == 3
+    old = {r["id"]: r for r in _lines(tmp_path / "out" / "samples.jsonl")}
+    # the same file path, one record rewritten (another question and answer)
+    rows[1] = {**rows[1], "question": "Tom has 3 apples and buys 4 more. How many apples does he have?",
+               "answer": "3 + 4 = 7\n#### 7"}
+    _data(tmp_path, rows)
+    starts = []
+    again = _run_file(tiny, data, tmp_path / "out", on_start=lambda todo, done: starts.append((todo, done)))
+    assert starts == [(1, 2)] and again.written == 1 and again.already_done == 2
+    lines = _lines(tmp_path / "out" / "samples.jsonl")
+    assert [r["id"] for r in lines] == ["0", "1", "2"]  # the stale line of sample 1 is gone, nothing doubled
+    assert lines[1]["reference"] == "7" and lines[1]["key"] != old["1"]["key"]
+    assert lines[0] == old["0"] and lines[2] == old["2"]
+    # unchanged data: nothing to do
+    assert _run_file(tiny, data, tmp_path / "out").written == 0
+
+
+def test_changed_decode_options_are_refused_or_overwritten(tiny, tmp_path):
+    data = _data(tmp_path, [json.loads(x) for x in GSM8K.read_text().splitlines()[:2]])
+    _run_file(tiny, data, tmp_path / "out")
+    other = GenerateConfig(gen_length=16, block_length=8)
+    with pytest.raises(ValueError, match=r"different settings \(generate_config.*--overwrite"):
+        _run_file(tiny, data, tmp_path / "out", config=other)
+    assert len(_lines(tmp_path / "out" / "samples.jsonl")) == 2  # nothing touched
+    res = _run_file(tiny, data, tmp_path / "out", config=other, overwrite=True)
+    assert res.written == 2 and res.already_done == 0
+    assert len(_lines(tmp_path / "out" / "samples.jsonl")) == 2
+    assert json.loads((tmp_path / "out" / "run.json").read_text())["generate_config"]["block_length"] == 8
+
+
+def test_cli_refuses_changed_decode_options(tmp_path, capsys):
+    args = ["eval", "gsm8k", "--model", "llada-tiny", "--data", str(GSM8K), "--shots", "0", "--limit", "1",
+            "--gen-length", "8", "--block-length", "8", "--no-progress", "--out", str(tmp_path)]
+    assert cli_main(args) == 0
+    capsys.readouterr()
+    assert cli_main([*args, "--steps", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "steps: None there, 4 now" in err and "--overwrite" in err and "Traceback" not in err
+    assert cli_main([*args, "--steps", "4", "--overwrite"]) == 0
+
+
+def test_cli_notes_a_single_process_under_accelerate_launch_without_gpus(tmp_path, capsys, monkeypatch):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the note is for machines without GPUs")
+    # what `accelerate launch --num_processes 2` (no --multi_gpu) leaves on a CPU machine: one process, no WORLD_SIZE
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "False")
+    args = ["eval", "gsm8k", "--model", "llada-tiny", "--data", str(GSM8K), "--shots", "0", "--limit", "1",
+            "--gen-length", "8", "--block-length", "8", "--no-progress", "--out", str(tmp_path)]
+    assert cli_main(args) == 0
+    err = capsys.readouterr().err
+    assert "[dllm eval gsm8k: 1 process]" in err and "accelerate launch --multi_gpu --num_processes N" in err
+    monkeypatch.delenv("ACCELERATE_USE_CPU")
+    assert cli_main(args) == 0
+    assert "--multi_gpu" not in capsys.readouterr().err  # a plain run: no note

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -302,6 +303,12 @@ def test_summary_and_paraphrase_metrics(backends):
     assert PB.bleu("the cat sat on the mat today", ["the cat sat on the mat today"]) == pytest.approx(1.0)
     assert PB.bleu("a dog ran", ["the cat sat on the mat today"]) == 0.0
     assert 0 < PB.bleu("the cat sat on the mat", ["the cat sat on the mat today"]) < 1  # brevity penalty
+    # short texts: smoothed sentence BLEU scores an exact copy 1; the original's unsmoothed BLEU scores it 0
+    assert PB.bleu("hello world", ["hello world"]) == pytest.approx(1.0)
+    assert PB.bleu("hello world", "hello world", smooth=False) == 0.0
+    # unsmoothed: every n-gram precision is 1, so the score is the brevity penalty exp(1 - 7/6)
+    assert PB.bleu("the cat sat on the mat", ["the cat sat on the mat today"], smooth=False) == pytest.approx(
+        math.exp(1 - 7 / 6))
     backends("bertscore", False)
     s = _score("paraphrase_summarize/chatgpt-paraphrases", para, "a feline rested on the rug")
     assert s["score"] is None and s["unavailable"] == ["bertscore"]
@@ -310,6 +317,8 @@ def test_summary_and_paraphrase_metrics(backends):
     assert s["score"] == pytest.approx(0.9 * (1 - PB.bleu("a feline rested on the rug", [para["answer"]["text"]])))
     assert _score("paraphrase_summarize/chatgpt-paraphrases", para, "the cat sat on the mat today")["score"] == 0.0
     assert _score("paraphrase_summarize/chatgpt-paraphrases", para, "")["score"] == 0.0
+    short = {"input": {"text": "hello world"}, "answer": {"text": "hello world"}}
+    assert _score("paraphrase_summarize/chatgpt-paraphrases", short, "hello world")["score"] == 0.0  # a copy
 
 
 def test_text_tasks_need_user_data(tmp_path):
@@ -514,7 +523,7 @@ def test_resume_after_interruption(tiny, tmp_path):
     assert again.written == 0 and again.already_done == 27
     more = S.run_sweep(model, tmp_path / "cut", ["topk:k=2"], **SWEEP)  # a new setting extends the file
     assert more.written == 9 and len(S.load_samples(tmp_path / "cut")) == 36
-    with pytest.raises(ValueError, match="other settings"):
+    with pytest.raises(ValueError, match="different sweep settings \\(data.style: 'short' there, 'full' now\\)"):
         S.run_sweep(model, tmp_path / "cut", METHODS, **{**SWEEP, "style": "full"})
 
 
@@ -644,3 +653,58 @@ def test_cli_generate_score_run_report(tiny, tmp_path, capsys):
     assert "topk:k=8" in out and "plot not written" in out
     assert main(["parallelbench", "run", "--model", str(ckpt), "--method", "nope:x=1", "--out", str(run_dir)]) == 2
     assert "unknown method 'nope'" in capsys.readouterr()[1]
+
+
+def test_resume_recomputes_rewritten_records_and_refuses_changed_settings(tiny, tmp_path):
+    model, _ = tiny
+    PB.write_suite(tmp_path / "data", "waiting_line/copy", n=3, style="short")
+    kw = dict(data_dir=tmp_path / "data", batch_size=3)
+    first = S.run_sweep(model, tmp_path / "out", ["topk:k=8"], "waiting_line/copy", **kw)
+    assert first.written == 3
+    old = {x["index"]: x for x in S.load_samples(tmp_path / "out")}
+    # rewrite one record of the data file in place (same path, same index)
+    path = tmp_path / "data" / "waiting_line" / "copy.jsonl"
+    records = PB.read_jsonl(path)
+    records[1] = {**records[1], "input": {**records[1]["input"], "context": "[\"Zed Quill\", \"Amy Bo\"]"},
+                  "answer": "[\"Zed Quill\", \"Amy Bo\"]"}
+    PB.write_jsonl(path, records)
+    starts = []
+    res = S.run_sweep(model, tmp_path / "out", ["topk:k=8"], "waiting_line/copy", **kw,
+                      on_start=lambda todo, done: starts.append((todo, done)))
+    assert starts == [(1, 2)] and res.written == 1
+    lines = S.load_samples(tmp_path / "out")
+    assert sorted(x["index"] for x in lines) == [0, 1, 2]  # the stale line is gone, nothing doubled
+    new = {x["index"]: x for x in lines}
+    assert new[1]["answer"] == "[\"Zed Quill\", \"Amy Bo\"]" and new[0] == old[0] and new[2] == old[2]
+    # a changed decode configuration under the same directory: refused, naming the change and the fix
+    with pytest.raises(ValueError, match=r"gen_seed: 0 there, 1 now.*--overwrite"):
+        S.run_sweep(model, tmp_path / "out", ["topk:k=8"], "waiting_line/copy", **kw, gen_seed=1)
+    again = S.run_sweep(model, tmp_path / "out", ["topk:k=8"], "waiting_line/copy", **kw, gen_seed=1, overwrite=True)
+    assert again.written == 3 and again.already_done == 0 and len(S.load_samples(tmp_path / "out")) == 3
+
+
+def test_run_style_defaults_to_the_bundled_models_prompts(tmp_path, capsys, monkeypatch):
+    import argparse
+
+    from dllm.assets import BUNDLED
+    from dllm.evals.parallelbench_cli import _style
+
+    ns = argparse.Namespace
+    assert _style(ns(style=None, model=None)) == "short"  # the default model is llada-tiny
+    assert _style(ns(style=None, model="dream-tiny")) == "short"
+    assert _style(ns(style=None, model=str(BUNDLED["llada-tiny"]))) == "short"  # its path counts too
+    assert "--style full" in capsys.readouterr().err
+    assert _style(ns(style=None, model=str(tmp_path))) == "full"  # any other checkpoint: the original prompts
+    assert _style(ns(style="full", model=None)) == "full"  # an explicit choice wins
+    assert _style(ns(style=None)) == "full"  # `generate` (no model)
+    # the documented command, small: meaningful scores with the default style on the bundled model
+    out = tmp_path / "run"
+    assert main(["parallelbench", "run", "--tasks", "waiting_line/copy", "--method", "threshold:tau=0.9",
+                 "--method", "localleap", "--n", "4", "--no-report", "--out", str(out)]) == 0
+    lines = S.load_samples(out)
+    assert len(lines) == 8 and sum(x["score"] for x in lines) >= 6
+    assert json.loads((out / "run.json").read_text())["pinned"]["data"]["style"] == "short"
+    # several processes would each run the whole sweep into one file: refused
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["parallelbench", "run", "--method", "topk:k=1", "--out", str(tmp_path / "x")]) == 2
+    assert "single-process" in capsys.readouterr().err

@@ -5,7 +5,8 @@ deferred to the handlers so ``dllm --help`` stays fast.
 
 Multi-process: ``accelerate launch --num_processes N -m dllm.cli eval ...`` (GPUs, one model per process;
 multi-node with accelerate's ``--num_machines/--machine_rank/--main_process_ip``), or on CPU
-``torchrun --nproc_per_node N -m dllm.cli eval ...`` (gloo).
+``torchrun --nproc_per_node N -m dllm.cli eval ...`` or ``accelerate launch --multi_gpu --num_processes N ...``
+(gloo; without ``--multi_gpu`` accelerate starts one process on a machine without GPUs, which is reported).
 """
 
 from __future__ import annotations
@@ -20,9 +21,14 @@ def _make_accelerator(device: str | None):
     import os
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return None
     import torch
+
+    if world <= 1:
+        if any(k.startswith("ACCELERATE_") for k in os.environ) and not torch.cuda.is_available():
+            print("note: running as one process. Without GPUs, `accelerate launch --num_processes N` (with or "
+                  "without --cpu) starts a single process; for N processes on CPU use `accelerate launch "
+                  "--multi_gpu --num_processes N` or `torchrun --nproc_per_node N`", file=sys.stderr)
+        return None
     from accelerate import Accelerator
 
     # Without CUDA, accelerate only goes multi-process (gloo) when told cpu=True; otherwise every process would
@@ -77,12 +83,15 @@ def cmd_eval(args) -> int:
         "fewshot_data": str(Path(args.fewshot_data).resolve()) if args.fewshot_data else None,
     }
     main = accelerator is None or accelerator.is_main_process
+    if main:
+        world = accelerator.num_processes if accelerator is not None else 1
+        print(f"[dllm eval {task.name}: {world} process{'es' if world > 1 else ''}]", file=sys.stderr)
     bar = _Progress(enabled=main and not args.no_progress)
     try:
         summary = run_standard_eval(model, task, samples, config, args.out, prompts=ids, sampler=sampler,
                                     cache=args.cache, batch_size=args.batch_size, settings=settings,
                                     accelerator=accelerator, timeout=args.timeout, memory_mb=args.memory_mb,
-                                    on_start=bar.start, on_sample=bar.update)
+                                    overwrite=args.overwrite, on_start=bar.start, on_sample=bar.update)
     finally:
         bar.close()
     if summary is not None:
@@ -145,6 +154,8 @@ def add_parser(sub) -> None:
                     "--num_processes N -m dllm.cli eval ... (or torchrun --nproc_per_node N on CPU).")
     e.add_argument("task", metavar="TASK", help=f"one of: {', '.join(STANDARD_TASKS)}")
     e.add_argument("--out", required=True, help="results directory (rerun with the same directory to resume)")
+    e.add_argument("--overwrite", action="store_true",
+                   help="discard the results in --out when they were made with other settings (default: refuse)")
     e.add_argument("--data", default=None,
                    help="local JSONL (.jsonl/.jsonl.gz) with the public field names (gsm8k: question, answer; math: "
                         "problem, solution; mbpp: text, code, test_list, task_id; humaneval: task_id, prompt, test, "

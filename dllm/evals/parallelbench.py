@@ -34,7 +34,8 @@ Lenient and strict list parsing follow the original's rules (:func:`parse_list`)
 deterministic lists; validity for multi-answer tasks (shuffle: same multiset, different order; random
 insert/remove/replace: exactly one valid edit); Latin-square validity; Sudoku exact match (the solution is
 unique); words-to-sentence inclusion (case-sensitive substring) and grammar; summaries ROUGE-L x grammar;
-paraphrases (1 - BLEU) x BERTScore-F1 x grammar. Grammar (LanguageTool), ROUGE (``rouge-score``) and
+paraphrases (1 - BLEU) x BERTScore-F1 x grammar, with sentence BLEU from ``sacrebleu`` (smoothed, see
+:func:`bleu`). Grammar (LanguageTool), ROUGE (``rouge-score``) and
 BERTScore (``bert-score`` + its model) are used when importable and loadable, and reported as unavailable
 (score ``None``, never 0) when not; :func:`set_text_backend` plugs in other implementations.
 """
@@ -42,11 +43,12 @@ BERTScore (``bert-score`` + its model) are used when importable and loadable, an
 from __future__ import annotations
 
 import fnmatch
+import functools
 import json
+import logging
 import math
 import random
 import re
-from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -904,44 +906,37 @@ def _grammar(text: str) -> float | None:
     return None if fn is None else float(bool(fn(text.strip())))
 
 
-def _tokenize_13a(line: str) -> list[str]:
-    """The ``13a`` tokenization of the mteval script (what the usual BLEU implementations apply)."""
-    line = line.replace("<skipped>", "").replace("-\n", "").replace("\n", " ")
-    if "&" in line:
-        line = line.replace("&quot;", '"').replace("&amp;", "&").replace("&lt;", "<").replace("&gt;", ">")
-    line = f" {line} "
-    line = re.sub(r"([\{-\~\[-\` -\&\(-\+\:-\@\/])", r" \1 ", line)
-    line = re.sub(r"([^0-9])([\.,])", r"\1 \2 ", line)
-    line = re.sub(r"([\.,])([^0-9])", r" \1 \2", line)
-    line = re.sub(r"([0-9])(-)", r"\1 \2 ", line)
-    return line.split()
+@functools.lru_cache(maxsize=2)
+def _bleu_metric(smooth: bool):
+    try:
+        from sacrebleu.metrics import BLEU
+    except ImportError:
+        raise ImportError("BLEU needs the `sacrebleu` package: pip install sacrebleu (or the eval extra: "
+                          "pip install -e '.[eval]')") from None
+    if smooth:
+        return BLEU(effective_order=True)  # what sacrebleu.sentence_bleu uses
+    quiet = logging.getLogger("sacrebleu")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # it recommends effective order for sentences; here we mean not to
+    try:
+        return BLEU(smooth_method="none", effective_order=False)
+    finally:
+        quiet.setLevel(level)
 
 
-def bleu(prediction: str, references: str | list[str], max_order: int = 4) -> float:
-    """Sentence BLEU in [0, 1]: clipped n-gram precisions up to ``max_order`` (no smoothing: 0 when any is
-    0), their geometric mean, times the brevity penalty ``exp(1 - r / c)`` when the candidate (``c`` tokens)
-    is not longer than the shortest reference (``r`` tokens); 13a tokenization."""
+def bleu(prediction: str, references: str | list[str], *, smooth: bool = True) -> float:
+    """Sentence BLEU of ``prediction`` against ``references`` on a 0-1 scale (sacrebleu's score / 100; 13a
+    tokenization, n-grams up to 4).
+
+    ``smooth=True`` (default): sacrebleu's ``sentence_bleu`` (exponential smoothing, effective order), so a
+    text shorter than four tokens is scored on the n-gram orders it has: ``bleu("hello world", ["hello world"])``
+    is 1.0. ``smooth=False``: unsmoothed BLEU over all four orders, what the original ParallelBench computes
+    (``evaluate``'s ``bleu``): 0 whenever one order has no match, so 0 for every text under four tokens.
+    """
     refs = [references] if isinstance(references, str) else list(references)
-    cand = _tokenize_13a(prediction)
-    ref_toks = [_tokenize_13a(r) for r in refs]
-    if not cand or not ref_toks:
+    if not prediction.strip() or not refs:
         return 0.0
-    precisions = []
-    for k in range(1, max_order + 1):
-        grams = Counter(tuple(cand[i:i + k]) for i in range(len(cand) - k + 1))
-        best: Counter = Counter()
-        for r in ref_toks:
-            best |= Counter(tuple(r[i:i + k]) for i in range(len(r) - k + 1))
-        total = max(len(cand) - k + 1, 0)
-        matched = sum(min(c, best[g]) for g, c in grams.items())
-        precisions.append(matched / total if total else 0.0)
-    if min(precisions) <= 0:
-        return 0.0
-    geo = math.exp(sum(math.log(p) for p in precisions) / max_order)
-    ref_len = min(len(r) for r in ref_toks)
-    ratio = len(cand) / ref_len if ref_len else 0.0
-    bp = 1.0 if ratio > 1.0 else (math.exp(1 - 1 / ratio) if ratio > 0 else 0.0)
-    return geo * bp
+    return min(1.0, _bleu_metric(smooth).sentence_score(prediction, refs).score / 100.0)  # 100.00000000000004
 
 
 def _product(parts: dict[str, float | None], allow_partial: bool) -> tuple[float | None, list[str]]:
@@ -982,7 +977,11 @@ def _paraphrase_metrics(pred: str, record: dict, allow_partial: bool) -> dict:
         return {"metrics": zero, "score": 0.0, "missing": []}
     text = record["answer"]["text"]
     fn, _ = _backend("bertscore")
-    metrics = {"inv_bleu_score": 1.0 - bleu(pred, [text]),
+    try:
+        inv_bleu = 1.0 - bleu(pred, [text])
+    except ImportError:
+        inv_bleu = None
+    metrics = {"inv_bleu_score": inv_bleu,
                "bertscore_score": None if fn is None else float(fn(pred, text)),
                "grammar_score": _grammar(pred)}
     parts = {"bleu": metrics["inv_bleu_score"], "bertscore": metrics["bertscore_score"],

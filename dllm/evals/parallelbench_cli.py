@@ -39,9 +39,10 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--tasks", default=None, help="comma-separated task patterns or categories (default: all 17)")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED, help=f"data seed (default {DEFAULT_SEED})")
-    p.add_argument("--style", choices=["full", "short"], default="full",
+    p.add_argument("--style", choices=["full", "short"], default=None,
                    help="full: the original prompts and formats; short: the project's short prompts (the bundled "
-                        "tiny models are trained on these)")
+                        "tiny models are trained on these). Default: short for `run` with a bundled tiny model, "
+                        "full otherwise")
     p.add_argument("--index-base", type=int, choices=[0, 1], default=1,
                    help="positions in *_index prompts: 1 (default) or 0 (the paper's data)")
     p.add_argument("--sort-by", choices=["last", "first"], default="last",
@@ -54,9 +55,27 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
                    help="data for paraphrase_summarize/chatgpt-paraphrases (JSONL: text[, paraphrases])")
 
 
+def _style(args) -> str:
+    """``--style``, or its default: ``short`` (what they are trained on) for the bundled tiny models, else ``full``."""
+    if args.style is not None:
+        return args.style
+    from dllm.assets import BUNDLED, model_path
+
+    model = getattr(args, "model", False)
+    if model is False:  # `generate`: no model
+        return "full"
+    path = Path(model_path(model)).resolve()
+    if any(path == p.resolve() for p in BUNDLED.values()):
+        print(f"[--style short: the prompts {path.name} is trained on (pass --style full for the original "
+              "prompts)]", file=sys.stderr)
+        return "short"
+    return "full"
+
+
 def cmd_generate(args) -> int:
     from dllm.evals import parallelbench as PB
 
+    args.style = _style(args)
     res = PB.write_suite(args.out, args.tasks, n=args.n, seed=args.seed, style=args.style, index_base=args.index_base,
                          sort_by=args.sort_by, sudoku_givens=args.sudoku_givens, text_data=_text_data(args))
     for name, where in res.items():
@@ -125,7 +144,11 @@ def cmd_run(args) -> int:
     from dllm.evals.parallelbench_report import write_report
     from dllm.evals.parallelbench_sweep import parse_methods, run_sweep
 
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("parallelbench run is single-process: every process would run the whole sweep; start it "
+                         "without torchrun / accelerate launch (several sweeps: one --out each)")
     settings = parse_methods(args.method)  # fail on a bad spec before loading the model
+    args.style = _style(args)
     model = _load(args)
     bar = tqdm(total=0, desc="parallelbench", unit="sample", file=sys.stderr, dynamic_ncols=True)
 
@@ -145,7 +168,8 @@ def cmd_run(args) -> int:
                         sudoku_givens=args.sudoku_givens, text_data=_text_data(args), gen_length=args.gen_length,
                         batch_size=args.batch_size, cache=args.cache,
                         model_name=str(Path(model_path(args.model)).resolve()),
-                        allow_partial=args.partial_text_scores, gen_seed=args.gen_seed, on_start=on_start,
+                        allow_partial=args.partial_text_scores, gen_seed=args.gen_seed, overwrite=args.overwrite,
+                        on_start=on_start,
                         on_sample=on_sample)
     finally:
         bar.close()
@@ -211,6 +235,8 @@ def add_parser(sub) -> None:
                    help="method spec(s), repeatable: topk:k=1,2,4,8 | threshold:tau=0.5,0.6,...,1.0 | "
                         "NAME:param=v1,v2 (any registered sampler, see `dllm samplers`)")
     r.add_argument("--out", required=True, help="output directory (samples.jsonl, run.json, report.md)")
+    r.add_argument("--overwrite", action="store_true",
+                   help="discard the results in --out when they were made with other settings (default: refuse)")
     r.add_argument("--cache", default=None, help="cache policy name (default: none)")
     r.add_argument("--data-dir", default=None, help="run on the JSONL files of this directory (ours or the original's)")
     r.add_argument("--n", type=int, default=None, help="samples per task, spread over the file (default: all)")

@@ -21,23 +21,27 @@ sample's batch is decoded, with the record, the prediction, ``score``/``score_st
 ``tokens_per_step`` (gen_length / NFE, ParallelBench's speed measure), ``output_length`` (tokens before
 EOS) and ``time_s`` (the batch's wall time divided by its rows). A rerun with the same ``<out>`` skips the
 lines already there (a torn last line from a crash is dropped first), so an interrupted sweep resumes
-with nothing lost or duplicated; new settings or tasks extend the file. ``<out>/run.json`` pins what must
-not change between runs of one directory (model, data, generation length override, cache).
+with nothing lost or duplicated; new settings or tasks extend the file. Each line's ``key`` hashes its
+record, prompt, metric and resolved decode configuration (:mod:`dllm.evals.io`): a record that changed since
+(a rewritten ``--data-dir`` file) is recomputed and its stale line dropped. ``<out>/run.json`` pins what must
+not change between runs of one directory (model, data options, generation length override, cache, decoding
+seed); another value is refused, or with ``overwrite`` the results there are discarded.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-import os
+import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
 from dllm.config import GenerateConfig
 from dllm.evals import parallelbench as PB
+from dllm.evals.io import ConfigChanged, JsonlStore, check_pinned, content_key, read_lines
 from dllm.evals.runner import generate_batches, output_lengths
 
 __all__ = ["SAMPLES_FILE", "RUN_FILE", "Setting", "SweepResult", "load_samples", "parse_method", "parse_methods",
@@ -45,6 +49,7 @@ __all__ = ["SAMPLES_FILE", "RUN_FILE", "Setting", "SweepResult", "load_samples",
 
 SAMPLES_FILE = "samples.jsonl"
 RUN_FILE = "run.json"
+log = logging.getLogger(__name__)
 _CONFIG_KEYS = ("block_length", "steps")
 
 
@@ -240,16 +245,6 @@ def subset_indices(total: int, n: int | None) -> list[int]:
     return [(i * total) // n for i in range(n)]
 
 
-def _repair(path: Path) -> None:
-    """Drop a torn last line (a crash in the middle of a write)."""
-    if not path.is_file():
-        return
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        with open(path, "r+b") as f:
-            f.truncate(data.rfind(b"\n") + 1)
-
-
 def load_samples(path: str | Path) -> list[dict]:
     """Sample lines of a sweep (a ``samples.jsonl`` or a directory holding one)."""
     path = Path(path)
@@ -257,18 +252,7 @@ def load_samples(path: str | Path) -> list[dict]:
         path = path / SAMPLES_FILE
     if not path.is_file():
         raise FileNotFoundError(f"no sweep results at {str(path)!r}")
-    data = path.read_text(encoding="utf-8")
-    lines = data.split("\n")
-    if data and not data.endswith("\n"):
-        lines = lines[:-1]  # torn last line
-    out = []
-    for i, line in enumerate(lines, 1):
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{i}: not valid JSON ({exc.msg})") from None
-    return out
+    return read_lines(path, strict=True)
 
 
 @dataclass
@@ -317,15 +301,18 @@ def _resolve_tasks(tasks, data_dir, n, seed, style, index_base, sort_by, sudoku_
     return out, needs
 
 
-def _check_run_file(out: Path, pinned: dict) -> dict:
+def _check_run_file(out: Path, pinned: dict, store: JsonlStore, overwrite: bool) -> dict:
     path = out / RUN_FILE
     if path.is_file():
         old = json.loads(path.read_text(encoding="utf-8"))
-        diff = [k for k in pinned if old.get("pinned", {}).get(k) != pinned[k]]
-        if diff:
-            lines = "; ".join(f"{k}: {old.get('pinned', {}).get(k)!r} before, {pinned[k]!r} now" for k in diff)
-            raise ValueError(f"{out} holds a sweep made with other settings ({lines}); use another --out "
-                             "directory or the same settings")
+        try:
+            check_pinned(old.get("pinned", {}), pinned, out, what="sweep settings")
+        except ConfigChanged:
+            if not overwrite:
+                raise
+            log.warning("%s: sweep settings changed; discarding the results there (overwrite)", out)
+            store.clear()
+            return {"pinned": pinned, "tasks": [], "settings": []}
         return old
     return {"pinned": pinned, "tasks": [], "settings": []}
 
@@ -336,7 +323,7 @@ def run_sweep(model, out_dir: str | Path, methods: Sequence[str | Setting] | str
               sudoku_givens: tuple[int, int] = (4, 12), text_data: dict[str, str | Path] | None = None,
               gen_length: int | None = None, batch_size: int = 16, cache: str | None = None,
               model_name: str | None = None, allow_partial: bool = False, gen_seed: int | None = 0,
-              on_start: Callable[[int, int], None] | None = None,
+              overwrite: bool = False, on_start: Callable[[int, int], None] | None = None,
               on_sample: Callable[[dict], None] | None = None) -> SweepResult:
     """Run every setting of ``methods`` on every task of ``tasks`` and append the samples to
     ``<out_dir>/samples.jsonl`` (resuming: lines already there are not redone).
@@ -353,6 +340,7 @@ def run_sweep(model, out_dir: str | Path, methods: Sequence[str | Setting] | str
         gen_length: generation budget for every task (default: the original's per-task ``max_tokens``).
         cache: a cache policy name passed to :func:`dllm.generate`.
         model_name: recorded in ``run.json``; a rerun with another name is refused.
+        overwrite: when ``run.json`` pins other settings, discard the results in ``out_dir`` instead of refusing.
         allow_partial: text tasks are scored on the metrics available (see ``score_prediction``).
         on_start: called once with (lines to do, lines already done).
         on_sample: called after each line is written (progress bars; an exception stops the sweep, and
@@ -373,25 +361,32 @@ def run_sweep(model, out_dir: str | Path, methods: Sequence[str | Setting] | str
                  "sudoku_givens": list(sudoku_givens)})
     data_pin["text_data"] = {k: str(Path(v).resolve()) for k, v in sorted((text_data or {}).items())}
     pinned = {"model": model_name, "data": data_pin, "gen_length": gen_length, "cache": cache, "gen_seed": gen_seed}
-    run_info = _check_run_file(out, pinned)
+    store = JsonlStore(out, ident=lambda x: (x["setting"], x["task"], int(x["index"])), name=SAMPLES_FILE)
+    run_info = _check_run_file(out, pinned, store, overwrite)
     if model_name is None and run_info["pinned"].get("model") is not None:
         pinned["model"] = run_info["pinned"]["model"]
+    samples_path = store.path
 
-    samples_path = out / SAMPLES_FILE
-    _repair(samples_path)
-    done: set[tuple[str, str, int]] = set()
-    if samples_path.is_file():
-        for line in load_samples(samples_path):
-            done.add((line["setting"], line["task"], int(line["index"])))
-
-    # resolve every (setting, task) up front so that a bad spec fails before any work
-    plan = []
+    # resolve every (setting, task) up front so that a bad spec fails before any work; key every line by its
+    # record, prompt, metric and decode configuration
+    plan, expected = [], {}
     for s in settings:
         for td in task_data:
             G = gen_length or td.max_tokens
             sampler, config = s.resolve(model, G, gen_seed)
-            pending = [i for i in td.indices if (s.label, td.name, i) not in done]
-            plan.append((s, td, sampler, config, pending))
+            convs = {i: PB.messages_for(td.records[i], td.template) for i in td.indices}
+            decode = [s.describe(), asdict(config), repr(sampler), pinned]
+            for i in td.indices:
+                expected[(s.label, td.name, i)] = content_key(td.records[i], convs[i], td.metric, decode)
+            plan.append((s, td, sampler, config, convs))
+    lines = store.read()
+    done, others, stale = store.current(expected, lines)
+    if stale:  # drop the stale lines now, so that the file (and its reports) hold current results only
+        log.warning("%s: %d stored line(s) no longer match their record or settings; recomputing them", out, stale)
+        kept = {id(x) for x in [*done.values(), *others]}
+        store.rewrite(x for x in lines if id(x) in kept)
+    plan = [(s, td, sampler, config, convs, [i for i in td.indices if (s.label, td.name, i) not in done])
+            for s, td, sampler, config, convs in plan]
     todo = sum(len(p[-1]) for p in plan)
     already = sum(len(p[1].indices) - len(p[-1]) for p in plan)
 
@@ -405,13 +400,12 @@ def run_sweep(model, out_dir: str | Path, methods: Sequence[str | Setting] | str
         on_start(todo, already)
 
     written = 0
-    with open(samples_path, "a", encoding="utf-8") as f:
-        for s, td, sampler, config, pending in plan:
+    with store.append() as f:
+        for s, td, sampler, config, convs, pending in plan:
             if not pending:
                 continue
-            convs = [PB.messages_for(td.records[i], td.template) for i in pending]
-            for start, res in generate_batches(model, convs, config, sampler=sampler, cache=cache,
-                                               batch_size=batch_size):
+            for start, res in generate_batches(model, [convs[i] for i in pending], config, sampler=sampler,
+                                               cache=cache, batch_size=batch_size):
                 rows = pending[start : start + batch_size]
                 lengths = output_lengths(model, res.sequences)
                 per_row = res.stats.time_total / len(rows)
@@ -424,12 +418,12 @@ def run_sweep(model, out_dir: str | Path, methods: Sequence[str | Setting] | str
                             "gen_length": config.gen_length, "steps": config.steps, "prediction": pred, **sc,
                             "metric": td.metric, "nfe": nfe, "tokens_per_step": config.gen_length / max(nfe, 1),
                             "output_length": lengths[j], "time_s": per_row, "batch_size": len(rows),
-                            **{k: record[k] for k in ("input", "answer", "output_format", "metadata") if k in record}}
-                    f.write(json.dumps(line, ensure_ascii=False) + "\n")
-                    f.flush()
+                            **{k: record[k] for k in ("input", "answer", "output_format", "metadata") if k in record},
+                            "key": expected[(s.label, td.name, idx)]}
+                    f.write(line)
                     written += 1
                     if on_sample is not None:
                         on_sample(line)
-                os.fsync(f.fileno())
+                f.sync()
     return SweepResult(out, samples_path, written, already, [td.name for td in task_data],
                        [s.label for s in settings], needs)

@@ -44,6 +44,8 @@ def evaluate_tasks(model, names: list[str], n: int, seed: int, config: GenerateC
                    cache=None, batch_size: int = 16, with_example: bool = True,
                    on_batch: Callable[[str, int], None] | None = None) -> list[TaskResult]:
     """Score ``n`` held-out examples (``seed``) of each task with one sampler configuration."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be a positive integer (examples per task), got {n!r}")
     results = []
     for name in names:
         task = T.get_task(name)

@@ -204,7 +204,8 @@ def normalize_math_answer(ans: str | None) -> str | None:
 
 
 def _as_number(s: str) -> float | None:
-    t = s.replace(",", "")
+    # commas only as thousands separators ("1,000"); "1,2" is a pair of answers, not 12
+    t = s.replace(",", "") if re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", s) else s
     m = re.fullmatch(r"(-?)\\frac\{(-?\d+(?:\.\d+)?)\}\{(-?\d+(?:\.\d+)?)\}", t)
     if m:
         den = float(m.group(3))

@@ -2,12 +2,16 @@
 
 Output directory layout (``out``):
 
-* ``run.json`` — the settings of the run; a rerun with different settings into the same directory is refused.
+* ``run.json`` — the settings of the run. A rerun with different decode settings into the same directory is
+  refused (naming what changed), unless ``overwrite`` (``--overwrite``) discards the results there.
 * ``samples.jsonl`` — one line per scored sample (merged, in data order), written at the end of a run.
 * ``samples.rank{R}.jsonl`` — while a run is going, each process appends (and flushes) one line per sample as
   soon as it is scored. A rerun reads every ``samples*.jsonl`` (any number of processes before), skips the
   samples already there and never writes a sample twice; a half-written last line from a killed run is
   ignored. The main process merges everything into ``samples.jsonl`` and removes the shard files.
+* Each line's ``key`` hashes the sample's record, its prompt (token ids, few-shot examples included) and the
+  pinned settings (:mod:`dllm.evals.io`): a sample whose record or prompt changed since (a rewritten ``--data``
+  or ``--fewshot-data`` file) is recomputed and its stale line dropped from ``samples.jsonl``.
 * ``summary.json`` and ``summary.md`` — accuracy, NFE, tokens per forward, answer tokens and tokens/s.
 
 Throughput counts *answer tokens*: generated tokens before the first EOS/EOT (padding after the answer is not
@@ -25,12 +29,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dllm.config import GenerateConfig
+from dllm.evals.io import ConfigChanged, JsonlStore, check_pinned, content_key
 from dllm.evals.standard import Sample, StandardTask
 from dllm.evals.standard_answers import truncate_at
 
@@ -57,50 +61,53 @@ class EvalSummary:
     already_done: int = 0  # samples found in --out from an earlier run
 
 
-def _read_lines(path: Path) -> list[dict]:
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.endswith("\n"):
-                break  # a half-written last line of a killed run
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                log.warning("%s: skipping a malformed line", path)
-    return rows
+UNPINNED = ("data", "fewshot_data")  # recorded in run.json, not compared: samples are keyed by their content
+
+
+def _store(out: Path) -> JsonlStore:
+    return JsonlStore(out, ident=lambda row: str(row["id"]), name=MERGED)
 
 
 def read_done(out: Path) -> dict[str, dict]:
-    """Samples already scored in ``out`` (merged file and any shard files), by id; first occurrence wins."""
+    """Sample lines in ``out`` (merged file and any shard files), by id, whatever their key; first occurrence wins."""
     done: dict[str, dict] = {}
-    for p in sorted(Path(out).glob("samples*.jsonl")):
-        for row in _read_lines(p):
-            done.setdefault(str(row["id"]), row)
+    for row in _store(Path(out)).read():
+        done.setdefault(str(row["id"]), row)
     return done
 
 
-def _check_settings(out: Path, settings: dict) -> None:
+def _check_settings(out: Path, settings: dict, overwrite: bool) -> None:
     path = out / "run.json"
     if path.exists():
         old = json.loads(path.read_text())
-        diff = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
-        if diff:
-            raise ValueError(f"{out} holds a run with different settings ({', '.join(diff)}: "
-                             f"{[old.get(k) for k in diff]} there, {[settings.get(k) for k in diff]} now); "
-                             "use another --out, or the same settings to resume")
-    else:
-        path.write_text(json.dumps(settings, indent=2) + "\n")
+        try:
+            check_pinned({k: v for k, v in old.items() if k not in UNPINNED},
+                         {k: v for k, v in settings.items() if k not in UNPINNED}, out, what="settings")
+        except ConfigChanged:
+            if not overwrite:
+                raise
+            log.warning("%s: settings changed; discarding the results there (overwrite)", out)
+            _store(out).clear()
+            for name in ("summary.json", "summary.md"):
+                (out / name).unlink(missing_ok=True)
+    path.write_text(json.dumps(settings, indent=2) + "\n")
+
+
+def _plain(prompt):
+    return prompt.tolist() if hasattr(prompt, "tolist") else prompt
 
 
 def run_standard_eval(model, task: StandardTask, samples: list[Sample], config: GenerateConfig, out, *,
                       prompts: list, sampler=None, cache=None, batch_size: int = 1, settings: dict | None = None,
-                      accelerator=None, timeout: float = 10.0, memory_mb: int = 1024,
+                      accelerator=None, timeout: float = 10.0, memory_mb: int = 1024, overwrite: bool = False,
                       on_start: Callable[[int, int], None] | None = None,
                       on_sample: Callable[[dict], None] | None = None) -> EvalSummary | None:
-    """Generate, score and record every sample of ``samples`` not yet in ``out``.
+    """Generate, score and record every sample of ``samples`` not yet in ``out`` (with its current content).
 
     ``prompts[i]`` is what :func:`dllm.generate` gets for ``samples[i]`` (a conversation, a string, or token
-    ids). Returns the summary over all samples in ``out`` on the main process, ``None`` on the others.
+    ids). ``settings`` (plus ``config``, ``sampler`` and ``cache``) is pinned in ``out/run.json``: a run with
+    other settings is refused, or with ``overwrite`` the results there are discarded first. Returns the
+    summary over all samples in ``out`` on the main process, ``None`` on the others.
     """
     from dllm.evals.runner import output_lengths
     from dllm.generate import generate
@@ -113,23 +120,30 @@ def run_standard_eval(model, task: StandardTask, samples: list[Sample], config: 
     world = accelerator.num_processes if accelerator is not None else 1
     main = rank == 0
     out = Path(out)
+    pinned = {**(settings or {}), "task": task.name, "generate_config": asdict(config),
+              "sampler_config": repr(sampler) if sampler is not None else None,
+              "cache_config": cache if cache is None or isinstance(cache, str) else repr(cache),
+              "timeout": timeout, "memory_mb": memory_mb}
     if main:
         out.mkdir(parents=True, exist_ok=True)
-        _check_settings(out, settings or {})
+        _check_settings(out, pinned, overwrite)
     _barrier(accelerator)
-    done = read_done(out)
+    decode = {k: v for k, v in pinned.items() if k not in UNPINNED}
+    keys = {s.id: content_key(s.row, _plain(p), decode) for s, p in zip(samples, prompts)}
+    store = _store(out)
+    done, _, stale = store.current(keys)
     _barrier(accelerator)  # everyone has read the same state before anyone writes
     todo = [i for i, s in enumerate(samples) if s.id not in done]
     mine = todo[rank::world]
     if on_start is not None:
         on_start(len(mine), len(samples) - len(todo))
+    if main and stale:
+        log.warning("%s: %d stored result(s) no longer match their record or prompt; recomputing them", out, stale)
     log.info("rank %d/%d: %d samples to do, %d already in %s", rank, world, len(mine), len(samples) - len(todo), out)
 
     tok = getattr(model, "tokenizer", None)
-    shard = out / f"samples.rank{rank}.jsonl"
     written = []
-    _drop_partial_line(shard)
-    with open(shard, "a", encoding="utf-8") as f:
+    with store.append(store.shard(rank)) as f:
         for b in range(0, len(mine), batch_size):
             idx = mine[b : b + batch_size]
             res = generate(model, [prompts[i] for i in idx], config, sampler=sampler, cache=cache)
@@ -145,9 +159,8 @@ def run_standard_eval(model, task: StandardTask, samples: list[Sample], config: 
                 line = {"id": s.id, "index": i, "task": task.name, "output": text, **scored,
                         "reference": s.reference, "nfe": res.stats.row_nfe[j], "tokens": n_tok,
                         "time": share, "tokens_per_forward": config.gen_length / max(res.stats.row_nfe[j], 1),
-                        "rank": rank}
-                f.write(json.dumps(line, ensure_ascii=False) + "\n")
-                f.flush()
+                        "rank": rank, "key": keys[s.id]}
+                f.write(line)
                 written.append(line)
                 if on_sample is not None:
                     on_sample(line)
@@ -161,36 +174,20 @@ def run_standard_eval(model, task: StandardTask, samples: list[Sample], config: 
         gathered = written
     summary = None
     if main:
-        merged = read_done(out)
-        for line in gathered:
-            merged.setdefault(str(line["id"]), line)
-        order = {s.id: i for i, s in enumerate(samples)}
-        rows = sorted(merged.values(), key=lambda r: (order.get(str(r["id"]), len(order)), str(r["id"])))
-        tmp = out / f".{MERGED}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            for r in rows:
-                f.write(json.dumps(r, ensure_ascii=False) + "\n")
-        os.replace(tmp, out / MERGED)
-        summary = summarize(task.name, [r for r in rows if str(r["id"]) in order])
+        current, others, _ = store.current(keys, store.read() + gathered)
+        rows = [current[s.id] for s in samples if s.id in current] + sorted(others, key=lambda r: str(r["id"]))
+        store.rewrite(rows)
+        summary = summarize(task.name, [current[s.id] for s in samples if s.id in current])
         summary.written = len(gathered)
         summary.already_done = len(samples) - len(todo)
         (out / "summary.json").write_text(json.dumps({**asdict(summary), "settings": settings or {}}, indent=2) + "\n")
         (out / "summary.md").write_text(summary_markdown([summary]) + "\n")
     _barrier(accelerator)
     if main:
-        for p in out.glob("samples.rank*.jsonl"):
+        for p in store.shards():
             p.unlink()
     _barrier(accelerator)
     return summary
-
-
-def _drop_partial_line(path: Path) -> None:
-    """Cut a half-written last line (a killed run) so that appended lines start on a line of their own."""
-    if not path.exists():
-        return
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        path.write_bytes(data[: data.rfind(b"\n") + 1])
 
 
 def _barrier(accelerator) -> None:

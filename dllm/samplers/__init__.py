@@ -61,6 +61,10 @@ def get_sampler(name: str, **params) -> Sampler:
     bad = sorted(set(params) - set(known))
     if bad:
         raise ValueError(f"sampler {name!r} has no parameter(s) {bad}; its parameters: {', '.join(known)}")
+    for k, v in params.items():  # a number where the default is one (e.g. --param tau=abc from the command line)
+        d = known[k]
+        if isinstance(d, (int, float)) and not isinstance(d, bool) and isinstance(v, (str, bool)):
+            raise ValueError(f"{name}: {k}={v!r} is not a number; {k} takes a number (default {d!r})")
     return entry.factory(**{**entry.preset, **params, "name": name})
 
 

@@ -12,6 +12,7 @@ returns a proposal for every window position plus the subset to commit. Contract
 
 from __future__ import annotations
 
+import numbers
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -71,8 +72,12 @@ class Sampler(Protocol):
 
 
 def check_range(name: str, value, lo, hi, *, lo_open=False, hi_open=False, fix: str = "") -> None:
-    """Raise a ValueError naming the parameter, its range and the fix."""
-    bad = value is None or value < lo or value > hi or (lo_open and value == lo) or (hi_open and value == hi)
+    """Raise a ValueError naming the parameter, its range and the fix (NaN, non-numbers and bools are refused)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+        raise ValueError(f"{name}={value!r} is not a number; it must be a number in "
+                         f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}{fix}")
+    bad = (value is None or value != value or value < lo or value > hi  # value != value: NaN
+           or (lo_open and value == lo) or (hi_open and value == hi))
     if bad:
         lb = "(" if lo_open else "["
         rb = ")" if hi_open else "]"

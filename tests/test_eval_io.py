@@ -1,0 +1,50 @@
+"""The content-keyed JSONL result store (dllm/evals/io.py) on its own: torn lines, stale keys, pinned settings."""
+
+import pytest
+
+from dllm.evals.io import ConfigChanged, JsonlStore, check_pinned, content_key, read_lines
+
+
+def test_content_key_is_stable_and_order_free():
+    assert content_key({"a": 1, "b": [1, 2]}, "x") == content_key({"b": [1, 2], "a": 1}, "x")
+    assert content_key({"a": 1}) != content_key({"a": 2})
+    assert content_key((1, 2)) == content_key([1, 2])
+
+
+def test_store_appends_flushed_lines_and_splits_current_from_stale(tmp_path):
+    store = JsonlStore(tmp_path, ident=lambda r: r["id"])
+    with store.append(store.shard(0)) as f:
+        f.write({"id": "a", "key": "k1"})
+        f.write({"id": "b", "key": "old"})
+        assert len(read_lines(store.shard(0))) == 2  # on disk before the writer closes
+    with store.append(store.shard(1)) as f:
+        f.write({"id": "b", "key": "k2"})
+        f.write({"id": "z", "key": "kz"})  # a result this run does not ask about
+    store.shard(1).write_text(store.shard(1).read_text() + '{"id": "c", "ke')  # a kill mid-write
+    done, others, stale = store.current({"a": "k1", "b": "k2", "c": "k3"})
+    assert set(done) == {"a", "b"} and done["b"]["key"] == "k2" and others == [{"id": "z", "key": "kz"}]
+    assert stale == 1  # b's old line
+    with store.append(store.shard(1)) as f:  # the torn line is cut before appending
+        f.write({"id": "c", "key": "k3"})
+    assert [r["id"] for r in read_lines(store.shard(1))] == ["b", "z", "c"]
+    store.rewrite([*done.values(), *others])
+    assert [r["id"] for r in read_lines(store.path)] == ["a", "b", "z"]
+    store.clear()
+    assert not store.path.exists() and not store.shards()
+
+
+def test_read_lines_strict_names_the_line(tmp_path):
+    p = tmp_path / "x.jsonl"
+    p.write_text('{"a": 1}\nnot json\n')
+    with pytest.raises(ValueError, match=r"x.jsonl:2: not valid JSON"):
+        read_lines(p, strict=True)
+    assert read_lines(p) == [{"a": 1}]
+
+
+def test_check_pinned_names_each_changed_value_and_the_fix():
+    check_pinned({"a": 1, "d": {"x": 1}}, {"a": 1, "d": {"x": 1}}, "out")
+    with pytest.raises(ConfigChanged) as e:
+        check_pinned({"a": 1, "d": {"x": 1, "y": 2}}, {"a": 1, "d": {"x": 3, "y": 2}, "n": None}, "runs/x")
+    msg = str(e.value)
+    assert "d.x: 1 there, 3 now" in msg and "--overwrite" in msg and "another --out" in msg
+    assert msg.count(" there, ") == 1  # d.y is unchanged; a new key that is None equals a missing one
