@@ -2,7 +2,7 @@
 
 from dllm.caches import CACHES, NoCache, get_cache
 from dllm.config import GenerateConfig
-from dllm.generate import GenerateOutput, GenerateStats, generate
+from dllm.generate import GenerateOutput, GenerateStats, NonFiniteLogitsError, generate
 from dllm.models import load_model, save_pretrained
 from dllm.samplers import SAMPLERS, get_sampler, list_samplers
 
@@ -15,6 +15,7 @@ __all__ = [
            "GenerateOutput",
            "GenerateStats",
            "NoCache",
+           "NonFiniteLogitsError",
            "__version__",
            "generate",
            "get_cache",

@@ -16,6 +16,27 @@ from dllm.samplers.base import StepContext
 from dllm.samplers.blocks import resolve_blocks
 
 
+class NonFiniteLogitsError(ValueError):
+    """The model returned NaN or infinite logits (or none finite) in the decoding window of an unfinished row.
+
+    ``rows`` are the batch rows affected, ``step`` the decoding step (1-based), ``positions`` per row the
+    generation offsets whose logits were not finite."""
+
+    def __init__(self, message: str, rows: list[int], step: int, positions: list[list[int]]):
+        super().__init__(message)
+        self.rows, self.step, self.positions = rows, step, positions
+
+    @classmethod
+    def at(cls, bad: torch.Tensor, step0: int, offset: int) -> NonFiniteLogitsError:
+        """From the ``[B, W]`` mask of bad window positions (window column 0 = generation offset ``offset``)."""
+        rows = bad.any(-1).nonzero().flatten().tolist()
+        positions = [(bad[r].nonzero().flatten() + offset).tolist() for r in rows]
+        shown = ", ".join(f"row {r} at {pos[:8]}{' ...' if len(pos) > 8 else ''}" for r, pos in zip(rows, positions))
+        return cls(f"the model returned non-finite logits (NaN, inf or no finite value) at step {step0 + 1}: {shown}; "
+                   "this is usually a half-precision overflow: load the model with dtype='float32' (or check the "
+                   "checkpoint and the inputs)", rows, step0 + 1, positions)
+
+
 @dataclass
 class GenerateStats:
     nfe: int  # model forward calls (a CFG forward counts once)
@@ -258,6 +279,10 @@ def generate(
         xw = x[:, w_lo:w_hi]
         pinfo = {}
         in_region = (cols[None] >= lo[:, None]) & (cols[None] < hi[:, None])
+        # Non-finite logits (NaN anywhere, +inf, or no finite entry) at a window position of an unfinished row: the
+        # position's logits are zeroed so no sampler trips over them, and the step's one host sync below raises.
+        bad = active[:, None] & ~torch.isfinite(logits.amax(-1))
+        logits.masked_fill_(bad[..., None], 0.0)
         if refine is not None:
             fresh = active & (step_in == 0)
             hi, steps, pinfo = refine(logits, w_lo, lo, hi, steps, fresh, config)
@@ -321,7 +346,10 @@ def generate(
         step_in = torch.where(advance, torch.zeros_like(step_in), step_in)
         new_masks = (masked & (cols_all[None] >= lo[:, None]) & (cols_all[None] < hi[:, None])).sum(-1)
         n_start = torch.where(advance, new_masks, n_start)
-        if not bool(active.any()):
+        running, nonfinite = torch.stack([active.any(), bad.any()]).tolist()  # the step's host sync
+        if nonfinite:
+            raise NonFiniteLogitsError.at(bad, nfe - 1, w_lo - P)
+        if not running:
             break
         if nfe >= max_iters:
             raise RuntimeError(f"decoding made no progress after {nfe} steps; sampler {sampler!r} commits nothing")

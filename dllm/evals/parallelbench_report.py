@@ -46,6 +46,7 @@ class Cell:
     output_length: float = 0.0
     time_s: float = 0.0
     unavailable: str = ""  # why the score is unavailable
+    errors: int = 0  # samples not decoded (non-finite logits): not in the means
     components: dict[str, float] = field(default_factory=dict)  # text metrics' available components (%)
 
 
@@ -67,17 +68,21 @@ def aggregate(lines: Sequence[dict]) -> tuple[dict[tuple[str, str], Cell], dict[
     tasks = [t for t in PB.TASKS if t in seen] + [t for t in seen if t not in PB.TASKS]
     cells = {}
     for key, rows in groups.items():
-        k = len(rows)
-        cell = Cell(n=k, tps=sum(r["tokens_per_step"] for r in rows) / k, nfe=sum(r["nfe"] for r in rows) / k,
+        errors = sum("error" in r for r in rows)
+        rows = [r for r in rows if "error" not in r]
+        k = max(len(rows), 1)
+        cell = Cell(errors=errors, n=len(rows), tps=sum(r["tokens_per_step"] for r in rows) / k,
+                    nfe=sum(r["nfe"] for r in rows) / k,
                     output_length=sum(r.get("output_length", 0) for r in rows) / k,
                     time_s=sum(r.get("time_s", 0.0) for r in rows) / k)
-        if all(r.get("score") is not None for r in rows):
+        if rows and all(r.get("score") is not None for r in rows):
             cell.score = 100.0 * sum(r["score"] for r in rows) / k
             cell.score_strict = 100.0 * sum(r.get("score_strict", r["score"]) for r in rows) / k
         else:
             reasons = {r.get("unavailable_reason") or ", ".join(r.get("unavailable", [])) for r in rows
                        if r.get("score") is None}
-            cell.unavailable = "; ".join(sorted(x for x in reasons if x)) or "score unavailable"
+            cell.unavailable = "; ".join(sorted(x for x in reasons if x)) or (
+                "decoding failed (non-finite logits)" if errors else "score unavailable")
         comps: dict[str, list[float]] = {}
         for r in rows:
             for name, v in (r.get("metrics") or {}).items():

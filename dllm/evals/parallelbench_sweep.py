@@ -404,9 +404,20 @@ def run_sweep(model, out_dir: str | Path, methods: Sequence[str | Setting] | str
         for s, td, sampler, config, convs, pending in plan:
             if not pending:
                 continue
-            for start, res in generate_batches(model, [convs[i] for i in pending], config, sampler=sampler,
-                                               cache=cache, batch_size=batch_size):
-                rows = pending[start : start + batch_size]
+            for kept, res, failed in generate_batches(model, [convs[i] for i in pending], config, sampler=sampler,
+                                                      cache=cache, batch_size=batch_size):
+                for k, msg in failed.items():  # non-finite logits: an error line, not a wrong answer
+                    idx = pending[k]
+                    line = {"task": td.name, "index": idx, **s.describe(), "cache": cache,
+                            "gen_length": config.gen_length, "steps": config.steps, "prediction": None,
+                            "error": msg, "metric": td.metric, "key": expected[(s.label, td.name, idx)]}
+                    f.write(line)
+                    written += 1
+                    if on_sample is not None:
+                        on_sample(line)
+                if res is None:
+                    continue
+                rows = [pending[k] for k in kept]
                 lengths = output_lengths(model, res.sequences)
                 per_row = res.stats.time_total / len(rows)
                 for j, idx in enumerate(rows):

@@ -7,18 +7,36 @@ from dataclasses import dataclass, field
 
 from dllm.config import GenerateConfig
 from dllm.evals import tasks as T
-from dllm.generate import GenerateOutput, generate
+from dllm.generate import GenerateOutput, NonFiniteLogitsError, generate
+
+
+def generate_rows(model, prompts: Sequence, config: GenerateConfig, *, sampler=None, cache=None
+                  ) -> tuple[list[int], GenerateOutput | None, dict[int, str]]:
+    """:func:`dllm.generate` on ``prompts``; a row whose logits turn non-finite (:class:`NonFiniteLogitsError`)
+    is an error, not an answer: it is dropped and the other rows are decoded again. Returns ``(kept, output, errors)``: the indices of ``prompts`` that
+    ``output`` covers (``None`` when none is left) and ``{index: message}`` for the failed ones."""
+    kept, errors = list(range(len(prompts))), {}
+    while kept:
+        try:
+            return kept, generate(model, [prompts[i] for i in kept], config, sampler=sampler, cache=cache), errors
+        except NonFiniteLogitsError as err:
+            errors.update({kept[r]: str(err) for r in err.rows})
+            kept = [i for r, i in enumerate(kept) if r not in err.rows]
+    return kept, None, errors
 
 
 def generate_batches(model, conversations: Sequence, config: GenerateConfig, *, sampler=None, cache=None,
-                     batch_size: int = 16) -> Iterator[tuple[int, GenerateOutput]]:
-    """Run ``conversations`` through :func:`dllm.generate` in consecutive chunks of ``batch_size``.
+                     batch_size: int = 16) -> Iterator[tuple[list[int], GenerateOutput | None, dict[int, str]]]:
+    """Run ``conversations`` through :func:`generate_rows` in consecutive chunks of ``batch_size``.
 
-    Yields ``(start, output)``: ``output`` covers ``conversations[start : start + batch_size]``."""
+    Yields ``(rows, output, errors)`` per chunk: ``output`` covers ``conversations[i]`` for ``i`` in ``rows``
+    (in order), ``errors`` maps the chunk's failed indices to their message."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    for i in range(0, len(conversations), batch_size):
-        yield i, generate(model, list(conversations[i : i + batch_size]), config, sampler=sampler, cache=cache)
+    for start in range(0, len(conversations), batch_size):
+        kept, out, errors = generate_rows(model, conversations[start : start + batch_size], config,
+                                          sampler=sampler, cache=cache)
+        yield [start + i for i in kept], out, {start + i: m for i, m in errors.items()}
 
 
 def output_lengths(model, sequences) -> list[int]:
@@ -38,6 +56,7 @@ class TaskResult:
     tokens_per_forward: float
     seconds: float
     samples: list[dict] = field(default_factory=list)
+    errors: int = 0  # examples not decoded (non-finite logits): in ``samples`` with an ``error``, not scored
 
 
 def evaluate_tasks(model, names: list[str], n: int, seed: int, config: GenerateConfig, *, sampler=None,
@@ -50,12 +69,16 @@ def evaluate_tasks(model, names: list[str], n: int, seed: int, config: GenerateC
     for name in names:
         task = T.get_task(name)
         examples = task.generate(n, seed)
-        scores, strict, nfes, tpfs, secs, samples = [], [], [], [], 0.0, []
+        scores, strict, nfes, tpfs, secs, samples, errors = [], [], [], [], 0.0, [], 0
         convs = [ex.messages if with_example else ex.messages[-1:] for ex in examples]
-        for i, out in generate_batches(model, convs, config, sampler=sampler, cache=cache, batch_size=batch_size):
-            chunk = examples[i : i + batch_size]
+        for rows, out, failed in generate_batches(model, convs, config, sampler=sampler, cache=cache,
+                                                  batch_size=batch_size):
+            errors += len(failed)
+            samples += [{"prediction": None, "target": examples[i].target, "error": msg} for i, msg in failed.items()]
+            if out is None:
+                continue
             secs += out.stats.time_total
-            for ex, text, rn in zip(chunk, out.texts, out.stats.row_nfe):
+            for ex, text, rn in zip([examples[i] for i in rows], out.texts, out.stats.row_nfe):
                 s, ss = task.score(text, ex), task.score_strict(text, ex)
                 scores.append(s)
                 strict.append(ss)
@@ -63,10 +86,10 @@ def evaluate_tasks(model, names: list[str], n: int, seed: int, config: GenerateC
                 tpfs.append(config.gen_length / max(rn, 1))
                 samples.append({"prediction": text, "target": ex.target, "score": s})
             if on_batch:
-                on_batch(name, len(chunk))
+                on_batch(name, len(rows) + len(failed))
         k = max(len(scores), 1)
         results.append(TaskResult(name, task.family, len(scores), sum(scores) / k, sum(strict) / k,
-                                  sum(nfes) / k, sum(tpfs) / k, secs, samples))
+                                  sum(nfes) / k, sum(tpfs) / k, secs, samples, errors))
     return results
 
 

@@ -59,6 +59,7 @@ class EvalSummary:
     tokens_per_second: float  # answer tokens / generation seconds
     written: int = 0  # samples scored by this run
     already_done: int = 0  # samples found in --out from an earlier run
+    errors: int = 0  # samples not decoded (non-finite logits), left out of the accuracy
 
 
 UNPINNED = ("data", "fewshot_data")  # recorded in run.json, not compared: samples are keyed by their content
@@ -109,8 +110,7 @@ def run_standard_eval(model, task: StandardTask, samples: list[Sample], config: 
     other settings is refused, or with ``overwrite`` the results there are discarded first. Returns the
     summary over all samples in ``out`` on the main process, ``None`` on the others.
     """
-    from dllm.evals.runner import output_lengths
-    from dllm.generate import generate
+    from dllm.evals.runner import generate_rows, output_lengths
 
     if len(prompts) != len(samples):
         raise ValueError(f"{len(prompts)} prompts for {len(samples)} samples")
@@ -145,8 +145,21 @@ def run_standard_eval(model, task: StandardTask, samples: list[Sample], config: 
     written = []
     with store.append(store.shard(rank)) as f:
         for b in range(0, len(mine), batch_size):
-            idx = mine[b : b + batch_size]
-            res = generate(model, [prompts[i] for i in idx], config, sampler=sampler, cache=cache)
+            kept, res, failed = generate_rows(model, [prompts[i] for i in mine[b : b + batch_size]], config,
+                                              sampler=sampler, cache=cache)
+            for k, msg in failed.items():  # non-finite logits: an error line, not a wrong answer
+                i = mine[b + k]
+                s = samples[i]
+                line = {"id": s.id, "index": i, "task": task.name, "output": None, "correct": False, "status": "error",
+                        "error": msg, "reference": s.reference, "nfe": 0, "tokens": 0, "time": 0.0,
+                        "tokens_per_forward": 0.0, "rank": rank, "key": keys[s.id]}
+                f.write(line)
+                written.append(line)
+                if on_sample is not None:
+                    on_sample(line)
+            if res is None:
+                continue
+            idx = [mine[b + k] for k in kept]
             lengths = output_lengths(model, res.sequences)
             share = res.stats.time_total / len(idx)
             for j, i in enumerate(idx):
@@ -196,6 +209,10 @@ def _barrier(accelerator) -> None:
 
 
 def summarize(task: str, rows: list[dict]) -> EvalSummary:
+    """Accuracy and speed over the decoded samples; samples whose decoding failed (``error``: non-finite logits)
+    are counted in ``errors``, not as wrong answers."""
+    errors = sum("error" in r for r in rows)
+    rows = [r for r in rows if "error" not in r]
     n = len(rows)
     correct = sum(bool(r["correct"]) for r in rows)
     nfe = sum(r["nfe"] for r in rows)
@@ -205,14 +222,14 @@ def summarize(task: str, rows: list[dict]) -> EvalSummary:
     return EvalSummary(task=task, n=n, correct=correct, accuracy=correct / k, nfe=nfe / k,
                        tokens_per_forward=sum(r["tokens_per_forward"] for r in rows) / k, answer_tokens=toks,
                        answer_tokens_per_forward=toks / max(nfe, 1), gen_seconds=secs,
-                       tokens_per_second=toks / secs if secs > 0 else 0.0)
+                       tokens_per_second=toks / secs if secs > 0 else 0.0, errors=errors)
 
 
 def summary_markdown(summaries: list[EvalSummary]) -> str:
     lines = ["| task | n | accuracy % | NFE | tokens/forward | answer tokens/forward | answer tokens | "
-             "gen time s | tokens/s |", "|---|---|---|---|---|---|---|---|---|"]
+             "gen time s | tokens/s | errors |", "|---|---|---|---|---|---|---|---|---|---|"]
     for s in summaries:
         lines.append(f"| {s.task} | {s.n} | {100 * s.accuracy:.1f} | {s.nfe:.1f} | {s.tokens_per_forward:.2f} | "
                      f"{s.answer_tokens_per_forward:.2f} | {s.answer_tokens} | {s.gen_seconds:.2f} | "
-                     f"{s.tokens_per_second:.1f} |")
+                     f"{s.tokens_per_second:.1f} | {s.errors} |")
     return "\n".join(lines)
