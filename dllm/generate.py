@@ -330,7 +330,10 @@ def generate(
                 first_mask = torch.where(masked & (cols_all[None] >= P), cols_all[None], T).min(-1).values
                 stopped = active & (first < first_mask)
                 done = done | stopped
-            fill = stopped[:, None] & (cols_all[None] > first[:, None])
+            # dInfer's early stop: the finished region keeps its tokens, everything after it becomes EOS (a sliding
+            # window has no region end: everything after the stop token)
+            fill_from = first if slide is not None else hi - 1
+            fill = stopped[:, None] & (cols_all[None] > fill_from[:, None])
             x = torch.where(fill, torch.full_like(x, model.eos_id), x)
             committed = committed | fill
             hi = torch.where(stopped, torch.full_like(hi, T), hi)

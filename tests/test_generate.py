@@ -50,7 +50,8 @@ def test_eos_early_stop_fills_and_finishes_rows_independently():
     row0 = out.sequences[0]
     first = int((row0 == eos).nonzero()[0])
     assert first < 4
-    assert (row0[first:] == eos).all()
+    assert torch.equal(row0[:4], base.sequences[0, :4])  # the finished block keeps its tokens (dInfer's rule)
+    assert (row0[4:] == eos).all()
     assert out.stats.row_nfe[0] == 4 and out.stats.finish_step[0] == 4
     for b in range(3):  # rows that never produce EOS run all 4 blocks, unaffected by row 0 stopping
         if not (base.sequences[b] == eos).any():
