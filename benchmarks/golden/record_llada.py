@@ -1,0 +1,251 @@
+"""Record golden trajectories of the LLaDA-family reference decoders (run locally; their code stays outside).
+
+Each reference is a public repository; check it out anywhere and pass its root as ``--ref-dir``:
+
+* ``llada``: ML-GSAI/LLaDA @ b7e6c3565f194352da44b38dd12b6970597309f3, ``generate.py`` (``generate``).
+* ``fastdllm``: NVlabs/Fast-dLLM @ f6b35ec3f1b16e1b3d3357938046559ae2d350fa, ``llada/generate.py``
+  (``generate``, ``generate_with_prefix_cache``, ``generate_with_dual_cache``) with its
+  ``llada/model/modeling_llada.py`` (unchanged since 24cc59e75f20a6384bae8c905965bb090b96388e).
+* ``dkv``: horseee/dKV-Cache @ 49a76fcc43b744ec2d960137f216e419317138b1, ``generation_utils/llada_dkv_cache_decode.py``.
+* ``dinfer``: inclusionAI/dInfer @ fce4e32804103baa5d55230dff0352da0cdd6ceb, ``python/dinfer/decoding/``.
+
+Commands (from the repository root; each writes ``tests/fixtures/golden/<reference>_<model>.json``)::
+
+    PYTHONPATH=. python benchmarks/golden/record_llada.py llada --ref-dir /path/to/LLaDA
+    PYTHONPATH=. python benchmarks/golden/record_llada.py fastdllm --ref-dir /path/to/Fast-dLLM
+
+Models: the bundled ``llada-tiny`` and the LLaDA-shaped random model of ``tests/golden_models.py`` (rebuilt
+from its seed). References that only call ``model(x[, attention_mask]).logits`` get dllm's Transformer behind
+a thin wrapper that gives the HF modeling file's semantics (absolute positions ``0..T-1``, padded keys masked);
+the wrapper records the full canvas before every forward (a sliced canvas ``x[:, a:b]`` is a view, whose base
+is the canvas). Nothing here patches the reference code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+
+import golden_common as gc  # noqa: E402
+import golden_models as gm  # noqa: E402
+
+SHAPED_SEED = 0
+
+
+def load_module(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def tiny_llada():
+    import dllm
+    import dllm.assets
+
+    return dllm.load_model(str(dllm.assets.model_path("llada-tiny")), dtype="float32")
+
+
+def tiny_prompts(model, names=("waiting_line/sort", "arithmetic/addition", "puzzle/sudoku", "waiting_line/reverse")):
+    from dllm.evals.tasks import TASKS
+    from dllm.generate import prepare_prompts
+
+    return [prepare_prompts(model, [TASKS[n].generate(1, 3)[0].messages])[0] for n in names]
+
+
+class Recorder(torch.nn.Module):
+    """``model(x, attention_mask=None).logits`` as the HF LLaDA file computes it, recording each canvas."""
+
+    def __init__(self, model, rows: int, score=None):
+        super().__init__()
+        self.model = model
+        self.rows = rows
+        self.score = score  # logits [n, T, V] -> the reference's confidence [B, T] (for the tie check)
+        self.canvases: list[torch.Tensor] = []
+        self.scores: list[torch.Tensor] = []
+
+    @property
+    def device(self):
+        return self.model.device
+
+    def forward(self, input_ids, attention_mask=None, **_):
+        base = input_ids if input_ids._base is None else input_ids._base
+        self.canvases.append(base[: self.rows].detach().clone())
+        B, T = input_ids.shape
+        pos = torch.arange(T).expand(B, T)
+        am = None if attention_mask is None else attention_mask.bool()
+        logits = self.model(input_ids, positions=pos, attn_mask=am)
+        if self.score is not None:
+            self.scores.append(self.score(logits.detach()))
+        return SimpleNamespace(logits=logits)
+
+
+def tie_forwards(steps, scores, canvases, P, mask_id, regions) -> list[int]:
+    """Forwards whose selection was decided among exactly equal scores: the lowest committed score of a row
+    equals the highest score of a candidate it left masked. ``regions[f]`` is ``(lo, hi)`` (generation
+    offsets) of forward ``f``'s block; ``scores[f]`` is the reference's confidence over the full canvas."""
+    ties = []
+    for f, (step, sc, cv) in enumerate(zip(steps, scores, canvases)):
+        lo, hi = regions[f]
+        for b, committed in enumerate(step):
+            gen = cv[b, P:]
+            cand = [i for i in range(lo, hi) if int(gen[i]) == mask_id]
+            rest = [i for i in cand if i not in committed]
+            if committed and rest:
+                s = sc[b, P:]
+                if float(min(s[i] for i in committed)) == float(max(s[i] for i in rest)):
+                    ties.append(f)
+                    break
+    return ties
+
+
+def left_pad(rows: list[list[int]], pad: int):
+    P = max(len(r) for r in rows)
+    ids = torch.tensor([[pad] * (P - len(r)) + r for r in rows])
+    am = torch.tensor([[0] * (P - len(r)) + [1] * len(r) for r in rows])
+    return ids, am
+
+
+def check_no_mask(out: torch.Tensor, mask_id: int, case: str):
+    if bool((out == mask_id).any()):
+        raise SystemExit(f"case {case}: the reference left a mask in its output (it committed a proposed mask id "
+                         "as a no-op); choose another seed or prompt")
+
+
+def case_record(cid, rows, params, out_gen, rec, P, mask_id, nfe=None, regions=None):
+    steps = gc.steps_from_canvases(rec.canvases, out_gen, P, mask_id)
+    case = {"id": cid, "prompt_ids": rows, "params": params, "output": out_gen.tolist(),
+            "nfe": len(rec.canvases) if nfe is None else int(nfe), "steps": steps}
+    if rec.scores and regions is not None:
+        case["ties"] = tie_forwards(steps, rec.scores, rec.canvases, P, mask_id, regions)
+    return case
+
+
+def proposal_prob(dtype, cfg_scale=0.0, eos_inf=None, exclude=(), temperature=0.0):
+    """Confidence of LLaDA-style low-confidence decoding: softmax probability (in ``dtype``) of the proposal.
+    At temperature > 0 the proposal uses the Gumbel noise the reference is about to draw from the global RNG
+    (drawn here from a copy of the RNG state, which is then restored)."""
+    def score(logits):
+        if cfg_scale > 0:
+            cond, un = logits.chunk(2)
+            logits = un + (cfg_scale + 1) * (cond - un)
+        logits = logits.clone()
+        if eos_inf is not None:
+            logits[..., eos_inf] = float("-inf")
+        if temperature == 0:
+            x0 = logits.argmax(-1)
+        else:
+            state = torch.get_rng_state()
+            noise = torch.rand_like(logits, dtype=torch.float64)
+            torch.set_rng_state(state)
+            x0 = (logits.to(torch.float64).exp() / (-torch.log(noise)) ** temperature).argmax(-1)
+        if exclude:
+            logits[..., list(exclude)] = float("-inf")
+        return torch.softmax(logits.to(dtype), -1).gather(-1, x0[..., None])[..., 0]
+    return score
+
+
+def fixed_regions(n_forwards_per_block: list[int], block_length: int):
+    out = []
+    for b, n in enumerate(n_forwards_per_block):
+        out += [(b * block_length, (b + 1) * block_length)] * n
+    return out
+
+
+# ------------------------------------------------------------------------------------------- LLaDA generate.py
+def run_llada_generate(ref, model, cid, rows, params, pad_id):
+    """One call of LLaDA's ``generate``; ``params`` are its keyword arguments plus ``seed`` (global RNG) and
+    ``attention_mask`` (bool: pass the left-padding mask)."""
+    kw = {k: v for k, v in params.items() if k not in ("seed", "attention_mask")}
+    ids, am = left_pad(rows, pad_id)
+    score = None
+    if params["remasking"] == "low_confidence":
+        T = params["temperature"]
+        eos_eot = (126081, 126348) if T == 0 else (126348,)  # at T > 0 the reference only excludes EOT
+        score = proposal_prob(torch.float32, params["cfg_scale"], 126081 if params.get("logits_eos_inf") else None,
+                              eos_eot if params.get("confidence_eos_eot_inf") else (), T)
+    rec = Recorder(model, len(rows), score)
+    torch.manual_seed(params.get("seed", 0))
+    out = ref.generate(rec, ids, am if params.get("attention_mask") else None, **kw)
+    P = ids.shape[1]
+    gen = out[:, P:]
+    check_no_mask(gen, params["mask_id"], cid)
+    nb = params["gen_length"] // params["block_length"]
+    regions = fixed_regions([params["steps"] // nb] * nb, params["block_length"])
+    return case_record(cid, rows, params, gen, rec, P, params["mask_id"], regions=regions)
+
+
+def llada_cases(model, prompts, shaped: bool):
+    m = model.mask_id
+    base = dict(mask_id=m, cfg_scale=0.0, temperature=0.0, remasking="low_confidence")
+    cases = [
+        ("lowconf_b8", [prompts[0]], dict(base, steps=16, gen_length=32, block_length=8)),
+        ("lowconf_uneven", [prompts[1]], dict(base, steps=12, gen_length=30, block_length=10)),
+        ("lowconf_one_block", [prompts[2]], dict(base, steps=24, gen_length=32, block_length=32)),
+        ("random_t0", [prompts[0]], dict(base, steps=16, gen_length=32, block_length=16, remasking="random", seed=7)),
+        ("lowconf_t07", [prompts[1]], dict(base, steps=16, gen_length=32, block_length=8, temperature=0.7, seed=3)),
+        ("random_t05", [prompts[2]], dict(base, steps=16, gen_length=32, block_length=16, temperature=0.5,
+                                          remasking="random", seed=11)),
+        ("cfg", [prompts[0]], dict(base, steps=16, gen_length=32, block_length=8, cfg_scale=1.5, attention_mask=True)),
+        ("batch2_same_len", [prompts[0], prompts[3][: len(prompts[0])]],
+         dict(base, steps=16, gen_length=32, block_length=8, attention_mask=True)),
+        ("batch2_left_pad", [prompts[1], prompts[2]], dict(base, steps=16, gen_length=32, block_length=8,
+                                                          attention_mask=True)),
+    ]
+    if shaped:
+        cases += [
+            ("logits_eos_inf", [prompts[2]], dict(base, steps=16, gen_length=32, block_length=8, logits_eos_inf=True)),
+            ("confidence_eos_eot_inf", [prompts[0]], dict(base, steps=16, gen_length=32, block_length=8,
+                                                          confidence_eos_eot_inf=True)),
+            ("confidence_eos_eot_inf_t08", [prompts[1]], dict(base, steps=16, gen_length=32, block_length=16,
+                                                              temperature=0.8, confidence_eos_eot_inf=True, seed=5)),
+        ]
+    return cases
+
+
+def record_llada(ref_dir: Path):
+    ref = load_module(ref_dir / "generate.py", "ref_llada_generate")
+    reference = {"repo": "ML-GSAI/LLaDA", "commit": "b7e6c3565f194352da44b38dd12b6970597309f3",
+                 "file": "generate.py", "function": "generate"}
+    for label, model, prompts, shaped in models():
+        cases = [run_llada_generate(ref, model, cid, rows, params, model.pad_id)
+                 for cid, rows, params in llada_cases(model, prompts, shaped)]
+        save("llada-generate", label, reference, model, cases)
+
+
+# ---------------------------------------------------------------------------------------------------- common
+def models():
+    tiny = tiny_llada()
+    yield "llada-tiny", tiny, tiny_prompts(tiny), False
+    shaped = gm.shaped_llada(SHAPED_SEED)
+    yield "shaped-llada", shaped, gm.shaped_prompts("llada", [14, 9, 21, 17], SHAPED_SEED), True
+
+
+def save(ref_name, label, reference, model, cases):
+    model_field = label if label != "shaped-llada" else {"shaped": "llada", "seed": SHAPED_SEED}
+    data = {"reference": reference, "model": model_field, "weights_sha256": gc.state_sha256(model), "cases": cases}
+    path = gc.save_fixture(f"{ref_name}_{label}", data)
+    print(f"wrote {path} ({path.stat().st_size // 1024} KB, {len(cases)} cases)")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("reference", choices=["llada", "fastdllm", "dkv", "dinfer"])
+    p.add_argument("--ref-dir", type=Path, required=True, help="root of a checkout of the reference repository")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    with torch.no_grad():
+        {"llada": record_llada}[args.reference](args.ref_dir)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""dllm against golden trajectories recorded from the LLaDA-family reference code.
+
+Fixtures: ``tests/fixtures/golden/<reference>_<model>.json`` (schema in ``tests/golden_common.py``), written by
+``benchmarks/golden/record_llada.py``. Each case is replayed with the dllm sampler / cache / settings that claim
+to reproduce the reference, and must give the same generated ids, the same number of forwards and the same
+positions committed after every forward.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import golden_common as gc
+import golden_models as gm
+import pytest
+import torch
+
+from dllm.samplers import get_sampler
+from dllm.samplers.llada import LLaDASampler
+
+FIXTURES = sorted(p.stem for p in gc.FIXTURES.glob("*.json")) if gc.FIXTURES.exists() else []
+
+
+@functools.cache
+def _model(key):
+    if key == "llada-tiny":
+        import dllm
+        import dllm.assets
+
+        return dllm.load_model(str(dllm.assets.model_path("llada-tiny")), dtype="float32")
+    family, seed = key
+    return gm.shaped_model(family, seed)
+
+
+def fixture_model(fx: dict):
+    m = fx["model"]
+    return _model(m if isinstance(m, str) else (m["shaped"], m["seed"]))
+
+
+# ------------------------------------------------------------------------------------------- per reference
+def llada_generate(params: dict):
+    """LLaDA ``generate.py`` -> :class:`LLaDASampler` (softmax in the logits' dtype, noise over the canvas, the
+    reference's EOS/EOT exclusion at temperature > 0)."""
+    sampler = LLaDASampler(temperature=params["temperature"], remasking=params["remasking"],
+                           logits_eos_inf=params.get("logits_eos_inf", False),
+                           confidence_eos_eot_inf=params.get("confidence_eos_eot_inf", False), eos_eot_quirk=True,
+                           softmax_dtype="model", noise_scope="canvas")
+    kw = dict(gen_length=params["gen_length"], block_length=params["block_length"], steps=params["steps"],
+              cfg_scale=params["cfg_scale"], seed=params.get("seed", 0))
+    return sampler, None, kw
+
+
+MAPPINGS = {"llada-generate": llada_generate}
+
+
+def _cases():
+    out = []
+    for name in FIXTURES:
+        ref = name.split("_")[0]
+        if ref not in MAPPINGS:
+            continue
+        for case in gc.load_fixture(name)["cases"]:
+            out.append(pytest.param(name, case["id"], id=f"{name}-{case['id']}"))
+    return out
+
+
+CASES = _cases()
+
+
+@functools.cache
+def _fixture(name):
+    return gc.load_fixture(name)
+
+
+def test_fixtures_present():
+    """The LLaDA-family fixtures exist (a missing file would silently drop its cases)."""
+    names = set(FIXTURES)
+    for ref in MAPPINGS:
+        for model in ("llada-tiny", "shaped-llada"):
+            assert f"{ref}_{model}" in names
+
+
+@pytest.mark.parametrize("name,case_id", CASES)
+def test_golden(name, case_id):
+    fx = _fixture(name)
+    case = next(c for c in fx["cases"] if c["id"] == case_id)
+    model = fixture_model(fx)
+    assert gc.state_sha256(model) == fx["weights_sha256"], "the fixture was recorded with other weights"
+    sampler, cache, kw = MAPPINGS[name.split("_")[0]](case["params"])
+    out, steps = gc.record_steps(model, case["prompt_ids"], sampler=sampler, cache=cache or "none", **kw)
+    ties = case.get("ties", [])
+    if ties:  # compare up to the first forward whose selection was an exact tie (torch.topk's own order)
+        first = ties[0]
+        diverge = gc.first_divergence(steps[:first], case["steps"][:first])
+        assert diverge is None, diverge
+        assert [len(r) for r in steps[first]] == [len(r) for r in case["steps"][first]]
+    else:
+        diverge = gc.first_divergence(steps, case["steps"])
+        assert diverge is None, diverge
+    assert out.sequences.tolist() == case["output"]
+    assert out.stats.nfe == case["nfe"]
+
+
+def test_recorder_sees_every_forward():
+    """record_steps itself: a plain LLaDA run commits every generated position exactly once, one forward each."""
+    model = gm.shaped_llada(0)
+    prompts = gm.shaped_prompts("llada", [6], 0)
+    out, steps = gc.record_steps(model, prompts, sampler=get_sampler("llada"), gen_length=8, steps=4, block_length=8)
+    assert len(steps) == out.stats.nfe == 4
+    flat = sorted(p for s in steps for p in s[0])
+    assert flat == list(range(8)) and all(len(s[0]) == 2 for s in steps)
+    assert not torch.equal(out.sequences, torch.full_like(out.sequences, model.mask_id))
