@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -52,7 +53,21 @@ def tiny_llada():
     import dllm
     import dllm.assets
 
-    return dllm.load_model(str(dllm.assets.model_path("llada-tiny")), dtype="float32")
+    path = dllm.assets.model_path("llada-tiny")
+    try:
+        return dllm.load_model(str(path), dtype="float32")
+    except ValueError:  # transformers 4.x (the references' pins) cannot read a transformers 5 tokenizer config
+        from transformers import PreTrainedTokenizerFast
+
+        model = dllm.load_model(str(path), dtype="float32", tokenizer=False)
+        special = json.loads((path / "tokenizer_config.json").read_text())
+        tok = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"),
+                                      **{k: special[k] for k in ("bos_token", "eos_token", "pad_token")})
+        tok.chat_template = (path / "chat_template.jinja").read_text()
+        model.tokenizer = tok
+        eot = tok.convert_tokens_to_ids(model.spec.eot_token)
+        model.eot_id = eot if isinstance(eot, int) and eot >= 0 else model.eot_id
+        return model
 
 
 def tiny_prompts(model, names=("waiting_line/sort", "arithmetic/addition", "puzzle/sudoku", "waiting_line/reverse")):
@@ -113,6 +128,12 @@ def left_pad(rows: list[list[int]], pad: int):
     ids = torch.tensor([[pad] * (P - len(r)) + r for r in rows])
     am = torch.tensor([[0] * (P - len(r)) + [1] * len(r) for r in rows])
     return ids, am
+
+
+def same_len(a: list[int], b: list[int]) -> list[list[int]]:
+    """Two prompts cut to the same length (their last ``n`` ids), for references without padding support."""
+    n = min(len(a), len(b))
+    return [a[-n:], b[-n:]]
 
 
 def check_no_mask(out: torch.Tensor, mask_id: int, case: str):
@@ -196,7 +217,7 @@ def llada_cases(model, prompts, shaped: bool):
         ("random_t05", [prompts[2]], dict(base, steps=16, gen_length=32, block_length=16, temperature=0.5,
                                           remasking="random", seed=11)),
         ("cfg", [prompts[0]], dict(base, steps=16, gen_length=32, block_length=8, cfg_scale=1.5, attention_mask=True)),
-        ("batch2_same_len", [prompts[0], prompts[3][: len(prompts[0])]],
+        ("batch2_same_len", same_len(prompts[0], prompts[3]),
          dict(base, steps=16, gen_length=32, block_length=8, attention_mask=True)),
         ("batch2_left_pad", [prompts[1], prompts[2]], dict(base, steps=16, gen_length=32, block_length=8,
                                                           attention_mask=True)),
@@ -222,6 +243,131 @@ def record_llada(ref_dir: Path):
         save("llada-generate", label, reference, model, cases)
 
 
+# ------------------------------------------------------------------------------------------------- Fast-dLLM
+def reference_llada(pkg: str, model):
+    """Our weights in the reference's own LLaDA modeling classes (``<pkg>.configuration_llada`` /
+    ``<pkg>.modeling_llada``), fp32, eval mode."""
+    from dllm.models import LLADA
+
+    conf = importlib.import_module(f"{pkg}.configuration_llada")
+    modeling = importlib.import_module(f"{pkg}.modeling_llada")
+    hf = LLADA.config_to_hf(model.config, {"mask_id": model.mask_id, "eos_id": model.eos_id, "pad_id": model.pad_id})
+    ref = modeling.LLaDAModelLM(conf.LLaDAConfig(**hf), init_params=False)
+    km = LLADA.key_map(model.config)
+    missing, unexpected = ref.load_state_dict({km[k]: v for k, v in model.state_dict().items() if k in km},
+                                              strict=False)
+    if unexpected or [k for k in missing if "ff_out" not in k or not model.config.tie_embeddings]:
+        raise SystemExit(f"loading our weights into the reference model: missing {missing}, unexpected {unexpected}")
+    ref = ref.eval().requires_grad_(False)
+    x = torch.tensor([[1, 2, 3, 4, model.mask_id, model.mask_id]])
+    if not torch.equal(ref(x).logits, model(x)):
+        raise SystemExit("the reference modeling file's logits differ from ours on the same weights")
+    return ref
+
+
+class Hooks:
+    """Forward hooks on a reference model: the full canvas before each forward (a sliced canvas is a view
+    of it), and optionally the reference's confidence scattered onto the canvas columns."""
+
+    def __init__(self, model, rows: int, score=None):
+        self.rows, self.score = rows, score
+        self.canvases: list[torch.Tensor] = []
+        self.scores: list[torch.Tensor] = []
+        self.cols: list[int] = []
+        self.handles = [model.register_forward_pre_hook(self._pre, with_kwargs=True),
+                        model.register_forward_hook(self._post, with_kwargs=True)]
+
+    def _pre(self, _m, args, kwargs):
+        x = args[0] if args else kwargs["input_ids"]
+        base = x if x._base is None else x._base
+        self.canvases.append(base[: self.rows].detach().clone())
+        self.cols.append(x.storage_offset() - base.storage_offset())
+
+    def _post(self, _m, args, kwargs, output):
+        if self.score is None:
+            return
+        sc = self.score(output.logits.detach())
+        full = torch.full(self.canvases[-1].shape, float("-inf"), dtype=sc.dtype)
+        c0 = self.cols[-1]
+        full[:, c0 : c0 + sc.shape[1]] = sc
+        self.scores.append(full)
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def regions_from_steps(steps, block_length: int):
+    """Block (generation offsets) of each forward, from the first position it committed (Fast-dLLM's blocks
+    commit at least one token per forward; an empty forward keeps the previous block)."""
+    out, cur = [], (0, block_length)
+    for s in steps:
+        first = min((min(r) for r in s if r), default=None)
+        if first is not None:
+            lo = first // block_length * block_length
+            cur = (lo, lo + block_length)
+        out.append(cur)
+    return out
+
+
+FASTDLLM_FUNCS = {"none": "generate", "prefix": "generate_with_prefix_cache", "dual": "generate_with_dual_cache"}
+
+
+def run_fastdllm(fd, ref_model, cid, rows, params):
+    """``params``: the generator's keyword arguments plus ``cache`` (``none``/``prefix``/``dual``, which
+    function ran) and ``seed`` (global RNG)."""
+    kw = {k: v for k, v in params.items() if k not in ("seed", "cache")}
+    ids = torch.tensor(rows)
+    score = proposal_prob(torch.float64, temperature=params["temperature"])
+    hooks = Hooks(ref_model, len(rows), score)
+    torch.manual_seed(params.get("seed", 0))
+    try:
+        out, nfe = getattr(fd, FASTDLLM_FUNCS[params["cache"]])(ref_model, ids, **kw)
+    finally:
+        hooks.remove()
+    P = ids.shape[1]
+    gen = out[:, P:]
+    check_no_mask(gen, params["mask_id"], cid)
+    if nfe != len(hooks.canvases):
+        raise SystemExit(f"case {cid}: the reference counted {nfe} forwards, its model ran {len(hooks.canvases)}")
+    steps = gc.steps_from_canvases(hooks.canvases, gen, P, params["mask_id"])
+    return case_record(cid, rows, params, gen, hooks, P, params["mask_id"],
+                       regions=regions_from_steps(steps, params["block_length"]))
+
+
+def fastdllm_cases(model, prompts):
+    base = dict(mask_id=model.mask_id, temperature=0.0, remasking="low_confidence", threshold=None, factor=None)
+    blk = dict(steps=32, gen_length=32, block_length=8)
+    cases = []
+    for cache in ("none", "prefix", "dual"):
+        cases += [
+            (f"{cache}_threshold", [prompts[0]], dict(base, **blk, cache=cache, threshold=0.9)),
+            (f"{cache}_threshold_07", [prompts[1]], dict(base, **blk, cache=cache, threshold=0.7)),
+            (f"{cache}_factor", [prompts[2]], dict(base, **blk, cache=cache, factor=1.0)),
+            (f"{cache}_quota", [prompts[3]], dict(base, steps=16, gen_length=32, block_length=16, cache=cache)),
+        ]
+    cases += [
+        ("none_threshold_one_block", [prompts[1]], dict(base, steps=32, gen_length=32, block_length=32, cache="none",
+                                                        threshold=0.9)),
+        ("none_threshold_t06", [prompts[2]], dict(base, **blk, cache="none", threshold=0.9, temperature=0.6, seed=4)),
+        ("none_threshold_batch2", same_len(prompts[0], prompts[3]), dict(base, **blk, cache="none",
+                                                                                     threshold=0.9)),
+    ]
+    return cases
+
+
+def record_fastdllm(ref_dir: Path):
+    sys.path.insert(0, str(ref_dir))
+    fd = importlib.import_module("llada.generate")
+    reference = {"repo": "NVlabs/Fast-dLLM", "commit": "f6b35ec3f1b16e1b3d3357938046559ae2d350fa",
+                 "file": "llada/generate.py",
+                 "function": "generate / generate_with_prefix_cache / generate_with_dual_cache (params.cache)"}
+    for label, model, prompts, _ in models():
+        ref_model = reference_llada("llada.model", model)
+        cases = [run_fastdllm(fd, ref_model, cid, rows, params) for cid, rows, params in fastdllm_cases(model, prompts)]
+        save("fastdllm", label, reference, model, cases)
+
+
 # ---------------------------------------------------------------------------------------------------- common
 def models():
     tiny = tiny_llada()
@@ -244,7 +390,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     with torch.no_grad():
-        {"llada": record_llada}[args.reference](args.ref_dir)
+        {"llada": record_llada, "fastdllm": record_fastdllm}[args.reference](args.ref_dir)
 
 
 if __name__ == "__main__":
