@@ -76,7 +76,25 @@ def fastdllm(params: dict):
     return sampler, cache, kw
 
 
-MAPPINGS = {"llada-generate": llada_generate, "fastdllm": fastdllm}
+def dkv_decode(params: dict):
+    """dKV-Cache-Decode (LLaDA) -> the ``dkv`` preset (even quota + ``dkv-decode`` cache) with
+    ``refresh_every = cache_reloading_step`` and the reference's float64 softmax."""
+    sampler = get_sampler("dkv", refresh_every=params["cache_reloading_step"], softmax_dtype="float64",
+                          temperature=params["temperature"], block_length=params["block_length"])
+    kw = dict(gen_length=params["gen_length"], block_length=params["block_length"], steps=params["steps"])
+    return sampler, None, kw
+
+
+MAPPINGS = {"llada-generate": llada_generate, "fastdllm": fastdllm, "dkv-decode": dkv_decode}
+
+
+def computed_rows(query_idx, shape, G: int) -> list[list[int]]:
+    """Per row, the sorted generated-position offsets a forward computed (every one for a full forward)."""
+    B, T = shape
+    if query_idx is None:
+        return [list(range(G))] * B
+    P = T - G
+    return [sorted({int(c) - P for c in row if int(c) >= P}) for row in query_idx]
 
 
 def per_row_commits(steps: list) -> list[list[list[int]]]:
@@ -118,7 +136,14 @@ def test_golden(name, case_id):
     model = fixture_model(fx)
     assert gc.state_sha256(model) == fx["weights_sha256"], "the fixture was recorded with other weights"
     sampler, cache, kw = MAPPINGS[name.split("_")[0]](case["params"])
-    out, steps = gc.record_steps(model, case["prompt_ids"], sampler=sampler, cache=cache, **kw)
+    queries: list = []  # per forward: the rows dllm computed (query_idx, None for a full forward)
+    handle = model.register_forward_pre_hook(
+        lambda _m, args, kwargs: queries.append((kwargs.get("query_idx"), (args[0] if args else kwargs["tokens"]).shape)),
+        with_kwargs=True)
+    try:
+        out, steps = gc.record_steps(model, case["prompt_ids"], sampler=sampler, cache=cache, **kw)
+    finally:
+        handle.remove()
     ties = case.get("ties", [])
     if name.startswith("fastdllm") and len(case["prompt_ids"]) > 1:
         # Fast-dLLM moves a batch block by block in lockstep: a row whose block is done waits (forwards that
@@ -133,6 +158,11 @@ def test_golden(name, case_id):
     else:
         diverge = gc.first_divergence(steps, case["steps"])
         assert diverge is None, diverge
+    if "computed" in case:
+        G = out.sequences.shape[1]
+        ours = [computed_rows(q, shape, G) for q, shape in queries]
+        diverge = gc.first_divergence(ours, case["computed"])
+        assert diverge is None, "rows recomputed: " + diverge
     assert out.sequences.tolist() == case["output"]
     if not (name.startswith("fastdllm") and len(case["prompt_ids"]) > 1):
         assert out.stats.nfe == case["nfe"]

@@ -244,13 +244,13 @@ def record_llada(ref_dir: Path):
 
 
 # ------------------------------------------------------------------------------------------------- Fast-dLLM
-def reference_llada(pkg: str, model):
+def reference_llada(pkg: str, model, modeling_name: str = "modeling_llada"):
     """Our weights in the reference's own LLaDA modeling classes (``<pkg>.configuration_llada`` /
-    ``<pkg>.modeling_llada``), fp32, eval mode."""
+    ``<pkg>.<modeling_name>``), fp32, eval mode."""
     from dllm.models import LLADA
 
     conf = importlib.import_module(f"{pkg}.configuration_llada")
-    modeling = importlib.import_module(f"{pkg}.modeling_llada")
+    modeling = importlib.import_module(f"{pkg}.{modeling_name}")
     hf = LLADA.config_to_hf(model.config, {"mask_id": model.mask_id, "eos_id": model.eos_id, "pad_id": model.pad_id})
     ref = modeling.LLaDAModelLM(conf.LLaDAConfig(**hf), init_params=False)
     km = LLADA.key_map(model.config)
@@ -368,6 +368,103 @@ def record_fastdllm(ref_dir: Path):
         save("fastdllm", label, reference, model, cases)
 
 
+# ----------------------------------------------------------------------------------------- dKV-Cache-Decode
+class DKVHooks(Hooks):
+    """dKV-Cache-Decode's partial forward gets ``x[~prv_transfer_idx]`` (a copy, not a view) right after
+    ``model.get_pos_rotary_embedding_cache(~prv_transfer_idx)``: that call is observed to know which canvas
+    rows the forward computes; the canvas is the previous one with those rows taken from the input (the
+    other rows were decoded two or more steps earlier and have not changed since)."""
+
+    def __init__(self, model, rows: int, score=None):
+        super().__init__(model, rows, score)
+        self.pending = None
+        self.computed: list[list[list[int]]] = []
+        self.prompt_len = 0
+        original = model.get_pos_rotary_embedding_cache
+
+        def observe(transfer_idx):
+            self.pending = transfer_idx.detach().clone()
+            return original(transfer_idx)
+
+        model.get_pos_rotary_embedding_cache = observe
+        self._restore = lambda: delattr(model, "get_pos_rotary_embedding_cache")
+
+    def _pre(self, _m, args, kwargs):
+        x = args[0] if args else kwargs["input_ids"]
+        if self.pending is None:
+            self.canvases.append(x[: self.rows].detach().clone())
+            T = x.shape[1]
+            rows = [list(range(T - self.prompt_len))] * self.rows
+        else:
+            canvas = self.canvases[-1].clone()
+            canvas[self.pending] = x.reshape(-1)
+            self.canvases.append(canvas)
+            rows = [(r[self.prompt_len:]).nonzero().flatten().tolist() for r in self.pending]
+        self.computed.append(rows)
+        self.cols.append(0)
+
+    def _post(self, _m, args, kwargs, output):
+        if self.score is not None:
+            sc = self.score(output.logits.detach())
+            full = torch.full(self.canvases[-1].shape, float("-inf"), dtype=sc.dtype)
+            if self.pending is None:
+                full = sc
+            else:
+                full[self.pending] = sc.reshape(-1)
+            self.scores.append(full)
+        self.pending = None
+
+    def remove(self):
+        super().remove()
+        self._restore()
+
+
+def run_dkv(dkv, ref_model, cid, rows, params):
+    """``params``: the keyword arguments of dKV-Cache's LLaDA ``generate`` (``enable_cache`` always true)."""
+    ids = torch.tensor(rows)
+    score = proposal_prob(torch.float64, temperature=params["temperature"])
+    hooks = DKVHooks(ref_model, len(rows), score)
+    hooks.prompt_len = ids.shape[1]
+    torch.manual_seed(params.get("seed", 0))
+    try:
+        out = dkv.generate(ref_model, None, ids, **{k: v for k, v in params.items() if k != "seed"})
+    finally:
+        hooks.remove()
+    P = ids.shape[1]
+    gen = out[:, P:]
+    check_no_mask(gen, params["mask_id"], cid)
+    nb = params["gen_length"] // params["block_length"]
+    regions = fixed_regions([params["steps"] // nb] * nb, params["block_length"])
+    case = case_record(cid, rows, params, gen, hooks, P, params["mask_id"], regions=regions)
+    case["computed"] = hooks.computed
+    return case
+
+
+def dkv_cases(model, prompts):
+    base = dict(mask_id=model.mask_id, temperature=0.0, cfg_scale=0.0, remasking="low_confidence", enable_cache=True)
+    return [
+        # steps per block not a multiple of cache_reloading_step: 10 per block, refresh every 4
+        ("b16_s10_r4", [prompts[0]], dict(base, steps=20, gen_length=32, block_length=16, cache_reloading_step=4)),
+        ("b8_s8_r3", [prompts[1]], dict(base, steps=32, gen_length=32, block_length=8, cache_reloading_step=3)),
+        ("one_block_s12_r8", [prompts[2]], dict(base, steps=12, gen_length=24, block_length=24,
+                                                cache_reloading_step=8)),
+        ("b16_s6_r4_two_per_step", [prompts[3]], dict(base, steps=12, gen_length=32, block_length=16,
+                                                      cache_reloading_step=4)),
+    ]
+
+
+def record_dkv(ref_dir: Path):
+    sys.path.insert(0, str(ref_dir))
+    dkv = importlib.import_module("generation_utils.llada_dkv_cache_decode")
+    reference = {"repo": "horseee/dKV-Cache", "commit": "49a76fcc43b744ec2d960137f216e419317138b1",
+                 "file": "generation_utils/llada_dkv_cache_decode.py (models/modeling_llada_dkv_cache_decode.py)",
+                 "function": "generate"}
+    for label, model, prompts, _ in models():
+        ref_model = reference_llada("models", model, "modeling_llada_dkv_cache_decode")
+        cases = [run_dkv(dkv, ref_model, cid, rows, params) for cid, rows, params in dkv_cases(model, prompts)]
+        save("dkv-decode", label, reference, model, cases)
+
+
 # ---------------------------------------------------------------------------------------------------- common
 def models():
     tiny = tiny_llada()
@@ -390,7 +487,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     with torch.no_grad():
-        {"llada": record_llada, "fastdllm": record_fastdllm}[args.reference](args.ref_dir)
+        {"llada": record_llada, "fastdllm": record_fastdllm, "dkv": record_dkv}[args.reference](args.ref_dir)
 
 
 if __name__ == "__main__":
