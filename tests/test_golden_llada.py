@@ -19,6 +19,7 @@ from dllm.samplers import get_sampler
 from dllm.samplers.composed import ComposedSampler
 from dllm.samplers.llada import LLaDASampler
 from dllm.samplers.rules import Threshold
+from dllm.samplers.transforms import CreditFusion
 
 FIXTURES = sorted(p.stem for p in gc.FIXTURES.glob("*.json")) if gc.FIXTURES.exists() else []
 
@@ -85,7 +86,32 @@ def dkv_decode(params: dict):
     return sampler, None, kw
 
 
-MAPPINGS = {"llada-generate": llada_generate, "fastdllm": fastdllm, "dkv-decode": dkv_decode}
+def dinfer(params: dict):
+    """dInfer ``ThresholdParallelDecoder`` -> the ``threshold`` preset with dInfer's ``min(tau, max - 1e-5)``
+    (``max_slack=1e-5``); ``CreditThresholdParallelDecoder`` -> the same rule with :class:`CreditFusion` (the
+    ``credit`` preset's stages, built by hand because the preset has no ``max_slack``). float32 softmax;
+    ``early_stop`` -> ``eos_early_stop``."""
+    common = dict(temperature=params["temperature"], softmax_dtype="float32", block_length=params["block_length"])
+    if params["decoder"] == "credit":
+        fusion = CreditFusion(alpha=params["credit_alpha"], beta=params["decay_beta"], gamma=params["boost_gamma"])
+        sampler = ComposedSampler(Threshold(params["threshold"], max_slack=1e-5), credit=fusion, **common)
+    else:
+        sampler = get_sampler("threshold", tau=params["threshold"], max_slack=1e-5, **common)
+    kw = dict(gen_length=params["gen_length"], block_length=params["block_length"],
+              eos_early_stop=params["early_stop"])
+    return sampler, "none", kw
+
+
+MAPPINGS = {"llada-generate": llada_generate, "fastdllm": fastdllm, "dkv-decode": dkv_decode, "dinfer": dinfer}
+
+
+def lockstep(name: str, case: dict) -> bool:
+    """Cases whose reference runs forwards that commit nothing for a row: Fast-dLLM and dInfer move a batch
+    block by block in lockstep (a row whose block is done waits for the others), and dInfer unrolls
+    ``maximum_unroll`` forwards before it checks whether the block is done. dllm runs neither."""
+    if name.startswith(("fastdllm", "dinfer")) and len(case["prompt_ids"]) > 1:
+        return True
+    return name.startswith("dinfer") and case["params"]["maximum_unroll"] > 1
 
 
 def computed_rows(query_idx, shape, G: int) -> list[list[int]]:
@@ -95,6 +121,16 @@ def computed_rows(query_idx, shape, G: int) -> list[list[int]]:
         return [list(range(G))] * B
     P = T - G
     return [sorted({int(c) - P for c in row if int(c) >= P}) for row in query_idx]
+
+
+def fill_starts(case: dict, eos_id: int) -> list[int]:
+    """Per row, the end of the block holding the reference's first EOS (where its early-stop fill starts)."""
+    bl = case["params"]["block_length"]
+    out = []
+    for row in case["output"]:
+        first = row.index(eos_id) if eos_id in row else len(row)
+        out.append(min(len(row), (first // bl + 1) * bl))
+    return out
 
 
 def per_row_commits(steps: list) -> list[list[list[int]]]:
@@ -145,11 +181,15 @@ def test_golden(name, case_id):
     finally:
         handle.remove()
     ties = case.get("ties", [])
-    if name.startswith("fastdllm") and len(case["prompt_ids"]) > 1:
-        # Fast-dLLM moves a batch block by block in lockstep: a row whose block is done waits (forwards that
-        # commit nothing for it) until every row's block is; dllm moves each row on at once. Per row, the
-        # sequence of commits must agree.
-        assert per_row_commits(steps) == per_row_commits(case["steps"])
+    if lockstep(name, case):  # per row, the sequence of non-empty commits must agree
+        ours, ref = per_row_commits(steps), per_row_commits(case["steps"])
+        if name.startswith("dinfer") and case["params"]["early_stop"]:
+            # dInfer fills a row's later blocks with EOS only when the whole batch's block is done: compare
+            # the positions each row decoded itself (the fill is checked through the output)
+            ends = fill_starts(case, model.eos_id)
+            ours, ref = ([[[p for p in s if p < e] for s in row] for row, e in zip(x, ends)] for x in (ours, ref))
+            ours, ref = ([[s for s in row if s] for row in x] for x in (ours, ref))
+        assert ours == ref, f"per-row commits differ: ours {ours}, the reference {ref}"
     elif ties:  # compare up to the first forward whose selection was an exact tie (torch.topk's own order)
         first = ties[0]
         diverge = gc.first_divergence(steps[:first], case["steps"][:first])
@@ -164,8 +204,10 @@ def test_golden(name, case_id):
         diverge = gc.first_divergence(ours, case["computed"])
         assert diverge is None, "rows recomputed: " + diverge
     assert out.sequences.tolist() == case["output"]
-    if not (name.startswith("fastdllm") and len(case["prompt_ids"]) > 1):
+    if not lockstep(name, case):
         assert out.stats.nfe == case["nfe"]
+    elif len(case["prompt_ids"]) == 1:  # unrolled forwards: ours are the reference's that commit something
+        assert out.stats.nfe == sum(1 for s in case["steps"] if s[0])
 
 
 def test_recorder_sees_every_forward():

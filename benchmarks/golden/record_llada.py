@@ -26,11 +26,15 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import sys
+import types
 from pathlib import Path
 from types import SimpleNamespace
 
-import torch
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # dInfer decorates its decoders with torch.compile: run eagerly
+
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -465,6 +469,86 @@ def record_dkv(ref_dir: Path):
         save("dkv-decode", label, reference, model, cases)
 
 
+# ---------------------------------------------------------------------------------------------------- dInfer
+def dinfer_modules(ref_dir: Path):
+    """dInfer's decoding modules, imported without running ``dinfer/__init__.py`` (which pulls in the serving
+    stack): the two packages are registered by path first."""
+    root = ref_dir / "python" / "dinfer"
+    for name, path in (("dinfer", root), ("dinfer.decoding", root / "decoding")):
+        if name not in sys.modules:
+            mod = types.ModuleType(name)
+            mod.__path__ = [str(path)]
+            sys.modules[name] = mod
+    return tuple(importlib.import_module(f"dinfer.decoding.{m}") for m in ("parallel_strategy", "generate_uniform",
+                                                                             "utils"))
+
+
+def run_dinfer(mods, model, cid, rows, params):
+    """``params``: ``decoder`` (``threshold`` / ``credit``) and the decoder's, ``BlockWiseDiffusionLLM``'s and
+    ``generate``'s keyword arguments. dInfer stops after the first block in which every row holds EOS
+    (``early_stop`` only decides whether the rest is filled with EOS), so every case uses ``early_stop=True``."""
+    ps, gu, ut = mods
+    dec_kw = dict(temperature=params["temperature"], threshold=params["threshold"], mask_id=model.mask_id,
+                  eos_id=model.eos_id)
+    if params["decoder"] == "credit":
+        decoder = ps.CreditThresholdParallelDecoder(credit_alpha=params["credit_alpha"],
+                                                    boost_gamma=params["boost_gamma"],
+                                                    decay_beta=params["decay_beta"], **dec_kw)
+        score = None  # the confidence comes from the credit-fused logits (no tie check)
+    else:
+        decoder = ps.ThresholdParallelDecoder(**dec_kw)
+        score = proposal_prob(torch.float32, temperature=params["temperature"])
+    arrays = []
+    decode = decoder.decode
+
+    def keep_array(logits, block_start, block_end, x, *a, **k):  # the TokenArray holding the canvas
+        if not arrays:
+            arrays.append(x)
+        return decode(logits, block_start, block_end, x, *a, **k)
+
+    decoder.decode = keep_array
+    rec = Recorder(model, len(rows), score)
+    llm = gu.BlockWiseDiffusionLLM(rec, decoder, ut.BlockIteratorFactory(), early_stop=params["early_stop"],
+                                   maximum_unroll=params["maximum_unroll"], expected_tpf=params["expected_tpf"])
+    ids = torch.tensor(rows)
+    torch.manual_seed(params.get("seed", 0))
+    llm.generate(ids, gen_length=params["gen_length"], block_length=params["block_length"])
+    P = ids.shape[1]
+    gen = arrays[0].data[:, P:]
+    check_no_mask(gen, model.mask_id, cid)
+    if llm.num_forwards != len(rec.canvases):
+        raise SystemExit(f"case {cid}: dInfer counted {llm.num_forwards} forwards, its model ran {len(rec.canvases)}")
+    steps = gc.steps_from_canvases(rec.canvases, gen, P, model.mask_id)
+    return case_record(cid, rows, params, gen, rec, P, model.mask_id,
+                       regions=regions_from_steps(steps, params["block_length"]))
+
+
+def dinfer_cases(model, prompts):
+    base = dict(decoder="threshold", temperature=0.0, threshold=0.9, early_stop=True, maximum_unroll=1,
+                expected_tpf=8, gen_length=32, block_length=8)
+    credit = dict(base, decoder="credit", credit_alpha=0.7, boost_gamma=0.2, decay_beta=0.8)
+    return [
+        ("threshold", [prompts[0]], dict(base)),
+        ("threshold_07_b16", [prompts[1]], dict(base, threshold=0.7, block_length=16)),
+        ("threshold_unroll4", [prompts[2]], dict(base, maximum_unroll=4)),
+        ("threshold_b16", [prompts[3]], dict(base, block_length=16)),
+        ("threshold_batch2", same_len(prompts[0], prompts[3]), dict(base)),
+        ("credit", [prompts[0]], dict(credit)),
+        ("credit_b32", [prompts[1]], dict(credit, block_length=32)),
+        ("credit_tau07", [prompts[2]], dict(credit, threshold=0.7, block_length=16)),
+    ]
+
+
+def record_dinfer(ref_dir: Path):
+    mods = dinfer_modules(ref_dir)
+    reference = {"repo": "inclusionAI/dInfer", "commit": "fce4e32804103baa5d55230dff0352da0cdd6ceb",
+                 "file": "python/dinfer/decoding/parallel_strategy.py (+ generate_uniform.py BlockWiseDiffusionLLM)",
+                 "function": "ThresholdParallelDecoder / CreditThresholdParallelDecoder (params.decoder)"}
+    for label, model, prompts, _ in models():
+        cases = [run_dinfer(mods, model, cid, rows, params) for cid, rows, params in dinfer_cases(model, prompts)]
+        save("dinfer", label, reference, model, cases)
+
+
 # ---------------------------------------------------------------------------------------------------- common
 def models():
     tiny = tiny_llada()
@@ -487,7 +571,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     with torch.no_grad():
-        {"llada": record_llada, "fastdllm": record_fastdllm, "dkv": record_dkv}[args.reference](args.ref_dir)
+        {"llada": record_llada, "fastdllm": record_fastdllm, "dkv": record_dkv,
+         "dinfer": record_dinfer}[args.reference](args.ref_dir)
 
 
 if __name__ == "__main__":
