@@ -67,7 +67,7 @@ def fastdllm(params: dict):
             sampler, cache = get_sampler("fast-dllm", tau=params["threshold"], **common), None  # its own dual cache
         else:
             sampler = get_sampler("threshold", tau=params["threshold"], **common)
-    elif params["factor"] is not None:
+    elif params.get("factor") is not None:
         sampler = get_sampler("factor", factor=params["factor"], quirk=True, **common)
     else:
         sampler = LLaDASampler(temperature=T, remasking=params["remasking"], softmax_dtype="float64",
@@ -102,7 +102,8 @@ def dinfer(params: dict):
     return sampler, "none", kw
 
 
-MAPPINGS = {"llada-generate": llada_generate, "fastdllm": fastdllm, "dkv-decode": dkv_decode, "dinfer": dinfer}
+MAPPINGS = {"llada-generate": llada_generate, "fastdllm": fastdllm, "fastdllm-2506": fastdllm, "dkv-decode": dkv_decode,
+            "dinfer": dinfer}
 
 
 def lockstep(name: str, case: dict) -> bool:
@@ -111,6 +112,8 @@ def lockstep(name: str, case: dict) -> bool:
     ``maximum_unroll`` forwards before it checks whether the block is done. dllm runs neither."""
     if name.startswith(("fastdllm", "dinfer")) and len(case["prompt_ids"]) > 1:
         return True
+    if name.startswith("fastdllm-2506"):  # June 2025: the cached generators check for a finished block after
+        return case["params"]["cache"] != "none"  # their forward, so a block done by its first forward gets one more
     return name.startswith("dinfer") and case["params"]["maximum_unroll"] > 1
 
 
@@ -206,8 +209,13 @@ def test_golden(name, case_id):
     assert out.sequences.tolist() == case["output"]
     if not lockstep(name, case):
         assert out.stats.nfe == case["nfe"]
-    elif len(case["prompt_ids"]) == 1:  # unrolled forwards: ours are the reference's that commit something
+    elif len(case["prompt_ids"]) == 1:  # extra forwards: ours are the reference's that commit something
         assert out.stats.nfe == sum(1 for s in case["steps"] if s[0])
+        if name.startswith("fastdllm-2506"):  # and each extra one follows a block's first forward that did it all
+            bl = case["params"]["block_length"]
+            for i, s in enumerate(case["steps"]):
+                if not s[0]:
+                    assert i > 0 and len(case["steps"][i - 1][0]) == bl, f"forward {i} commits nothing"
 
 
 def test_recorder_sees_every_forward():
@@ -219,3 +227,22 @@ def test_recorder_sees_every_forward():
     flat = sorted(p for s in steps for p in s[0])
     assert flat == list(range(8)) and all(len(s[0]) == 2 for s in steps)
     assert not torch.equal(out.sequences, torch.full_like(out.sequences, model.mask_id))
+
+
+@pytest.mark.parametrize("name", [n for n in FIXTURES if n.startswith("dinfer_")])
+def test_credit_preset_on_dinfer_fixtures(name):
+    """The ``credit`` preset (threshold without dInfer's ``max - 1e-5`` slack) commits what dInfer's credit
+    decoder committed on these cases, forward by forward (the slack changes nothing here)."""
+    fx = _fixture(name)
+    model = fixture_model(fx)
+    for case in fx["cases"]:
+        p = case["params"]
+        if p["decoder"] != "credit":
+            continue
+        sampler = get_sampler("credit", alpha=p["credit_alpha"], beta=p["decay_beta"], gamma=p["boost_gamma"],
+                              tau=p["threshold"], block_length=p["block_length"])
+        out, steps = gc.record_steps(model, case["prompt_ids"], sampler=sampler, cache="none",
+                                     gen_length=p["gen_length"], block_length=p["block_length"], eos_early_stop=True)
+        diverge = gc.first_divergence(steps, case["steps"])
+        assert diverge is None, f"{case['id']}: {diverge}"
+        assert out.stats.nfe == case["nfe"]

@@ -6,6 +6,8 @@ Each reference is a public repository; check it out anywhere and pass its root a
 * ``fastdllm``: NVlabs/Fast-dLLM @ f6b35ec3f1b16e1b3d3357938046559ae2d350fa, ``llada/generate.py``
   (``generate``, ``generate_with_prefix_cache``, ``generate_with_dual_cache``) with its
   ``llada/model/modeling_llada.py`` (unchanged since 24cc59e75f20a6384bae8c905965bb090b96388e).
+* ``fastdllm-2506``: NVlabs/Fast-dLLM @ 24cc59e75f20a6384bae8c905965bb090b96388e (June 2025), ``llada/generate.py``
+  and ``llada/model/modeling_llada.py``: the same three generators before batch support and the factor rule.
 * ``dkv``: horseee/dKV-Cache @ 49a76fcc43b744ec2d960137f216e419317138b1, ``generation_utils/llada_dkv_cache_decode.py``.
 * ``dinfer``: inclusionAI/dInfer @ fce4e32804103baa5d55230dff0352da0cdd6ceb, ``python/dinfer/decoding/``.
 
@@ -360,6 +362,34 @@ def fastdllm_cases(model, prompts):
     return cases
 
 
+def fastdllm_2506_cases(model, prompts):
+    base = dict(mask_id=model.mask_id, temperature=0.0, remasking="low_confidence", threshold=None)
+    blk = dict(steps=32, gen_length=32, block_length=8)
+    cases = []
+    for cache in ("none", "prefix", "dual"):
+        cases += [
+            (f"{cache}_threshold", [prompts[0]], dict(base, **blk, cache=cache, threshold=0.9)),
+            (f"{cache}_threshold_05", [prompts[1]], dict(base, **blk, cache=cache, threshold=0.5)),
+            (f"{cache}_quota", [prompts[3]], dict(base, steps=16, gen_length=32, block_length=16, cache=cache)),
+        ]
+    return cases
+
+
+def record_fastdllm_2506(ref_dir: Path):
+    """The pre-batch Fast-dLLM generators (24cc59e, June 2025): batch 1, no factor rule, and the cached
+    generators check whether the block is done after their forward, not before it."""
+    sys.path.insert(0, str(ref_dir / "llada"))
+    fd = importlib.import_module("generate")
+    reference = {"repo": "NVlabs/Fast-dLLM", "commit": "24cc59e75f20a6384bae8c905965bb090b96388e",
+                 "file": "llada/generate.py",
+                 "function": "generate / generate_with_prefix_cache / generate_with_dual_cache (params.cache)"}
+    for label, model, prompts, _ in models():
+        ref_model = reference_llada("model", model)
+        cases = [run_fastdllm(fd, ref_model, cid, rows, params)
+                 for cid, rows, params in fastdllm_2506_cases(model, prompts)]
+        save("fastdllm-2506", label, reference, model, cases)
+
+
 def record_fastdllm(ref_dir: Path):
     sys.path.insert(0, str(ref_dir))
     fd = importlib.import_module("llada.generate")
@@ -566,12 +596,12 @@ def save(ref_name, label, reference, model, cases):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("reference", choices=["llada", "fastdllm", "dkv", "dinfer"])
+    p.add_argument("reference", choices=["llada", "fastdllm", "fastdllm-2506", "dkv", "dinfer"])
     p.add_argument("--ref-dir", type=Path, required=True, help="root of a checkout of the reference repository")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     with torch.no_grad():
-        {"llada": record_llada, "fastdllm": record_fastdllm, "dkv": record_dkv,
+        {"llada": record_llada, "fastdllm": record_fastdllm, "dkv": record_dkv, "fastdllm-2506": record_fastdllm_2506,
          "dinfer": record_dinfer}[args.reference](args.ref_dir)
 
 
