@@ -9,14 +9,17 @@ Schema::
      "weights_sha256": "<sha256 of the model's state dict, see state_sha256>",
      "cases": [{"id": str,
                 "prompt_ids": [[int, ...], ...],          # one list per row (usually one row)
-                "params": {...},                           # the reference call's arguments, verbatim
+                "params": {...},                           # the reference call's arguments, verbatim (plus the
+                                                           # recording script's own keys, e.g. "seed" of the
+                                                           # global RNG or which function ran; see the script)
                 "output": [[int, ...], ...],               # generated ids per row (gen_length each)
                 "nfe": int,                                # model forward calls the reference made
                 "steps": [[[int, ...], ...], ...]}]}        # per forward, per row: generated positions (0-based
                                                            # offsets into the generation) committed after it
 
-``steps`` has one entry per reference forward (an entry may be empty, e.g. the extra forward per block of
-Fast-dLLM's cached generators); positions are sorted ascending.
+``steps`` has one entry per reference forward (an entry may be empty, e.g. the extra forward that the June
+2025 Fast-dLLM cached generators run after a block their first forward decoded entirely); positions are
+sorted ascending.
 
 Optional case fields:
 

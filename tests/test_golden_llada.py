@@ -3,7 +3,18 @@
 Fixtures: ``tests/fixtures/golden/<reference>_<model>.json`` (schema in ``tests/golden_common.py``), written by
 ``benchmarks/golden/record_llada.py``. Each case is replayed with the dllm sampler / cache / settings that claim
 to reproduce the reference, and must give the same generated ids, the same number of forwards and the same
-positions committed after every forward.
+positions committed after every forward (and, for dKV-Cache-Decode, the same recomputed rows).
+
+Documented convention differences the comparison allows for (each still checked):
+
+* exact ties (case field ``ties``): compared up to the first forward whose selection was a tie;
+* forwards that commit nothing for a row in the reference -- Fast-dLLM and dInfer move a batch block by block
+  in lockstep, dInfer unrolls ``maximum_unroll`` forwards before checking the block, and the June 2025
+  Fast-dLLM cached generators run one more forward after a block their first forward decoded entirely: per
+  row, the sequence of non-empty commits must agree (and for one row, our NFE is the reference's forwards
+  that committed something);
+* dInfer fills a finished row with EOS only once the batch's block is done: the fill is compared through the
+  output, not per forward.
 """
 
 from __future__ import annotations

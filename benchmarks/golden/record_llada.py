@@ -11,16 +11,32 @@ Each reference is a public repository; check it out anywhere and pass its root a
 * ``dkv``: horseee/dKV-Cache @ 49a76fcc43b744ec2d960137f216e419317138b1, ``generation_utils/llada_dkv_cache_decode.py``.
 * ``dinfer``: inclusionAI/dInfer @ fce4e32804103baa5d55230dff0352da0cdd6ceb, ``python/dinfer/decoding/``.
 
-Commands (from the repository root; each writes ``tests/fixtures/golden/<reference>_<model>.json``)::
+Environment: the Fast-dLLM and dKV-Cache modeling files need transformers 4.x (Fast-dLLM pins 4.49.0); a venv
+that shares the system torch is enough, and every reference runs in it::
 
-    PYTHONPATH=. python benchmarks/golden/record_llada.py llada --ref-dir /path/to/LLaDA
-    PYTHONPATH=. python benchmarks/golden/record_llada.py fastdllm --ref-dir /path/to/Fast-dLLM
+    python -m venv --system-site-packages /path/to/refenv && /path/to/refenv/bin/pip install "transformers==4.49.0"
+
+Commands (from the repository root, ``git -C <checkout> checkout <commit>`` first; each writes
+``tests/fixtures/golden/<reference>_<model>.json``)::
+
+    export PYTHONPATH=. OMP_NUM_THREADS=1 PY=/path/to/refenv/bin/python
+    $PY benchmarks/golden/record_llada.py llada --ref-dir /path/to/LLaDA              # llada-generate_*
+    $PY benchmarks/golden/record_llada.py fastdllm --ref-dir /path/to/Fast-dLLM       # at f6b35ec: fastdllm_*
+    $PY benchmarks/golden/record_llada.py fastdllm-2506 --ref-dir /path/to/Fast-dLLM  # at 24cc59e: fastdllm-2506_*
+    $PY benchmarks/golden/record_llada.py dkv --ref-dir /path/to/dKV-Cache            # dkv-decode_*
+    $PY benchmarks/golden/record_llada.py dinfer --ref-dir /path/to/dInfer            # dinfer_*
+
+Re-recording gives byte-identical files (checked for ``llada`` and ``dinfer`` under transformers 4.49 and 5.x;
+with transformers 4.x the bundled tokenizer is read through ``PreTrainedTokenizerFast``, same prompt ids).
+dInfer's decoders are decorated with ``torch.compile``; the script sets ``TORCHDYNAMO_DISABLE=1`` (eager).
 
 Models: the bundled ``llada-tiny`` and the LLaDA-shaped random model of ``tests/golden_models.py`` (rebuilt
-from its seed). References that only call ``model(x[, attention_mask]).logits`` get dllm's Transformer behind
-a thin wrapper that gives the HF modeling file's semantics (absolute positions ``0..T-1``, padded keys masked);
-the wrapper records the full canvas before every forward (a sliced canvas ``x[:, a:b]`` is a view, whose base
-is the canvas). Nothing here patches the reference code.
+from its seed). References that only call ``model(x[, attention_mask]).logits`` (LLaDA, dInfer) get dllm's
+Transformer behind a thin wrapper with the HF modeling file's semantics (absolute positions ``0..T-1``,
+padded keys masked); the others get our weights loaded into their own modeling classes, after checking that
+the logits are bit-identical. Hooks record the full canvas before every forward (a sliced canvas
+``x[:, a:b]`` is a view, whose base is the canvas; dKV-Cache's gathered input is put back into the previous
+canvas). Nothing here changes the reference code; hooks only observe it.
 """
 
 from __future__ import annotations
