@@ -257,3 +257,25 @@ def test_credit_preset_on_dinfer_fixtures(name):
         diverge = gc.first_divergence(steps, case["steps"])
         assert diverge is None, f"{case['id']}: {diverge}"
         assert out.stats.nfe == case["nfe"]
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_shaped_models_make_mask_and_eos_matter(family):
+    """The shaped random models do what the fixtures need: real vocabulary and special ids, p(mask) far from
+    negligible at masked positions yet never the argmax, and EOS proposed at some of them."""
+    model = gm.shaped_model(family, 0)
+    vocab, mask, eos = (126464, 126336, 126081) if family == "llada" else (152064, 151666, 151643)
+    assert (model.config.vocab_size, model.mask_id, model.eos_id) == (vocab, mask, eos)
+    stops = 0
+    for seed in range(3):
+        prompt = gm.shaped_prompts(family, [14], seed)[0]
+        x = torch.tensor([prompt + [mask] * 48])
+        probs = model(x)[0, len(prompt):].float().softmax(-1)
+        assert 1e-5 < float(probs[:, mask].median()) < 1e-2
+        top = probs.argmax(-1)
+        assert not bool((top == mask).any())
+        assert len(set(top.tolist())) > 1
+        stops += int(((top == model.eos_id) | (top == model.eot_id)).sum())
+    assert stops >= 3  # EOS / EOT proposed at some of the 3 x 48 masked positions
+    with pytest.raises(ValueError, match="unknown shaped family"):
+        gm.shaped_model("gpt", 0)
