@@ -9,14 +9,27 @@ Schema::
      "weights_sha256": "<sha256 of the model's state dict, see state_sha256>",
      "cases": [{"id": str,
                 "prompt_ids": [[int, ...], ...],          # one list per row (usually one row)
-                "params": {...},                           # the reference call's arguments, verbatim
+                "params": {...},                           # the reference call's arguments, verbatim (plus the
+                                                           # recording script's own keys, e.g. "seed" of the
+                                                           # global RNG or which function ran; see the script)
                 "output": [[int, ...], ...],               # generated ids per row (gen_length each)
                 "nfe": int,                                # model forward calls the reference made
                 "steps": [[[int, ...], ...], ...]}]}        # per forward, per row: generated positions (0-based
                                                            # offsets into the generation) committed after it
 
-``steps`` has one entry per reference forward (an entry may be empty, e.g. the extra forward per block of
-Fast-dLLM's cached generators); positions are sorted ascending.
+``steps`` has one entry per reference forward (an entry may be empty, e.g. the extra forward that the June
+2025 Fast-dLLM cached generators run after a block their first forward decoded entirely); positions are
+sorted ascending.
+
+Optional case fields:
+
+* ``"ties": [int, ...]`` -- forwards whose selection the reference decided among exactly equal scores (the
+  lowest committed score of a row equals the highest score of a candidate it left masked; e.g. several EOS
+  positions at probability 1.0 in float32). ``torch.topk`` orders equal values its own way, so a comparison
+  is exact only up to the first such forward (then the per-row commit counts must still agree).
+* ``"computed": [[[int, ...], ...], ...]`` -- per forward, per row: the sorted generated-position offsets whose
+  hidden states the reference recomputed in that forward (query rows of a partial forward; every position
+  for a full forward), for caches that recompute a subset of the canvas.
 
 On our side :func:`record_steps` runs ``dllm.generate`` with a forward pre-hook that snapshots the canvas
 before each forward; the difference between consecutive snapshots (and the final output) gives the positions

@@ -1,0 +1,95 @@
+"""Random-weight checkpoints with the real LLaDA / Dream vocabularies and special ids, for golden fixtures.
+
+The weights are rebuilt from a seed on both sides (recording script and test) and never stored; a fixture
+keeps :func:`golden_common.state_sha256` of them so a change of this builder is detected.
+
+Shape: ``d_model`` 32, 2 layers, the published vocabulary sizes (LLaDA 126,464; Dream 152,064). To make
+the decoding non-trivial the logits get a per-token bias through a constant feature: embedding column 0
+holds a large constant, so after the final RMSNorm feature 0 is nearly constant and head column 0 acts as a
+bias. Most of the vocabulary gets a strongly negative bias (so confidences are not spread over 126k ids),
+a few hundred realistic ids are "active", and the mask and EOS/EOT (im_end) ids get biases that make
+``p(mask)`` about 1e-3..1e-2 and EOS/EOT proposed at a fair share of positions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dllm.models import DREAM, LLADA, Transformer, TransformerConfig
+
+N_ACTIVE = 400  # ids below the special range that the model proposes
+CONST = 6.0  # embedding column 0 (the constant feature)
+QK_SCALE = 3.0  # peaky, position-dependent attention so masked positions differ
+OUT_SCALE = 1.5
+
+
+def _active_ids(g: torch.Generator, n_regular: int) -> torch.Tensor:
+    return torch.randperm(n_regular, generator=g)[:N_ACTIVE].sort().values
+
+
+def _build(family: str, seed: int) -> Transformer:
+    spec = LLADA if family == "llada" else DREAM
+    vocab = 126464 if family == "llada" else 152064
+    cfg = TransformerConfig(vocab_size=vocab, d_model=32, n_layers=2, n_heads=4,
+                            n_kv_heads=4 if family == "llada" else 2, mlp_hidden=64,
+                            qkv_bias=family == "dream", max_seq_len=1024, rope_theta=10000.0)
+    g = torch.Generator().manual_seed(seed)
+    with torch.device("cpu"):
+        model = Transformer(cfg, spec)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+            elif name in ("embed.weight", "head.weight"):
+                continue
+            else:
+                scale = QK_SCALE if name.split(".")[-2] in ("q", "k") else OUT_SCALE
+                p.copy_(torch.randn(p.shape, generator=g) * (scale / p.shape[1] ** 0.5))
+        for layer in model.layers:  # keep feature 0 constant through the residual stream
+            layer.o.weight[0].zero_()
+            layer.down.weight[0].zero_()
+        d = cfg.d_model
+        emb = torch.randn(vocab, d, generator=g)
+        emb[:, 0] = CONST
+        model.embed.weight.copy_(emb)
+        first_special = min(spec.mask_id, spec.eos_id, spec.eot_id)
+        if family == "llada":
+            first_special = 126080  # <|startoftext|>; LLaDA's special ids start here
+        active = _active_ids(g, first_special)
+        # Head: column 0 (bias through the constant feature) + random directions for the active ids.
+        head = torch.zeros(vocab, d)
+        head[:, 0] = -2.5  # background bias; the normalised constant feature is about 4
+        head[active, 1:] = torch.randn(N_ACTIVE, d - 1, generator=g) * 0.9
+        head[active, 0] = 0.0
+        for tid, bias, scale in ((spec.mask_id, 6.0, 0.25), (spec.eos_id, 8.0, 0.7), (spec.eot_id, 7.0, 0.7)):
+            head[tid, 1:] = torch.randn(d - 1, generator=g) * scale
+            head[tid, 0] = bias
+        model.head.weight.copy_(head)
+    model.eval().requires_grad_(False)
+    model.mask_id, model.eos_id, model.eot_id, model.pad_id = spec.mask_id, spec.eos_id, spec.eot_id, spec.pad_id
+    return model
+
+
+def shaped_llada(seed: int = 0) -> Transformer:
+    """LLaDA-shaped random model: vocab 126,464, mask 126,336, EOS 126,081, EOT 126,348 (fp32, CPU)."""
+    return _build("llada", seed)
+
+
+def shaped_dream(seed: int = 0) -> Transformer:
+    """Dream-shaped random model: vocab 152,064, mask 151,666, EOS 151,643, im_end 151,645 (fp32, CPU)."""
+    return _build("dream", seed)
+
+
+def shaped_model(family: str, seed: int = 0) -> Transformer:
+    if family not in ("llada", "dream"):
+        raise ValueError(f"unknown shaped family {family!r}; use 'llada' or 'dream'")
+    return _build(family, seed)
+
+
+def shaped_prompts(family: str, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    """Realistic prompt ids: random ids below the special range, one list per length."""
+    limit = 126080 if family == "llada" else 151643
+    g = torch.Generator().manual_seed(10_000 + seed)
+    return [torch.randint(0, limit, (n,), generator=g).tolist() for n in lengths]
