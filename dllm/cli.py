@@ -111,8 +111,21 @@ def cmd_generate(args) -> int:
         raise SystemExit("error: give a PROMPT or --batch-file")
     model = _load(args)
     config, sampler = _decode_setup(args)
+    if args.trace_out:
+        import dataclasses
+
+        config = dataclasses.replace(config, record_confidence=True)
     out = generate(model, prompts, config, sampler=sampler, cache=args.cache)
     s = out.stats
+    if args.trace_out:
+        from dllm.viz import render
+
+        for row in range(len(prompts)):
+            path = Path(args.trace_out)
+            if len(prompts) > 1:
+                path = path.with_name(f"{path.stem}-{row}{path.suffix}")
+            render(out, path, row=row, tokenizer=getattr(model, "tokenizer", None))
+            print(f"[trajectory of row {row}: {path}]", file=sys.stderr)
     guided = None
     if getattr(sampler, "name", None) == "guided" or args.sampler == "guided":
         from dllm.samplers.guided import guided_summary
@@ -237,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "list of chat messages or of token ids (other lines starting with '[' are plain text)")
     g.add_argument("--escapes", action="store_true", help=r"interpret backslash escapes such as \n in prompts")
     g.add_argument("--json", action="store_true", help="print sequences, texts, nfe and timing as JSON")
+    g.add_argument("--trace-out", metavar="FILE", default=None,
+                   help="draw the decoding trajectory to FILE.png, FILE.gif or FILE.html (one file per prompt: "
+                        "FILE-0.png, ... when there are several)")
     _add_decode_args(g)
     g.set_defaults(func=cmd_generate)
 

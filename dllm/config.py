@@ -23,6 +23,8 @@ class GenerateConfig:
             with EOS and finish the row (dInfer's early stop; the block keeps its tokens).
         seed: seed of the ``torch.Generator`` every random draw of the run comes from (``None``: unseeded).
         chat_template: apply the tokenizer's chat template to string prompts.
+        record_confidence: record in ``stats.commit_conf`` each committed token's probability (one extra
+            log-sum-exp over the window's logits per step; for trajectory pictures).
     """
 
     gen_length: int = 128
@@ -32,6 +34,7 @@ class GenerateConfig:
     eos_early_stop: bool = False
     seed: int | None = 0
     chat_template: bool = True
+    record_confidence: bool = False
 
     def __post_init__(self):
         # bool is an int subclass but never a length; numpy integers are stored as plain ints

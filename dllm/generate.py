@@ -49,6 +49,12 @@ class GenerateStats:
     time_total: float
     trace: list[dict[str, Any]] = field(default_factory=list)  # per step: committed per row, region bounds,
     # early_commit per row, the sampler's / block policy's info, cache stats
+    # [B][gen_length]: the step (1-based) at which each generated position was committed (EOS early-stop fill
+    # included), -1 if never; what dllm.viz draws
+    commit_step: list[list[int]] = field(default_factory=list)
+    # [B][gen_length]: probability of the committed token under that step's logits (full-vocabulary softmax),
+    # recorded with GenerateConfig(record_confidence=True); empty otherwise
+    commit_conf: list[list[float]] = field(default_factory=list)
 
 
 @dataclass
@@ -257,6 +263,8 @@ def generate(
     trace = []
     shift = 1 if getattr(model, "shift_logits", False) else 0
     committed = torch.zeros((B, T), dtype=torch.bool, device=device)
+    commit_step = torch.full((B, T), -1, dtype=torch.long, device=device)
+    commit_conf = torch.full((B, T), float("nan"), device=device) if config.record_confidence else None
     n_layers = getattr(getattr(model, "config", None), "n_layers", 1)
     step_stats = getattr(cache, "step_stats", None)
     nfe = 0
@@ -301,6 +309,11 @@ def generate(
             commit = commit | (res.finish[:, None] & active[:, None] & (xw == model.mask_id))
             hi = torch.where(res.finish & active, torch.full_like(hi, T), hi)
         x[:, w_lo:w_hi] = torch.where(commit, res.proposal, xw)
+        commit_step[:, w_lo:w_hi].masked_fill_(commit, nfe + 1)
+        if commit_conf is not None:
+            lf = logits.float()
+            p = (lf.gather(-1, res.proposal[..., None]).squeeze(-1) - torch.logsumexp(lf, -1)).exp()
+            commit_conf[:, w_lo:w_hi] = torch.where(commit, p, commit_conf[:, w_lo:w_hi])
         committed = torch.zeros_like(committed)
         committed[:, w_lo:w_hi] = commit
         t2 = clock.now()
@@ -335,6 +348,7 @@ def generate(
             fill_from = first if slide is not None else hi - 1
             fill = stopped[:, None] & (cols_all[None] > fill_from[:, None])
             x = torch.where(fill, torch.full_like(x, model.eos_id), x)
+            commit_step.masked_fill_(fill & (commit_step < 0), nfe)
             committed = committed | fill
             hi = torch.where(stopped, torch.full_like(hi, T), hi)
         new_lo = torch.where(done, hi if slide is None else torch.full_like(hi, T), lo)
@@ -370,6 +384,8 @@ def generate(
         time_cache=clock.t["cache"],
         time_total=time_total,
         trace=[{k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in rec.items()} for rec in trace],
+        commit_step=commit_step[:, P:].tolist(),
+        commit_conf=commit_conf[:, P:].tolist() if commit_conf is not None else [],
     )
     return GenerateOutput(seqs, decode_texts(model, seqs), [len(r) for r in rows], stats)
 

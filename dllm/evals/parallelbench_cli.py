@@ -194,6 +194,25 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_show(args) -> int:
+    from dllm.cli import _load
+    from dllm.evals.parallelbench_sweep import RUN_FILE, replay_sample
+    from dllm.viz import render
+
+    if args.model is None:  # the model the sweep was run with
+        args.model = json.loads((Path(args.results) / RUN_FILE).read_text(encoding="utf-8"))["pinned"].get("model")
+    model = _load(args)
+    res, line = replay_sample(model, args.results, args.id, task=args.task, setting=args.setting)
+    text = res.texts[0] if res.texts else ""
+    same = "the stored output" if text == line.get("prediction") else "NOT the stored output (another model?)"
+    render(res, args.out, tokenizer=getattr(model, "tokenizer", None), **({"title": f"{line['task']} #{args.id}, "
+                                                                               f"{line['setting']}"}
+                                                                            if Path(args.out).suffix != ".gif" else {}))
+    print(f"[{line['task']} #{args.id}, {line['setting']}: regenerated {same}; trajectory -> {args.out}]",
+          file=sys.stderr)
+    return 0
+
+
 def cmd_tasks(args) -> int:
     from dllm.evals import parallelbench as PB
 
@@ -256,6 +275,18 @@ def add_parser(sub) -> None:
     p.add_argument("--out", default=None, help="markdown file (default: DIR/report.md; plots beside it)")
     p.add_argument("--no-plot", action="store_true")
     p.set_defaults(func=cmd_report)
+
+    sh = acts.add_parser("show", help="picture of one sample's decoding trajectory (regenerated from its stored "
+                                      "record and the sweep's settings): PNG, GIF or HTML")
+    sh.add_argument("results", help="a sweep directory (dllm parallelbench run --out)")
+    sh.add_argument("--id", type=int, required=True, help="the sample's index in its task")
+    sh.add_argument("--task", default=None, help="the task, when the sweep has several")
+    sh.add_argument("--setting", default=None, help="the setting label, when the sweep has several")
+    sh.add_argument("--out", required=True, help="FILE.png, FILE.gif or FILE.html")
+    sh.add_argument("--model", default=None, help="default: the model the sweep was run with")
+    sh.add_argument("--dtype", default=None)
+    sh.add_argument("--device", default=None)
+    sh.set_defaults(func=cmd_show)
 
     t = acts.add_parser("tasks", help="list the 17 tasks")
     t.add_argument("--backends", action="store_true", help="also probe the grammar / ROUGE / BERTScore backends")

@@ -30,6 +30,7 @@ seed); another value is refused, or with ``overwrite`` the results there are dis
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -438,3 +439,43 @@ def run_sweep(model, out_dir: str | Path, methods: Sequence[str | Setting] | str
                 f.sync()
     return SweepResult(out, samples_path, written, already, [td.name for td in task_data],
                        [s.label for s in settings], needs)
+
+
+def replay_sample(model, out_dir: str | Path, index: int, task: str | None = None, setting: str | None = None,
+                  record_confidence: bool = True):
+    """Decode one stored sample of a sweep again, for a picture of its trajectory (``dllm parallelbench show``).
+
+    The result lines keep the record, not the per-step trajectory; the sample is regenerated from its stored
+    record, the sweep's pinned data options (prompt style and template) and its setting's decode configuration
+    (deterministic at temperature 0, and with the sweep's seed otherwise). Returns ``(GenerateOutput, line)``;
+    ``line["prediction"]`` is the stored output, which the regenerated text should equal.
+    """
+    from dllm.generate import generate
+
+    out = Path(out_dir)
+    store = JsonlStore(out, ident=lambda x: (x["setting"], x["task"], int(x["index"])), name=SAMPLES_FILE)
+    lines = [ln for ln in store.read() if int(ln["index"]) == index and (task is None or ln["task"] == task)
+             and (setting is None or ln["setting"] == setting) and "error" not in ln]
+    if not lines:
+        raise ValueError(f"no decoded sample with index {index}" + (f" of task {task}" if task else "")
+                         + (f" and setting {setting}" if setting else "") + f" in {store.path}")
+    if len({(ln["task"], ln["setting"]) for ln in lines}) > 1:
+        which = sorted({f"{ln['task']} / {ln['setting']}" for ln in lines})
+        raise ValueError(f"index {index} exists for several task / setting pairs; pick one with --task and "
+                         f"--setting: {', '.join(which)}")
+    line = lines[0]
+    pinned = json.loads((out / RUN_FILE).read_text(encoding="utf-8"))["pinned"]
+    data = pinned["data"]
+    if "data_dir" in data:
+        task_data, _ = _resolve_tasks(line["task"], data["data_dir"], None, 0, "full", 0, "last", (4, 12),
+                                      data.get("text_data"))
+    else:
+        task_data, _ = _resolve_tasks(line["task"], None, None, data["seed"], data["style"], data["index_base"],
+                                      data["sort_by"], tuple(data["sudoku_givens"]), data.get("text_data"))
+    td = task_data[0]
+    s = next(x for x in parse_method(line["method"]) if x.label == line["setting"])
+    sampler, config = s.resolve(model, line["gen_length"], pinned.get("gen_seed", 0))
+    config = dataclasses.replace(config, record_confidence=record_confidence)
+    res = generate(model, [PB.messages_for(td.records[index], td.template)], config, sampler=sampler,
+                   cache=pinned.get("cache"))
+    return res, line
