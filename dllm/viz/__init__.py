@@ -68,27 +68,22 @@ def _require_mpl():
     return plt
 
 
-def _draw(ax, t: dict, width: int, upto: int | None = None, title: str = "") -> None:
-    """Draw one trajectory on ``ax`` (positions committed after step ``upto`` are shown as masks)."""
-    from matplotlib import colormaps
+def _draw(ax, t: dict, width: int, upto: int | None = None, title: str = "") -> list:
+    """Draw one trajectory on ``ax`` (positions committed after step ``upto`` are shown as masks). Returns the
+    per-position ``(cell, bar, text)`` artists, which :func:`_show_upto` updates for another step."""
     from matplotlib.patches import Rectangle
 
     n = len(t["tokens"])
     rows = max(1, math.ceil(n / width))
-    cmap = colormaps["viridis"]
-    S = t["steps"]
-    early = set(t["early"])
-    for i, (text, s, c) in enumerate(zip(t["tokens"], t["step"], t["conf"])):
+    artists = []
+    for i in range(n):
         r, col = divmod(i, width)
-        shown = s >= 0 and (upto is None or s <= upto)
-        face = cmap((s - 1) / max(S - 1, 1)) if shown else (0.92, 0.92, 0.92, 1.0)
-        edge = "red" if shown and s in early else "white"
-        ax.add_patch(Rectangle((col, rows - 1 - r), 1, 1, facecolor=face, edgecolor=edge, linewidth=1.2))
-        if shown and c is not None:
-            ax.add_patch(Rectangle((col + 0.05, rows - 1 - r + 0.05), 0.9 * c, 0.1, facecolor="white", linewidth=0))
-        label = (text.replace("\n", "\\n").strip() or "·")[:6] if shown else "▒"
-        ax.text(col + 0.5, rows - 1 - r + 0.55, label, ha="center", va="center", fontsize=6,
-                color="white" if shown else "0.5")
+        y = rows - 1 - r
+        cell = ax.add_patch(Rectangle((col, y), 1, 1, linewidth=1.2))
+        c = t["conf"][i]
+        bar = ax.add_patch(Rectangle((col + 0.05, y + 0.05), 0.9 * (c or 0.0), 0.1, facecolor="white", linewidth=0))
+        text = ax.text(col + 0.5, y + 0.55, "", ha="center", va="center", fontsize=6)
+        artists.append((cell, bar, text))
     for st in t["starts"]:
         r, col = divmod(st, width)
         ax.plot([col, col], [rows - 1 - r, rows - r], color="black", linewidth=2)
@@ -96,9 +91,26 @@ def _draw(ax, t: dict, width: int, upto: int | None = None, title: str = "") -> 
     ax.set_ylim(0, rows)
     ax.set_xticks([])
     ax.set_yticks([])
+    _show_upto(ax, t, artists, upto, title)
+    return artists
+
+
+def _show_upto(ax, t: dict, artists: list, upto: int | None, title: str = "") -> None:
+    from matplotlib import colormaps
+
+    cmap = colormaps["viridis"]
+    S = t["steps"]
+    early = set(t["early"])
+    for (cell, bar, text), tok, s, c in zip(artists, t["tokens"], t["step"], t["conf"]):
+        shown = s >= 0 and (upto is None or s <= upto)
+        cell.set_facecolor(cmap((s - 1) / max(S - 1, 1)) if shown else (0.92, 0.92, 0.92, 1.0))
+        cell.set_edgecolor("red" if shown and s in early else "white")
+        bar.set_visible(shown and c is not None)
+        text.set_text((tok.replace("\n", "\\n").strip() or "·")[:6] if shown else "▒")
+        text.set_color("white" if shown else "0.5")
     refresh = f"; full cache refresh at steps {t['refresh'][:12]}" if t["refresh"] else ""
     head = f"{title}: " if title else ""
-    ax.set_title(f"{head}{n} positions, {S} steps{refresh}", fontsize=8)
+    ax.set_title(f"{head}{len(t['tokens'])} positions, {S} steps{refresh}", fontsize=8)
 
 
 def _figure(plt, rows: int, width: int, panels: int = 1):
@@ -158,9 +170,10 @@ def animate(out, path, row: int = 0, width: int = 32, fps: int = 4, tokenizer=No
     fig, axes = _figure(plt, rows, width)
     ax = axes[0, 0]
 
+    artists = _draw(ax, t, width, upto=0, title="step 0")
+
     def frame(k):
-        ax.clear()
-        _draw(ax, t, width, upto=k, title=f"step {k}")
+        _show_upto(ax, t, artists, k, title=f"step {k}")
 
     S = t["steps"]
     ks = sorted({round(i * S / (max_frames - 1)) for i in range(max_frames)}) if S + 1 > max_frames else range(S + 1)
