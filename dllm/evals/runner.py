@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from dllm.config import GenerateConfig
 from dllm.evals import tasks as T
-from dllm.generate import GenerateOutput, NonFiniteLogitsError, generate
+from dllm.generate import GenerateOutput, NonFiniteLogitsError
 
 
 def generate_rows(model, prompts: Sequence, config: GenerateConfig, *, sampler=None, cache=None
@@ -15,6 +15,8 @@ def generate_rows(model, prompts: Sequence, config: GenerateConfig, *, sampler=N
     """:func:`dllm.generate` on ``prompts``; a row whose logits turn non-finite (:class:`NonFiniteLogitsError`)
     is an error, not an answer: it is dropped and the other rows are decoded again. Returns ``(kept, output, errors)``: the indices of ``prompts`` that
     ``output`` covers (``None`` when none is left) and ``{index: message}`` for the failed ones."""
+    from dllm.generate import generate  # looked up per call (tests and tools may wrap dllm.generate.generate)
+
     kept, errors = list(range(len(prompts))), {}
     while kept:
         try:
