@@ -12,7 +12,7 @@ import torch
 from dllm.caches.base import CacheState, NoCache
 from dllm.config import GenerateConfig
 from dllm.samplers import get_sampler
-from dllm.samplers.base import StepContext
+from dllm.samplers.base import StepContext, row_key_words
 from dllm.samplers.blocks import resolve_blocks
 
 
@@ -164,6 +164,7 @@ def generate(
     block_policy=None,
     guide=None,
     attention_mask: torch.Tensor | None = None,
+    row_ids=None,
     **overrides,
 ) -> GenerateOutput:
     """Decode ``gen_length`` masked positions after each prompt.
@@ -186,6 +187,10 @@ def generate(
             name ``ar-tiny`` or a loaded ``transformers`` causal LM. With no ``sampler`` (or ``"guided"``) it
             builds the ``guided`` preset around it; a :class:`~dllm.samplers.guided.GuidedSampler` gets it as
             its guide.
+        row_ids: one identity per row (ints or strings, e.g. the sample ids of an evaluation) keying the row's
+            random stream together with ``config.seed``: a row's draws depend on (seed, its id), never on the
+            batch. Default: the row's prompt token ids plus how many identical prompts come before it in this
+            call (the same prompt twice in one call gets two different streams).
     """
     unknown = sorted(set(overrides) - set(GenerateConfig.__dataclass_fields__))
     if unknown:
@@ -246,6 +251,7 @@ def generate(
     generator = None
     if config.seed is not None:
         generator = torch.Generator(device=device).manual_seed(config.seed)
+    row_key = _row_keys(rows, row_ids, config.seed).to(device)
 
     clock = _Clock(device)
     t_start = clock.now()
@@ -277,8 +283,9 @@ def generate(
         w_lo, w_hi = widen(win_lo, win_hi, P, T) if widen is not None else (win_lo, win_hi)
         cols = cols_all[w_lo:w_hi]
         tc = clock.now()
+        r_lo, r_hi = widen(lo, hi, P, T) if widen is not None else (lo, hi)  # each row's own window
         query_idx, _ = cache.plan(CacheState(x, lo, hi, active, step_in, (w_lo, w_hi), P, model.mask_id, shift,
-                                             committed, nfe, key_mask))
+                                             committed, nfe, key_mask, row_nfe, r_lo, torch.as_tensor(r_hi).expand(B)))
         t0 = clock.now()
         clock.t["cache"] += t0 - tc
         logits = _forward(model, x, positions, key_mask, cols.expand(B, -1), config, cache, query_idx)
@@ -301,7 +308,7 @@ def generate(
             x=xw, cand=cand, step=step_in, steps=steps, n_region_start=n_start, region_lo=lo, region_hi=hi,
             win_lo=w_lo, canvas_len=T, gen_lo=P, global_step=nfe, total_steps=config.total_steps,
             generator=generator, mask_id=model.mask_id, eos_id=model.eos_id, eot_id=model.eot_id, state=state,
-            win_hi=win_hi, canvas=x,
+            win_hi=win_hi, canvas=x, row_key=row_key, row_step=row_nfe,
         )
         res = sampler.step(logits, ctx)
         commit = res.commit & cand
@@ -388,6 +395,25 @@ def generate(
         commit_conf=commit_conf[:, P:].tolist() if commit_conf is not None else [],
     )
     return GenerateOutput(seqs, decode_texts(model, seqs), [len(r) for r in rows], stats)
+
+
+def _row_keys(rows: list[list[int]], row_ids, seed: int | None) -> torch.Tensor:
+    """``[B, 2]`` key words of the rows' random streams (see ``generate(row_ids=...)``)."""
+    if row_ids is None:
+        seen: dict[tuple, int] = {}
+        row_ids = []
+        for r in rows:
+            k = tuple(r)
+            row_ids.append(f"p{seen.get(k, 0)}:{','.join(map(str, r))}")
+            seen[k] = seen.get(k, 0) + 1
+    else:
+        row_ids = list(row_ids)
+        if len(row_ids) != len(rows):
+            raise ValueError(f"row_ids has {len(row_ids)} entries for {len(rows)} prompts; give one id per prompt")
+        row_ids = [f"i:{r}" for r in row_ids]
+    if seed is None:  # unseeded: a fresh key from torch's global generator
+        seed = int(torch.randint(0, 2**62, ()).item())
+    return row_key_words(seed, row_ids)
 
 
 def _forward(model, x, positions, key_mask, logits_idx, config: GenerateConfig, cache, query_idx=None):

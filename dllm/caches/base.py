@@ -39,7 +39,11 @@ class CacheState:
     ``x``: the canvas; ``lo``/``hi``: each row's region; ``active``: unfinished rows; ``step_in``: steps
     already taken in the current region (0: the region starts now); ``cols``: ``(c0, c1)`` canvas columns
     whose logits are read this step; ``shift``: 1 for shifted-logit families (column c from row c - 1);
-    ``committed``: ``[B, T]`` positions decoded at the previous step; ``nfe``: forwards so far."""
+    ``committed``: ``[B, T]`` positions decoded at the previous step; ``nfe``: forwards so far;
+    ``row_nfe``: ``[B]`` forwards each row has taken (``None``: ``nfe`` for every row); ``read_lo`` /
+    ``read_hi``: ``[B]`` each row's own columns whose logits it reads (``None``: ``cols`` for every row).
+    Every decision of a policy is per row and depends only on that row's fields, so a row's cached forwards
+    are the same alone or in any batch."""
 
     x: torch.Tensor
     lo: torch.Tensor
@@ -53,6 +57,9 @@ class CacheState:
     committed: torch.Tensor
     nfe: int
     valid: torch.Tensor | None = None
+    row_nfe: torch.Tensor | None = None
+    read_lo: torch.Tensor | None = None
+    read_hi: torch.Tensor | None = None
 
 
 def rows_from_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -68,13 +75,26 @@ def rows_from_mask(mask: torch.Tensor) -> torch.Tensor:
     return torch.where(pad, order[:, :1].expand_as(order), order)
 
 
-def logit_rows(state: CacheState) -> torch.Tensor:
-    """``[B, T]`` bool: the rows whose hidden states give this step's logits (the window shifted left for
-    shifted-logit families, e.g. Dream: the window includes the row before the region)."""
+def read_cols(state: CacheState) -> torch.Tensor:
+    """``[B, T]`` bool: the canvas columns whose logits each row reads this step (its own window)."""
     B, T = state.x.shape
-    c0, c1 = state.cols
-    cols = torch.arange(T, device=state.x.device)
-    return ((cols >= max(c0 - state.shift, 0)) & (cols < c1 - state.shift))[None].expand(B, T)
+    cols = torch.arange(T, device=state.x.device)[None]
+    if state.read_lo is None:
+        c0, c1 = state.cols
+        return ((cols >= c0) & (cols < c1)).expand(B, T)
+    return (cols >= state.read_lo[:, None]) & (cols < state.read_hi[:, None])
+
+
+def logit_rows(state: CacheState) -> torch.Tensor:
+    """``[B, T]`` bool: the rows whose hidden states give each row's logits this step (its window shifted left
+    for shifted-logit families, e.g. Dream: the window includes the row before the region)."""
+    c = read_cols(state)
+    if not state.shift:
+        return c
+    rows = torch.zeros_like(c)
+    rows[:, :-1] = c[:, 1:]  # column c from row c - 1
+    rows[:, 0] |= c[:, 0]  # column 0 from row 0 (clamped, as the model does)
+    return rows
 
 
 @dataclass
@@ -122,6 +142,9 @@ class KVCache:
         self._rows: torch.Tensor | None = None
         self._counts: torch.Tensor | None = None
         self._refresh_layer = -1
+        #: [B, T] bool columns whose logits each row reads in the current partial forward (the model checks that
+        #: their rows were computed; other rows' window columns get zero logits); None after a full forward
+        self.read_cols: torch.Tensor | None = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(refresh_every={self.refresh_every})"
@@ -137,14 +160,19 @@ class KVCache:
         pass
 
     def plan(self, state: CacheState) -> tuple[torch.Tensor | None, int | None]:
-        forced = self.refresh_every is not None and state.nfe % self.refresh_every == 0
-        mask = None if (not self.filled or forced) else self.select(state)
         B, T = state.x.shape
-        if mask is None:
-            self._rows, self._counts, self._refresh_layer = None, torch.full((B,), T, device=state.x.device), 0
-            self.after_plan(state, None)
-            return None, 0
-        mask = mask | self.read_rows(state)
+        if not self.filled:
+            return self._full(state)
+        full_rows = self.refresh_rows(state)  # [B] bool: rows recomputed in full this step
+        if self.refresh_every is not None:
+            n = state.row_nfe if state.row_nfe is not None else torch.full((B,), state.nfe, device=state.x.device)
+            full_rows = full_rows | (n % self.refresh_every == 0)
+        self.read_cols = read_cols(state)
+        # one host sync: a full forward when every unfinished row refreshes (the cheaper shape for the same rows)
+        if not bool((state.active & ~full_rows).any()):
+            return self._full(state)
+        mask = self.select(state) | self.read_rows(state) | full_rows[:, None]
+        mask = mask & state.active[:, None]  # finished rows compute nothing they need (row 0 as a placeholder)
         if state.valid is not None:
             mask = mask & state.valid
         self._rows = rows_from_mask(mask)
@@ -152,6 +180,18 @@ class KVCache:
         self._refresh_layer = -1
         self.after_plan(state, self._rows)
         return self._rows, None
+
+    def _full(self, state: CacheState):
+        B, T = state.x.shape
+        self._rows, self._counts, self._refresh_layer = None, torch.full((B,), T, device=state.x.device), 0
+        self.read_cols = None
+        self.after_plan(state, None)
+        return None, 0
+
+    def refresh_rows(self, state: CacheState) -> torch.Tensor:
+        """``[B]`` bool: rows this policy recomputes in full at this step (default: none; ``refresh_every``
+        adds each row's every N-th forward)."""
+        return torch.zeros_like(state.active)
 
     def after_plan(self, state: CacheState, rows) -> None:
         pass
@@ -161,7 +201,8 @@ class KVCache:
         of every column the sampler may read (:func:`logit_rows`)."""
         return logit_rows(state)
 
-    def select(self, state: CacheState) -> torch.Tensor | None:  # pragma: no cover - abstract
+    def select(self, state: CacheState) -> torch.Tensor:  # pragma: no cover - abstract
+        """``[B, T]`` bool rows to recompute in a partial forward, decided per row."""
         raise NotImplementedError
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor | None = None):
@@ -188,16 +229,20 @@ class KVCache:
 
     # -- statistics ----------------------------------------------------------------------------------------
     def step_stats(self, n_layers: int) -> dict[str, Any]:
-        """Statistics of the forward just run (called by the decode loop)."""
+        """Statistics of the forward just run (called by the decode loop). ``refresh_layer``: 0 for a full
+        forward, else the first layer from which some row computed every row (Elastic-Cache), else -1;
+        ``computed``: per row, the fraction of its token-layers computed (a row refreshed from layer ``r`` of a
+        partial forward counts ``T`` rows from there on)."""
         T = self.canvas_len
-        r = self._refresh_layer
         counts = self._counts.float()
-        if r == 0:
+        if self._refresh_layer == 0:
             frac = torch.ones_like(counts)
         else:
-            full = 0 if r < 0 else n_layers - r
+            r = getattr(self, "_row_refresh", None)
+            r = torch.full_like(counts, -1.0) if r is None else r.float()
+            full = torch.where(r < 0, torch.zeros_like(r), n_layers - r)
             frac = ((n_layers - full) * counts + full * T) / (n_layers * T)
-        self.last_stats = {"active": self._counts.clone(), "refresh_layer": r, "computed": frac}
+        self.last_stats = {"active": self._counts.clone(), "refresh_layer": self._refresh_layer, "computed": frac}
         return self.last_stats
 
     @property
@@ -206,6 +251,6 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None)
 
 
-def region_start(state: CacheState) -> bool:
-    """True when some unfinished row starts a new region at this step."""
-    return bool((state.active & (state.step_in == 0)).any())
+def region_start(state: CacheState) -> torch.Tensor:
+    """``[B]`` bool: rows that start a new region at this step."""
+    return state.step_in == 0

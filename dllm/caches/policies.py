@@ -3,14 +3,16 @@
 Every policy also computes the rows whose logits the decode loop reads this step (the window, shifted one
 row left for Dream-style models) - see :func:`dllm.caches.base.logit_rows`; ``select`` returns the rows
 it recomputes on top of that, or ``None`` for a full forward. ``refresh_every=N`` forces a full forward
-every N forwards (1: every step, which reproduces the no-cache run exactly).
+every N forwards of the row (1: every step, which reproduces the no-cache run exactly). Every decision is
+per row (``refresh_rows``: rows recomputed in full this step; ``select``: the rows of a partial forward), so
+a row's output does not depend on the rows beside it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from dllm.caches.base import CacheState, KVCache, logit_rows, region_start
+from dllm.caches.base import CacheState, KVCache, logit_rows, read_cols, region_start
 
 
 def _cols(state: CacheState) -> torch.Tensor:
@@ -23,9 +25,10 @@ class PrefixCache(KVCache):
 
     name = "prefix"
 
+    def refresh_rows(self, state):
+        return region_start(state)
+
     def select(self, state):
-        if region_start(state):
-            return None
         return _cols(state) >= (state.lo - state.shift)[:, None]
 
 
@@ -35,9 +38,10 @@ class DualCache(KVCache):
 
     name = "dual"
 
+    def refresh_rows(self, state):
+        return region_start(state)
+
     def select(self, state):
-        if region_start(state):
-            return None
         c = _cols(state)
         return (c >= (state.lo - state.shift)[:, None]) & (c < state.hi[:, None])
 
@@ -70,20 +74,25 @@ class DKVDecode(KVCache):
     def __repr__(self) -> str:
         return f"DKVDecode(refresh_every={self.reload}, full_steps={self.full_steps}, refresh={self.refresh!r})"
 
-    def select(self, state):
+    def refresh_rows(self, state):
         full = state.step_in < self.full_steps
         if self.refresh == "block" and self.reload is not None:
             full = full | (state.step_in % self.reload == 0)
-        if bool((state.active & full).any()):
-            return None
+        return full
+
+    def select(self, state):
         return (state.x == state.mask_id) | state.committed
 
     def read_rows(self, state):
         if self.refresh == "global":
             return logit_rows(state)
-        # the rows whose logits give the still-masked columns (column c from row c - shift)
-        masked = state.x == state.mask_id
-        return torch.roll(masked, -state.shift, dims=1) if state.shift else masked
+        # the rows whose logits give the still-masked columns of the row's window (column c from row c - shift)
+        masked = (state.x == state.mask_id) & read_cols(state)
+        if not state.shift:
+            return masked
+        rows = torch.zeros_like(masked)
+        rows[:, :-1] = masked[:, 1:]
+        return rows
 
 
 class DKVGreedy(KVCache):

@@ -406,7 +406,8 @@ def run_sweep(model, out_dir: str | Path, methods: Sequence[str | Setting] | str
             if not pending:
                 continue
             for kept, res, failed in generate_batches(model, [convs[i] for i in pending], config, sampler=sampler,
-                                                      cache=cache, batch_size=batch_size):
+                                                      cache=cache, batch_size=batch_size,
+                                                      row_ids=[f"{td.name}:{i}" for i in pending]):
                 for k, msg in failed.items():  # non-finite logits: an error line, not a wrong answer
                     idx = pending[k]
                     line = {"task": td.name, "index": idx, **s.describe(), "cache": cache,

@@ -10,17 +10,21 @@ from dllm.evals import tasks as T
 from dllm.generate import GenerateOutput, NonFiniteLogitsError
 
 
-def generate_rows(model, prompts: Sequence, config: GenerateConfig, *, sampler=None, cache=None
+def generate_rows(model, prompts: Sequence, config: GenerateConfig, *, sampler=None, cache=None, row_ids=None
                   ) -> tuple[list[int], GenerateOutput | None, dict[int, str]]:
     """:func:`dllm.generate` on ``prompts``; a row whose logits turn non-finite (:class:`NonFiniteLogitsError`)
-    is an error, not an answer: it is dropped and the other rows are decoded again. Returns ``(kept, output, errors)``: the indices of ``prompts`` that
-    ``output`` covers (``None`` when none is left) and ``{index: message}`` for the failed ones."""
+    is an error, not an answer: it is dropped and the other rows are decoded again. Returns ``(kept, output,
+    errors)``: the indices of ``prompts`` that ``output`` covers (``None`` when none is left) and ``{index:
+    message}`` for the failed ones. ``row_ids`` (one per prompt, e.g. sample ids) key each row's random stream,
+    so a sample's output does not depend on its batch, the batch size or the number of processes."""
     from dllm.generate import generate  # looked up per call (tests and tools may wrap dllm.generate.generate)
 
     kept, errors = list(range(len(prompts))), {}
     while kept:
         try:
-            return kept, generate(model, [prompts[i] for i in kept], config, sampler=sampler, cache=cache), errors
+            ids = None if row_ids is None else [row_ids[i] for i in kept]
+            return kept, generate(model, [prompts[i] for i in kept], config, sampler=sampler, cache=cache,
+                                  row_ids=ids), errors
         except NonFiniteLogitsError as err:
             errors.update({kept[r]: str(err) for r in err.rows})
             kept = [i for r, i in enumerate(kept) if r not in err.rows]
@@ -28,16 +32,18 @@ def generate_rows(model, prompts: Sequence, config: GenerateConfig, *, sampler=N
 
 
 def generate_batches(model, conversations: Sequence, config: GenerateConfig, *, sampler=None, cache=None,
-                     batch_size: int = 16) -> Iterator[tuple[list[int], GenerateOutput | None, dict[int, str]]]:
+                     batch_size: int = 16, row_ids: Sequence | None = None) -> Iterator[tuple[list[int], GenerateOutput | None, dict[int, str]]]:
     """Run ``conversations`` through :func:`generate_rows` in consecutive chunks of ``batch_size``.
 
     Yields ``(rows, output, errors)`` per chunk: ``output`` covers ``conversations[i]`` for ``i`` in ``rows``
-    (in order), ``errors`` maps the chunk's failed indices to their message."""
+    (in order), ``errors`` maps the chunk's failed indices to their message. ``row_ids``: see
+    :func:`generate_rows` (one per conversation)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     for start in range(0, len(conversations), batch_size):
+        ids = None if row_ids is None else list(row_ids[start : start + batch_size])
         kept, out, errors = generate_rows(model, conversations[start : start + batch_size], config,
-                                          sampler=sampler, cache=cache)
+                                          sampler=sampler, cache=cache, row_ids=ids)
         yield [start + i for i in kept], out, {start + i: m for i, m in errors.items()}
 
 
@@ -74,7 +80,8 @@ def evaluate_tasks(model, names: list[str], n: int, seed: int, config: GenerateC
         scores, strict, nfes, tpfs, secs, samples, errors = [], [], [], [], 0.0, [], 0
         convs = [ex.messages if with_example else ex.messages[-1:] for ex in examples]
         for rows, out, failed in generate_batches(model, convs, config, sampler=sampler, cache=cache,
-                                                  batch_size=batch_size):
+                                                  batch_size=batch_size, row_ids=[f"{name}:{seed}:{i}" for i in
+                                                                                  range(len(convs))]):
             errors += len(failed)
             samples += [{"prediction": None, "target": examples[i].target, "error": msg} for i, msg in failed.items()]
             if out is None:

@@ -145,8 +145,9 @@ def run_standard_eval(model, task: StandardTask, samples: list[Sample], config: 
     written = []
     with store.append(store.shard(rank)) as f:
         for b in range(0, len(mine), batch_size):
-            kept, res, failed = generate_rows(model, [prompts[i] for i in mine[b : b + batch_size]], config,
-                                              sampler=sampler, cache=cache)
+            chunk = mine[b : b + batch_size]
+            kept, res, failed = generate_rows(model, [prompts[i] for i in chunk], config, sampler=sampler,
+                                              cache=cache, row_ids=[samples[i].id for i in chunk])
             for k, msg in failed.items():  # non-finite logits: an error line, not a wrong answer
                 i = mine[b + k]
                 s = samples[i]

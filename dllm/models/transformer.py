@@ -183,13 +183,15 @@ class Transformer(nn.Module):
             cache: an object with ``update(layer, k, v[, rows]) -> (k, v)`` returning the full ``[B, Hkv, T,
                 D]`` post-RoPE keys/values (see :mod:`dllm.caches`), or ``None``. Optional hooks:
                 ``layer_input(layer, h, rows)`` (sees every layer's input; in a partial forward it may return
-                ``[B, T, d]`` hidden states to compute every row from this layer on, else None) and ``observe(layer, q, k, key_mask, rows)`` (sees the queries and
+                ``[B, T, d]`` hidden states to compute every row from this layer on, or ``(h, rows)`` to compute
+                other rows from this layer on (per-row refreshes), else None) and ``observe(layer, q, k, key_mask, rows)`` (sees the queries and
                 the full keys, e.g. for attention mass).
             logits_idx: ``[B, R]`` int64 canvas columns whose *token* predictions are wanted; for families
                 with shifted logits (Dream) the prediction for column ``c`` comes from hidden row ``c - 1``.
                 ``None`` returns all ``T`` columns (shift applied the way the reference does it). In a partial
-                forward every wanted row must be in ``query_idx`` (else ``ValueError``), unless the cache has
-                ``sparse_logits = True``: then such columns get all-zero logits.
+                forward every wanted row must be in ``query_idx`` (else ``ValueError``), except columns outside the
+                cache's ``read_cols[b]`` (another row's window) or, with ``sparse_logits = True``, any column:
+                such columns get all-zero logits.
 
         Returns:
             ``[B, R, V]`` (or ``[B, T, V]``) logits in the model dtype.
@@ -211,10 +213,10 @@ class Transformer(nn.Module):
         layer_input = getattr(cache, "layer_input", None)
         for i, layer in enumerate(self.layers):
             if layer_input is not None:  # the cache sees each layer's input; it may switch to every row
-                full = layer_input(i, h, rows)
-                if full is not None and rows is not None:
-                    h, rows = full, None
-                    cos, sin = rope_tables(positions, hd, theta)
+                switch = layer_input(i, h, rows)
+                if switch is not None and rows is not None:  # every row ([B, T, d]) or new rows ((h, rows))
+                    h, rows = switch if isinstance(switch, tuple) else (switch, None)
+                    cos, sin = rope_tables(positions if rows is None else positions.gather(1, rows), hd, theta)
             h = layer(h, cos, sin, attn_mask, i, cache, rows)
         if rows is None:
             if logits_idx is None:
@@ -230,7 +232,16 @@ class Transformer(nn.Module):
         want = torch.arange(T, device=tokens.device).expand(B, T) if logits_idx is None else logits_idx
         want = (want - shift).clamp_min(0)
         hit = want[:, :, None] == rows[:, None, :]  # [B, R, Q]
-        if not getattr(cache, "sparse_logits", False) and not bool(hit.any(-1).all()):
+        # Columns of another row's window (the logits are computed for the union of the rows' windows) need not
+        # be computed for this row: the cache's ``read_cols`` ([B, T] bool, when it has them) says which columns
+        # each row reads; those must all be hit.
+        need = getattr(cache, "read_cols", None)
+        missed = ~hit.any(-1)
+        if need is not None:
+            need = need.repeat(B // need.shape[0], 1)  # classifier-free guidance doubles the batch
+            wanted_cols = torch.arange(T, device=tokens.device).expand(B, T) if logits_idx is None else logits_idx
+            missed = missed & need.gather(1, wanted_cols.clamp(0, T - 1))
+        if not getattr(cache, "sparse_logits", False) and bool(missed.any()):
             raise ValueError("logits were asked for rows outside query_idx; the cache's active set must contain "
                              "every row whose logits are read (for shifted-logit families, column c needs row c - 1)")
         pos = hit.to(torch.int8).argmax(-1)

@@ -7,7 +7,14 @@ returns a proposal for every window position plus the subset to commit. Contract
 * every unfinished row commits at least one token, unless the sampler's own schedule assigns zero tokens to
   this step (Dream's exact ``1 - s/t`` schedule does; it still finishes within its ``steps``);
 * the proposal at committed positions is never the mask id;
-* no Python loop over batch rows; inputs are not mutated; all randomness comes from ``ctx.generator``.
+* no Python loop over batch rows; inputs are not mutated; all randomness comes from :func:`canvas_rand` (or
+  ``ctx.generator`` for the batch-dependent reference streams).
+
+Randomness is per row by default (``noise_scope="row"``): each uniform is a counter-based hash of the row's key
+(the run's seed and the row's identity), the row's own forward count, the generation column and the vocabulary
+index, so a row draws the same numbers alone or in any batch. ``"region"`` and ``"canvas"`` draw from the run's
+``torch.Generator`` over the window or the whole canvas (``canvas``: the reference implementations' random
+stream); those depend on the batch.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-NOISE_SCOPES = ("region", "canvas")
+NOISE_SCOPES = ("row", "region", "canvas")
 SOFTMAX_DTYPES = {"float32": torch.float32, "float64": torch.float64, "model": None}
 
 
@@ -51,6 +58,11 @@ class StepContext:
     # [B, T] the whole canvas (prompt, left padding, generation) as it stands before this step's commits; read
     # by samplers that need more than the window (AR-guided unmasking feeds the prompt to its guide).
     canvas: torch.Tensor | None = None
+    # Per-row random streams (``noise_scope="row"``): ``[B, 2]`` int64 32-bit key words of each row (from the seed
+    # and the row's identity) and ``[B]`` int64 forwards the row has taken so far. ``None`` outside the loop.
+    row_key: torch.Tensor | None = None
+    row_step: torch.Tensor | None = None
+    draws: int = 0  # per-row draws made so far in this step (each draw gets its own stream)
 
 
 @dataclass
@@ -90,9 +102,73 @@ def check_choice(name: str, value, choices) -> None:
         raise ValueError(f"unknown {name} {value!r}; known: {', '.join(choices)}")
 
 
+_M32 = 0xFFFFFFFF
+
+
+# Odd multipliers below 2**31: a product with a 32-bit value stays below 2**63, so int64 never overflows.
+_C1, _C2 = 0x7FEB352D, 0x31848BAB
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xorshift-multiply finaliser, a bijection on 32-bit values) on int64 tensors."""
+    h = h ^ (h >> 16)
+    h = (h * _C1) & _M32
+    h = h ^ (h >> 15)
+    h = (h * _C2) & _M32
+    return h ^ (h >> 16)
+
+
+def _fmix32_(h: torch.Tensor) -> torch.Tensor:
+    """:func:`_fmix32` in place (large noise tensors)."""
+    h.bitwise_xor_(h >> 16).mul_(_C1).bitwise_and_(_M32)
+    h.bitwise_xor_(h >> 15).mul_(_C2).bitwise_and_(_M32)
+    return h.bitwise_xor_(h >> 16)
+
+
+def row_key_words(seed: int, ids) -> torch.Tensor:
+    """``[B, 2]`` int64 32-bit key words, one pair per row, from ``(seed, row identity)`` (any ``str()``-able id)."""
+    import hashlib
+
+    out = []
+    for rid in ids:
+        d = hashlib.blake2b(f"{seed}\x1f{rid}".encode(), digest_size=8).digest()
+        out.append([int.from_bytes(d[:4], "little"), int.from_bytes(d[4:], "little")])
+    return torch.tensor(out, dtype=torch.long).reshape(-1, 2)
+
+
+def row_hash(ctx: StepContext, W: int, n_tail: int | None) -> torch.Tensor:
+    """``[B, W]`` (or ``[B, W, n_tail]``) int64 32-bit hashes of (row key, row forward count, this step's draw
+    number, generation column[, tail index]): the same for a row whatever its batch. Advances ``ctx.draws``."""
+    k = ctx.row_key
+    dev = k.device
+    d = ctx.draws
+    ctx.draws += 1
+    step = (ctx.row_step.to(dev) * 0x9E37 + d * 0x7F4A7C15 + 1) & _M32
+    base = _fmix32(k[:, 1] ^ _fmix32(k[:, 0] ^ _fmix32(step)))  # [B]
+    col = (torch.arange(W, device=dev) + (ctx.win_lo - ctx.gen_lo + (1 << 20))) & _M32
+    h = _fmix32(base[:, None] ^ _fmix32(col)[None])  # [B, W]
+    if n_tail is None:
+        return _fmix32(h ^ 0x165667B1)
+    v = _fmix32(torch.arange(n_tail, device=dev) + 0x2545F491)  # [V]
+    return _fmix32_(h[..., None] ^ v)
+
+
+def row_uniform(ctx: StepContext, W: int, n_tail: int | None, dtype) -> torch.Tensor:
+    """Uniform numbers in ``(0, 1)`` from :func:`row_hash` (32 random bits in float64, 24 in float32)."""
+    h = row_hash(ctx, W, n_tail)
+    if dtype == torch.float64:
+        return h.to(torch.float64).add_(0.5).mul_(2.0 ** -32)
+    return (h >> 8).to(dtype).add_(0.5).mul_(2.0 ** -24)
+
+
 def canvas_rand(shape_tail: tuple[int, ...], ctx: StepContext, W: int, B: int, dtype, device, scope: str):
-    """Uniform noise for the window, drawn over the window (``region``) or over the whole canvas and sliced
-    (``canvas``: the random stream of reference implementations that draw noise for every position)."""
+    """Uniform noise for the window: per row (``row``, the default: batch-invariant, :func:`row_uniform`), drawn
+    from ``ctx.generator`` over the window (``region``) or over the whole canvas and sliced (``canvas``: the
+    random stream of reference implementations that draw noise for every position)."""
+    if scope == "row" and ctx.row_key is not None:
+        if len(shape_tail) > 1:
+            raise ValueError(f"per-row noise takes at most one trailing dimension, got {shape_tail}")
+        return row_uniform(ctx, W, shape_tail[0] if shape_tail else None, dtype).to(device)
     if scope == "canvas":
         u = torch.rand((B, ctx.canvas_len, *shape_tail), generator=ctx.generator, dtype=dtype, device=device)
         return u[:, ctx.win_lo : ctx.win_lo + W]
@@ -168,7 +244,7 @@ def mask_column_excluded(x: torch.Tensor, mask_id: int):
         x[..., mask_id] = saved
 
 
-def gumbel_argmax(logits: torch.Tensor, temperature: float, ctx: StepContext, scope: str = "region"):
+def gumbel_argmax(logits: torch.Tensor, temperature: float, ctx: StepContext, scope: str = "row"):
     """LLaDA's Gumbel-max in float64: ``argmax(exp(l) / (-log u) ** T)``; plain argmax at ``T = 0``. The mask
     token is never proposed (:func:`argmax_unmasked`); the noise is drawn for the whole vocabulary, so the
     random stream is the reference's."""

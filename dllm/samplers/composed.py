@@ -50,7 +50,9 @@ class ComposedSampler:
         temperature: Gumbel-max temperature (0: argmax).
         confidence: ``"prob"``, ``"margin"``, ``"neg_entropy"`` or ``"random"``.
         softmax_dtype: ``"float32"`` (default), ``"float64"`` (Fast-dLLM, LocalLeap, AdaBlock) or ``"model"``.
-        noise_scope: ``"region"`` (noise for the window) or ``"canvas"`` (the reference's random stream).
+        noise_scope: ``"row"`` (per-row counter-based noise: a row's draws do not depend on its batch),
+            ``"region"`` (the run's generator, over the window) or ``"canvas"`` (the run's generator over the
+            whole canvas: the references' random stream; batch-dependent, as theirs is).
         credit: CreditDecoding stage or ``None``.
         eos_rejection: EOS early rejection stage or ``None``.
         block_length: preferred fixed block length (``None``: none).
@@ -70,7 +72,7 @@ class ComposedSampler:
     temperature: float = 0.0
     confidence: str = "prob"
     softmax_dtype: str = "float32"
-    noise_scope: str = "region"
+    noise_scope: str = "row"
     credit: CreditFusion | None = None
     eos_rejection: EOSRejection | None = None
     block_length: int | None = None

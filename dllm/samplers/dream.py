@@ -33,6 +33,7 @@ from dllm.samplers.base import (
     StepContext,
     StepResult,
     argmax_unmasked,
+    canvas_rand,
     check_choice,
     check_range,
     select_topk,
@@ -60,7 +61,8 @@ def top_k_logits(logits: torch.Tensor, top_k: int) -> torch.Tensor:
     return logits.masked_fill(logits < kth, torch.finfo(logits.dtype).min)
 
 
-def dream_proposal(logits, temperature, top_p, top_k, alg, generator, fused: bool = False, mask_id: int | None = None):
+def dream_proposal(logits, temperature, top_p, top_k, alg, generator, fused: bool = False, mask_id: int | None = None,
+                   u: torch.Tensor | None = None):
     """``(confidence, x0)`` for ``[N, V]`` float logits, Dream's ``sample_tokens`` rule: ``[N]`` scores (the
     softmax dtype: the logits' own, float32 when ``fused``) and ``[N]`` int64 proposals.
 
@@ -69,7 +71,10 @@ def dream_proposal(logits, temperature, top_p, top_k, alg, generator, fused: boo
     probability the model gives it) is replaced by the best other token, keeping the random stream.
 
     ``fused`` (greedy only, ``alg`` not ``origin``): proposal and score from :func:`fused_scores` after the
-    top-p / top-k filters (the full-vocabulary scores, the mask never proposed)."""
+    top-p / top-k filters (the full-vocabulary scores, the mask never proposed).
+
+    ``u`` (``[N]`` uniforms in (0, 1)): at ``temperature > 0`` draw each categorical by inversion of its
+    cumulative probabilities instead of ``torch.multinomial`` with ``generator`` (per-row noise)."""
     if temperature > 0:
         logits = logits / temperature
     if top_p is not None and top_p < 1:
@@ -83,7 +88,12 @@ def dream_proposal(logits, temperature, top_p, top_k, alg, generator, fused: boo
         return fused_scores(logits, alg, mask_id)
     if temperature > 0:
         probs = torch.softmax(logits, dim=-1)
-        x0 = torch.multinomial(probs, 1, replacement=True, generator=generator).squeeze(-1)
+        if u is None:
+            x0 = torch.multinomial(probs, 1, replacement=True, generator=generator).squeeze(-1)
+        else:
+            cdf = probs.to(torch.float64).cumsum(-1)
+            x0 = torch.searchsorted(cdf, (u.to(torch.float64) * cdf[:, -1])[:, None]).squeeze(-1)
+            x0 = x0.clamp_max(probs.shape[-1] - 1)
         if mask_id is not None:
             x0 = torch.where(x0 == mask_id, argmax_unmasked(probs, mask_id), x0)
         conf = probs.gather(-1, x0[:, None]).squeeze(-1)
@@ -153,8 +163,13 @@ def dream_ratio(ctx: StepContext, eps: float) -> torch.Tensor:
 class DreamSampler:
     """Dream ``diffusion_generate`` as a sampler (see module docstring).
 
-    ``noise_scope="canvas"`` draws the ``alg_temp`` multinomial over the whole canvas row as the reference
-    does (its random stream); ``"region"`` draws it over the window only.
+    ``noise_scope``: ``"row"`` (default) takes every random number from per-row counter-based noise
+    (:func:`dllm.samplers.base.canvas_rand`), so a row's output does not depend on its batch: categorical
+    proposals by inversion of the cumulative probabilities, ``origin``'s reveal test from a uniform per
+    position, the ``alg_temp`` draw of positions as Gumbel-top-k (the same distribution as sampling without
+    replacement). ``"region"`` draws from the run's generator as the reference does when the window is its
+    whole canvas (``torch.rand`` / ``torch.multinomial`` over the masked positions); ``"canvas"`` also draws
+    the ``alg_temp`` multinomial over the whole canvas row, as the reference does. Both depend on the batch.
 
     ``fused``: ``"auto"`` (default), ``"on"`` or ``"off"``: at ``temperature = 0`` with ``maskgit_plus``,
     ``topk_margin`` or ``entropy``, take the proposal and its score from :func:`dllm.kernels.confidence_stats`
@@ -172,7 +187,7 @@ class DreamSampler:
     top_k: int | None = None
     alg_temp: float | None = None
     eps: float = 1e-3
-    noise_scope: str = "region"
+    noise_scope: str = "row"
     fused: str = "auto"
     name: str = "dream"
 
@@ -205,11 +220,17 @@ class DreamSampler:
         flat_logits = logits[cand]  # [N, V], row-major like the reference's logits[mask_index]
         ratio = dream_ratio(ctx, self.eps)  # [B]
         proposal = ctx.x.clone()
+        per_row = self.noise_scope == "row" and ctx.row_key is not None
+        u_tok = canvas_rand((), ctx, W, B, torch.float64, logits.device, "row")[cand] if per_row and \
+            self.temperature > 0 else None
         if self.alg == "origin":
-            u = torch.rand(flat_logits.shape[0], generator=ctx.generator, device=logits.device)
+            if per_row:
+                u = canvas_rand((), ctx, W, B, torch.float32, logits.device, "row")[cand]
+            else:
+                u = torch.rand(flat_logits.shape[0], generator=ctx.generator, device=logits.device)
             reveal = u < ratio[:, None].expand(B, W)[cand]
             _, x0 = dream_proposal(flat_logits[reveal], self.temperature, self.top_p, self.top_k, self.alg,
-                                   ctx.generator, mask_id=ctx.mask_id)
+                                   ctx.generator, mask_id=ctx.mask_id, u=None if u_tok is None else u_tok[reveal])
             flat = torch.full((flat_logits.shape[0],), ctx.mask_id, dtype=torch.long, device=logits.device)
             flat[reveal] = x0
             proposal[cand] = flat
@@ -217,7 +238,7 @@ class DreamSampler:
             commit[cand] = reveal
             return StepResult(proposal, commit)
         conf_flat, x0 = dream_proposal(flat_logits, self.temperature, self.top_p, self.top_k, self.alg,
-                                       ctx.generator, fused=self._fused(logits), mask_id=ctx.mask_id)
+                                       ctx.generator, fused=self._fused(logits), mask_id=ctx.mask_id, u=u_tok)
         proposal[cand] = x0
         conf = torch.full((B, W), float("-inf"), dtype=conf_flat.dtype, device=logits.device)
         conf[cand] = conf_flat
@@ -236,6 +257,13 @@ class DreamSampler:
         k = int(n.max())
         if k == 0:
             return commit
+        if self.noise_scope == "row" and ctx.row_key is not None:
+            # Gumbel-top-k: the k largest of log p + Gumbel noise are a draw of k positions without replacement
+            # with probabilities proportional to p = softmax(conf / alg_temp), Dream's multinomial.
+            u = canvas_rand((), ctx, W, B, torch.float64, conf.device, "row")
+            keys = (conf.to(torch.float64) / self.alg_temp) - torch.log(-torch.log(u))
+            keys = keys.masked_fill(~ctx.cand, float("-inf"))
+            return select_topk(keys, ctx.cand, n)
         if self.noise_scope == "canvas":
             full = torch.full((B, ctx.canvas_len), float("-inf"), dtype=conf.dtype, device=conf.device)
             full[:, ctx.win_lo : ctx.win_lo + W] = conf

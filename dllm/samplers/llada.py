@@ -49,8 +49,10 @@ class LLaDASampler:
             temperature > 0 only excludes EOT.
         softmax_dtype: dtype of the confidence softmax: ``"float32"`` (default), ``"float64"`` (Fast-dLLM
             and older LLaDA) or ``"model"`` (current LLaDA: the logits' own dtype).
-        noise_scope: ``"region"`` draws noise for the window only; ``"canvas"`` draws it for every canvas
-            position as the reference does (same distribution, the reference's random stream).
+        noise_scope: ``"row"`` (default) draws per-row counter-based noise, the same for a row in any batch;
+            ``"region"`` draws from the run's generator for the window only; ``"canvas"`` draws it for every
+            canvas position as the reference does (same distribution, the reference's random stream, which
+            depends on the batch).
         fused: ``"auto"`` (default), ``"on"`` or ``"off"``: take the greedy proposal and its probability from
             :func:`dllm.kernels.confidence_stats` (token = argmax, score = ``p_token``, computed in float32 from
             the logits) through the kernel dispatcher. Only possible at ``temperature = 0`` with
@@ -68,7 +70,7 @@ class LLaDASampler:
     confidence_eos_eot_inf: bool = False
     eos_eot_quirk: bool = False
     softmax_dtype: str = "float32"
-    noise_scope: str = "region"
+    noise_scope: str = "row"
     fused: str = "auto"
     name: str = "llada"
 

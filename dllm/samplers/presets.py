@@ -21,13 +21,13 @@ from dllm.samplers.rules import Ascending, Factor, KLStable, LocalLeap, Quota, T
 from dllm.samplers.transforms import CreditFusion, EOSRejection
 
 
-def _common(temperature, confidence, softmax_dtype, block_length, name, fused="auto", noise_scope="region"):
+def _common(temperature, confidence, softmax_dtype, block_length, name, fused="auto", noise_scope="row"):
     return {"temperature": temperature, "confidence": confidence, "softmax_dtype": softmax_dtype,
             "block_length": block_length, "name": name, "fused": fused, "noise_scope": noise_scope}
 
 
 def threshold_sampler(tau: float = 0.9, temperature: float = 0.0, confidence: str = "prob",
-                      softmax_dtype: str = "float32", noise_scope: str = "region", max_slack: float = 0.0, block_length: int | None = None,
+                      softmax_dtype: str = "float32", noise_scope: str = "row", max_slack: float = 0.0, block_length: int | None = None,
                       fused: str = "auto", name: str = "threshold") -> ComposedSampler:
     """Fast-dLLM threshold rule: commit every candidate with ``conf >= tau`` plus the best one."""
     return ComposedSampler(Threshold(tau, max_slack),
@@ -39,7 +39,7 @@ def _cache(cache):
 
 
 def fast_dllm(tau: float = 0.9, temperature: float = 0.0, confidence: str = "prob",
-              softmax_dtype: str = "float32", noise_scope: str = "region", block_length: int | None = 32, cache: str | None = "dual",
+              softmax_dtype: str = "float32", noise_scope: str = "row", block_length: int | None = 32, cache: str | None = "dual",
               name: str = "fast-dllm") -> ComposedSampler:
     """Fast-dLLM parallel decoding: threshold 0.9, block 32, dual cache (when the caller passes none)."""
     return ComposedSampler(Threshold(tau), cache=_cache(cache),
@@ -47,7 +47,7 @@ def fast_dllm(tau: float = 0.9, temperature: float = 0.0, confidence: str = "pro
 
 
 def elastic(tau: float = 0.9, window: int = 16, gamma: float = 0.9, track_num: int = 1, temperature: float = 0.0,
-            confidence: str = "prob", softmax_dtype: str = "float32", noise_scope: str = "region", name: str = "elastic") -> ComposedSampler:
+            confidence: str = "prob", softmax_dtype: str = "float32", noise_scope: str = "row", name: str = "elastic") -> ComposedSampler:
     """Elastic-Cache: threshold 0.9 over a window sliding over the first ``window`` (16) remaining masks
     (:class:`~dllm.samplers.blocks.SlidingWindow`), elastic cache (gamma 0.9, one tracked token per layer)."""
     from dllm.samplers.blocks import SlidingWindow
@@ -57,7 +57,7 @@ def elastic(tau: float = 0.9, window: int = 16, gamma: float = 0.9, track_num: i
                            **_common(temperature, confidence, softmax_dtype, None, name, noise_scope=noise_scope))
 
 
-def dkv(refresh_every: int = 8, temperature: float = 0.0, confidence: str = "prob", softmax_dtype: str = "float32", noise_scope: str = "region",
+def dkv(refresh_every: int = 8, temperature: float = 0.0, confidence: str = "prob", softmax_dtype: str = "float32", noise_scope: str = "row",
         block_length: int | None = None, name: str = "dkv") -> ComposedSampler:
     """dKV-Cache-Decode over LLaDA's low-confidence even quota (cache_reloading_step 8). The softmax is float32
     like every preset's; ``softmax_dtype="float64"`` is the reference's (older LLaDA code), at about 10x the
@@ -67,7 +67,7 @@ def dkv(refresh_every: int = 8, temperature: float = 0.0, confidence: str = "pro
 
 
 def factor_sampler(factor: float = 1.0, quirk: bool = False, temperature: float = 0.0, confidence: str = "prob",
-                   softmax_dtype: str = "float32", noise_scope: str = "region", block_length: int | None = None, fused: str = "auto",
+                   softmax_dtype: str = "float32", noise_scope: str = "row", block_length: int | None = None, fused: str = "auto",
                    name: str = "factor") -> ComposedSampler:
     """Fast-dLLM factor rule: longest sorted prefix with ``c_n >= 1 - factor / (n + 1)``."""
     return ComposedSampler(Factor(factor, quirk),
@@ -75,14 +75,14 @@ def factor_sampler(factor: float = 1.0, quirk: bool = False, temperature: float 
 
 
 def localleap(kappa: float = 0.9, tau: float | None = 0.75, radius: int = 4, temperature: float = 0.0,
-              confidence: str = "prob", softmax_dtype: str = "float32", noise_scope: str = "region", block_length: int | None = 32,
+              confidence: str = "prob", softmax_dtype: str = "float32", noise_scope: str = "row", block_length: int | None = 32,
               name: str = "localleap") -> ComposedSampler:
     """LocalLeap: anchors ``conf >= kappa``, relaxed ``tau`` within ``radius`` of an anchor; block 32."""
     return ComposedSampler(LocalLeap(kappa, tau, radius), **_common(temperature, confidence, softmax_dtype, block_length, name, noise_scope=noise_scope))
 
 
 def credit(alpha: float = 0.7, beta: float = 0.8, gamma: float = 0.2, tau: float = 0.9, slots: int = 8,
-           temperature: float = 0.0, confidence: str = "prob", softmax_dtype: str = "float32", noise_scope: str = "region",
+           temperature: float = 0.0, confidence: str = "prob", softmax_dtype: str = "float32", noise_scope: str = "row",
            block_length: int | None = 32, name: str = "credit") -> ComposedSampler:
     """CreditDecoding (dInfer): trace credits fused into the logits, then the threshold rule; block 32."""
     return ComposedSampler(Threshold(tau), credit=CreditFusion(alpha, beta, gamma, slots),
@@ -91,7 +91,7 @@ def credit(alpha: float = 0.7, beta: float = 0.8, gamma: float = 0.2, tau: float
 
 def credit_localleap(alpha: float = 0.7, beta: float = 0.8, gamma: float = 0.2, slots: int = 8, kappa: float = 0.9,
                      tau: float | None = 0.75, radius: int = 4, temperature: float = 0.0, confidence: str = "prob",
-                     softmax_dtype: str = "float32", noise_scope: str = "region", block_length: int | None = 32,
+                     softmax_dtype: str = "float32", noise_scope: str = "row", block_length: int | None = 32,
                      name: str = "credit-localleap") -> ComposedSampler:
     """CreditDecoding's fused logits with the LocalLeap rule (a composition, not a paper preset)."""
     return ComposedSampler(LocalLeap(kappa, tau, radius), credit=CreditFusion(alpha, beta, gamma, slots),
@@ -112,7 +112,7 @@ def prophet(base: str = "llada", early: float = 7.5, mid: float = 5.0, late: flo
 
 def adablock(tau: float = 0.9, block_length: int | None = None, delimiter_threshold: float | None = None,
              delimiters="newline", window: float = 0.25, temperature: float = 0.0, confidence: str = "prob",
-             softmax_dtype: str = "float32", noise_scope: str = "region", name: str = "adablock") -> ComposedSampler:
+             softmax_dtype: str = "float32", noise_scope: str = "row", name: str = "adablock") -> ComposedSampler:
     """AdaBlock-dLLM: delimiter-aligned blocks (fallback ``block_length``, default 32) with threshold 0.9."""
     policy = AdaBlock(block_length, delimiter_threshold, delimiters, window)
     return ComposedSampler(Threshold(tau), block_policy=policy,
@@ -120,20 +120,20 @@ def adablock(tau: float = 0.9, block_length: int | None = None, delimiter_thresh
 
 
 def eoser(gamma_min: float = 0.4, progress: str = "step", temperature: float = 0.0, confidence: str = "prob",
-          softmax_dtype: str = "float32", noise_scope: str = "region", block_length: int | None = None, name: str = "eoser") -> ComposedSampler:
+          softmax_dtype: str = "float32", noise_scope: str = "row", block_length: int | None = None, name: str = "eoser") -> ComposedSampler:
     """EOS early rejection over LLaDA's even quota (full diffusion: one block)."""
     return ComposedSampler(Quota(), eos_rejection=EOSRejection(gamma_min, progress),
                            **_common(temperature, confidence, softmax_dtype, block_length, name, noise_scope=noise_scope))
 
 
 def ascending(steps: int | None = None, per_region: bool = False, temperature: float = 0.0, confidence: str = "prob",
-              softmax_dtype: str = "float32", noise_scope: str = "region", block_length: int | None = None, name: str = "ascending") -> ComposedSampler:
+              softmax_dtype: str = "float32", noise_scope: str = "row", block_length: int | None = None, name: str = "ascending") -> ComposedSampler:
     """Ascending step size: ``2**i`` tokens at step ``i`` (one block of 256: 8 steps)."""
     return ComposedSampler(Ascending(steps, per_region), **_common(temperature, confidence, softmax_dtype, block_length, name, noise_scope=noise_scope))
 
 
 def eoser_ass(gamma_min: float = 0.01, steps: int | None = None, per_region: bool = False, temperature: float = 0.0,
-              confidence: str = "prob", softmax_dtype: str = "float32", noise_scope: str = "region", block_length: int | None = None,
+              confidence: str = "prob", softmax_dtype: str = "float32", noise_scope: str = "row", block_length: int | None = None,
               name: str = "eoser-ass") -> ComposedSampler:
     """EOSER + ASS (paper configuration: one block, ``gamma_min = 0.01``, EOSER progress of the ascending schedule)."""
     return ComposedSampler(Ascending(steps, per_region), eos_rejection=EOSRejection(gamma_min, "ass"),
@@ -187,7 +187,7 @@ KLASS_STYLES = ("auto", "llada", "dream")
 
 
 def klass(conf_threshold: float = 0.6, kl_threshold: float = 0.015, history: int = 2, style: str = "auto",
-          temperature: float = 0.0, confidence: str = "prob", softmax_dtype: str = "float32", noise_scope: str = "region",
+          temperature: float = 0.0, confidence: str = "prob", softmax_dtype: str = "float32", noise_scope: str = "row",
           block_length: int | str | None = "auto", name: str = "klass") -> ComposedSampler:
     """KLASS: KL-stable and confident tokens, else a fallback. ``style`` follows the reference of the model
     family (``"auto"``: chosen when the sampler is bound to the model): ``"llada"`` is KLASS's LLaDA script

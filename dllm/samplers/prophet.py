@@ -116,14 +116,17 @@ class Prophet:
 
     def window_columns(self, win_lo: int, win_hi: int, gen_lo: int, canvas_len: int) -> tuple[int, int]:
         """Canvas columns whose logits the decode loop computes: to the canvas end (the fill), from the
-        regions' start or a fixed span's start, whichever is further left."""
+        regions' start or a fixed span's start, whichever is further left. ``win_lo`` / ``win_hi`` are ints (the
+        batch's window) or ``[B]`` tensors (each row's own window)."""
         if isinstance(self.span, tuple) and gen_lo + sum(self.span) > canvas_len:
             off, length = self.span
             raise ValueError(f"Prophet span={off}:{length} covers generation positions {off}..{off + length - 1}, "
                              f"beyond the output (gen_length {canvas_len - gen_lo}); use a span inside it (offset + "
                              "length <= gen_length) or a longer gen_length")
-        lo = min(win_lo, gen_lo + self.span[0]) if isinstance(self.span, tuple) else win_lo
-        return lo, canvas_len
+        if not isinstance(self.span, tuple):
+            return win_lo, canvas_len
+        start = gen_lo + self.span[0]
+        return (win_lo.clamp_max(start) if torch.is_tensor(win_lo) else min(win_lo, start)), canvas_len
 
     def threshold(self, ctx: StepContext) -> torch.Tensor:
         """``[B]`` gap threshold for this step's progress."""
