@@ -66,16 +66,34 @@ class GenerateOutput:
 
 
 class _Clock:
-    """Wall-clock buckets; synchronises CUDA so GPU work is attributed to the right bucket."""
+    """Time buckets (model / sampler / cache). On CUDA, events recorded on the stream: no synchronisation during
+    decoding; the elapsed times are read once, at the end (:meth:`totals`)."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.t = {"model": 0.0, "sampler": 0.0, "cache": 0.0}
+        self.spans: list[tuple[str, Any, Any]] = []
 
-    def now(self) -> float:
+    def mark(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def add(self, bucket: str, start, end) -> None:
+        if self.cuda:
+            self.spans.append((bucket, start, end))
+        else:
+            self.t[bucket] += end - start
+
+    def totals(self) -> dict[str, float]:
         if self.cuda:
             torch.cuda.synchronize()
-        return time.perf_counter()
+            for bucket, a, b in self.spans:
+                self.t[bucket] += a.elapsed_time(b) / 1000.0
+            self.spans = []
+        return self.t
 
 
 def default_sampler(model):
@@ -223,178 +241,248 @@ def generate(
     if not isinstance(cache, NoCache) and not getattr(model, "supports_cache", False):
         raise ValueError(f"cache {cache.name!r} needs a dllm Transformer; this model supports no caches (use cache=None)")
     config, policy = resolve_blocks(model, sampler, config, block_policy)
-    refine = getattr(policy, "refine", None)  # regions fixed after their first forward (AdaBlock)
-    widen = getattr(sampler, "window_columns", None)  # logits beyond the regions (Prophet)
-    slide = getattr(policy, "slide", None)  # regions recomputed before every forward (Elastic's sliding window)
     if model.mask_id is None:
         raise ValueError("the model has no mask token id; set model.mask_id")
-
-    device = model.device
     rows = prepare_prompts(model, prompts, attention_mask, config.chat_template)
-    B, P, G = len(rows), max(len(r) for r in rows), config.gen_length
-    T = P + G
-    if T > model.max_seq_len:
-        raise ValueError(
-            f"longest prompt ({P} tokens) + gen_length ({G}) = {T} exceeds the model's context of "
-            f"{model.max_seq_len} tokens; shorten the prompt or lower gen_length"
-        )
-    pad = model.pad_id if model.pad_id is not None else model.eos_id
-    x = torch.full((B, T), model.mask_id, dtype=torch.long, device=device)
-    valid = torch.ones((B, T), dtype=torch.bool, device=device)
-    for b, r in enumerate(rows):  # left padding, once, before decoding
-        x[b, : P - len(r)] = pad
-        valid[b, : P - len(r)] = False
-        x[b, P - len(r) : P] = torch.tensor(r, device=device)
-    positions = (valid.long().cumsum(-1) - 1).clamp_min(0)
-    all_valid = bool(valid.all())
-    key_mask = None if all_valid else valid
-    generator = None
-    if config.seed is not None:
-        generator = torch.Generator(device=device).manual_seed(config.seed)
-    row_key = _row_keys(rows, row_ids, config.seed).to(device)
+    dec = Decoder(model, sampler, cache, policy, config)
+    st = dec.start(rows, row_ids)
+    while dec.step(st):
+        pass
+    return dec.output(st)
 
-    clock = _Clock(device)
-    t_start = clock.now()
-    cache.reset(B, T)
-    stop_ids = torch.tensor([i for i in (model.eos_id, model.eot_id) if i is not None], device=device)
-    cols_all = torch.arange(T, device=device)
-    lo = torch.full((B,), P, dtype=torch.long, device=device)
-    hi, steps = policy.next_region(lo, T, config)
-    step_in = torch.zeros(B, dtype=torch.long, device=device)
-    n_start = hi - lo
-    active = torch.ones(B, dtype=torch.bool, device=device)
-    finish = torch.full((B,), -1, dtype=torch.long, device=device)
-    row_nfe = torch.zeros(B, dtype=torch.long, device=device)
-    state: dict = {}
-    trace = []
-    shift = 1 if getattr(model, "shift_logits", False) else 0
-    committed = torch.zeros((B, T), dtype=torch.bool, device=device)
-    commit_step = torch.full((B, T), -1, dtype=torch.long, device=device)
-    commit_conf = torch.full((B, T), float("nan"), device=device) if config.record_confidence else None
-    n_layers = getattr(getattr(model, "config", None), "n_layers", 1)
-    step_stats = getattr(cache, "step_stats", None)
-    nfe = 0
-    max_iters = 4 * (G + config.total_steps) + 8
-    while True:
-        if slide is not None:
-            lo, hi = slide(x == model.mask_id, lo)
-        sel = active.nonzero().squeeze(-1)
-        win_lo, win_hi = int(lo[sel].min()), int(hi[sel].max())  # the loop's one host sync per step
-        w_lo, w_hi = widen(win_lo, win_hi, P, T) if widen is not None else (win_lo, win_hi)
-        cols = cols_all[w_lo:w_hi]
-        tc = clock.now()
-        r_lo, r_hi = widen(lo, hi, P, T) if widen is not None else (lo, hi)  # each row's own window
-        query_idx, _ = cache.plan(CacheState(x, lo, hi, active, step_in, (w_lo, w_hi), P, model.mask_id, shift,
-                                             committed, nfe, key_mask, row_nfe, r_lo, torch.as_tensor(r_hi).expand(B)))
-        t0 = clock.now()
-        clock.t["cache"] += t0 - tc
-        logits = _forward(model, x, positions, key_mask, cols.expand(B, -1), config, cache, query_idx)
-        t1 = clock.now()
-        cstats = step_stats(n_layers) if step_stats is not None else {}
+
+@dataclass
+class DecodeState:
+    """What one decode carries from step to step (all tensors on the model's device; ``[B, T]`` canvas-wide,
+    ``[B]`` per row). :meth:`Decoder.step` advances it by one forward."""
+
+    rows: list[list[int]]  # prompt token ids
+    x: torch.Tensor  # [B, T] canvas: left padding, prompt, generation (masks until committed)
+    positions: torch.Tensor  # [B, T] RoPE positions (left padding skipped)
+    key_mask: torch.Tensor | None  # [B, T] real tokens (None: no padding)
+    P: int  # canvas column where generation starts
+    lo: torch.Tensor  # [B] region start
+    hi: torch.Tensor  # [B] region end (exclusive)
+    steps: torch.Tensor  # [B] schedule length of the current region
+    step_in: torch.Tensor  # [B] steps taken in the current region
+    n_start: torch.Tensor  # [B] masks in the region when it started
+    active: torch.Tensor  # [B] unfinished
+    finish: torch.Tensor  # [B] step at which the row finished (-1: not yet)
+    row_nfe: torch.Tensor  # [B] forwards the row took part in
+    committed: torch.Tensor  # [B, T] positions committed at the last step
+    commit_step: torch.Tensor  # [B, T] step at which each position was committed (-1: never)
+    commit_conf: torch.Tensor | None  # [B, T] probability of the committed token (record_confidence)
+    row_key: torch.Tensor  # [B, 2] per-row random stream keys
+    generator: torch.Generator | None  # the run's generator (reference random streams)
+    window: tuple[int, int]  # host copy of the next step's window (the union of the active rows' regions)
+    state: dict = field(default_factory=dict)  # sampler scratch space
+    trace: list = field(default_factory=list)
+    nfe: int = 0
+
+
+class Decoder:
+    """The decode loop's parts, resolved once: ``start`` builds a :class:`DecodeState`, ``step`` runs one forward
+    and commits (one host synchronisation per step in the loop itself), ``output`` collects the result.
+    :func:`generate` is ``start``, ``step`` until it returns False, ``output``."""
+
+    def __init__(self, model, sampler, cache, policy, config: GenerateConfig):
+        self.model, self.sampler, self.cache, self.policy, self.config = model, sampler, cache, policy, config
+        self.refine = getattr(policy, "refine", None)  # regions fixed after their first forward (AdaBlock)
+        self.widen = getattr(sampler, "window_columns", None)  # logits beyond the regions (Prophet)
+        self.slide = getattr(policy, "slide", None)  # regions recomputed before every forward (sliding window)
+        self.step_stats = getattr(cache, "step_stats", None)
+        self.shift = 1 if getattr(model, "shift_logits", False) else 0
+        self.n_layers = getattr(getattr(model, "config", None), "n_layers", 1)
+        self.device = model.device
+        self.stop_ids = torch.tensor([i for i in (model.eos_id, model.eot_id) if i is not None], device=self.device)
+        self.clock = _Clock(self.device)
+
+    def start(self, rows: list[list[int]], row_ids=None) -> DecodeState:
+        model, config, device = self.model, self.config, self.device
+        B, P, G = len(rows), max(len(r) for r in rows), config.gen_length
+        T = P + G
+        if T > model.max_seq_len:
+            raise ValueError(
+                f"longest prompt ({P} tokens) + gen_length ({G}) = {T} exceeds the model's context of "
+                f"{model.max_seq_len} tokens; shorten the prompt or lower gen_length"
+            )
+        pad = model.pad_id if model.pad_id is not None else model.eos_id
+        x = torch.full((B, T), model.mask_id, dtype=torch.long, device=device)
+        valid = torch.ones((B, T), dtype=torch.bool, device=device)
+        for b, r in enumerate(rows):  # left padding, once, before decoding
+            x[b, : P - len(r)] = pad
+            valid[b, : P - len(r)] = False
+            x[b, P - len(r) : P] = torch.tensor(r, device=device)
+        all_valid = all(len(r) == P for r in rows)
+        generator = None
+        if config.seed is not None:
+            generator = torch.Generator(device=device).manual_seed(config.seed)
+        self.t_start = time.perf_counter()
+        self.cache.reset(B, T)
+        self.cols_all = torch.arange(T, device=device)
+        lo = torch.full((B,), P, dtype=torch.long, device=device)
+        hi, steps = self.policy.next_region(lo, T, config)
+        st = DecodeState(
+            rows=rows, x=x, positions=(valid.long().cumsum(-1) - 1).clamp_min(0),
+            key_mask=None if all_valid else valid, P=P, lo=lo, hi=hi, steps=steps,
+            step_in=torch.zeros(B, dtype=torch.long, device=device), n_start=hi - lo,
+            active=torch.ones(B, dtype=torch.bool, device=device),
+            finish=torch.full((B,), -1, dtype=torch.long, device=device),
+            row_nfe=torch.zeros(B, dtype=torch.long, device=device),
+            committed=torch.zeros((B, T), dtype=torch.bool, device=device),
+            commit_step=torch.full((B, T), -1, dtype=torch.long, device=device),
+            commit_conf=torch.full((B, T), float("nan"), device=device) if config.record_confidence else None,
+            row_key=_row_keys(rows, row_ids, config.seed).to(device), generator=generator, window=(P, T),
+        )
+        if self.slide is not None:
+            st.lo, st.hi = self.slide(x == model.mask_id, st.lo)
+        st.window = tuple(self._window(st).tolist())
+        self.max_iters = 4 * (G + config.total_steps) + 8
+        return st
+
+    def _window(self, st: DecodeState) -> torch.Tensor:
+        """``[2]`` (lo, hi) of the union of the active rows' regions, on the device."""
+        T = st.x.shape[1]
+        return torch.stack([torch.where(st.active, st.lo, T).min(), torch.where(st.active, st.hi, 0).max()])
+
+    def step(self, st: DecodeState) -> bool:
+        """One forward and its commits for every unfinished row; returns whether any row is still unfinished.
+        The loop synchronises with the device once, at the end (the next window, whether rows are left, whether
+        the logits were finite); caches and some samplers add their own (docs/architecture.md)."""
+        model, config, sampler, cache, clock = self.model, self.config, self.sampler, self.cache, self.clock
+        x, lo, hi, P = st.x, st.lo, st.hi, st.P
+        B, T = x.shape
+        mask_id = model.mask_id
+        win_lo, win_hi = st.window
+        w_lo, w_hi = self.widen(win_lo, win_hi, P, T) if self.widen is not None else (win_lo, win_hi)
+        cols = self.cols_all[w_lo:w_hi]
+        tc = clock.mark()
+        r_lo, r_hi = self.widen(lo, hi, P, T) if self.widen is not None else (lo, hi)  # each row's own window
+        query_idx, _ = cache.plan(CacheState(x, lo, hi, st.active, st.step_in, (w_lo, w_hi), P, mask_id, self.shift,
+                                             st.committed, st.nfe, st.key_mask, st.row_nfe, r_lo,
+                                             torch.as_tensor(r_hi).expand(B)))
+        t0 = clock.mark()
+        logits = _forward(model, x, st.positions, st.key_mask, cols.expand(B, -1), config, cache, query_idx)
+        t1 = clock.mark()
+        cstats = self.step_stats(self.n_layers) if self.step_stats is not None else {}
         xw = x[:, w_lo:w_hi]
         pinfo = {}
         in_region = (cols[None] >= lo[:, None]) & (cols[None] < hi[:, None])
         # Non-finite logits (NaN anywhere, +inf, or no finite entry) at a window position of an unfinished row: the
-        # position's logits are zeroed so no sampler trips over them, and the step's one host sync below raises.
-        bad = active[:, None] & ~torch.isfinite(logits.amax(-1))
+        # position's logits are zeroed so no sampler trips over them, and the step's host sync below raises.
+        bad = st.active[:, None] & ~torch.isfinite(logits.amax(-1))
         logits.masked_fill_(bad[..., None], 0.0)
-        if refine is not None:
-            fresh = active & (step_in == 0)
-            hi, steps, pinfo = refine(logits, w_lo, lo, hi, steps, fresh, config)
+        if self.refine is not None:
+            fresh = st.active & (st.step_in == 0)
+            hi, st.steps, pinfo = self.refine(logits, w_lo, lo, hi, st.steps, fresh, config)
             in_region = (cols[None] >= lo[:, None]) & (cols[None] < hi[:, None])
-            n_start = torch.where(fresh, ((xw == model.mask_id) & in_region).sum(-1), n_start)
-        cand = (xw == model.mask_id) & in_region & active[:, None]
+            st.n_start = torch.where(fresh, ((xw == mask_id) & in_region).sum(-1), st.n_start)
+        cand = (xw == mask_id) & in_region & st.active[:, None]
         ctx = StepContext(
-            x=xw, cand=cand, step=step_in, steps=steps, n_region_start=n_start, region_lo=lo, region_hi=hi,
-            win_lo=w_lo, canvas_len=T, gen_lo=P, global_step=nfe, total_steps=config.total_steps,
-            generator=generator, mask_id=model.mask_id, eos_id=model.eos_id, eot_id=model.eot_id, state=state,
-            win_hi=win_hi, canvas=x, row_key=row_key, row_step=row_nfe,
+            x=xw, cand=cand, step=st.step_in, steps=st.steps, n_region_start=st.n_start, region_lo=lo,
+            region_hi=hi, win_lo=w_lo, canvas_len=T, gen_lo=P, global_step=st.nfe, total_steps=config.total_steps,
+            generator=st.generator, mask_id=mask_id, eos_id=model.eos_id, eot_id=model.eot_id, state=st.state,
+            win_hi=win_hi, canvas=x, row_key=st.row_key, row_step=st.row_nfe,
         )
         res = sampler.step(logits, ctx)
         commit = res.commit & cand
         if res.finish is not None:  # early commit: the row takes the proposal at every mask left, and stops
-            commit = commit | (res.finish[:, None] & active[:, None] & (xw == model.mask_id))
-            hi = torch.where(res.finish & active, torch.full_like(hi, T), hi)
+            commit = commit | (res.finish[:, None] & st.active[:, None] & (xw == mask_id))
+            hi = torch.where(res.finish & st.active, torch.full_like(hi, T), hi)
         x[:, w_lo:w_hi] = torch.where(commit, res.proposal, xw)
-        commit_step[:, w_lo:w_hi].masked_fill_(commit, nfe + 1)
-        if commit_conf is not None:
+        st.commit_step[:, w_lo:w_hi].masked_fill_(commit, st.nfe + 1)
+        if st.commit_conf is not None:
             lf = logits.float()
             p = (lf.gather(-1, res.proposal[..., None]).squeeze(-1) - torch.logsumexp(lf, -1)).exp()
-            commit_conf[:, w_lo:w_hi] = torch.where(commit, p, commit_conf[:, w_lo:w_hi])
-        committed = torch.zeros_like(committed)
+            st.commit_conf[:, w_lo:w_hi] = torch.where(commit, p, st.commit_conf[:, w_lo:w_hi])
+        committed = torch.zeros_like(st.committed)
         committed[:, w_lo:w_hi] = commit
-        t2 = clock.now()
-        clock.t["model"] += t1 - t0
-        clock.t["sampler"] += t2 - t1
-        nfe += 1
-        row_nfe += active.long()
-        step_in += 1
+        t2 = clock.mark()
+        clock.add("cache", tc, t0)
+        clock.add("model", t0, t1)
+        clock.add("sampler", t1, t2)
+        st.nfe += 1
+        st.row_nfe += st.active.long()
+        st.step_in += 1
         # early commit (Prophet's all-in step, a guided row's EOS fill): recorded on every step, False when none
-        early = res.finish & active if res.finish is not None else torch.zeros_like(active)
-        trace.append({"committed": commit.sum(-1), "lo": lo.clone(), "hi": hi.clone(), "early_commit": early, **pinfo,
-                      **res.info, **cstats})
+        early = res.finish & st.active if res.finish is not None else torch.zeros_like(st.active)
+        st.trace.append({"committed": commit.sum(-1), "lo": lo.clone(), "hi": hi.clone(), "early_commit": early,
+                         **pinfo, **res.info, **cstats})
+        x, hi, committed = self._advance(st, x, lo, hi, committed)
+        st.x, st.committed = x, committed
+        if self.slide is not None:
+            st.lo, st.hi = self.slide(x == mask_id, st.lo)
+        running, nonfinite, n_lo, n_hi = torch.cat([torch.stack([st.active.any(), bad.any()]).long(),
+                                                    self._window(st)]).tolist()  # the step's host sync
+        st.window = (n_lo, n_hi)
+        if nonfinite:
+            raise NonFiniteLogitsError.at(bad, st.nfe - 1, w_lo - P)
+        if running and st.nfe >= self.max_iters:
+            raise RuntimeError(f"decoding made no progress after {st.nfe} steps; sampler {sampler!r} commits nothing")
+        return bool(running)
 
-        # Region bookkeeping, vectorised over rows.
+    def _advance(self, st: DecodeState, x, lo, hi, committed):
+        """Region bookkeeping after a step's commits, vectorised over rows: finished regions, EOS early stop,
+        the next region of each row. Updates ``st`` and returns the canvas, region ends and last commits."""
+        model, config, cols_all, P, T = self.model, self.config, self.cols_all, st.P, x.shape[1]
         masked = x == model.mask_id
         # a sliding window's row is done only when no mask is left anywhere after its start
-        region_end = hi if slide is None else torch.full_like(hi, T)
+        region_end = hi if self.slide is None else torch.full_like(hi, T)
         region_left = (masked & (cols_all[None] >= lo[:, None]) & (cols_all[None] < region_end[:, None])).sum(-1)
-        done = active & (region_left == 0)
+        done = st.active & (region_left == 0)
         if config.eos_early_stop:
             gen_part = (cols_all[None] >= P) & (cols_all[None] < region_end[:, None])
-            is_stop = torch.isin(x, stop_ids) & gen_part
+            is_stop = torch.isin(x, self.stop_ids) & gen_part
             first = torch.where(is_stop, cols_all[None], T).min(-1).values
-            if slide is None:  # a finished region holding a stop token
+            if self.slide is None:  # a finished region holding a stop token
                 stopped = done & is_stop.any(-1)
             else:  # a stop token with every position before it decoded
                 first_mask = torch.where(masked & (cols_all[None] >= P), cols_all[None], T).min(-1).values
-                stopped = active & (first < first_mask)
+                stopped = st.active & (first < first_mask)
                 done = done | stopped
             # dInfer's early stop: the finished region keeps its tokens, everything after it becomes EOS (a sliding
             # window has no region end: everything after the stop token)
-            fill_from = first if slide is not None else hi - 1
+            fill_from = first if self.slide is not None else hi - 1
             fill = stopped[:, None] & (cols_all[None] > fill_from[:, None])
             x = torch.where(fill, torch.full_like(x, model.eos_id), x)
-            commit_step.masked_fill_(fill & (commit_step < 0), nfe)
+            st.commit_step.masked_fill_(fill & (st.commit_step < 0), st.nfe)
             committed = committed | fill
             hi = torch.where(stopped, torch.full_like(hi, T), hi)
-        new_lo = torch.where(done, hi if slide is None else torch.full_like(hi, T), lo)
+        new_lo = torch.where(done, hi if self.slide is None else torch.full_like(hi, T), lo)
         finished_now = done & (new_lo >= T)
-        finish = torch.where(finished_now, torch.full_like(finish, nfe), finish)
-        active = active & ~finished_now
+        st.finish = torch.where(finished_now, torch.full_like(st.finish, st.nfe), st.finish)
+        st.active = st.active & ~finished_now
         advance = done & ~finished_now
-        nhi, nsteps = policy.next_region(new_lo, T, config)
-        lo = new_lo
+        nhi, nsteps = self.policy.next_region(new_lo, T, config)
+        st.lo = new_lo
         hi = torch.where(advance, nhi, hi)
-        steps = torch.where(advance, nsteps, steps)
-        step_in = torch.where(advance, torch.zeros_like(step_in), step_in)
-        new_masks = (masked & (cols_all[None] >= lo[:, None]) & (cols_all[None] < hi[:, None])).sum(-1)
-        n_start = torch.where(advance, new_masks, n_start)
-        running, nonfinite = torch.stack([active.any(), bad.any()]).tolist()  # the step's host sync
-        if nonfinite:
-            raise NonFiniteLogitsError.at(bad, nfe - 1, w_lo - P)
-        if not running:
-            break
-        if nfe >= max_iters:
-            raise RuntimeError(f"decoding made no progress after {nfe} steps; sampler {sampler!r} commits nothing")
+        st.hi = hi
+        st.steps = torch.where(advance, nsteps, st.steps)
+        st.step_in = torch.where(advance, torch.zeros_like(st.step_in), st.step_in)
+        new_masks = (masked & (cols_all[None] >= new_lo[:, None]) & (cols_all[None] < hi[:, None])).sum(-1)
+        st.n_start = torch.where(advance, new_masks, st.n_start)
+        return x, hi, committed
 
-    time_total = clock.now() - t_start
-    seqs = x[:, P:]
-    row_nfe_l = row_nfe.tolist()
-    stats = GenerateStats(
-        nfe=nfe,
-        row_nfe=row_nfe_l,
-        tokens_per_forward=sum(G / max(n, 1) for n in row_nfe_l) / B,
-        finish_step=finish.tolist(),
-        time_model=clock.t["model"],
-        time_sampler=clock.t["sampler"],
-        time_cache=clock.t["cache"],
-        time_total=time_total,
-        trace=[{k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in rec.items()} for rec in trace],
-        commit_step=commit_step[:, P:].tolist(),
-        commit_conf=commit_conf[:, P:].tolist() if commit_conf is not None else [],
-    )
-    return GenerateOutput(seqs, decode_texts(model, seqs), [len(r) for r in rows], stats)
+    def output(self, st: DecodeState) -> GenerateOutput:
+        t = self.clock.totals()
+        time_total = time.perf_counter() - self.t_start
+        B, G = len(st.rows), self.config.gen_length
+        seqs = st.x[:, st.P :]
+        row_nfe = st.row_nfe.tolist()
+        stats = GenerateStats(
+            nfe=st.nfe,
+            row_nfe=row_nfe,
+            tokens_per_forward=sum(G / max(n, 1) for n in row_nfe) / B,
+            finish_step=st.finish.tolist(),
+            time_model=t["model"],
+            time_sampler=t["sampler"],
+            time_cache=t["cache"],
+            time_total=time_total,
+            trace=[{k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in rec.items()} for rec in st.trace],
+            commit_step=st.commit_step[:, st.P :].tolist(),
+            commit_conf=st.commit_conf[:, st.P :].tolist() if st.commit_conf is not None else [],
+        )
+        return GenerateOutput(seqs, decode_texts(self.model, seqs), [len(r) for r in st.rows], stats)
 
 
 def _row_keys(rows: list[list[int]], row_ids, seed: int | None) -> torch.Tensor:

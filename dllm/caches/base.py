@@ -62,13 +62,14 @@ class CacheState:
     read_hi: torch.Tensor | None = None
 
 
-def rows_from_mask(mask: torch.Tensor) -> torch.Tensor:
+def rows_from_mask(mask: torch.Tensor, Q: int | None = None) -> torch.Tensor:
     """``[B, T]`` bool -> ``[B, Q]`` int64 active rows, ascending, ``Q`` the largest count; shorter rows are
     padded with their own first active row (a duplicate: recomputed twice, written identically). One host
-    sync (``Q``)."""
-    mask = mask.clone()
-    mask[:, 0] |= ~mask.any(-1)  # a row needs at least one active position
-    Q = int(mask.sum(-1).max())
+    sync (``Q``) unless the caller passes ``Q`` (then every row must have at least one active position)."""
+    if Q is None:
+        mask = mask.clone()
+        mask[:, 0] |= ~mask.any(-1)  # a row needs at least one active position
+        Q = int(mask.sum(-1).max())
     order = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True)[:, :Q]
     n = mask.sum(-1, keepdim=True)
     pad = torch.arange(Q, device=mask.device)[None] >= n
@@ -168,14 +169,17 @@ class KVCache:
             n = state.row_nfe if state.row_nfe is not None else torch.full((B,), state.nfe, device=state.x.device)
             full_rows = full_rows | (n % self.refresh_every == 0)
         self.read_cols = read_cols(state)
-        # one host sync: a full forward when every unfinished row refreshes (the cheaper shape for the same rows)
-        if not bool((state.active & ~full_rows).any()):
-            return self._full(state)
         mask = self.select(state) | self.read_rows(state) | full_rows[:, None]
         mask = mask & state.active[:, None]  # finished rows compute nothing they need (row 0 as a placeholder)
         if state.valid is not None:
             mask = mask & state.valid
-        self._rows = rows_from_mask(mask)
+        mask[:, 0] |= ~mask.any(-1)  # a row needs at least one active position
+        # one host sync: whether some unfinished row keeps a partial forward (else a full forward: the cheaper shape
+        # for the same rows) and the size of the largest active set
+        partial, Q = torch.stack([(state.active & ~full_rows).any().long(), mask.sum(-1).max()]).tolist()
+        if not partial:
+            return self._full(state)
+        self._rows = rows_from_mask(mask, Q)
         self._counts = mask.sum(-1)
         self._refresh_layer = -1
         self.after_plan(state, self._rows)

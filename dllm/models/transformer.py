@@ -241,12 +241,25 @@ class Transformer(nn.Module):
             need = need.repeat(B // need.shape[0], 1)  # classifier-free guidance doubles the batch
             wanted_cols = torch.arange(T, device=tokens.device).expand(B, T) if logits_idx is None else logits_idx
             missed = missed & need.gather(1, wanted_cols.clamp(0, T - 1))
-        if not getattr(cache, "sparse_logits", False) and bool(missed.any()):
+        if not getattr(cache, "sparse_logits", False) and not _no_row_missed(missed):
             raise ValueError("logits were asked for rows outside query_idx; the cache's active set must contain "
                              "every row whose logits are read (for shifted-logit families, column c needs row c - 1)")
         pos = hit.to(torch.int8).argmax(-1)
         h = h.gather(1, pos[..., None].expand(-1, -1, h.shape[-1]))
         return self.head(self.norm(h)).masked_fill(~hit.any(-1)[..., None], 0.0)
+
+
+def _no_row_missed(missed: torch.Tensor) -> bool:
+    """Whether no wanted row was left out; on CUDA an asynchronous device-side check (no host synchronisation:
+    a failure surfaces as a device assertion at the next synchronisation)."""
+    if missed.device.type == "cuda":
+        torch._assert_async(~missed.any(), "logits were asked for rows outside query_idx")
+        return True
+    try:
+        torch._assert_async(~missed.any())
+    except RuntimeError:
+        return False
+    return True
 
 
 def default_positions(attn_mask, B: int, T: int, device) -> torch.Tensor:

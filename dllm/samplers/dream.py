@@ -147,16 +147,28 @@ def _alg_confidence(probs: torch.Tensor, conf: torch.Tensor, alg: str) -> torch.
 
 def dream_ratio(ctx: StepContext, eps: float) -> torch.Tensor:
     """``1 - s/t`` per row for the row's current step (float32, exactly as the reference computes it from
-    ``torch.linspace(1, eps, S + 1)``); 1 at the region's last step."""
-    steps = ctx.steps.clamp_min(1)
+    ``torch.linspace(1, eps, S + 1)``); 1 at the region's last step. The values for every schedule length
+    ``S`` up to the run's longest (``max(total_steps, gen_length)``) are tabulated once per run, so the lookup
+    needs no host synchronisation."""
+    smax = max(ctx.total_steps, ctx.canvas_len - ctx.gen_lo, 1)
+    key = ("dream_ratio", eps, smax)
+    table = ctx.state.get(key)
+    if table is None:
+        table = torch.ones((smax + 1, smax + 1), dtype=torch.float32, device=ctx.steps.device)
+        for S in range(1, smax + 1):
+            ts = torch.linspace(1, eps, S + 1, device=ctx.steps.device)
+            table[S, :S] = 1 - ts[1:] / ts[:-1]
+        ctx.state[key] = table
+    steps = ctx.steps.clamp(1, smax)
     i = ctx.step.clamp_max(steps - 1)
-    ratio = torch.ones(steps.shape, dtype=torch.float32, device=steps.device)
-    for S in torch.unique(steps).tolist():  # one value in practice: all rows share the schedule length
-        ts = torch.linspace(1, eps, S + 1, device=steps.device)
-        rows = steps == S
-        i_s = i.clamp_max(S - 1)  # rows with another schedule length may be further along; not used
-        ratio = torch.where(rows, 1 - ts[i_s + 1] / ts[i_s], ratio)
+    ratio = table[steps, i]
     return torch.where(ctx.step >= steps - 1, torch.ones_like(ratio), ratio)
+
+
+def _dense(logits: torch.Tensor) -> bool:
+    """Whether the sampler scores every window position (no data-dependent shapes: no host synchronisation)
+    rather than only the masked ones (less work). Per-position values are identical either way."""
+    return logits.device.type != "cpu"
 
 
 @dataclass(frozen=True)
@@ -215,33 +227,28 @@ class DreamSampler:
     def step(self, logits: torch.Tensor, ctx: StepContext) -> StepResult:
         """``logits``: ``[B, W, V]`` float (the whole vocabulary); returns ``[B, W]`` int64 proposals and a
         ``[B, W]`` bool commit mask."""
-        B, W, _ = logits.shape
+        B, W, V = logits.shape
         cand = ctx.cand
-        flat_logits = logits[cand]  # [N, V], row-major like the reference's logits[mask_index]
         ratio = dream_ratio(ctx, self.eps)  # [B]
-        proposal = ctx.x.clone()
         per_row = self.noise_scope == "row" and ctx.row_key is not None
-        u_tok = canvas_rand((), ctx, W, B, torch.float64, logits.device, "row")[cand] if per_row and \
-            self.temperature > 0 else None
         if self.alg == "origin":
-            if per_row:
-                u = canvas_rand((), ctx, W, B, torch.float32, logits.device, "row")[cand]
-            else:
-                u = torch.rand(flat_logits.shape[0], generator=ctx.generator, device=logits.device)
-            reveal = u < ratio[:, None].expand(B, W)[cand]
-            _, x0 = dream_proposal(flat_logits[reveal], self.temperature, self.top_p, self.top_k, self.alg,
-                                   ctx.generator, mask_id=ctx.mask_id, u=None if u_tok is None else u_tok[reveal])
-            flat = torch.full((flat_logits.shape[0],), ctx.mask_id, dtype=torch.long, device=logits.device)
-            flat[reveal] = x0
-            proposal[cand] = flat
-            commit = torch.zeros_like(cand)
-            commit[cand] = reveal
-            return StepResult(proposal, commit)
-        conf_flat, x0 = dream_proposal(flat_logits, self.temperature, self.top_p, self.top_k, self.alg,
-                                       ctx.generator, fused=self._fused(logits), mask_id=ctx.mask_id, u=u_tok)
-        proposal[cand] = x0
-        conf = torch.full((B, W), float("-inf"), dtype=conf_flat.dtype, device=logits.device)
-        conf[cand] = conf_flat
+            return self._origin(logits, ctx, ratio, per_row)
+        u_tok = canvas_rand((), ctx, W, B, torch.float64, logits.device, "row") if per_row and \
+            self.temperature > 0 else None
+        if _dense(logits) and (per_row or self.temperature == 0):  # every position: no data-dependent shape
+            c, x0 = dream_proposal(logits.reshape(B * W, V), self.temperature, self.top_p, self.top_k, self.alg,
+                                   ctx.generator, fused=self._fused(logits), mask_id=ctx.mask_id,
+                                   u=None if u_tok is None else u_tok.reshape(-1))
+            proposal = torch.where(cand, x0.view(B, W), ctx.x)
+            conf = c.view(B, W).masked_fill(~cand, float("-inf"))
+        else:  # the masked positions only, row-major like the reference's logits[mask_index]
+            conf_flat, x0 = dream_proposal(logits[cand], self.temperature, self.top_p, self.top_k, self.alg,
+                                           ctx.generator, fused=self._fused(logits), mask_id=ctx.mask_id,
+                                           u=None if u_tok is None else u_tok[cand])
+            proposal = ctx.x.clone()
+            proposal[cand] = x0
+            conf = torch.full((B, W), float("-inf"), dtype=conf_flat.dtype, device=logits.device)
+            conf[cand] = conf_flat
         m = cand.sum(-1)
         n = (m.float() * ratio).long()
         n = torch.where(ctx.step >= ctx.steps - 1, m, n)
@@ -251,12 +258,41 @@ class DreamSampler:
             commit = select_topk(conf, cand, n)
         return StepResult(proposal, commit & cand)
 
+    def _origin(self, logits, ctx: StepContext, ratio, per_row: bool) -> StepResult:
+        """Dream's ``origin``: each masked position is revealed with probability ``1 - s/t``, with a token drawn
+        from its distribution."""
+        B, W, V = logits.shape
+        cand = ctx.cand
+        if per_row:
+            u_tok = canvas_rand((), ctx, W, B, torch.float64, logits.device, "row") if self.temperature > 0 else None
+            u = canvas_rand((), ctx, W, B, torch.float32, logits.device, "row")
+            reveal = (u < ratio[:, None]) & cand
+            if _dense(logits):
+                _, x0 = dream_proposal(logits.reshape(B * W, V), self.temperature, self.top_p, self.top_k, self.alg,
+                                       ctx.generator, mask_id=ctx.mask_id,
+                                       u=None if u_tok is None else u_tok.reshape(-1))
+                return StepResult(torch.where(reveal, x0.view(B, W), ctx.x), reveal)
+            _, x0 = dream_proposal(logits[reveal], self.temperature, self.top_p, self.top_k, self.alg,
+                                   ctx.generator, mask_id=ctx.mask_id, u=None if u_tok is None else u_tok[reveal])
+            proposal = ctx.x.clone()
+            proposal[reveal] = x0
+            return StepResult(proposal, reveal)
+        # the reference's stream: one uniform per masked position (row-major), then the revealed ones' draws
+        flat_logits = logits[cand]
+        u = torch.rand(flat_logits.shape[0], generator=ctx.generator, device=logits.device)
+        reveal = u < ratio[:, None].expand(B, W)[cand]
+        _, x0 = dream_proposal(flat_logits[reveal], self.temperature, self.top_p, self.top_k, self.alg,
+                               ctx.generator, mask_id=ctx.mask_id)
+        flat = torch.full((flat_logits.shape[0],), ctx.mask_id, dtype=torch.long, device=logits.device)
+        flat[reveal] = x0
+        proposal = ctx.x.clone()
+        proposal[cand] = flat
+        commit = torch.zeros_like(cand)
+        commit[cand] = reveal
+        return StepResult(proposal, commit)
+
     def _sample_positions(self, conf, n, ctx: StepContext) -> torch.Tensor:
         B, W = conf.shape
-        commit = torch.zeros((B, W), dtype=torch.bool, device=conf.device)
-        k = int(n.max())
-        if k == 0:
-            return commit
         if self.noise_scope == "row" and ctx.row_key is not None:
             # Gumbel-top-k: the k largest of log p + Gumbel noise are a draw of k positions without replacement
             # with probabilities proportional to p = softmax(conf / alg_temp), Dream's multinomial.
@@ -264,6 +300,10 @@ class DreamSampler:
             keys = (conf.to(torch.float64) / self.alg_temp) - torch.log(-torch.log(u))
             keys = keys.masked_fill(~ctx.cand, float("-inf"))
             return select_topk(keys, ctx.cand, n)
+        commit = torch.zeros((B, W), dtype=torch.bool, device=conf.device)
+        k = int(n.max())
+        if k == 0:
+            return commit
         if self.noise_scope == "canvas":
             full = torch.full((B, ctx.canvas_len), float("-inf"), dtype=conf.dtype, device=conf.device)
             full[:, ctx.win_lo : ctx.win_lo + W] = conf

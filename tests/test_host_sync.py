@@ -1,0 +1,108 @@
+"""Host synchronisations per decode step (what makes the host wait for a GPU).
+
+The decode loop itself synchronises once per step (the next window, whether rows are left, whether the logits
+were finite). A cache with partial forwards adds one (the size of the largest active set); some samplers add
+their own (listed below with their budget). The counts are taken on CPU by counting the calls that would
+synchronise on CUDA (``tests/sync_counter.py``): a new ``.item()``, ``int(tensor)``, ``nonzero`` or
+boolean-mask index inside the loop makes these tests fail.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ragged_prompts
+from helpers_parity import cached_model
+from sync_counter import syncs_per_step
+
+import dllm
+import dllm.samplers.dream as dream_mod
+from dllm.caches import CACHES
+from dllm.samplers import SAMPLERS, get_sampler
+
+# Samplers with synchronisations of their own, and the most they may add per step (measured, rounded up):
+# Prophet's gap test and fill, AdaBlock's block decision, KLASS's KL history, the guided sampler's calls into its
+# causal guide (variable-length verification), and Dream's masked-position scoring on CPU (off on CUDA: _dense).
+EXTRA = {"prophet": 4, "adablock": 1, "klass": 9, "guided": 12}
+DREAM = [n for n in SAMPLERS if n.startswith("dream")]
+APPROX_CACHES = [c for c in CACHES if c not in ("none", "elastic")]
+
+
+def _run(model, name, cache="none", **kw):
+    sampler = get_sampler(name, **({"delimiters": (5, 6, 7)} if name == "adablock" else {}), **kw)
+    prompts = ragged_prompts(3, 1)
+    return syncs_per_step(lambda: dllm.generate(model, prompts, gen_length=16, block_length=8, steps=16,
+                                                sampler=sampler, cache=cache, seed=1))
+
+
+@pytest.fixture
+def dense_dream(monkeypatch):
+    """Dream scores every window position, as it does on CUDA (no data-dependent shapes)."""
+    monkeypatch.setattr(dream_mod, "_dense", lambda logits: True)
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_the_loop_synchronises_once_per_step(family, dense_dream):
+    model = cached_model(family, 0)
+    for name in SAMPLERS:
+        for t in (0.0, 0.7):
+            if t and "temperature" not in SAMPLERS[name].params():
+                continue
+            per_step, where, steps = _run(model, name, **({"temperature": t} if t else {}))
+            assert steps > 0
+            assert per_step <= 1 + EXTRA.get(name, 0), (name, t, per_step, where.most_common(4))
+            if name not in EXTRA:
+                assert per_step == 1, (name, t, where.most_common(4))
+
+
+@pytest.mark.parametrize("cache", APPROX_CACHES)
+def test_a_cache_adds_one_synchronisation(cache, dense_dream):
+    for family in ("llada", "dream"):
+        model = cached_model(family, 0)
+        for name in ("llada", "threshold", "credit", "localleap", "eoser", "dream") if family == "dream" else \
+                ("llada", "threshold", "credit", "localleap", "eoser"):
+            per_step, where, _ = _run(model, name, cache)
+            assert 1 <= per_step <= 2, (family, name, cache, per_step, where.most_common(4))
+
+
+def test_elastic_cache_synchronises_per_layer():
+    """Elastic-Cache decides its refresh layer by layer (the drift test), as the reference does with .item():
+    at most one per layer on top of the partial forward's."""
+    model = cached_model("llada", 0)
+    per_step, where, _ = _run(model, "threshold", "elastic")
+    assert per_step <= 2 + 4 * model.config.n_layers, where.most_common(6)
+
+
+def test_dense_dream_scoring_equals_the_masked_only_path():
+    """Dream on CUDA scores every window position (no host sync); on CPU only the masked ones: same tokens."""
+    model = cached_model("dream", 0)
+    prompts = ragged_prompts(3, 1)
+    for name in DREAM:
+        for t in (0.0, 0.7):
+            s = get_sampler(name, temperature=t)
+            run = lambda: dllm.generate(model, prompts, gen_length=16, steps=16, sampler=s, seed=1).sequences  # noqa: E731
+            sparse = run()
+            orig = dream_mod._dense
+            dream_mod._dense = lambda logits: True
+            try:
+                dense = run()
+            finally:
+                dream_mod._dense = orig
+            assert torch.equal(sparse, dense), (name, t)
+
+
+def test_the_counter_sees_a_synchronisation(monkeypatch):
+    """The counter is not vacuous: an added .item() in a sampler step is counted."""
+    model = cached_model("llada", 0)
+    base, _, _ = _run(model, "threshold")
+    from dllm.samplers.composed import ComposedSampler
+
+    orig = ComposedSampler.step
+
+    def step(self, logits, ctx):
+        logits.amax().item()
+        return orig(self, logits, ctx)
+
+    monkeypatch.setattr(ComposedSampler, "step", step)
+    more, where, _ = _run(model, "threshold")
+    assert more == base + 1, where
