@@ -9,11 +9,11 @@ from typing import Any
 
 import torch
 
-from dllm.caches.base import CacheState, NoCache
+from dllm.caches.base import CacheState
 from dllm.config import GenerateConfig
-from dllm.samplers import get_sampler
+from dllm.models.spec import vocab_size
+from dllm.recipes import resolve
 from dllm.samplers.base import StepContext, row_key_words
-from dllm.samplers.blocks import resolve_blocks
 
 
 class NonFiniteLogitsError(ValueError):
@@ -97,8 +97,10 @@ class _Clock:
 
 
 def default_sampler(model):
-    family = getattr(getattr(model, "spec", None), "family", "llada")
-    return get_sampler("dream" if family == "dream" else "llada")
+    """The model family's baseline sampler (Dream-format: ``dream``, else ``llada``)."""
+    from dllm.recipes import default_sampler as _default
+
+    return _default(model)
 
 
 def prepare_prompts(model, prompts, attention_mask=None, chat_template=True) -> list[list[int]]:
@@ -137,7 +139,7 @@ def prepare_prompts(model, prompts, attention_mask=None, chat_template=True) -> 
                 rows.append(_encode(tok, p, chat_template))
             else:
                 rows.append([int(t) for t in p])
-    vocab = _vocab_size(model)
+    vocab = vocab_size(model)
     for i, r in enumerate(rows):
         if len(r) == 0:
             raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
@@ -151,14 +153,6 @@ def prepare_prompts(model, prompts, attention_mask=None, chat_template=True) -> 
                 "remove it from the prompt"
             )
     return rows
-
-
-def _vocab_size(model) -> int | None:
-    for owner in (model, getattr(model, "hf", None)):  # dllm Transformer, or a wrapped HF model
-        size = getattr(getattr(owner, "config", None), "vocab_size", None)
-        if isinstance(size, int):
-            return size
-    return None
 
 
 def _encode(tok, p, chat_template: bool) -> list[int]:
@@ -194,13 +188,14 @@ def generate(
             ``{"role", "content"}``), ragged lists of token ids, or a ``[B, L]`` tensor with
             ``attention_mask``.
         config: a :class:`GenerateConfig`; keyword ``overrides`` (``gen_length=...``) build or amend it.
-        sampler: a sampler object or a registered name (default: the model family's baseline).
-        cache: a cache policy or registered name (default: the sampler's preferred cache, ``sampler.cache``,
-            e.g. ``dual`` for the ``fast-dllm`` preset, when the model supports caches; else
-            :class:`~dllm.caches.NoCache`). A name or the preference builds a fresh cache per call.
-        block_policy: default: the sampler's preferred policy if it has one (``sampler.block_policy``,
-            e.g. AdaBlock), else :class:`~dllm.samplers.FixedBlocks` with ``config.block_length`` (when that is
-            ``None``, the sampler's preferred ``block_length``, e.g. 32 for ``fast-dllm``).
+        sampler: a registered name (a preset: a :class:`~dllm.recipes.Recipe` of sampler, block layout and
+            cache), a recipe, or a sampler object (default: the model family's baseline).
+        cache: a cache policy or registered name (default: the recipe's cache, e.g. ``dual`` for the
+            ``fast-dllm`` preset, when the model supports caches; else :class:`~dllm.caches.NoCache`). A name or
+            the recipe's choice builds a fresh cache per call.
+        block_policy: default: the recipe's policy if it has one (e.g. AdaBlock), else
+            :class:`~dllm.blocks.FixedBlocks` with ``config.block_length`` (when that is ``None``, the recipe's
+            ``block_length``, e.g. 32 for ``fast-dllm``). :func:`dllm.recipes.resolve` is the whole rule.
         guide: AR-guided decoding (:mod:`dllm.samplers.guided`): a causal LM checkpoint directory, the bundled
             name ``ar-tiny`` or a loaded ``transformers`` causal LM. With no ``sampler`` (or ``"guided"``) it
             builds the ``guided`` preset around it; a :class:`~dllm.samplers.guided.GuidedSampler` gets it as
@@ -222,25 +217,7 @@ def generate(
         from dllm.samplers.guided import with_guide
 
         sampler = with_guide(sampler, guide)
-    if isinstance(sampler, str):
-        sampler = get_sampler(sampler)
-    sampler = sampler or default_sampler(model)
-    if hasattr(sampler, "bind_model"):  # the guided sampler loads its guide; KLASS takes the family's style
-        sampler = sampler.bind_model(model) or sampler
-    if cache is None and getattr(model, "supports_cache", False):
-        cache = getattr(sampler, "cache", None)  # the preset's preference (fast-dllm: dual)
-    if isinstance(cache, str):
-        from dllm.caches import get_cache
-
-        cache = get_cache(cache)
-    elif isinstance(cache, tuple):  # (name, params)
-        from dllm.caches import get_cache
-
-        cache = get_cache(cache[0], **dict(cache[1]))
-    cache = cache or NoCache()
-    if not isinstance(cache, NoCache) and not getattr(model, "supports_cache", False):
-        raise ValueError(f"cache {cache.name!r} needs a dllm Transformer; this model supports no caches (use cache=None)")
-    config, policy = resolve_blocks(model, sampler, config, block_policy)
+    sampler, cache, policy, config = resolve(model, sampler, cache, block_policy, config)
     if model.mask_id is None:
         raise ValueError("the model has no mask token id; set model.mask_id")
     rows = prepare_prompts(model, prompts, attention_mask, config.chat_template)
@@ -287,10 +264,11 @@ class Decoder:
 
     def __init__(self, model, sampler, cache, policy, config: GenerateConfig):
         self.model, self.sampler, self.cache, self.policy, self.config = model, sampler, cache, policy, config
-        self.refine = getattr(policy, "refine", None)  # regions fixed after their first forward (AdaBlock)
-        self.widen = getattr(sampler, "window_columns", None)  # logits beyond the regions (Prophet)
-        self.slide = getattr(policy, "slide", None)  # regions recomputed before every forward (sliding window)
-        self.step_stats = getattr(cache, "step_stats", None)
+        # the declared hooks (docs/architecture.md); None: not used by this policy / sampler
+        self.refine = policy.refine  # regions fixed after their first forward (AdaBlock)
+        self.widen = sampler.window_columns  # logits beyond the regions (Prophet)
+        self.slide = policy.slide  # regions recomputed before every forward (sliding window)
+        self.step_stats = cache.step_stats
         self.shift = 1 if getattr(model, "shift_logits", False) else 0
         self.n_layers = getattr(getattr(model, "config", None), "n_layers", 1)
         self.device = model.device

@@ -64,7 +64,7 @@ def test_every_sampler_is_batch_invariant(family, cache, temperature):
     assert not bad, bad
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _bundled(family):
     model = dllm.load_model(f"{family}-tiny", dtype="float32")
     qs = ["What is 12 + 7?", "Sort: 5 3 9 1", "Reverse the list a b c d e", "Count the letters in banana"]

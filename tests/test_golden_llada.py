@@ -73,7 +73,8 @@ def fastdllm(params: dict):
     common = dict(temperature=T, softmax_dtype="float64", block_length=params["block_length"])
     if params["threshold"] is not None:
         if T > 0:
-            sampler = ComposedSampler(Threshold(params["threshold"]), noise_scope="canvas", **common)
+            sampler = ComposedSampler(Threshold(params["threshold"]), noise_scope="canvas", temperature=T,
+                                      softmax_dtype="float64")
         elif cache == "dual":
             sampler, cache = get_sampler("fast-dllm", tau=params["threshold"], **common), None  # its own dual cache
         else:
@@ -105,7 +106,8 @@ def dinfer(params: dict):
     common = dict(temperature=params["temperature"], softmax_dtype="float32", block_length=params["block_length"])
     if params["decoder"] == "credit":
         fusion = CreditFusion(alpha=params["credit_alpha"], beta=params["decay_beta"], gamma=params["boost_gamma"])
-        sampler = ComposedSampler(Threshold(params["threshold"], max_slack=1e-5), credit=fusion, **common)
+        sampler = ComposedSampler(Threshold(params["threshold"], max_slack=1e-5), credit=fusion,
+                                  temperature=params["temperature"], softmax_dtype="float32")
     else:
         sampler = get_sampler("threshold", tau=params["threshold"], max_slack=1e-5, **common)
     kw = dict(gen_length=params["gen_length"], block_length=params["block_length"],

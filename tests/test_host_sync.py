@@ -80,7 +80,7 @@ def test_dense_dream_scoring_equals_the_masked_only_path():
     for name in DREAM:
         for t in (0.0, 0.7):
             s = get_sampler(name, temperature=t)
-            run = lambda: dllm.generate(model, prompts, gen_length=16, steps=16, sampler=s, seed=1).sequences  # noqa: E731
+            run = lambda s=s: dllm.generate(model, prompts, gen_length=16, steps=16, sampler=s, seed=1).sequences  # noqa: E731
             sparse = run()
             orig = dream_mod._dense
             dream_mod._dense = lambda logits: True

@@ -9,7 +9,6 @@ differ from one-token-per-step decoding.
 from __future__ import annotations
 
 import copy
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from helpers_parity import cached_model, prompt_set
 
 import dllm
 from dllm.caches import get_cache
+from dllm.recipes import Recipe, configure
 from dllm.samplers import (
     SAMPLERS,
     AdaBlock,
@@ -90,7 +90,7 @@ def test_block_rules_match_the_reference_loop_with_temperature(family, case):
     for seed in (0, 1):
         model = cached_model(family, seed)
         prompts = prompt_set(1, seed)
-        sampler = dataclasses.replace(make(), temperature=0.8, noise_scope="canvas")
+        sampler = configure(make(), temperature=0.8, noise_scope="canvas")
         ours = dllm.generate(model, prompts, gen_length=16, block_length=8, sampler=sampler, seed=7 + seed)
         ref, nfe = O.block_oracle(model, prompts, gen_length=16, block_length=8, rule=rule(), credit=credit,
                                   temperature=0.8, seed=7 + seed)
@@ -265,10 +265,10 @@ COMPOSITIONS = {
     "credit+localleap": lambda: get_sampler("credit-localleap", kappa=0.6, tau=0.4),
     "credit+factor": lambda: ComposedSampler(Factor(1.0), credit=CreditFusion()),
     "credit+klass": lambda: ComposedSampler(KLStable(0.3, 0.05), credit=CreditFusion()),
-    "adablock+factor": lambda: ComposedSampler(Factor(1.0), block_policy=AdaBlock(8, 0.2, DELIMS)),
-    "adablock+credit": lambda: ComposedSampler(Threshold(0.5), credit=CreditFusion(), block_policy=AdaBlock(8, 0.2, DELIMS)),
-    "adablock+localleap": lambda: ComposedSampler(LocalLeap(0.6, 0.4), block_policy=AdaBlock(8, 0.2, DELIMS)),
-    "adablock+quota": lambda: ComposedSampler(Quota(), block_policy=AdaBlock(8, 0.2, DELIMS)),
+    "adablock+factor": lambda: Recipe(ComposedSampler(Factor(1.0)), block_policy=AdaBlock(8, 0.2, DELIMS)),
+    "adablock+credit": lambda: Recipe(ComposedSampler(Threshold(0.5), credit=CreditFusion()), block_policy=AdaBlock(8, 0.2, DELIMS)),
+    "adablock+localleap": lambda: Recipe(ComposedSampler(LocalLeap(0.6, 0.4)), block_policy=AdaBlock(8, 0.2, DELIMS)),
+    "adablock+quota": lambda: Recipe(ComposedSampler(Quota()), block_policy=AdaBlock(8, 0.2, DELIMS)),
     **{f"eoser+{c}+threshold": (lambda c=c: ComposedSampler(Threshold(0.5), confidence=c, eos_rejection=EOSRejection(0.4, "decoded")))
        for c in ("prob", "margin", "neg_entropy", "random")},
     **{f"eoser+{c}+quota": (lambda c=c: ComposedSampler(Quota(), confidence=c, eos_rejection=EOSRejection(0.4)))
@@ -279,10 +279,10 @@ COMPOSITIONS = {
     "eoser+klass": lambda: ComposedSampler(KLStable(0.3, 0.05), eos_rejection=EOSRejection(0.4)),
     **{f"prophet+{b}": (lambda b=b: get_sampler("prophet", base=b, early=2.0, mid=1.0, late=0.5))
        for b in ("llada", "fast-dllm", "credit", "localleap", "klass", "dream", "dream-origin", "eoser-ass", "factor")},
-    "prophet+adablock": lambda: Prophet(ComposedSampler(Threshold(0.5), block_policy=AdaBlock(8, 0.2, DELIMS)),
-                                        early=2.0, mid=1.0, late=0.5),
-    "prophet-masked+credit": lambda: Prophet(get_sampler("credit"), span="masked", progress="decoded",
-                                             early=2.0, mid=1.0, late=0.5),
+    "prophet+adablock": lambda: Recipe(Prophet(ComposedSampler(Threshold(0.5)), early=2.0, mid=1.0, late=0.5),
+                                       block_policy=AdaBlock(8, 0.2, DELIMS)),
+    "prophet-masked+credit": lambda: Recipe(Prophet(get_sampler("credit").sampler, span="masked", progress="decoded",
+                                                    early=2.0, mid=1.0, late=0.5), block_length=32),
 }
 
 
@@ -294,7 +294,7 @@ def test_composition_matrix(family, combo):
     sampler = COMPOSITIONS[combo]()
     for T in (0.0, 0.6):
         if T:
-            sampler = dataclasses.replace(sampler, temperature=T) if hasattr(sampler, "confidence") else sampler
+            sampler = configure(sampler, temperature=T) if hasattr(sampler, "confidence") else sampler
         out = dllm.generate(model, prompts, gen_length=32, block_length=None if "adablock" in combo else 8,
                             steps=32, sampler=sampler, seed=1)
         assert not (out.sequences == model.mask_id).any()

@@ -335,7 +335,7 @@ def test_klass_preset_fused_path_equals_the_composed_path(monkeypatch, rows_per_
     from dllm.samplers.presets import KLASSSampler
 
     chunk = ONE_PASS if rows_per_chunk is None else rows_per_chunk * 3 * 30 * (8 if softmax_dtype == "float64" else 4)
-    preset = get_sampler("klass", conf_threshold=0.3, kl_threshold=0.05, softmax_dtype=softmax_dtype)
+    preset = get_sampler("klass", conf_threshold=0.3, kl_threshold=0.05, softmax_dtype=softmax_dtype).sampler
     assert isinstance(preset, KLASSSampler) and preset._chunked(torch.zeros(1, 1, 1))
     composed = ComposedSampler(KLStable(conf_threshold=0.3, kl_threshold=0.05), softmax_dtype=softmax_dtype)
     _same_runs(_klass_shifting_window_run(monkeypatch, ONE_PASS, composed),

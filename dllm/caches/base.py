@@ -20,7 +20,19 @@ import torch
 
 @runtime_checkable
 class Cache(Protocol):
+    """What the decode loop and the model call. Required: ``reset``, ``plan``, ``update``; the optional hooks
+    are declared here with their no-op defaults (:class:`CacheBase`) and called directly."""
+
     name: str
+    #: ``layer_input(layer, h, rows)`` or None: sees each layer's input of a forward; in a partial forward may
+    #: return ``[B, T, d]`` hidden states (every row from this layer on) or ``(h, rows)`` (other rows)
+    layer_input: Any
+    #: ``observe(layer, q, k, key_mask, rows)`` or None: sees the queries and the full keys of each layer
+    observe: Any
+    #: ``[B, T]`` bool columns whose logits each row reads in the current partial forward (None: all)
+    read_cols: Any
+    #: True: a partial forward computes only the rows the sampler reads; other columns get zero logits
+    sparse_logits: bool
 
     def reset(self, batch: int, canvas_len: int) -> None:  # pragma: no cover - protocol
         """Start a new generate() call."""
@@ -30,6 +42,21 @@ class Cache(Protocol):
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor | None = None):
         ...  # pragma: no cover - protocol
+
+    def step_stats(self, n_layers: int) -> dict[str, Any]:  # pragma: no cover - protocol
+        """Statistics of the forward just run, for the trace."""
+
+
+class CacheBase:
+    """No-op defaults of the optional :class:`Cache` hooks."""
+
+    layer_input = None
+    observe = None
+    read_cols = None
+    sparse_logits = False
+
+    def step_stats(self, n_layers: int) -> dict[str, Any]:
+        return {}
 
 
 @dataclass
@@ -99,7 +126,7 @@ def logit_rows(state: CacheState) -> torch.Tensor:
 
 
 @dataclass
-class NoCache:
+class NoCache(CacheBase):
     """Recompute everything at every step (the exact baseline every cache is tested against)."""
 
     name: str = "none"
@@ -117,7 +144,7 @@ class NoCache:
         return k, v
 
 
-class KVCache:
+class KVCache(CacheBase):
     """Per-layer post-RoPE K/V buffers plus the shared bookkeeping of a cache policy.
 
     Subclasses implement ``select(state) -> [B, T] bool | None`` (the active rows; ``None``: a full forward)

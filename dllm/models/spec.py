@@ -10,11 +10,6 @@ from dllm.models.transformer import TransformerConfig
 
 log = logging.getLogger(__name__)
 
-# Internal parameter names of dllm.models.Transformer, per layer and global.
-LAYER_PARAMS = ("attn_norm.weight", "q.weight", "q.bias", "k.weight", "k.bias", "v.weight", "v.bias",
-                "o.weight", "mlp_norm.weight", "gate.weight", "up.weight", "down.weight")
-GLOBAL_PARAMS = ("embed.weight", "norm.weight", "head.weight")
-
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -366,3 +361,12 @@ def spec_for_model_type(model_type: str | None) -> ModelSpec:
         "Other Hugging Face models that return logits can be wrapped with dllm.models.hf.HFModel "
         "(samplers work, caches do not)."
     )
+
+
+def vocab_size(model) -> int | None:
+    """The vocabulary size of a dllm Transformer or a wrapped Hugging Face model (``None`` when unknown)."""
+    for owner in (model, getattr(model, "hf", None)):
+        size = getattr(getattr(owner, "config", None), "vocab_size", None)
+        if isinstance(size, int):
+            return size
+    return None

@@ -102,7 +102,7 @@ class Block(nn.Module):
         if cache is not None:
             k, v = cache.update(layer_idx, k, v) if rows is None else cache.update(layer_idx, k, v, rows)
         a = kernels.attention(q, k, v, key_padding_mask=key_mask)
-        observe = getattr(cache, "observe", None)
+        observe = cache.observe if cache is not None else None
         if observe is not None:  # optional hook (Elastic-Cache: attention mass, drift test)
             observe(layer_idx, q, k, key_mask, rows)
         h = h + self.o(a.transpose(1, 2).reshape(B, T, -1))
@@ -210,7 +210,7 @@ class Transformer(nn.Module):
             cos, sin = rope_tables(positions.gather(1, query_idx), hd, theta)
             h = self.embed(tokens.gather(1, query_idx))
         rows = query_idx
-        layer_input = getattr(cache, "layer_input", None)
+        layer_input = cache.layer_input if cache is not None else None
         for i, layer in enumerate(self.layers):
             if layer_input is not None:  # the cache sees each layer's input; it may switch to every row
                 switch = layer_input(i, h, rows)
@@ -235,13 +235,13 @@ class Transformer(nn.Module):
         # Columns of another row's window (the logits are computed for the union of the rows' windows) need not
         # be computed for this row: the cache's ``read_cols`` ([B, T] bool, when it has them) says which columns
         # each row reads; those must all be hit.
-        need = getattr(cache, "read_cols", None)
+        need = cache.read_cols
         missed = ~hit.any(-1)
         if need is not None:
             need = need.repeat(B // need.shape[0], 1)  # classifier-free guidance doubles the batch
             wanted_cols = torch.arange(T, device=tokens.device).expand(B, T) if logits_idx is None else logits_idx
             missed = missed & need.gather(1, wanted_cols.clamp(0, T - 1))
-        if not getattr(cache, "sparse_logits", False) and not _no_row_missed(missed):
+        if not cache.sparse_logits and not _no_row_missed(missed):
             raise ValueError("logits were asked for rows outside query_idx; the cache's active set must contain "
                              "every row whose logits are read (for shifted-logit families, column c needs row c - 1)")
         pos = hit.to(torch.int8).argmax(-1)

@@ -8,9 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dllm.samplers.adablock import AdaBlock
-from dllm.samplers.base import Sampler, StepContext, StepResult
-from dllm.samplers.blocks import BlockPolicy, FixedBlocks, SlidingWindow, WholeCanvas
+from dllm.samplers.base import Sampler, SamplerBase, StepContext, StepResult
 from dllm.samplers.composed import ComposedSampler
 from dllm.samplers.dream import DreamSampler
 from dllm.samplers.llada import LLaDASampler
@@ -72,7 +70,18 @@ def list_samplers() -> list[SamplerEntry]:
     return [SAMPLERS[k] for k in sorted(SAMPLERS)]
 
 
-__all__ = ["SAMPLERS", "AdaBlock", "Ascending", "BlockPolicy", "ComposedSampler", "CreditFusion", "DreamSampler",
+__all__ = ["SAMPLERS", "AdaBlock", "Ascending", "BlockPolicy", "ComposedSampler", "SamplerBase", "CreditFusion", "DreamSampler",
            "EOSRejection", "Factor", "FixedBlocks", "KLStable", "LLaDASampler", "LocalLeap", "Prophet", "Quota",
            "Sampler", "SamplerEntry", "SlidingWindow", "StepContext", "StepResult", "Threshold", "WholeCanvas", "get_sampler",
            "list_samplers", "register"]
+
+
+_BLOCKS = ("AdaBlock", "BlockPolicy", "FixedBlocks", "SlidingWindow", "WholeCanvas")
+
+
+def __getattr__(name):  # block policies live in dllm.blocks; importable from here too
+    if name in _BLOCKS:
+        import dllm.blocks
+
+        return getattr(dllm.blocks, name)
+    raise AttributeError(f"module 'dllm.samplers' has no attribute {name!r}")

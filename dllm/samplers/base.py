@@ -19,12 +19,13 @@ stream); those depend on the batch.
 
 from __future__ import annotations
 
-import numbers
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+from dllm.ops import _blocks, check_choice, check_range, fast_argmax, top2_values  # noqa: F401 (re-exported)
 
 NOISE_SCOPES = ("row", "region", "canvas")
 SOFTMAX_DTYPES = {"float32": torch.float32, "float64": torch.float64, "model": None}
@@ -77,29 +78,28 @@ class StepResult:
 
 @runtime_checkable
 class Sampler(Protocol):
+    """What the decode loop calls. Required: ``step``; the optional hooks are declared here with their no-op
+    defaults (:class:`SamplerBase`) and called directly by the loop."""
+
     name: str
+    #: ``window_columns(win_lo, win_hi, gen_lo, canvas_len) -> (lo, hi)`` or None: canvas columns whose logits
+    #: the loop computes beyond the regions (ints for the batch, ``[B]`` tensors per row; Prophet's fill)
+    window_columns: Any
 
     def step(self, logits: torch.Tensor, ctx: StepContext) -> StepResult:  # pragma: no cover - protocol
         ...
 
-
-def check_range(name: str, value, lo, hi, *, lo_open=False, hi_open=False, fix: str = "") -> None:
-    """Raise a ValueError naming the parameter, its range and the fix (NaN, non-numbers and bools are refused)."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
-        raise ValueError(f"{name}={value!r} is not a number; it must be a number in "
-                         f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}{fix}")
-    bad = (value is None or value != value or value < lo or value > hi  # value != value: NaN
-           or (lo_open and value == lo) or (hi_open and value == hi))
-    if bad:
-        lb = "(" if lo_open else "["
-        rb = ")" if hi_open else "]"
-        raise ValueError(f"{name}={value!r} is out of range; it must lie in {lb}{lo}, {hi}{rb}{fix}")
+    def bind_model(self, model) -> Sampler:  # pragma: no cover - protocol
+        """This sampler prepared for ``model`` (once per ``generate``: load a guide, take the family's style)."""
 
 
-def check_choice(name: str, value, choices) -> None:
-    """Raise a ValueError naming the unknown value and listing the known ones."""
-    if value not in choices:
-        raise ValueError(f"unknown {name} {value!r}; known: {', '.join(choices)}")
+class SamplerBase:
+    """No-op defaults of the optional :class:`Sampler` hooks (every dllm sampler inherits them)."""
+
+    window_columns = None
+
+    def bind_model(self, model):
+        return self
 
 
 _M32 = 0xFFFFFFFF
@@ -161,6 +161,18 @@ def row_uniform(ctx: StepContext, W: int, n_tail: int | None, dtype) -> torch.Te
     return (h >> 8).to(dtype).add_(0.5).mul_(2.0 ** -24)
 
 
+def fused_enabled(mode: str, logits: torch.Tensor, eligible: bool) -> bool:
+    """The one rule for a sampler's ``fused`` option (``"auto"`` | ``"on"`` | ``"off"``): whether this step's
+    proposal and score come from :func:`dllm.kernels.confidence_stats`. ``eligible``: the sampler's stage allows
+    it (greedy, a float32 score the kernel computes). ``"auto"`` uses the kernel where the dispatcher runs Triton
+    (CUDA), ``"on"`` wherever eligible."""
+    from dllm import kernels
+
+    if mode == "off" or not eligible:
+        return False
+    return mode == "on" or kernels.uses_triton(logits)
+
+
 def canvas_rand(shape_tail: tuple[int, ...], ctx: StepContext, W: int, B: int, dtype, device, scope: str):
     """Uniform noise for the window: per row (``row``, the default: batch-invariant, :func:`row_uniform`), drawn
     from ``ctx.generator`` over the window (``region``) or over the whole canvas and sliced (``canvas``: the
@@ -173,52 +185,6 @@ def canvas_rand(shape_tail: tuple[int, ...], ctx: StepContext, W: int, B: int, d
         u = torch.rand((B, ctx.canvas_len, *shape_tail), generator=ctx.generator, dtype=dtype, device=device)
         return u[:, ctx.win_lo : ctx.win_lo + W]
     return torch.rand((B, W, *shape_tail), generator=ctx.generator, dtype=dtype, device=device)
-
-
-_BLOCK = 256  # chunk of the vocabulary for the blocked CPU reductions below
-
-
-def _blocks(x: torch.Tensor):
-    """``(head [..., n, _BLOCK] view, tail [..., V % _BLOCK])`` of the last dimension, or ``None`` when the
-    plain kernel is as fast (GPU, small vocabularies)."""
-    V = x.shape[-1]
-    if x.device.type != "cpu" or V < 8 * _BLOCK:
-        return None
-    n = V // _BLOCK
-    return x[..., : n * _BLOCK].unflatten(-1, (n, _BLOCK)), x[..., n * _BLOCK :]
-
-
-def fast_argmax(x: torch.Tensor) -> torch.Tensor:
-    """``x.argmax(-1)`` (first maximal index), computed blockwise on CPU, where PyTorch's last-dimension
-    ``argmax`` is not vectorised and costs about twice a softmax at a 126k vocabulary (``amax`` is)."""
-    parts = _blocks(x)
-    if parts is None:
-        return x.argmax(-1)
-    head, tail = parts
-    bmax = head.amax(-1)  # [..., n]
-    b = bmax.argmax(-1)
-    blk = head.gather(-2, b[..., None, None].expand(*b.shape, 1, _BLOCK)).squeeze(-2)
-    idx = b * _BLOCK + blk.argmax(-1)
-    if tail.shape[-1]:
-        tv, ti = tail.max(-1)
-        best = bmax.gather(-1, b[..., None]).squeeze(-1)
-        idx = torch.where(tv > best, head.shape[-2] * _BLOCK + ti, idx)
-    return idx
-
-
-def top2_values(x: torch.Tensor) -> torch.Tensor:
-    """``torch.topk(x, 2, dim=-1).values`` (``[..., 2]``), blockwise on CPU like :func:`fast_argmax`."""
-    parts = _blocks(x)
-    if parts is None:
-        return torch.topk(x, 2, dim=-1).values
-    head, tail = parts
-    bmax = head.amax(-1)
-    bv, bi = torch.topk(bmax, 2, dim=-1)  # the two largest block maxima
-    blk = head.gather(-2, bi[..., :1, None].expand(*bi.shape[:-1], 1, _BLOCK)).squeeze(-2)
-    cands = [torch.topk(blk, 2, dim=-1).values, bv[..., 1:]]
-    if tail.shape[-1]:
-        cands.append(torch.topk(tail, min(2, tail.shape[-1]), dim=-1).values)
-    return torch.topk(torch.cat(cands, -1), 2, dim=-1).values
 
 
 def argmax_unmasked(x: torch.Tensor, mask_id: int | None) -> torch.Tensor:

@@ -12,8 +12,8 @@ Per step, on the window's ``[B, W, V]`` logits (the whole vocabulary; the mask i
 4. ``eos_rejection`` (optional, :class:`~dllm.samplers.transforms.EOSRejection`): EOS confidence attenuation;
 5. ``rule`` (:mod:`dllm.samplers.rules`): which candidates to commit (at least one per row with candidates).
 
-``block_length`` / ``block_policy`` are the preset's preferred region layout, used by ``generate`` when the
-caller sets neither (see :func:`dllm.samplers.blocks.resolve_blocks`).
+A sampler decides what to commit inside a region; the region layout (block length or block policy) and the
+cache are the other two axes of a decoding recipe (:mod:`dllm.recipes`).
 """
 
 from __future__ import annotations
@@ -23,15 +23,16 @@ from typing import Any
 
 import torch
 
-from dllm import kernels
 from dllm.samplers.base import (
     NOISE_SCOPES,
     SOFTMAX_DTYPES,
+    SamplerBase,
     StepContext,
     StepResult,
     check_choice,
     check_range,
     ensure_progress,
+    fused_enabled,
     gumbel_argmax,
 )
 from dllm.samplers.rules import CommitRule, Threshold
@@ -42,7 +43,7 @@ FUSED_CHOICES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
-class ComposedSampler:
+class ComposedSampler(SamplerBase):
     """A commit rule plus optional stages (see the module docstring).
 
     Args:
@@ -55,10 +56,6 @@ class ComposedSampler:
             whole canvas: the references' random stream; batch-dependent, as theirs is).
         credit: CreditDecoding stage or ``None``.
         eos_rejection: EOS early rejection stage or ``None``.
-        block_length: preferred fixed block length (``None``: none).
-        block_policy: preferred block policy (e.g. :class:`~dllm.samplers.adablock.AdaBlock`).
-        cache: preferred cache policy, a registered name or ``(name, ((param, value), ...))`` (``None``:
-            none), used by ``generate`` when the caller passes no cache (presets: ``fast-dllm`` -> dual).
         fused: ``"auto"`` (default), ``"on"`` or ``"off"``: compute the greedy proposal and its score with
             :func:`dllm.kernels.confidence_stats` (one pass over the vocabulary, no softmax tensor) through the
             kernel dispatcher. ``"auto"`` uses it where the dispatcher runs the Triton kernel (CUDA) and the
@@ -75,9 +72,6 @@ class ComposedSampler:
     noise_scope: str = "row"
     credit: CreditFusion | None = None
     eos_rejection: EOSRejection | None = None
-    block_length: int | None = None
-    block_policy: Any = None
-    cache: Any = None
     fused: str = "auto"
     name: str = "composed"
 
@@ -89,8 +83,6 @@ class ComposedSampler:
         check_choice("fused", self.fused, FUSED_CHOICES)
         if not hasattr(self.rule, "select"):
             raise TypeError(f"rule must be a commit rule with select(conf, ctx, logits=...), got {self.rule!r}")
-        if self.block_length is not None and (not isinstance(self.block_length, int) or self.block_length < 1):
-            raise ValueError(f"block_length={self.block_length!r} must be a positive integer or None")
 
     def step(self, logits: torch.Tensor, ctx: StepContext) -> StepResult:
         info: dict[str, Any] = {}
@@ -122,11 +114,9 @@ class ComposedSampler:
 
     def _fused(self, logits: torch.Tensor) -> bool:
         """Whether this step's proposal and score come from :func:`dllm.kernels.confidence_stats`."""
-        if self.fused == "off" or self.temperature != 0 or self.confidence == "random":
-            return False
-        if self.softmax_dtype != "float32" or self._rule_wants_probs():
-            return False
-        return self.fused == "on" or kernels.uses_triton(logits)
+        eligible = (self.temperature == 0 and self.confidence != "random" and self.softmax_dtype == "float32"
+                    and not self._rule_wants_probs())
+        return fused_enabled(self.fused, logits, eligible)
 
     def _sparse_credit(self) -> bool:
         """Greedy proposals with the ``prob`` score need only the credited entries of the fused logits."""

@@ -27,15 +27,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dllm import kernels
 from dllm.samplers.base import (
     NOISE_SCOPES,
+    SamplerBase,
     StepContext,
     StepResult,
     argmax_unmasked,
     canvas_rand,
     check_choice,
     check_range,
+    fused_enabled,
     select_topk,
     top2_values,
 )
@@ -172,7 +173,7 @@ def _dense(logits: torch.Tensor) -> bool:
 
 
 @dataclass(frozen=True)
-class DreamSampler:
+class DreamSampler(SamplerBase):
     """Dream ``diffusion_generate`` as a sampler (see module docstring).
 
     ``noise_scope``: ``"row"`` (default) takes every random number from per-row counter-based noise
@@ -220,9 +221,8 @@ class DreamSampler:
 
     def _fused(self, logits: torch.Tensor) -> bool:
         """Whether this step's proposal and score come from :func:`dllm.kernels.confidence_stats`."""
-        if self.fused == "off" or self.temperature != 0 or self.alg == "origin":
-            return False
-        return self.fused == "on" or (logits.dtype == torch.float32 and kernels.uses_triton(logits))
+        eligible = self.temperature == 0 and self.alg != "origin" and (self.fused == "on" or logits.dtype == torch.float32)
+        return fused_enabled(self.fused, logits, eligible)
 
     def step(self, logits: torch.Tensor, ctx: StepContext) -> StepResult:
         """``logits``: ``[B, W, V]`` float (the whole vocabulary); returns ``[B, W]`` int64 proposals and a

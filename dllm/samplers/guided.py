@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from dllm.samplers.base import StepContext, StepResult, check_choice, check_range, gumbel_argmax
+from dllm.samplers.base import SamplerBase, StepContext, StepResult, check_choice, check_range, gumbel_argmax
 
 GUIDE_MODES = ("deterministic", "topk")
 DEFAULT_GUIDE = "ar-tiny"
@@ -158,7 +158,7 @@ def _compact(st: dict, force: bool = False) -> None:
     st["slots"] = torch.arange(keep, device=slots.device)[None] < count[:, None]
 
 
-class GuidedSampler:
+class GuidedSampler(SamplerBase):
     """AR-guided unmasking. See the module docstring.
 
     Args:
@@ -170,15 +170,13 @@ class GuidedSampler:
         chunk: drafts verified per guide forward (32).
         guide_dtype: dtype to load a guide checkpoint in (default: the checkpoint's).
         pad_id: the canvas's left-padding id (default: the EOS id).
-        block_length: preferred region length (``None``: ``generate``'s default layout).
         temperature: Gumbel-max temperature of the dLLM's drafts (0: argmax, the method's setting).
         record: add the per-position decisions to the trace (``guide_kind``: 1 accepted draft, 2 guide
             correction, 3 EOS fill after a stop; ``guide_draft``: the dLLM's drafts), for inspection and tests.
     """
 
     def __init__(self, guide=DEFAULT_GUIDE, mode: str = "deterministic", k: int = 2, r: float = 0.5, chunk: int = 32,
-                 guide_dtype: str | None = None, pad_id: int | None = None, block_length: int | None = None,
-                 record: bool = False, temperature: float = 0.0, name: str = "guided"):
+                 guide_dtype: str | None = None, pad_id: int | None = None, record: bool = False, temperature: float = 0.0, name: str = "guided"):
         check_choice("guide mode", mode, GUIDE_MODES)
         check_range("k", k, 1, float("inf"), fix=" (the guide's top-k)")
         check_range("r", r, 0.0, 1.0, fix=" (p(draft) >= r * p(top1))")
@@ -188,8 +186,7 @@ class GuidedSampler:
                              "or a transformers causal LM")
         self.guide, self.mode, self.k, self.r, self.chunk = guide, mode, int(k), float(r), int(chunk)
         check_range("temperature", temperature, 0.0, float("inf"))
-        self.guide_dtype, self.pad_id, self.block_length, self.record, self.name = (
-            guide_dtype, pad_id, block_length, record, name)
+        self.guide_dtype, self.pad_id, self.record, self.name = guide_dtype, pad_id, record, name
         self.temperature = float(temperature)
         self._model = self._tok = None
         self._checked: set[int] = set()
@@ -213,7 +210,7 @@ class GuidedSampler:
             self._model.eval().requires_grad_(False)
         return self._model, self._tok
 
-    def bind_model(self, model) -> None:
+    def bind_model(self, model) -> GuidedSampler:
         """Called by ``generate`` before decoding: load the guide, move it to the dLLM's device, check that
         both share one tokenizer."""
         g, tok = self.guide_model()
@@ -223,6 +220,7 @@ class GuidedSampler:
         if id(model) not in self._checked:
             check_tokenizers(model, g, tok)
             self._checked.add(id(model))
+        return self
 
     # -- one step ----------------------------------------------------------------------------------------------
 
@@ -393,10 +391,13 @@ def guided_summary(stats) -> dict[str, float]:
 
 def guided(guide=DEFAULT_GUIDE, mode: str = "deterministic", k: int = 2, r: float = 0.5, chunk: int = 32,
            temperature: float = 0.0, guide_dtype: str | None = None, block_length: int | None = None,
-           record: bool = False, name: str = "guided") -> GuidedSampler:
-    """AR-guided unmasking: the dLLM drafts, a causal LM (default: bundled ``ar-tiny``) verifies left to right."""
-    return GuidedSampler(guide, mode, k, r, chunk, guide_dtype=guide_dtype, block_length=block_length, record=record,
-                         temperature=temperature, name=name)
+           record: bool = False, name: str = "guided"):
+    """AR-guided unmasking: the dLLM drafts, a causal LM (default: bundled ``ar-tiny``) verifies left to right
+    (a :class:`~dllm.recipes.Recipe`: the sampler and its preferred ``block_length``)."""
+    from dllm.recipes import Recipe
+
+    return Recipe(GuidedSampler(guide, mode, k, r, chunk, guide_dtype=guide_dtype, record=record,
+                                temperature=temperature, name=name), block_length=block_length, name=name)
 
 
 def with_guide(sampler, guide):
@@ -407,10 +408,14 @@ def with_guide(sampler, guide):
     if not ok:
         raise ValueError(f"AR-guided decoding: guide must be a causal LM checkpoint directory, the bundled name "
                          f"'ar-tiny', a transformers causal LM or a (model, tokenizer) pair, not {type(guide).__name__}")
+    from dllm.recipes import Recipe, as_recipe
+
     if sampler is None or sampler == "guided":
         return guided(guide)
-    if isinstance(sampler, GuidedSampler):
-        return GuidedSampler(guide, sampler.mode, sampler.k, sampler.r, sampler.chunk, guide_dtype=sampler.guide_dtype,
-                             pad_id=sampler.pad_id, block_length=sampler.block_length, record=sampler.record,
-                             temperature=sampler.temperature, name=sampler.name)
+    recipe = as_recipe(sampler)
+    s = recipe.sampler
+    if isinstance(s, GuidedSampler):
+        return Recipe(GuidedSampler(guide, s.mode, s.k, s.r, s.chunk, guide_dtype=s.guide_dtype, pad_id=s.pad_id,
+                                    record=s.record, temperature=s.temperature, name=s.name),
+                      recipe.block_length, recipe.block_policy, recipe.cache, recipe.name)
     raise ValueError(f"guide=... works with the guided sampler (sampler=None or 'guided'), not with {sampler!r}")

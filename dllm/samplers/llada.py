@@ -16,15 +16,16 @@ from dataclasses import dataclass
 
 import torch
 
-from dllm import kernels
 from dllm.samplers.base import (
     NOISE_SCOPES,
     SOFTMAX_DTYPES,
+    SamplerBase,
     StepContext,
     StepResult,
     canvas_rand,
     check_choice,
     even_quota,
+    fused_enabled,
     gumbel_argmax,
     select_topk,
     token_prob,
@@ -37,7 +38,7 @@ __all__ = ["REMASKING", "SOFTMAX_DTYPES", "LLaDASampler", "even_quota"]
 
 
 @dataclass(frozen=True)
-class LLaDASampler:
+class LLaDASampler(SamplerBase):
     """LLaDA ``generate.py`` as a sampler.
 
     Args:
@@ -103,13 +104,10 @@ class LLaDASampler:
 
     def _fused(self, logits: torch.Tensor, ctx: StepContext) -> bool:
         """Whether this step's proposal and score come from :func:`dllm.kernels.confidence_stats`."""
-        if self.fused == "off" or self.temperature != 0 or self.remasking != "low_confidence":
-            return False
-        if (SOFTMAX_DTYPES[self.softmax_dtype] or logits.dtype) != torch.float32:
-            return False
-        if self.confidence_eos_eot_inf and (ctx.eos_id is not None or ctx.eot_id is not None):
-            return False
-        return self.fused == "on" or kernels.uses_triton(logits)
+        eligible = (self.temperature == 0 and self.remasking == "low_confidence"
+                    and (SOFTMAX_DTYPES[self.softmax_dtype] or logits.dtype) == torch.float32
+                    and not (self.confidence_eos_eot_inf and (ctx.eos_id is not None or ctx.eot_id is not None)))
+        return fused_enabled(self.fused, logits, eligible)
 
     def _confidence(self, logits, x0, ctx: StepContext) -> torch.Tensor:
         if self.confidence_eos_eot_inf:

@@ -1,9 +1,9 @@
 """Named sampler configurations (the papers' settings) built from the composable pieces.
 
 Each factory takes flat keyword parameters (what ``dllm samplers`` lists and ``--param k=v`` sets) and
-returns a :class:`~dllm.samplers.composed.ComposedSampler` or a :class:`~dllm.samplers.prophet.Prophet`
-wrapper. ``block_length`` / ``block_policy`` on the result are the preset's preferred region layout, used by
-``generate`` when the caller sets none.
+returns a :class:`~dllm.recipes.Recipe`: the sampler (a :class:`~dllm.samplers.composed.ComposedSampler`, a
+:class:`~dllm.samplers.prophet.Prophet` wrapper, ...), the block layout and the cache of the published setting,
+which ``generate`` uses where the caller chooses none (:func:`dllm.recipes.resolve`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from dllm.samplers.adablock import AdaBlock
+from dllm.blocks import AdaBlock, SlidingWindow
+from dllm.recipes import Recipe
 from dllm.samplers.base import StepContext, StepResult, check_choice
 from dllm.samplers.composed import ComposedSampler
 from dllm.samplers.guided import guided
@@ -21,17 +22,18 @@ from dllm.samplers.rules import Ascending, Factor, KLStable, LocalLeap, Quota, T
 from dllm.samplers.transforms import CreditFusion, EOSRejection
 
 
-def _common(temperature, confidence, softmax_dtype, block_length, name, fused="auto", noise_scope="row"):
+def _common(temperature, confidence, softmax_dtype, name, fused="auto", noise_scope="row"):
     return {"temperature": temperature, "confidence": confidence, "softmax_dtype": softmax_dtype,
-            "block_length": block_length, "name": name, "fused": fused, "noise_scope": noise_scope}
+            "name": name, "fused": fused, "noise_scope": noise_scope}
 
 
 def threshold_sampler(tau: float = 0.9, temperature: float = 0.0, confidence: str = "prob",
                       softmax_dtype: str = "float32", noise_scope: str = "row", max_slack: float = 0.0, block_length: int | None = None,
                       fused: str = "auto", name: str = "threshold") -> ComposedSampler:
     """Fast-dLLM threshold rule: commit every candidate with ``conf >= tau`` plus the best one."""
-    return ComposedSampler(Threshold(tau, max_slack),
-                           **_common(temperature, confidence, softmax_dtype, block_length, name, fused, noise_scope))
+    return Recipe(ComposedSampler(Threshold(tau, max_slack),
+                                  **_common(temperature, confidence, softmax_dtype, name, fused, noise_scope)),
+                  block_length=block_length, name=name)
 
 
 def _cache(cache):
@@ -42,19 +44,17 @@ def fast_dllm(tau: float = 0.9, temperature: float = 0.0, confidence: str = "pro
               softmax_dtype: str = "float32", noise_scope: str = "row", block_length: int | None = 32, cache: str | None = "dual",
               name: str = "fast-dllm") -> ComposedSampler:
     """Fast-dLLM parallel decoding: threshold 0.9, block 32, dual cache (when the caller passes none)."""
-    return ComposedSampler(Threshold(tau), cache=_cache(cache),
-                           **_common(temperature, confidence, softmax_dtype, block_length, name, noise_scope=noise_scope))
+    return Recipe(ComposedSampler(Threshold(tau), **_common(temperature, confidence, softmax_dtype, name, noise_scope=noise_scope)),
+                  block_length=block_length, cache=_cache(cache), name=name)
 
 
 def elastic(tau: float = 0.9, window: int = 16, gamma: float = 0.9, track_num: int = 1, temperature: float = 0.0,
             confidence: str = "prob", softmax_dtype: str = "float32", noise_scope: str = "row", name: str = "elastic") -> ComposedSampler:
     """Elastic-Cache: threshold 0.9 over a window sliding over the first ``window`` (16) remaining masks
-    (:class:`~dllm.samplers.blocks.SlidingWindow`), elastic cache (gamma 0.9, one tracked token per layer)."""
-    from dllm.samplers.blocks import SlidingWindow
-
-    return ComposedSampler(Threshold(tau), cache=("elastic", (("gamma", gamma), ("track_num", track_num))),
-                           block_policy=SlidingWindow(window),
-                           **_common(temperature, confidence, softmax_dtype, None, name, noise_scope=noise_scope))
+    (:class:`~dllm.blocks.SlidingWindow`), elastic cache (gamma 0.9, one tracked token per layer)."""
+    return Recipe(ComposedSampler(Threshold(tau), **_common(temperature, confidence, softmax_dtype, name, noise_scope=noise_scope)),
+                  block_policy=SlidingWindow(window), cache=("elastic", (("gamma", gamma), ("track_num", track_num))),
+                  name=name)
 
 
 def dkv(refresh_every: int = 8, temperature: float = 0.0, confidence: str = "prob", softmax_dtype: str = "float32", noise_scope: str = "row",
@@ -62,31 +62,33 @@ def dkv(refresh_every: int = 8, temperature: float = 0.0, confidence: str = "pro
     """dKV-Cache-Decode over LLaDA's low-confidence even quota (cache_reloading_step 8). The softmax is float32
     like every preset's; ``softmax_dtype="float64"`` is the reference's (older LLaDA code), at about 10x the
     per-step sampler cost at a 126k vocabulary on CPU."""
-    return ComposedSampler(Quota(), cache=("dkv-decode", (("refresh_every", refresh_every),)),
-                           **_common(temperature, confidence, softmax_dtype, block_length, name, noise_scope=noise_scope))
+    return Recipe(ComposedSampler(Quota(), **_common(temperature, confidence, softmax_dtype, name, noise_scope=noise_scope)),
+                  block_length=block_length, cache=("dkv-decode", (("refresh_every", refresh_every),)), name=name)
 
 
 def factor_sampler(factor: float = 1.0, quirk: bool = False, temperature: float = 0.0, confidence: str = "prob",
                    softmax_dtype: str = "float32", noise_scope: str = "row", block_length: int | None = None, fused: str = "auto",
                    name: str = "factor") -> ComposedSampler:
     """Fast-dLLM factor rule: longest sorted prefix with ``c_n >= 1 - factor / (n + 1)``."""
-    return ComposedSampler(Factor(factor, quirk),
-                           **_common(temperature, confidence, softmax_dtype, block_length, name, fused, noise_scope))
+    return Recipe(ComposedSampler(Factor(factor, quirk), **_common(temperature, confidence, softmax_dtype, name, fused, noise_scope)),
+                  block_length=block_length, name=name)
 
 
 def localleap(kappa: float = 0.9, tau: float | None = 0.75, radius: int = 4, temperature: float = 0.0,
               confidence: str = "prob", softmax_dtype: str = "float32", noise_scope: str = "row", block_length: int | None = 32,
               name: str = "localleap") -> ComposedSampler:
     """LocalLeap: anchors ``conf >= kappa``, relaxed ``tau`` within ``radius`` of an anchor; block 32."""
-    return ComposedSampler(LocalLeap(kappa, tau, radius), **_common(temperature, confidence, softmax_dtype, block_length, name, noise_scope=noise_scope))
+    return Recipe(ComposedSampler(LocalLeap(kappa, tau, radius), **_common(temperature, confidence, softmax_dtype, name, noise_scope=noise_scope)),
+                  block_length=block_length, name=name)
 
 
 def credit(alpha: float = 0.7, beta: float = 0.8, gamma: float = 0.2, tau: float = 0.9, slots: int = 8,
            temperature: float = 0.0, confidence: str = "prob", softmax_dtype: str = "float32", noise_scope: str = "row",
            block_length: int | None = 32, name: str = "credit") -> ComposedSampler:
     """CreditDecoding (dInfer): trace credits fused into the logits, then the threshold rule; block 32."""
-    return ComposedSampler(Threshold(tau), credit=CreditFusion(alpha, beta, gamma, slots),
-                           **_common(temperature, confidence, softmax_dtype, block_length, name, noise_scope=noise_scope))
+    return Recipe(ComposedSampler(Threshold(tau), credit=CreditFusion(alpha, beta, gamma, slots),
+                                  **_common(temperature, confidence, softmax_dtype, name, noise_scope=noise_scope)),
+                  block_length=block_length, name=name)
 
 
 def credit_localleap(alpha: float = 0.7, beta: float = 0.8, gamma: float = 0.2, slots: int = 8, kappa: float = 0.9,
@@ -94,8 +96,9 @@ def credit_localleap(alpha: float = 0.7, beta: float = 0.8, gamma: float = 0.2, 
                      softmax_dtype: str = "float32", noise_scope: str = "row", block_length: int | None = 32,
                      name: str = "credit-localleap") -> ComposedSampler:
     """CreditDecoding's fused logits with the LocalLeap rule (a composition, not a paper preset)."""
-    return ComposedSampler(LocalLeap(kappa, tau, radius), credit=CreditFusion(alpha, beta, gamma, slots),
-                           **_common(temperature, confidence, softmax_dtype, block_length, name, noise_scope=noise_scope))
+    return Recipe(ComposedSampler(LocalLeap(kappa, tau, radius), credit=CreditFusion(alpha, beta, gamma, slots),
+                                  **_common(temperature, confidence, softmax_dtype, name, noise_scope=noise_scope)),
+                  block_length=block_length, name=name)
 
 
 def prophet(base: str = "llada", early: float = 7.5, mid: float = 5.0, late: float = 2.5, span="region",
@@ -107,7 +110,11 @@ def prophet(base: str = "llada", early: float = 7.5, mid: float = 5.0, late: flo
     if base in ("prophet", name):
         raise ValueError(f"base={base!r}: Prophet cannot wrap itself; use e.g. base='llada' or base='fast-dllm'")
     inner = get_sampler(base, temperature=temperature)
-    return Prophet(inner, early, mid, late, span=span, progress=progress, block_length=block_length, name=name)
+    if isinstance(inner, Recipe):  # the base preset's layout (and no cache: Prophet reads beyond the regions)
+        return Recipe(Prophet(inner.sampler, early, mid, late, span=span, progress=progress, name=name),
+                      block_length=block_length or inner.block_length, block_policy=inner.block_policy, name=name)
+    return Recipe(Prophet(inner, early, mid, late, span=span, progress=progress, name=name),
+                  block_length=block_length, name=name)
 
 
 def adablock(tau: float = 0.9, block_length: int | None = None, delimiter_threshold: float | None = None,
@@ -115,29 +122,32 @@ def adablock(tau: float = 0.9, block_length: int | None = None, delimiter_thresh
              softmax_dtype: str = "float32", noise_scope: str = "row", name: str = "adablock") -> ComposedSampler:
     """AdaBlock-dLLM: delimiter-aligned blocks (fallback ``block_length``, default 32) with threshold 0.9."""
     policy = AdaBlock(block_length, delimiter_threshold, delimiters, window)
-    return ComposedSampler(Threshold(tau), block_policy=policy,
-                           **_common(temperature, confidence, softmax_dtype, None, name, noise_scope=noise_scope))
+    return Recipe(ComposedSampler(Threshold(tau), **_common(temperature, confidence, softmax_dtype, name, noise_scope=noise_scope)),
+                  block_policy=policy, name=name)
 
 
 def eoser(gamma_min: float = 0.4, progress: str = "step", temperature: float = 0.0, confidence: str = "prob",
           softmax_dtype: str = "float32", noise_scope: str = "row", block_length: int | None = None, name: str = "eoser") -> ComposedSampler:
     """EOS early rejection over LLaDA's even quota (full diffusion: one block)."""
-    return ComposedSampler(Quota(), eos_rejection=EOSRejection(gamma_min, progress),
-                           **_common(temperature, confidence, softmax_dtype, block_length, name, noise_scope=noise_scope))
+    return Recipe(ComposedSampler(Quota(), eos_rejection=EOSRejection(gamma_min, progress),
+                                  **_common(temperature, confidence, softmax_dtype, name, noise_scope=noise_scope)),
+                  block_length=block_length, name=name)
 
 
 def ascending(steps: int | None = None, per_region: bool = False, temperature: float = 0.0, confidence: str = "prob",
               softmax_dtype: str = "float32", noise_scope: str = "row", block_length: int | None = None, name: str = "ascending") -> ComposedSampler:
     """Ascending step size: ``2**i`` tokens at step ``i`` (one block of 256: 8 steps)."""
-    return ComposedSampler(Ascending(steps, per_region), **_common(temperature, confidence, softmax_dtype, block_length, name, noise_scope=noise_scope))
+    return Recipe(ComposedSampler(Ascending(steps, per_region), **_common(temperature, confidence, softmax_dtype, name, noise_scope=noise_scope)),
+                  block_length=block_length, name=name)
 
 
 def eoser_ass(gamma_min: float = 0.01, steps: int | None = None, per_region: bool = False, temperature: float = 0.0,
               confidence: str = "prob", softmax_dtype: str = "float32", noise_scope: str = "row", block_length: int | None = None,
               name: str = "eoser-ass") -> ComposedSampler:
     """EOSER + ASS (paper configuration: one block, ``gamma_min = 0.01``, EOSER progress of the ascending schedule)."""
-    return ComposedSampler(Ascending(steps, per_region), eos_rejection=EOSRejection(gamma_min, "ass"),
-                           **_common(temperature, confidence, softmax_dtype, block_length, name, noise_scope=noise_scope))
+    return Recipe(ComposedSampler(Ascending(steps, per_region), eos_rejection=EOSRejection(gamma_min, "ass"),
+                                  **_common(temperature, confidence, softmax_dtype, name, noise_scope=noise_scope)),
+                  block_length=block_length, name=name)
 
 
 @dataclass(frozen=True)
@@ -151,14 +161,12 @@ class KLASSSampler(ComposedSampler):
     :meth:`ComposedSampler.step`."""
 
     style: str = "llada"
-    auto_block: bool = False
 
     def styled(self, style: str) -> KLASSSampler:
-        """This sampler with the rule (and, with ``auto_block``, the block length) of a reference style."""
+        """This sampler with the rule of a reference style."""
         dream = style == "dream"
         rule = replace(self.rule, inclusive=dream, fallback=None if dream else Quota())
-        block = (None if dream else 64) if self.auto_block else self.block_length
-        return replace(self, rule=rule, style=style, block_length=block)
+        return replace(self, rule=rule, style=style)
 
     def bind_model(self, model) -> KLASSSampler:
         """Resolve ``style="auto"`` from the model family (Dream-format: ``"dream"``, else ``"llada"``)."""
@@ -196,11 +204,30 @@ def klass(conf_threshold: float = 0.6, kl_threshold: float = 0.015, history: int
     ``block_length="auto"`` takes the style's."""
     check_choice("style", style, KLASS_STYLES)
     sampler = KLASSSampler(KLStable(conf_threshold, kl_threshold, history),
-                           **_common(temperature, confidence, softmax_dtype, 64, name, noise_scope=noise_scope), style="auto",
-                           auto_block=block_length == "auto")
-    if block_length != "auto":
-        sampler = replace(sampler, block_length=block_length)
-    return sampler if style == "auto" else sampler.styled(style)
+                           **_common(temperature, confidence, softmax_dtype, name, noise_scope=noise_scope), style="auto")
+    if style != "auto":
+        sampler = sampler.styled(style)
+    return KLASSRecipe(sampler, block_length=_klass_block(style) if block_length == "auto" else block_length,
+                       name=name, auto_block=block_length == "auto")
+
+
+def _klass_block(style: str) -> int | None:
+    """The reference's layout: block 64 in the LLaDA script, the whole canvas in the Dream code."""
+    return None if style == "dream" else 64
+
+
+@dataclass(frozen=True)
+class KLASSRecipe(Recipe):
+    """The ``klass`` recipe: with ``auto_block`` its block length follows the style the sampler takes when it is
+    bound to the model (LLaDA: 64, Dream: the whole canvas)."""
+
+    auto_block: bool = False
+
+    def bind_model(self, model) -> Recipe:
+        bound = super().bind_model(model)
+        if self.auto_block:
+            bound = replace(bound, block_length=_klass_block(bound.sampler.style))
+        return bound
 
 
 #: name -> (factory, description); registered by :mod:`dllm.samplers`.

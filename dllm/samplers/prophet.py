@@ -36,12 +36,12 @@ host sync per step to find out).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from dllm.samplers.base import StepContext, StepResult, check_range, gumbel_argmax, top2_values
+from dllm.samplers.base import SamplerBase, StepContext, StepResult, check_range, gumbel_argmax, top2_values
 
 PROPHET_PROGRESS = ("steps", "decoded")
 
@@ -65,7 +65,7 @@ def parse_span(span) -> str | tuple[int, int]:
 
 
 @dataclass(frozen=True)
-class Prophet:
+class Prophet(SamplerBase):
     """Prophet early commit over ``inner`` (any sampler). See the module docstring.
 
     Args:
@@ -78,7 +78,6 @@ class Prophet:
             ``steps``).
         temperature: Gumbel-max temperature of the fill outside the inner proposals (``None``: the inner
             sampler's ``temperature``, else 0).
-        block_length: preferred fixed block length (``None``: the inner sampler's).
     """
 
     inner: Any
@@ -89,7 +88,6 @@ class Prophet:
     span: Any = "region"
     progress: str = "steps"
     temperature: float | None = None
-    block_length: int | None = None
     name: str = "prophet"
 
     def __post_init__(self):
@@ -107,12 +105,10 @@ class Prophet:
         if self.temperature is not None:
             check_range("temperature", self.temperature, 0, float("inf"), hi_open=True)
 
-    @property
-    def block_policy(self):
-        return getattr(self.inner, "block_policy", None)
-
-    def preferred_block_length(self) -> int | None:
-        return self.block_length or getattr(self.inner, "block_length", None)
+    def bind_model(self, model) -> Prophet:
+        """Bind the inner sampler to ``model`` (its hook: a guide, KLASS's family style)."""
+        inner = self.inner.bind_model(model) if hasattr(self.inner, "bind_model") else self.inner
+        return self if inner is self.inner else replace(self, inner=inner)
 
     def window_columns(self, win_lo: int, win_hi: int, gen_lo: int, canvas_len: int) -> tuple[int, int]:
         """Canvas columns whose logits the decode loop computes: to the canvas end (the fill), from the

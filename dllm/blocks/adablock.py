@@ -25,8 +25,10 @@ from typing import Any
 
 import torch
 
+from dllm.blocks.fixed import BlockPolicyBase
 from dllm.config import GenerateConfig
-from dllm.samplers.base import check_range, fast_argmax
+from dllm.models.spec import vocab_size
+from dllm.ops import check_range, fast_argmax
 
 DELIMITER_MODES = ("newline", "newline-exact")
 FAMILY_THRESHOLDS = {"llada": 0.3, "dream": 0.5}
@@ -61,7 +63,7 @@ def _parse_delimiters(value):
 
 
 @dataclass(frozen=True)
-class AdaBlock:
+class AdaBlock(BlockPolicyBase):
     """Delimiter-aligned adaptive block policy (see the module docstring).
 
     Args:
@@ -108,7 +110,7 @@ class AdaBlock:
             if not ids:
                 raise ValueError(f"no token of the tokenizer matches delimiters={self.delimiters!r}; "
                                  "pass delimiters=(id, ...)")
-        vocab = _vocab_size(model)
+        vocab = vocab_size(model)
         bad = [i for i in ids if i < 0 or (vocab is not None and i >= vocab)]
         if bad:
             raise ValueError(f"AdaBlock delimiter id(s) {bad} are not in the vocabulary (0..{vocab - 1 if vocab else '?'}); "
@@ -172,14 +174,6 @@ class AdaBlock:
                 "delimiter_conf": torch.where(fresh & is_delim.any(-1), best, torch.nan),
                 "delimiter_block": fresh & found}
         return new_hi, new_steps, info
-
-
-def _vocab_size(model) -> int | None:
-    for owner in (model, getattr(model, "hf", None)):
-        size = getattr(getattr(owner, "config", None), "vocab_size", None)
-        if isinstance(size, int):
-            return size
-    return None
 
 
 __all__ = ["FAMILY_THRESHOLDS", "AdaBlock", "tokenizer_delimiters"]

@@ -1,0 +1,15 @@
+"""Block policies: which region of the canvas each row decodes (one axis of a decoding recipe, beside the
+sampler and the cache). Regions are contiguous and advance left to right per row: when a row's region has no
+masks left, the policy is asked for the next one, starting where the last ended. Rows advance independently.
+
+* :class:`FixedBlocks` / :func:`WholeCanvas`: semi-autoregressive blocks (LLaDA) or one region (Dream);
+* :class:`SlidingWindow`: Elastic-Cache's window over the first remaining masks;
+* :class:`AdaBlock`: delimiter-aligned adaptive blocks (AdaBlock-dLLM).
+"""
+
+from dllm.blocks.adablock import FAMILY_THRESHOLDS, AdaBlock, tokenizer_delimiters
+from dllm.blocks.fixed import BlockPolicy, BlockPolicyBase, FixedBlocks, WholeCanvas
+from dllm.blocks.sliding import SlidingWindow
+
+__all__ = ["FAMILY_THRESHOLDS", "AdaBlock", "BlockPolicy", "BlockPolicyBase", "FixedBlocks", "SlidingWindow",
+           "WholeCanvas", "tokenizer_delimiters"]

@@ -1,0 +1,45 @@
+"""Elastic-Cache's sliding decoding window as a block policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dllm.blocks.fixed import BlockPolicyBase
+from dllm.config import GenerateConfig
+
+
+@dataclass(frozen=True)
+class SlidingWindow(BlockPolicyBase):
+    """Elastic-Cache's decoding window: at every step a row's candidates are its first ``window`` remaining
+    masks, so the window slides forward as soon as its leftmost masks are decoded (instead of a fixed block
+    that advances only when it is finished). The region is ``[first mask, column after the window-th mask)``
+    (masked columns only are candidates); the whole generation is one schedule region (``steps`` spread over
+    ``gen_length``). The decode loop calls :meth:`slide` before every forward."""
+
+    window: int = 16
+    name: str = "sliding"
+
+    def validate(self, cfg: GenerateConfig) -> None:
+        if int(self.window) != self.window or self.window < 1:
+            raise ValueError(f"sliding window must be a positive integer, got {self.window!r}")
+        if cfg.total_steps > cfg.gen_length:
+            raise ValueError(f"steps ({cfg.total_steps}) exceeds gen_length ({cfg.gen_length}): some steps "
+                             "would commit nothing; use steps <= gen_length")
+
+    def next_region(self, lo, gen_hi, cfg):
+        return torch.full_like(lo, gen_hi), torch.full_like(lo, cfg.total_steps)
+
+    def slide(self, masked: torch.Tensor, lo: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(lo, hi)`` per row from the mask map ``masked`` ``[B, T]`` and the current starts ``lo``: the first
+        masked column at or after ``lo`` and the column after the ``window``-th one (``T`` when fewer remain;
+        ``lo = hi = T`` for a row without masks)."""
+        T = masked.shape[1]
+        cols = torch.arange(T, device=masked.device)
+        m = masked & (cols[None] >= lo[:, None])
+        csum = m.long().cumsum(-1)
+        new_lo = (csum == 0).sum(-1)  # columns before the first remaining mask
+        hi = torch.where(csum[:, -1] >= self.window, (csum < self.window).sum(-1) + 1, torch.full_like(lo, T))
+        hi = torch.where(new_lo >= T, new_lo, hi)
+        return new_lo, hi
