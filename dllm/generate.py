@@ -482,29 +482,39 @@ def _row_keys(rows: list[list[int]], row_ids, seed: int | None) -> torch.Tensor:
     return row_key_words(seed, row_ids)
 
 
+def cfg_forward(model, x: torch.Tensor, prompt_len: int, scale: float, dtype: torch.dtype | None = None, **kw):
+    """Classifier-free guidance, LLaDA's rule: ``un + (scale + 1) * (cond - un)``, where the unconditional
+    batch is ``x`` with its first ``prompt_len`` columns masked. ``x`` and every ``[B, ...]`` tensor keyword
+    (positions, masks, indices) are stacked with their unconditional copy for one forward; ``dtype``: combine
+    in that dtype (default: the logits')."""
+    un = x.clone()
+    un[:, :prompt_len] = model.mask_id
+    both = {k: torch.cat([v, v]) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    logits = model(torch.cat([x, un]), **both)
+    cond, unc = (logits if dtype is None else logits.to(dtype)).chunk(2)
+    return unc + (scale + 1) * (cond - unc)
+
+
 def _forward(model, x, positions, key_mask, logits_idx, config: GenerateConfig, cache, query_idx=None):
-    extra = {} if query_idx is None else {"query_idx": query_idx}
+    kw = dict(positions=positions, attn_mask=key_mask, logits_idx=logits_idx, cache=cache)
+    if query_idx is not None:
+        kw["query_idx"] = query_idx
     if config.cfg_scale > 0:
-        P = x.shape[1] - config.gen_length
-        un_x = x.clone()
-        un_x[:, :P] = model.mask_id
-        both = torch.cat([x, un_x])
-        km = None if key_mask is None else torch.cat([key_mask, key_mask])
-        logits = model(both, positions=torch.cat([positions, positions]), attn_mask=km,
-                       logits_idx=torch.cat([logits_idx, logits_idx]), cache=cache,
-                       **({} if query_idx is None else {"query_idx": torch.cat([query_idx, query_idx])}))
-        cond, un = logits.chunk(2)
-        return un + (config.cfg_scale + 1) * (cond - un)
-    return model(x, positions=positions, attn_mask=key_mask, logits_idx=logits_idx, cache=cache, **extra)
+        return cfg_forward(model, x, x.shape[1] - config.gen_length, config.cfg_scale, **kw)
+    return model(x, **kw)
+
+
+def answer_lengths(model, seqs) -> list[int]:
+    """Generated tokens of each row before its first EOS/EOT (the whole row when it has none): the answer."""
+    stops = {i for i in (model.eos_id, model.eot_id) if i is not None}
+    rows = seqs.tolist() if isinstance(seqs, torch.Tensor) else seqs
+    return [next((i for i, t in enumerate(row) if t in stops), len(row)) for row in rows]
 
 
 def decode_texts(model, seqs: torch.Tensor) -> list[str] | None:
+    """Each row's answer (cut at its first EOS/EOT), decoded; ``None`` without a tokenizer."""
     tok = getattr(model, "tokenizer", None)
     if tok is None:
         return None
-    stops = {i for i in (model.eos_id, model.eot_id) if i is not None}
-    out = []
-    for row in seqs.tolist():
-        cut = next((i for i, t in enumerate(row) if t in stops), len(row))
-        out.append(tok.decode(row[:cut], skip_special_tokens=True))
-    return out
+    rows = seqs.tolist()
+    return [tok.decode(row[:n], skip_special_tokens=True) for row, n in zip(rows, answer_lengths(model, rows))]
