@@ -27,7 +27,7 @@ def _active_ids(g: torch.Generator, n_regular: int) -> torch.Tensor:
     return torch.randperm(n_regular, generator=g)[:N_ACTIVE].sort().values
 
 
-def _build(family: str, seed: int) -> Transformer:
+def _build(family: str, seed: int, extra_active: tuple[int, ...] = ()) -> Transformer:
     spec = LLADA if family == "llada" else DREAM
     vocab = 126464 if family == "llada" else 152064
     cfg = TransformerConfig(vocab_size=vocab, d_model=32, n_layers=2, n_heads=4,
@@ -58,6 +58,13 @@ def _build(family: str, seed: int) -> Transformer:
         if family == "llada":
             first_special = 126080  # <|startoftext|>; LLaDA's special ids start here
         active = _active_ids(g, first_special)
+        if extra_active:  # these ids replace the last active ones (the random stream is unchanged)
+            extra = torch.tensor(sorted(set(extra_active)), dtype=torch.long)
+            if len(extra) > N_ACTIVE or not bool(((extra >= 0) & (extra < first_special)).all()):
+                raise ValueError(f"extra active ids must be at most {N_ACTIVE} regular ids below {first_special}, "
+                                 f"got {list(extra_active)}")
+            rest = active[~torch.isin(active, extra)]
+            active = torch.cat([rest[: N_ACTIVE - len(extra)], extra]).sort().values
         # Head: column 0 (bias through the constant feature) + random directions for the active ids.
         head = torch.zeros(vocab, d)
         head[:, 0] = -2.5  # background bias; the normalised constant feature is about 4
@@ -82,10 +89,13 @@ def shaped_dream(seed: int = 0) -> Transformer:
     return _build("dream", seed)
 
 
-def shaped_model(family: str, seed: int = 0) -> Transformer:
+def shaped_model(family: str, seed: int = 0, active: tuple[int, ...] | list[int] = ()) -> Transformer:
+    """The shaped model of ``family``; ``active``: regular ids that must be among the proposed ones (e.g. a
+    reference's hard-coded delimiter ids); without it the weights are those of :func:`shaped_llada` /
+    :func:`shaped_dream`."""
     if family not in ("llada", "dream"):
         raise ValueError(f"unknown shaped family {family!r}; use 'llada' or 'dream'")
-    return _build(family, seed)
+    return _build(family, seed, tuple(active))
 
 
 def shaped_prompts(family: str, lengths: list[int], seed: int = 0) -> list[list[int]]:

@@ -71,11 +71,12 @@ def load_module(path: Path, name: str):
     return mod
 
 
-def tiny_llada():
+def tiny_model(name: str = "llada-tiny"):
+    """A bundled tiny checkpoint (``llada-tiny`` / ``dream-tiny``) in float32, with its tokenizer."""
     import dllm
     import dllm.assets
 
-    path = dllm.assets.model_path("llada-tiny")
+    path = dllm.assets.model_path(name)
     try:
         return dllm.load_model(str(path), dtype="float32")
     except ValueError:  # transformers 4.x (the references' pins) cannot read a transformers 5 tokenizer config
@@ -90,6 +91,10 @@ def tiny_llada():
         eot = tok.convert_tokens_to_ids(model.spec.eot_token)
         model.eot_id = eot if isinstance(eot, int) and eot >= 0 else model.eot_id
         return model
+
+
+def tiny_llada():
+    return tiny_model("llada-tiny")
 
 
 def tiny_prompts(model, names=("waiting_line/sort", "arithmetic/addition", "puzzle/sudoku", "waiting_line/reverse")):
