@@ -153,6 +153,11 @@ def fixture_model(fx: dict):
     return _model(m if isinstance(m, str) else (m["shaped"], m["seed"], tuple(m.get("active", ()))))
 
 
+def adaptive_blocks(out) -> list[int]:
+    """Row 0's block lengths in order, from the trace of a run with an adaptive block policy (AdaBlock)."""
+    return [rec["hi"][0] - rec["lo"][0] for rec in out.stats.trace if rec.get("block_start", [False])[0]]
+
+
 def trim_idle_tail(steps: list) -> list:
     """The reference's forwards up to the one that completed its output: forwards after it commit nothing for
     any row (Dream's ``diffusion_generate`` always runs ``steps`` forwards; dllm stops when nothing is left)."""

@@ -21,6 +21,7 @@ N_ACTIVE = 400  # ids below the special range that the model proposes
 CONST = 6.0  # embedding column 0 (the constant feature)
 QK_SCALE = 3.0  # peaky, position-dependent attention so masked positions differ
 OUT_SCALE = 1.5
+EXTRA_BIAS = 6.0  # head bias of ``extra_active`` ids: the argmax at roughly one masked position in eight
 
 
 def _active_ids(g: torch.Generator, n_regular: int) -> torch.Tensor:
@@ -73,6 +74,8 @@ def _build(family: str, seed: int, extra_active: tuple[int, ...] = ()) -> Transf
         for tid, bias, scale in ((spec.mask_id, 6.0, 0.25), (spec.eos_id, 8.0, 0.7), (spec.eot_id, 7.0, 0.7)):
             head[tid, 1:] = torch.randn(d - 1, generator=g) * scale
             head[tid, 0] = bias
+        if extra_active:  # proposed at some positions, with a confidence that varies (a reference's delimiters)
+            head[extra, 0] = EXTRA_BIAS
         model.head.weight.copy_(head)
     model.eval().requires_grad_(False)
     model.mask_id, model.eos_id, model.eot_id, model.pad_id = spec.mask_id, spec.eos_id, spec.eot_id, spec.pad_id
@@ -90,9 +93,9 @@ def shaped_dream(seed: int = 0) -> Transformer:
 
 
 def shaped_model(family: str, seed: int = 0, active: tuple[int, ...] | list[int] = ()) -> Transformer:
-    """The shaped model of ``family``; ``active``: regular ids that must be among the proposed ones (e.g. a
-    reference's hard-coded delimiter ids); without it the weights are those of :func:`shaped_llada` /
-    :func:`shaped_dream`."""
+    """The shaped model of ``family``. ``active``: regular ids the model must propose at some masked positions
+    (e.g. a reference's hard-coded delimiter ids): they take the place of other active ids and get a head bias
+    (:data:`EXTRA_BIAS`); without it the weights are those of :func:`shaped_llada` / :func:`shaped_dream`."""
     if family not in ("llada", "dream"):
         raise ValueError(f"unknown shaped family {family!r}; use 'llada' or 'dream'")
     return _build(family, seed, tuple(active))

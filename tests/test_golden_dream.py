@@ -17,7 +17,7 @@ import pytest
 from dllm.samplers import get_sampler
 from dllm.samplers.dream import DreamSampler
 
-REFERENCES = ("dream-generate",)
+REFERENCES = ("dream-generate", "klass-dream", "adablock-dream")
 MODELS = ("dream-tiny", "shaped-dream")
 
 
@@ -32,7 +32,25 @@ def dream_generate(params: dict):
     return sampler, kw
 
 
-MAPPINGS = {"dream-generate": dream_generate}
+def klass_dream(params: dict):
+    """KLASS's Dream code -> the ``klass`` preset with ``style="dream"`` (``conf >= conf_threshold``, else the
+    most confident candidate alone; the whole generation as one region), float64 distributions."""
+    sampler = get_sampler("klass", conf_threshold=params["conf_threshold"], kl_threshold=params["kl_threshold"],
+                          history=params["kl_history_length"], style="dream", softmax_dtype="float32")
+    return sampler, dict(gen_length=params["max_new_tokens"], steps=params["steps"])
+
+
+def adablock_dream(params: dict, vocab: int):
+    """AdaBlock's Dream code -> the ``adablock`` preset: threshold ``tau``, fallback block ``block_length``,
+    ``delimiter_threshold``, the reference's hard-coded delimiter ids (those inside the vocabulary: the others
+    can never be predicted), float32 confidences (its ``sample_tokens`` in the logits' dtype)."""
+    ids = ",".join(str(i) for i in params["delimiter_ids"] if i < vocab)
+    sampler = get_sampler("adablock", tau=params["threshold"], block_length=params["block_length"],
+                          delimiter_threshold=params["delimiter_threshold"], delimiters=ids, softmax_dtype="float32")
+    return sampler, dict(gen_length=params["max_new_tokens"])
+
+
+MAPPINGS = {"dream-generate": dream_generate, "klass-dream": klass_dream, "adablock-dream": adablock_dream}
 
 # Cases where the reference's torch.topk ordered exactly tied scores differently from dllm's lower-column-first
 # rule (checked up to that forward, see golden_common.compare_case); every other case is compared in full.
@@ -49,8 +67,12 @@ def test_golden(name, case_id):
     case = next(c for c in fx["cases"] if c["id"] == case_id)
     model = gc.fixture_model(fx)
     assert gc.state_sha256(model) == fx["weights_sha256"], "the fixture was recorded with other weights"
-    sampler, kw = MAPPINGS[name.split("_")[0]](case["params"])
+    ref = name.split("_")[0]
+    mapping = MAPPINGS[ref]
+    sampler, kw = mapping(case["params"], model.config.vocab_size) if ref == "adablock-dream" else mapping(case["params"])
     out, steps = gc.record_steps(model, case["prompt_ids"], sampler=sampler, cache="none", **kw)
+    if "blocks" in case:  # AdaBlock: the block lengths chosen at each block start
+        assert gc.adaptive_blocks(out) == case["blocks"]
     stopped = gc.compare_case(case, out, steps)
     assert stopped is None or (name, case_id) in TIE_ORDER, f"compared only up to the tie at forward {stopped}"
 

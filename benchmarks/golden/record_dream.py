@@ -80,6 +80,10 @@ def dream_config(conf_mod, model):
     hf = DREAM.config_to_hf(model.config, {"mask_id": model.mask_id, "eos_id": model.eos_id, "pad_id": model.pad_id})
     hf.pop("architectures", None)
     hf.pop("model_type", None)
+    if conf_mod is None:  # a reference without a configuration file of its own
+        from transformers import PretrainedConfig
+
+        return PretrainedConfig(**hf)
     return conf_mod.DreamConfig(**hf)
 
 
@@ -120,9 +124,9 @@ def make_host(mixin, model, config, rows: int, sample=None):
     return Host()
 
 
-def check_logits(ref_pkg: str, model, host):
+def check_logits(ref_pkg: str, model, host, padded: bool = True):
     """The host's logits equal the reference ``modeling_dream.DreamModel``'s on the same weights (a plain
-    batch, and the valid rows of a left-padded one), else stop."""
+    batch, and with ``padded`` the valid rows of a left-padded one), else stop."""
     from dllm.models import DREAM
 
     modeling = importlib.import_module(f"{ref_pkg}.modeling_dream")
@@ -139,6 +143,8 @@ def check_logits(ref_pkg: str, model, host):
     try:
         if not torch.equal(ref(x, "full", None).logits, host(x, "full", None).logits):
             raise SystemExit("the reference modeling file's logits differ from ours on the same weights")
+        if not padded:
+            return
         am = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
         tok_idx = am.cumsum(-1) - 1
         tok_idx.masked_fill_(am == 0, 1)
@@ -255,6 +261,122 @@ def record_dream(ref_dir: Path):
         save("dream-generate", label, reference, model, cases)
 
 
+# ------------------------------------------------------------------------------------------------ KLASS (Dream)
+def argmax_not_mask(host, mask_id, cid, region=None):
+    """``before_step`` stopping the recording when the reference's greedy proposal at a masked position of
+    the region (generation offsets ``region() -> (lo, hi)``, default all) is the mask id: it would commit
+    it as a no-op, which dllm never does."""
+    def before(x, logits):
+        x = x[: host.rows]
+        mi = x == mask_id
+        if region is not None:
+            lo, hi = region()
+            keep = torch.zeros_like(mi)
+            P = x.shape[1] - host.gen_length
+            keep[:, P + lo : P + hi] = True
+            mi &= keep
+        if bool((logits[: host.rows].argmax(-1)[mi] == mask_id).any()):
+            raise SystemExit(f"case {cid}: the reference proposes the mask id at a masked position (a no-op commit); "
+                             "choose another prompt")
+    return before
+
+
+def run_klass_dream(mod, model, config, cid, rows, params):
+    """One ``diffusion_generate`` call of KLASS's Dream code (``alg="klass"``; batch 1)."""
+    host = make_host(mod.DreamGenerationMixin, model, config, len(rows))
+    host.gen_length = params["max_new_tokens"]
+    host.before_step = argmax_not_mask(host, model.mask_id, cid)
+    ids = torch.tensor(rows)
+    out = host.diffusion_generate(ids, return_dict_in_generate=True, **params)
+    P = ids.shape[1]
+    gen = out.sequences[:, P:]
+    rl.check_no_mask(gen, model.mask_id, cid)
+    if out.used_steps != len(host.canvases) and out.used_steps != 256:  # 256: its value when all steps ran
+        raise SystemExit(f"case {cid}: the reference counted {out.used_steps} steps, its model ran {len(host.canvases)}")
+    return rl.case_record(cid, rows, params, gen, host, P, model.mask_id)
+
+
+def klass_dream_cases(model, prompts, shaped: bool):
+    """KLASS's Dream script settings (conf 0.9, KL 0.001, history 2, ``unmask_strategy="all"``) and the LLaDA
+    script's (0.6 / 0.015); ``steps`` below the generation length where the rule finishes within them.
+    ``temperature``, ``top_p`` and ``top_k`` are passed explicitly (see :func:`dream_cases`)."""
+    G = 32 if shaped else 16
+    b = dict(max_new_tokens=G, steps=G, temperature=0.0, top_p=None, top_k=None, alg="klass", conf_threshold=0.9,
+             kl_threshold=0.001, kl_history_length=2, unmask_strategy="all", save_steps=False)
+    return [
+        ("dream_script", [prompts[0]], dict(b)),
+        ("llada_thresholds", [prompts[1]], dict(b, conf_threshold=0.6, kl_threshold=0.015)),
+        ("loose", [prompts[2]], dict(b, conf_threshold=0.3, kl_threshold=0.05)),
+        ("history3", [prompts[3]], dict(b, conf_threshold=0.5, kl_threshold=0.02, kl_history_length=3)),
+        ("steps_below_length", [prompts[0]], dict(b, steps=G * 3 // 4, conf_threshold=0.3, kl_threshold=0.05)),
+    ]
+
+
+def record_klass_dream(ref_dir: Path):
+    package("ref_klass", ref_dir / "src" / "model")
+    mod = importlib.import_module("ref_klass.dream_klass")
+    reference = {"repo": "shkim0116/KLASS", "commit": "ad87ecbe9fdef4a6e93701afbc150cb9213fbcd7",
+                 "file": "src/model/dream_klass.py", "function": "DreamGenerationMixin.diffusion_generate (alg='klass')"}
+    for label, model, prompts, shaped in models():
+        config = dream_config(None, model)  # KLASS ships no Dream configuration or modeling file
+        cases = [run_klass_dream(mod, model, config, cid, rows, params)
+                 for cid, rows, params in klass_dream_cases(model, prompts, shaped)]
+        save("klass-dream", label, reference, model, cases)
+
+
+# ------------------------------------------------------------------------------------------- AdaBlock (Dream)
+def run_adablock_dream(mod, model, config, cid, rows, params):
+    """One ``diffusion_generate`` call of AdaBlock's Dream code with ``_sample = _sample_adablock`` (batch 1);
+    ``params``: its keyword arguments plus ``delimiter_ids`` (the ids its ``_compute_block_length`` hard-codes,
+    recorded for the replay, not passed)."""
+    host = make_host(mod.DreamGenerationMixin, model, config, len(rows), sample=mod.DreamGenerationMixin._sample_adablock)
+    host.gen_length = params["max_new_tokens"]
+    host.before_step = argmax_not_mask(host, model.mask_id, cid)
+    ids = torch.tensor(rows)
+    kw = {k: v for k, v in params.items() if k != "delimiter_ids"}
+    out = host.diffusion_generate(ids, return_dict_in_generate=True, **kw)
+    P = ids.shape[1]
+    gen = out.sequences[:, P:]
+    rl.check_no_mask(gen, model.mask_id, cid)
+    if sum(out.nfe_history) != len(host.canvases):
+        raise SystemExit(f"case {cid}: the reference counted {sum(out.nfe_history)} forwards, its model ran "
+                         f"{len(host.canvases)}")
+    case = rl.case_record(cid, rows, params, gen, host, P, model.mask_id)
+    case["blocks"] = list(out.block_history)  # the block lengths the reference chose (for the replay's check)
+    return case
+
+
+def adablock_dream_cases(model, prompts, shaped: bool):
+    """The paper's Dream setting (threshold 0.9, delimiter threshold 0.5, B0 32 scaled down to the short
+    generations), lower thresholds, and one that disables adaptive blocks (delimiter threshold 1.0)."""
+    G = 32
+    b = dict(max_new_tokens=G, temperature=0.0, top_p=None, top_k=None, alg="confidence_threshold", threshold=0.9,
+             block_length=8, delimiter_threshold=0.5, delimiter_ids=list(ADABLOCK_DREAM_DELIMITERS))
+    return [
+        ("paper", [prompts[0]], dict(b)),
+        ("threshold07", [prompts[1]], dict(b, threshold=0.7, delimiter_threshold=0.3)),
+        ("b0_16", [prompts[2]], dict(b, block_length=16, delimiter_threshold=0.2)),
+        ("delimiter_low", [prompts[3]], dict(b, threshold=0.8, delimiter_threshold=0.05, block_length=4)),
+        ("fixed_blocks", [prompts[0]], dict(b, delimiter_threshold=1.0)),
+    ]
+
+
+def record_adablock_dream(ref_dir: Path):
+    package("ref_adablock_dream", ref_dir / "dream" / "model")
+    mod = importlib.import_module("ref_adablock_dream.generation_utils_adablock")
+    reference = {"repo": "lgxi24/AdaBlock-dLLM", "commit": "491b20580ad90f6019f29e045f484b538581101a",
+                 "file": "dream/model/generation_utils_adablock.py",
+                 "function": "DreamGenerationMixin._sample_adablock (alg='confidence_threshold')"}
+    conf = importlib.import_module("ref_adablock_dream.configuration_dream")
+    for label, model, prompts, shaped in models(ADABLOCK_SHAPED_ACTIVE):
+        config = dream_config(conf, model)
+        # batch 1 only (the reference's sampler indexes row 0): the plain batch is what it runs
+        check_logits("ref_adablock_dream", model, make_host(mod.DreamGenerationMixin, model, config, 1), padded=False)
+        cases = [run_adablock_dream(mod, model, config, cid, rows, params)
+                 for cid, rows, params in adablock_dream_cases(model, prompts, shaped)]
+        save("adablock-dream", label, reference, model, cases, ADABLOCK_SHAPED_ACTIVE)
+
+
 # ---------------------------------------------------------------------------------------------------- common
 def tiny_prompts(model):
     """Chat prompts of the bundled tasks whose answers are longer than the generation (puzzles): ``dream-tiny``
@@ -283,7 +405,7 @@ def save(ref_name, label, reference, model, cases, active=()):
     print(f"wrote {path} ({path.stat().st_size // 1024} KB, {len(cases)} cases)")
 
 
-RECORDERS = {"dream": record_dream}
+RECORDERS = {"dream": record_dream, "klass-dream": record_klass_dream, "adablock-dream": record_adablock_dream}
 
 
 def main(argv=None):
