@@ -378,20 +378,9 @@ def record_adablock_dream(ref_dir: Path):
 
 
 # ---------------------------------------------------------------------------------------------------- common
-def tiny_prompts(model):
-    """Chat prompts of the bundled tasks whose answers are longer than the generation (puzzles): ``dream-tiny``
-    gives EOS probability 1.0 (in float32) after a short answer, and a tie among many such positions is
-    ordered differently by ``torch.topk`` and by dllm."""
-    from dllm.evals.tasks import TASKS
-    from dllm.generate import prepare_prompts
-
-    tasks = [("puzzle/sudoku", 3), ("puzzle/latin_square", 3), ("puzzle/sudoku", 5), ("puzzle/latin_square", 5)]
-    return [prepare_prompts(model, [TASKS[n].generate(1, seed)[0].messages])[0] for n, seed in tasks]
-
-
 def models(active=()):
     tiny = rl.tiny_model("dream-tiny")
-    yield "dream-tiny", tiny, tiny_prompts(tiny), False
+    yield "dream-tiny", tiny, rl.puzzle_prompts(tiny), False
     shaped = gm.shaped_model("dream", SHAPED_SEED, active=active) if active else gm.shaped_dream(SHAPED_SEED)
     yield "shaped-dream", shaped, gm.shaped_prompts("dream", [14, 9, 21, 17], SHAPED_SEED), True
 

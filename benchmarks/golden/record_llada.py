@@ -104,6 +104,17 @@ def tiny_prompts(model, names=("waiting_line/sort", "arithmetic/addition", "puzz
     return [prepare_prompts(model, [TASKS[n].generate(1, 3)[0].messages])[0] for n in names]
 
 
+def puzzle_prompts(model):
+    """Chat prompts of bundled tasks whose answers outlast a short generation (4x4 puzzles). After a short
+    answer the tiny models give EOS probability 1.0 (in float32) at every later position, and a selection
+    among many such exact ties is ordered differently by ``torch.topk`` and by dllm (lower column first)."""
+    from dllm.evals.tasks import TASKS
+    from dllm.generate import prepare_prompts
+
+    tasks = [("puzzle/sudoku", 3), ("puzzle/latin_square", 3), ("puzzle/sudoku", 5), ("puzzle/latin_square", 5)]
+    return [prepare_prompts(model, [TASKS[n].generate(1, seed)[0].messages])[0] for n, seed in tasks]
+
+
 class Recorder(torch.nn.Module):
     """``model(x, attention_mask=None).logits`` as the HF LLaDA file computes it, recording each canvas."""
 
