@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import sys
 import types
 from pathlib import Path
@@ -210,6 +209,7 @@ def run_dream(mod, model, config, cid, rows, params):
     P = ids.shape[1]
     gen = out.sequences[:, P:]
     rl.check_no_mask(gen, model.mask_id, cid)
+    rl.check_decoded_kept(host.canvases, gen, P, model.mask_id, cid)
     steps = gc.steps_from_canvases(host.canvases, gen, P, model.mask_id)
     got = [[len(r) for r in s] for s in steps]
     if got != expected:
@@ -262,19 +262,11 @@ def record_dream(ref_dir: Path):
 
 
 # ------------------------------------------------------------------------------------------------ KLASS (Dream)
-def argmax_not_mask(host, mask_id, cid, region=None):
-    """``before_step`` stopping the recording when the reference's greedy proposal at a masked position of
-    the region (generation offsets ``region() -> (lo, hi)``, default all) is the mask id: it would commit
-    it as a no-op, which dllm never does."""
+def argmax_not_mask(host, mask_id, cid):
+    """``before_step`` stopping the recording when the reference's greedy proposal at a masked position is the
+    mask id: it would commit it as a no-op, which dllm never does."""
     def before(x, logits):
-        x = x[: host.rows]
-        mi = x == mask_id
-        if region is not None:
-            lo, hi = region()
-            keep = torch.zeros_like(mi)
-            P = x.shape[1] - host.gen_length
-            keep[:, P + lo : P + hi] = True
-            mi &= keep
+        mi = x[: host.rows] == mask_id
         if bool((logits[: host.rows].argmax(-1)[mi] == mask_id).any()):
             raise SystemExit(f"case {cid}: the reference proposes the mask id at a masked position (a no-op commit); "
                              "choose another prompt")
@@ -284,14 +276,15 @@ def argmax_not_mask(host, mask_id, cid, region=None):
 def run_klass_dream(mod, model, config, cid, rows, params):
     """One ``diffusion_generate`` call of KLASS's Dream code (``alg="klass"``; batch 1)."""
     host = make_host(mod.DreamGenerationMixin, model, config, len(rows))
-    host.gen_length = params["max_new_tokens"]
     host.before_step = argmax_not_mask(host, model.mask_id, cid)
     ids = torch.tensor(rows)
     out = host.diffusion_generate(ids, return_dict_in_generate=True, **params)
     P = ids.shape[1]
     gen = out.sequences[:, P:]
     rl.check_no_mask(gen, model.mask_id, cid)
-    if out.used_steps != len(host.canvases) and out.used_steps != 256:  # 256: its value when all steps ran
+    rl.check_decoded_kept(host.canvases, gen, P, model.mask_id, cid)
+    # used_steps: the forwards before it found no mask left, or its initial 256 when the loop ran to the end
+    if out.used_steps != len(host.canvases) and not (out.used_steps == 256 and len(host.canvases) == params["steps"]):
         raise SystemExit(f"case {cid}: the reference counted {out.used_steps} steps, its model ran {len(host.canvases)}")
     return rl.case_record(cid, rows, params, gen, host, P, model.mask_id)
 
@@ -330,7 +323,6 @@ def run_adablock_dream(mod, model, config, cid, rows, params):
     ``params``: its keyword arguments plus ``delimiter_ids`` (the ids its ``_compute_block_length`` hard-codes,
     recorded for the replay, not passed)."""
     host = make_host(mod.DreamGenerationMixin, model, config, len(rows), sample=mod.DreamGenerationMixin._sample_adablock)
-    host.gen_length = params["max_new_tokens"]
     host.before_step = argmax_not_mask(host, model.mask_id, cid)
     ids = torch.tensor(rows)
     kw = {k: v for k, v in params.items() if k != "delimiter_ids"}
@@ -338,6 +330,7 @@ def run_adablock_dream(mod, model, config, cid, rows, params):
     P = ids.shape[1]
     gen = out.sequences[:, P:]
     rl.check_no_mask(gen, model.mask_id, cid)
+    rl.check_decoded_kept(host.canvases, gen, P, model.mask_id, cid)
     if sum(out.nfe_history) != len(host.canvases):
         raise SystemExit(f"case {cid}: the reference counted {sum(out.nfe_history)} forwards, its model ran "
                          f"{len(host.canvases)}")

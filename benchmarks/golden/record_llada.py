@@ -180,6 +180,16 @@ def check_no_mask(out: torch.Tensor, mask_id: int, case: str):
                          "as a no-op); choose another seed or prompt")
 
 
+def check_decoded_kept(canvases, final, P: int, mask_id: int, cid: str):
+    """No forward of the reference changed a generated position that was already decoded (a reference that
+    selects non-candidates, e.g. KLASS's quota fallback when its quota exceeds the masks left, would)."""
+    seq = [c[:, P:] for c in canvases] + [final]
+    for i, (a, b) in enumerate(zip(seq[:-1], seq[1:])):
+        if bool(((a != mask_id) & (a != b)).any()):
+            raise SystemExit(f"case {cid}: after forward {i} the reference changed tokens it had already decoded; "
+                             "choose other settings")
+
+
 def case_record(cid, rows, params, out_gen, rec, P, mask_id, nfe=None, regions=None):
     steps = gc.steps_from_canvases(rec.canvases, out_gen, P, mask_id)
     case = {"id": cid, "prompt_ids": rows, "params": params, "output": out_gen.tolist(),
