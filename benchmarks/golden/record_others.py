@@ -207,8 +207,8 @@ def run_localleap(mod, model, cid, rows, params):
 
 def localleap_cases(model, prompts):
     """The paper's setting (kappa 0.9, tau 0.75, radius 4, block 32 of 256 scaled to 8 / 16 of 32), the plain
-    threshold rule (``relaxed_threshold=None``), radius and tau variations, EOS early stop and seeded
-    temperature > 0."""
+    threshold rule (``relaxed_threshold=None``), radius and tau variations, EOS early stop (also past a block
+    that holds EOT but no EOS) and seeded temperature > 0."""
     b = dict(steps=4, gen_length=32, block_length=8, temperature=0.0, remasking="low_confidence",
              mask_id=model.mask_id, eos_id=model.eos_id, early_stop=False, threshold=0.9, relaxed_threshold=0.75,
              radius=4)
@@ -219,6 +219,8 @@ def localleap_cases(model, prompts):
         ("b16", [prompts[3]], dict(b, steps=2, block_length=16, relaxed_threshold=0.6)),
         ("one_block", [prompts[0]], dict(b, steps=1, block_length=32, relaxed_threshold=0.5, threshold=0.7)),
         ("early_stop", [prompts[1]], dict(b, early_stop=True, relaxed_threshold=0.5)),
+        # on the shaped model a block finishes holding EOT (126348) but no EOS: the reference checks EOS only
+        ("early_stop_eot_block", [prompts[3]], dict(b, early_stop=True)),
         ("t06", [prompts[2]], dict(b, temperature=0.6, seed=4)),
     ]
 
