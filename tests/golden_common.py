@@ -30,6 +30,11 @@ Optional case fields:
 * ``"computed": [[[int, ...], ...], ...]`` -- per forward, per row: the sorted generated-position offsets whose
   hidden states the reference recomputed in that forward (query rows of a partial forward; every position
   for a full forward), for caches that recompute a subset of the canvas.
+* ``"blocks": [int, ...]`` -- AdaBlock: the block lengths the reference chose, in order.
+* ``"early_exit": bool`` -- Prophet: whether the reference's early exit fired.
+
+``"model"`` may also be ``{"shaped": family, "seed": int, "active": [int, ...]}``: the shaped model with those
+ids among its proposals (:func:`golden_models.shaped_model`).
 
 On our side :func:`record_steps` runs ``dllm.generate`` with a forward pre-hook that snapshots the canvas
 before each forward; the difference between consecutive snapshots (and the final output) gives the positions
