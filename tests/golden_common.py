@@ -30,6 +30,11 @@ Optional case fields:
 * ``"computed": [[[int, ...], ...], ...]`` -- per forward, per row: the sorted generated-position offsets whose
   hidden states the reference recomputed in that forward (query rows of a partial forward; every position
   for a full forward), for caches that recompute a subset of the canvas.
+* ``"blocks": [int, ...]`` -- AdaBlock: the block lengths the reference chose, in order.
+* ``"early_exit": bool`` -- Prophet: whether the reference's early exit fired.
+
+``"model"`` may also be ``{"shaped": family, "seed": int, "active": [int, ...]}``: the shaped model with those
+ids among its proposals (:func:`golden_models.shaped_model`).
 
 On our side :func:`record_steps` runs ``dllm.generate`` with a forward pre-hook that snapshots the canvas
 before each forward; the difference between consecutive snapshots (and the final output) gives the positions
@@ -38,6 +43,7 @@ committed after each forward, in the same layout as the fixture.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -109,4 +115,82 @@ def first_divergence(ours: list, ref: list) -> str | None:
             return f"forward {i}: ours committed {a}, the reference {b}"
     if len(ours) != len(ref):
         return f"ours made {len(ours)} forwards, the reference {len(ref)}"
+    return None
+
+
+# ------------------------------------------------------------------------------------- replaying fixtures
+def fixture_names() -> list[str]:
+    return sorted(p.stem for p in FIXTURES.glob("*.json")) if FIXTURES.exists() else []
+
+
+@functools.cache
+def load_fixture_cached(name: str) -> dict:
+    return load_fixture(name)
+
+
+def fixture_cases(references) -> list:
+    """``pytest.param(name, case_id)`` for every case of the fixtures of ``references`` (fixture names are
+    ``<reference>_<model>``)."""
+    import pytest
+
+    return [pytest.param(name, case["id"], id=f"{name}-{case['id']}")
+            for name in fixture_names() if name.split("_")[0] in references
+            for case in load_fixture_cached(name)["cases"]]
+
+
+@functools.cache
+def _model(key):
+    if isinstance(key, str):
+        import dllm
+        import dllm.assets
+
+        return dllm.load_model(str(dllm.assets.model_path(key)), dtype="float32")
+    import golden_models as gm
+
+    family, seed, active = key
+    return gm.shaped_model(family, seed, active=active)
+
+
+def fixture_model(fx: dict):
+    """The model a fixture was recorded with: a bundled checkpoint by name, or a shaped random model
+    (``{"shaped": family, "seed": int[, "active": [ids]]}``)."""
+    m = fx["model"]
+    return _model(m if isinstance(m, str) else (m["shaped"], m["seed"], tuple(m.get("active", ()))))
+
+
+def adaptive_blocks(out) -> list[int]:
+    """Row 0's block lengths in order, from the trace of a run with an adaptive block policy (AdaBlock)."""
+    return [rec["hi"][0] - rec["lo"][0] for rec in out.stats.trace if rec.get("block_start", [False])[0]]
+
+
+def trim_idle_tail(steps: list) -> list:
+    """The reference's forwards up to the one that completed its output: forwards after it commit nothing for
+    any row (Dream's ``diffusion_generate`` always runs ``steps`` forwards; dllm stops when nothing is left)."""
+    n = len(steps)
+    while n > 0 and not any(steps[n - 1]):
+        n -= 1
+    return steps[:n]
+
+
+def compare_case(case: dict, out, steps: list) -> int | None:
+    """Assert that a dllm run (``out``, ``steps`` from :func:`record_steps`) reproduces a fixture case: the same
+    positions committed after every forward, the same generated ids, and as many forwards as the reference
+    made up to the one that completed its output.
+
+    At a forward the reference decided among exactly equal scores (``case["ties"]``) the two may order the
+    tied positions differently (``torch.topk``'s order among equal values is unspecified): if that is the first
+    forward where they differ, each row must still commit as many positions there, and the comparison stops
+    (what follows may differ): the index of that forward is returned, ``None`` when everything was compared."""
+    assert len(case["steps"]) == case["nfe"], "fixture: one steps entry per reference forward"
+    ref = trim_idle_tail(case["steps"])
+    ties = set(case.get("ties", []))
+    for i, (a, b) in enumerate(zip(steps, ref)):
+        if a == b:
+            continue
+        assert i in ties, f"forward {i}: ours committed {a}, the reference {b}"
+        assert [len(r) for r in a] == [len(r) for r in b], f"forward {i} (a tie): ours committed {a}, the reference {b}"
+        return i  # the tied positions were ordered differently: the later forwards may differ
+    assert len(steps) == len(ref), f"ours made {len(steps)} forwards, the reference {len(ref)}"
+    assert out.sequences.tolist() == case["output"]
+    assert out.stats.nfe == len(ref)
     return None

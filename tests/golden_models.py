@@ -21,13 +21,14 @@ N_ACTIVE = 400  # ids below the special range that the model proposes
 CONST = 6.0  # embedding column 0 (the constant feature)
 QK_SCALE = 3.0  # peaky, position-dependent attention so masked positions differ
 OUT_SCALE = 1.5
+EXTRA_BIAS = 6.0  # head bias of ``extra_active`` ids: the argmax at roughly one masked position in eight
 
 
 def _active_ids(g: torch.Generator, n_regular: int) -> torch.Tensor:
     return torch.randperm(n_regular, generator=g)[:N_ACTIVE].sort().values
 
 
-def _build(family: str, seed: int) -> Transformer:
+def _build(family: str, seed: int, extra_active: tuple[int, ...] = ()) -> Transformer:
     spec = LLADA if family == "llada" else DREAM
     vocab = 126464 if family == "llada" else 152064
     cfg = TransformerConfig(vocab_size=vocab, d_model=32, n_layers=2, n_heads=4,
@@ -58,6 +59,13 @@ def _build(family: str, seed: int) -> Transformer:
         if family == "llada":
             first_special = 126080  # <|startoftext|>; LLaDA's special ids start here
         active = _active_ids(g, first_special)
+        if extra_active:  # these ids replace the last active ones (the random stream is unchanged)
+            extra = torch.tensor(sorted(set(extra_active)), dtype=torch.long)
+            if len(extra) > N_ACTIVE or not bool(((extra >= 0) & (extra < first_special)).all()):
+                raise ValueError(f"extra active ids must be at most {N_ACTIVE} regular ids below {first_special}, "
+                                 f"got {list(extra_active)}")
+            rest = active[~torch.isin(active, extra)]
+            active = torch.cat([rest[: N_ACTIVE - len(extra)], extra]).sort().values
         # Head: column 0 (bias through the constant feature) + random directions for the active ids.
         head = torch.zeros(vocab, d)
         head[:, 0] = -2.5  # background bias; the normalised constant feature is about 4
@@ -66,6 +74,8 @@ def _build(family: str, seed: int) -> Transformer:
         for tid, bias, scale in ((spec.mask_id, 6.0, 0.25), (spec.eos_id, 8.0, 0.7), (spec.eot_id, 7.0, 0.7)):
             head[tid, 1:] = torch.randn(d - 1, generator=g) * scale
             head[tid, 0] = bias
+        if extra_active:  # proposed at some positions, with a confidence that varies (a reference's delimiters)
+            head[extra, 0] = EXTRA_BIAS
         model.head.weight.copy_(head)
     model.eval().requires_grad_(False)
     model.mask_id, model.eos_id, model.eot_id, model.pad_id = spec.mask_id, spec.eos_id, spec.eot_id, spec.pad_id
@@ -82,10 +92,13 @@ def shaped_dream(seed: int = 0) -> Transformer:
     return _build("dream", seed)
 
 
-def shaped_model(family: str, seed: int = 0) -> Transformer:
+def shaped_model(family: str, seed: int = 0, active: tuple[int, ...] | list[int] = ()) -> Transformer:
+    """The shaped model of ``family``. ``active``: regular ids the model must propose at some masked positions
+    (e.g. a reference's hard-coded delimiter ids): they take the place of other active ids and get a head bias
+    (:data:`EXTRA_BIAS`); without it the weights are those of :func:`shaped_llada` / :func:`shaped_dream`."""
     if family not in ("llada", "dream"):
         raise ValueError(f"unknown shaped family {family!r}; use 'llada' or 'dream'")
-    return _build(family, seed)
+    return _build(family, seed, tuple(active))
 
 
 def shaped_prompts(family: str, lengths: list[int], seed: int = 0) -> list[list[int]]:

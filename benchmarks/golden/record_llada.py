@@ -71,11 +71,12 @@ def load_module(path: Path, name: str):
     return mod
 
 
-def tiny_llada():
+def tiny_model(name: str = "llada-tiny"):
+    """A bundled tiny checkpoint (``llada-tiny`` / ``dream-tiny``) in float32, with its tokenizer."""
     import dllm
     import dllm.assets
 
-    path = dllm.assets.model_path("llada-tiny")
+    path = dllm.assets.model_path(name)
     try:
         return dllm.load_model(str(path), dtype="float32")
     except ValueError:  # transformers 4.x (the references' pins) cannot read a transformers 5 tokenizer config
@@ -92,11 +93,26 @@ def tiny_llada():
         return model
 
 
+def tiny_llada():
+    return tiny_model("llada-tiny")
+
+
 def tiny_prompts(model, names=("waiting_line/sort", "arithmetic/addition", "puzzle/sudoku", "waiting_line/reverse")):
     from dllm.evals.tasks import TASKS
     from dllm.generate import prepare_prompts
 
     return [prepare_prompts(model, [TASKS[n].generate(1, 3)[0].messages])[0] for n in names]
+
+
+def puzzle_prompts(model):
+    """Chat prompts of bundled tasks whose answers outlast a short generation (4x4 puzzles). After a short
+    answer the tiny models give EOS probability 1.0 (in float32) at every later position, and a selection
+    among many such exact ties is ordered differently by ``torch.topk`` and by dllm (lower column first)."""
+    from dllm.evals.tasks import TASKS
+    from dllm.generate import prepare_prompts
+
+    tasks = [("puzzle/sudoku", 3), ("puzzle/latin_square", 3), ("puzzle/sudoku", 5), ("puzzle/latin_square", 5)]
+    return [prepare_prompts(model, [TASKS[n].generate(1, seed)[0].messages])[0] for n, seed in tasks]
 
 
 class Recorder(torch.nn.Module):
@@ -162,6 +178,16 @@ def check_no_mask(out: torch.Tensor, mask_id: int, case: str):
     if bool((out == mask_id).any()):
         raise SystemExit(f"case {case}: the reference left a mask in its output (it committed a proposed mask id "
                          "as a no-op); choose another seed or prompt")
+
+
+def check_decoded_kept(canvases, final, P: int, mask_id: int, cid: str):
+    """No forward of the reference changed a generated position that was already decoded (a reference that
+    selects non-candidates, e.g. KLASS's quota fallback when its quota exceeds the masks left, would)."""
+    seq = [c[:, P:] for c in canvases] + [final]
+    for i, (a, b) in enumerate(zip(seq[:-1], seq[1:])):
+        if bool(((a != mask_id) & (a != b)).any()):
+            raise SystemExit(f"case {cid}: after forward {i} the reference changed tokens it had already decoded; "
+                             "choose other settings")
 
 
 def case_record(cid, rows, params, out_gen, rec, P, mask_id, nfe=None, regions=None):
