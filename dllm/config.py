@@ -19,8 +19,10 @@ class GenerateConfig:
             split evenly over the blocks (``None``: ``gen_length``, one token per step). Threshold-style
             samplers stop a block as soon as it has no masks and treat ``steps`` only as the schedule.
         cfg_scale: unsupervised classifier-free guidance (LLaDA): ``un + (cfg + 1) * (cond - un)``.
-        eos_early_stop: once a completed block of a row contains EOS/EOT, fill every position after that block
-            with EOS and finish the row (dInfer's early stop; the block keeps its tokens).
+        eos_early_stop: once a completed block of a row contains EOS, fill every position after that block
+            with EOS and finish the row (dInfer's and LocalLeap's early stop; the block keeps its tokens; EOT alone
+            does not stop, as in those references). With a sliding window: once EOS or EOT has every position
+            before it decoded.
         seed: seed of the ``torch.Generator`` every random draw of the run comes from (``None``: unseeded).
         chat_template: apply the tokenizer's chat template to string prompts.
         record_confidence: record in ``stats.commit_conf`` each committed token's probability (one extra

@@ -412,8 +412,8 @@ class Decoder:
             gen_part = (cols_all[None] >= P) & (cols_all[None] < region_end[:, None])
             is_stop = torch.isin(x, self.stop_ids) & gen_part
             first = torch.where(is_stop, cols_all[None], T).min(-1).values
-            if self.slide is None:  # a finished region holding a stop token
-                stopped = done & is_stop.any(-1)
+            if self.slide is None:  # a finished region holding EOS (dInfer, LocalLeap: EOS only, not EOT)
+                stopped = done & ((x == model.eos_id) & gen_part).any(-1)
             else:  # a stop token with every position before it decoded
                 first_mask = torch.where(masked & (cols_all[None] >= P), cols_all[None], T).min(-1).values
                 stopped = st.active & (first < first_mask)

@@ -94,8 +94,7 @@ def prophet(p: dict):
     th = p["early_exit_thresholds"]
     inner = LLaDASampler(temperature=p["temperature"], remasking=p["remasking"], softmax_dtype="model",
                          noise_scope="canvas")
-    sampler = Prophet(inner, th["early"], th["mid"], th["late"], span=f"{p['answer_offset']}:5",
-                      block_length=p["block_length"])
+    sampler = Prophet(inner, th["early"], th["mid"], th["late"], span=f"{p['answer_offset']}:5")
     return sampler, dict(gen_length=p["gen_length"], block_length=p["block_length"], steps=p["steps"],
                          seed=p.get("seed", 0))
 
