@@ -65,6 +65,11 @@ class GenerateOutput:
     stats: GenerateStats
 
 
+def _host_check_free(t: torch.Tensor) -> bool:
+    """Whether reading a value of ``t`` on the host costs no device synchronisation (CPU tensors)."""
+    return t.device.type == "cpu"
+
+
 class _Clock:
     """Time buckets (model / sampler / cache). On CUDA, events recorded on the stream: no synchronisation during
     decoding; the elapsed times are read once, at the end (:meth:`totals`)."""
@@ -349,7 +354,8 @@ class Decoder:
         # Non-finite logits (NaN anywhere, +inf, or no finite entry) at a window position of an unfinished row: the
         # position's logits are zeroed so no sampler trips over them, and the step's host sync below raises.
         bad = st.active[:, None] & ~torch.isfinite(logits.amax(-1))
-        logits.masked_fill_(bad[..., None], 0.0)
+        if not _host_check_free(logits) or bool(bad.any()):  # on CPU the check spares a pass over the logits
+            logits.masked_fill_(bad[..., None], 0.0)
         if self.refine is not None:
             fresh = st.active & (st.step_in == 0)
             hi, st.steps, pinfo = self.refine(logits, w_lo, lo, hi, st.steps, fresh, config)
