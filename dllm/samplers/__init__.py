@@ -2,78 +2,20 @@
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
-
 from dllm.samplers.base import Sampler, SamplerBase, StepContext, StepResult
 from dllm.samplers.composed import ComposedSampler
 from dllm.samplers.dream import DreamSampler
 from dllm.samplers.llada import LLaDASampler
-from dllm.samplers.presets import PRESETS
 from dllm.samplers.prophet import Prophet
+from dllm.samplers.recipe import Recipe
+from dllm.samplers.registry import SAMPLERS, SamplerEntry, get_sampler, list_samplers, register
 from dllm.samplers.rules import Ascending, Factor, KLStable, LocalLeap, Quota, Threshold
 from dllm.samplers.transforms import CreditFusion, EOSRejection
-
-
-@dataclass(frozen=True)
-class SamplerEntry:
-    name: str
-    factory: Callable[..., Sampler]
-    description: str
-    preset: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-    def params(self) -> dict[str, Any]:
-        """Tunable parameters and their defaults (preset values applied)."""
-        if dataclasses.is_dataclass(self.factory):
-            defaults = {f.name: f.default for f in dataclasses.fields(self.factory)}
-        else:  # a factory function with keyword parameters (presets)
-            defaults = {k: p.default for k, p in inspect.signature(self.factory).parameters.items()}
-        return {k: self.preset.get(k, v) for k, v in defaults.items() if k != "name"}
-
-
-SAMPLERS: dict[str, SamplerEntry] = {}
-
-
-def register(name: str, factory, description: str, **preset) -> None:
-    SAMPLERS[name] = SamplerEntry(name, factory, description, preset)
-
-
-register("llada", LLaDASampler, "LLaDA generate.py: Gumbel-max, low-confidence remasking, even quota per block")
-register("llada-random", LLaDASampler, "LLaDA generate.py with random remasking", remasking="random")
-register("dream", DreamSampler, "Dream diffusion_generate (alg: origin | maskgit_plus | topk_margin | entropy)")
-for _alg in ("origin", "maskgit_plus", "topk_margin", "entropy"):
-    register(f"dream-{_alg.replace('_', '-')}", DreamSampler, f"Dream diffusion_generate with alg={_alg}", alg=_alg)
-for _name, (_factory, _desc) in PRESETS.items():
-    register(_name, _factory, _desc)
-
-
-def get_sampler(name: str, **params) -> Sampler:
-    """Build a registered sampler; ``params`` override the entry's defaults."""
-    if name not in SAMPLERS:
-        raise ValueError(f"unknown sampler {name!r}; known samplers: {', '.join(sorted(SAMPLERS))}")
-    entry = SAMPLERS[name]
-    known = entry.params()
-    bad = sorted(set(params) - set(known))
-    if bad:
-        raise ValueError(f"sampler {name!r} has no parameter(s) {bad}; its parameters: {', '.join(known)}")
-    for k, v in params.items():  # a number where the default is one (e.g. --param tau=abc from the command line)
-        d = known[k]
-        if isinstance(d, (int, float)) and not isinstance(d, bool) and isinstance(v, (str, bool)):
-            raise ValueError(f"{name}: {k}={v!r} is not a number; {k} takes a number (default {d!r})")
-    return entry.factory(**{**entry.preset, **params, "name": name})
-
-
-def list_samplers() -> list[SamplerEntry]:
-    return [SAMPLERS[k] for k in sorted(SAMPLERS)]
-
 
 __all__ = ["SAMPLERS", "AdaBlock", "Ascending", "BlockPolicy", "ComposedSampler", "SamplerBase", "CreditFusion", "DreamSampler",
            "EOSRejection", "Factor", "FixedBlocks", "KLStable", "LLaDASampler", "LocalLeap", "Prophet", "Quota",
            "Sampler", "SamplerEntry", "SlidingWindow", "StepContext", "StepResult", "Threshold", "WholeCanvas", "get_sampler",
-           "list_samplers", "register"]
+           "list_samplers", "register", "Recipe"]
 
 
 _BLOCKS = ("AdaBlock", "BlockPolicy", "FixedBlocks", "SlidingWindow", "WholeCanvas")

@@ -394,7 +394,7 @@ def guided(guide=DEFAULT_GUIDE, mode: str = "deterministic", k: int = 2, r: floa
            record: bool = False, name: str = "guided"):
     """AR-guided unmasking: the dLLM drafts, a causal LM (default: bundled ``ar-tiny``) verifies left to right
     (a :class:`~dllm.recipes.Recipe`: the sampler and its preferred ``block_length``)."""
-    from dllm.recipes import Recipe
+    from dllm.samplers.recipe import Recipe
 
     return Recipe(GuidedSampler(guide, mode, k, r, chunk, guide_dtype=guide_dtype, record=record,
                                 temperature=temperature, name=name), block_length=block_length, name=name)
@@ -408,7 +408,7 @@ def with_guide(sampler, guide):
     if not ok:
         raise ValueError(f"AR-guided decoding: guide must be a causal LM checkpoint directory, the bundled name "
                          f"'ar-tiny', a transformers causal LM or a (model, tokenizer) pair, not {type(guide).__name__}")
-    from dllm.recipes import Recipe, as_recipe
+    from dllm.samplers.recipe import Recipe, as_recipe
 
     if sampler is None or sampler == "guided":
         return guided(guide)

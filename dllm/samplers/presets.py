@@ -13,11 +13,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from dllm.blocks import AdaBlock, SlidingWindow
-from dllm.recipes import Recipe
 from dllm.samplers.base import StepContext, StepResult, check_choice
 from dllm.samplers.composed import ComposedSampler
 from dllm.samplers.guided import guided
-from dllm.samplers.prophet import Prophet
+from dllm.samplers.recipe import Recipe
 from dllm.samplers.rules import Ascending, Factor, KLStable, LocalLeap, Quota, Threshold
 from dllm.samplers.transforms import CreditFusion, EOSRejection
 
@@ -98,22 +97,6 @@ def credit_localleap(alpha: float = 0.7, beta: float = 0.8, gamma: float = 0.2, 
     """CreditDecoding's fused logits with the LocalLeap rule (a composition, not a paper preset)."""
     return Recipe(ComposedSampler(LocalLeap(kappa, tau, radius), credit=CreditFusion(alpha, beta, gamma, slots),
                                   **_common(temperature, confidence, softmax_dtype, name, noise_scope=noise_scope)),
-                  block_length=block_length, name=name)
-
-
-def prophet(base: str = "llada", early: float = 7.5, mid: float = 5.0, late: float = 2.5, span="region",
-            progress: str = "steps", temperature: float = 0.0, block_length: int | None = 32,
-            name: str = "prophet") -> Prophet:
-    """Prophet early commit over a registered sampler (default LLaDA low-confidence, block 32 as in the paper)."""
-    from dllm.samplers import get_sampler
-
-    if base in ("prophet", name):
-        raise ValueError(f"base={base!r}: Prophet cannot wrap itself; use e.g. base='llada' or base='fast-dllm'")
-    inner = get_sampler(base, temperature=temperature)
-    if isinstance(inner, Recipe):  # the base preset's layout (and no cache: Prophet reads beyond the regions)
-        return Recipe(Prophet(inner.sampler, early, mid, late, span=span, progress=progress, name=name),
-                      block_length=block_length or inner.block_length, block_policy=inner.block_policy, name=name)
-    return Recipe(Prophet(inner, early, mid, late, span=span, progress=progress, name=name),
                   block_length=block_length, name=name)
 
 
@@ -240,7 +223,6 @@ PRESETS = {
     "localleap": (localleap, "LocalLeap: anchors kappa 0.9, relaxed tau 0.75 within radius 4, block 32"),
     "credit": (credit, "CreditDecoding: trace credits (alpha 0.7, beta 0.8, gamma 0.2) + threshold 0.9, block 32"),
     "credit-localleap": (credit_localleap, "CreditDecoding's fused logits with the LocalLeap rule"),
-    "prophet": (prophet, "Prophet early commit (gap 7.5/5.0/2.5 by progress) over LLaDA low-confidence, block 32"),
     "adablock": (adablock, "AdaBlock: newline-aligned adaptive blocks (fallback 32) + threshold 0.9"),
     "eoser": (eoser, "EOS early rejection (g 0.4 -> 1) over LLaDA's even quota"),
     "ascending": (ascending, "Ascending step size: 2**i tokens at step i"),
