@@ -381,7 +381,7 @@ def test_train_tiny_ar_writes_a_transformers_guide(tmp_path):
 
     rc = main(["train-tiny", "--family", "ar", "--out", str(tmp_path / "ar"), "--steps", "2", "--batch-size", "2",
                "--d-model", "16", "--layers", "1", "--heads", "2", "--mlp", "32", "--threads", "1",
-               "--examples-per-task", "0", "--list-item-tokens"])  # the bundled dLLMs' tokenizer layout
+               "--examples-per-task", "0", "--tokenizer-layout", "list-items"])  # the bundled dLLMs' tokenizer layout
     assert rc == 0
     summary = json.loads((tmp_path / "ar" / "training.json").read_text())
     assert summary["steps_done"] == 2 and summary["final_loss"] > 0

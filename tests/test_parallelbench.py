@@ -687,7 +687,7 @@ def test_run_style_defaults_to_the_bundled_models_prompts(tmp_path, capsys, monk
     import argparse
 
     from dllm.assets import BUNDLED
-    from dllm.evals.parallelbench_cli import _style
+    from dllm.cli.parallelbench import _style
 
     ns = argparse.Namespace
     assert _style(ns(style=None, model=None)) == "short"  # the default model is llada-tiny

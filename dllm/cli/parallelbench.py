@@ -1,4 +1,4 @@
-"""``dllm parallelbench generate | score | run | report | tasks`` (wired into :mod:`dllm.cli`).
+"""``dllm parallelbench generate | score | run | report | tasks`` .
 
 Only this module prints (results to stdout, progress and notes to stderr); heavy imports are deferred to
 the handlers so ``dllm --help`` stays fast.
@@ -12,6 +12,8 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+
+from dllm.cli.common import load_model_arg
 
 
 def _pair(text: str) -> tuple[int, int]:
@@ -140,7 +142,6 @@ def cmd_run(args) -> int:
     from tqdm import tqdm
 
     from dllm.assets import model_path
-    from dllm.cli import _load
     from dllm.evals.parallelbench_report import write_report
     from dllm.evals.parallelbench_sweep import parse_methods, run_sweep
 
@@ -149,7 +150,7 @@ def cmd_run(args) -> int:
                          "without torchrun / accelerate launch (several sweeps: one --out each)")
     settings = parse_methods(args.method)  # fail on a bad spec before loading the model
     args.style = _style(args)
-    model = _load(args)
+    model = load_model_arg(args)
     bar = tqdm(total=0, desc="parallelbench", unit="sample", file=sys.stderr, dynamic_ncols=True)
 
     def on_start(todo: int, done: int) -> None:
@@ -195,13 +196,12 @@ def cmd_report(args) -> int:
 
 
 def cmd_show(args) -> int:
-    from dllm.cli import _load
     from dllm.evals.parallelbench_sweep import RUN_FILE, replay_sample
     from dllm.viz import render
 
     if args.model is None:  # the model the sweep was run with
         args.model = json.loads((Path(args.results) / RUN_FILE).read_text(encoding="utf-8"))["pinned"].get("model")
-    model = _load(args)
+    model = load_model_arg(args)
     res, line = replay_sample(model, args.results, args.id, task=args.task, setting=args.setting)
     text = res.texts[0] if res.texts else ""
     same = "the stored output" if text == line.get("prediction") else "NOT the stored output (another model?)"

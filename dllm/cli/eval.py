@@ -1,4 +1,4 @@
-"""``dllm eval TASK ...`` and ``dllm lm-eval ...`` (wired into :mod:`dllm.cli`).
+"""``dllm eval-tasks``, ``dllm eval TASK ...`` and ``dllm lm-eval ...``.
 
 Only this module prints (the results table to stdout, progress and notes to stderr); heavy imports are
 deferred to the handlers so ``dllm --help`` stays fast.
@@ -15,6 +15,8 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+
+from dllm.cli.common import add_decode_args, decode_setup, load_model_arg
 
 
 def _make_accelerator(device: str | None):
@@ -41,7 +43,6 @@ def _make_accelerator(device: str | None):
 
 def cmd_eval(args) -> int:
     from dllm.assets import model_path
-    from dllm.cli import _decode_setup
     from dllm.evals.standard import build_prompts, get_standard_task, load_samples
     from dllm.evals.standard_runner import run_standard_eval, summary_markdown
     from dllm.generate import prepare_prompts
@@ -58,7 +59,7 @@ def cmd_eval(args) -> int:
     samples, pool = load_samples(task, args.data, args.fewshot_data, shots)
     if args.limit is not None:
         samples = samples[: args.limit]
-    config, sampler = _decode_setup(args)
+    config, sampler = decode_setup(args)
     accelerator = _make_accelerator(args.device)
     device = args.device or (str(accelerator.device) if accelerator is not None else None)
     path = model_path(args.model)
@@ -137,6 +138,36 @@ class _Progress:
             self.bar.close()
 
 
+def cmd_eval_tasks(args) -> int:
+    from tqdm import tqdm
+
+    from dllm.evals import tasks as T
+    from dllm.evals.runner import evaluate_tasks, family_average
+
+    if args.n < 1:
+        raise ValueError(f"--n must be >= 1 (examples per task), got {args.n}")
+    model = load_model_arg(args)
+    config, sampler = decode_setup(args)
+    names = T.task_names(args.tasks)
+    if not names:
+        raise SystemExit(f"error: no task matches {args.tasks!r}; known tasks: {', '.join(T.task_names())}")
+    bar = tqdm(total=len(names) * args.n, desc="eval", file=sys.stderr)
+    res = evaluate_tasks(model, names, args.n, args.seed_data, config, sampler=sampler, cache=args.cache,
+                         batch_size=args.batch_size, on_batch=lambda name, k: bar.update(k))
+    bar.close()
+    print("| task | score | strict | NFE | tokens/forward |")
+    print("|---|---|---|---|---|")
+    for r in res:
+        print(f"| {r.task} | {r.score:.3f} | {r.score_strict:.3f} | {r.nfe:.1f} | {r.tokens_per_forward:.2f} |")
+    fam = family_average(res)
+    print()
+    print("| family | score |")
+    print("|---|---|")
+    for k, v in fam.items():
+        print(f"| {k} | {v:.3f} |")
+    return 0
+
+
 def cmd_lm_eval(args) -> int:
     from dllm.evals.lm_eval_adapter import run_lm_eval_cli
 
@@ -144,8 +175,16 @@ def cmd_lm_eval(args) -> int:
 
 
 def add_parser(sub) -> None:
-    """Add ``eval`` and ``lm-eval`` to the ``dllm`` sub-command parser."""
+    """Add ``eval-tasks``, ``eval`` and ``lm-eval`` to the ``dllm`` sub-command parser."""
     from dllm.evals.standard import STANDARD_TASKS
+
+    e = sub.add_parser("eval-tasks", help="score a model on the synthetic tasks (held-out seed)")
+    e.add_argument("--tasks", default=None, help="fnmatch pattern or family (default: all)")
+    e.add_argument("--n", type=int, default=50, help="examples per task")
+    e.add_argument("--seed-data", type=int, default=12345, help="data seed (training uses 1000+)")
+    e.add_argument("--batch-size", type=int, default=25)
+    add_decode_args(e)
+    e.set_defaults(func=cmd_eval_tasks, gen_length=32)
 
     e = sub.add_parser(
         "eval", help="standard benchmarks: gsm8k | math | humaneval | mbpp (resumable, multi-process)",
@@ -172,9 +211,7 @@ def add_parser(sub) -> None:
     e.add_argument("--memory-mb", type=int, default=1024, help="address-space limit per program (default 1024 MiB)")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     e.add_argument("--log-level", default="warning")
-    from dllm.cli import _add_decode_args
-
-    _add_decode_args(e)
+    add_decode_args(e)
     e.set_defaults(func=cmd_eval, gen_length=256)
 
     le = sub.add_parser(

@@ -1,0 +1,118 @@
+"""``dllm generate`` and ``dllm samplers``."""
+
+from __future__ import annotations
+
+import codecs
+import json
+import sys
+from pathlib import Path
+
+from dllm.cli.common import add_decode_args, decode_setup, load_model_arg
+
+
+def _batch_line(line: str, where: str):
+    """One ``--batch-file`` line: ``{"prompt": ...}`` (a string, a conversation or token ids); a JSON list of
+    ``{"role", "content"}`` messages (a conversation) or of integers (token ids); anything else is plain text
+    (``[INST] ...`` included)."""
+    text = line.strip()
+    if text.startswith("{"):
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: a line starting with '{{' must be a JSON object ({exc.msg}); e.g. "
+                             '{"prompt": "..."}') from None
+        if not isinstance(obj, dict) or "prompt" not in obj:
+            raise ValueError(f'{where}: a JSON object line needs a "prompt" key, e.g. {{"prompt": "..."}}')
+        return obj["prompt"]
+    if text.startswith("["):
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError:
+            return line
+        if obj and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in obj):
+            return obj
+        if obj and all(isinstance(t, int) and not isinstance(t, bool) for t in obj):
+            return obj
+    return line
+
+
+def _unescape(text: str) -> str:
+    """Backslash escapes (``\\n``, ``\\t``, ``\\u00e9``) decoded; every other character kept as it is."""
+    return codecs.decode(text.encode("latin-1", "backslashreplace"), "unicode_escape")
+
+
+def cmd_generate(args) -> int:
+    from dllm.generate import generate
+
+    prompts = list(args.prompt or [])
+    if args.batch_file:
+        lines = Path(args.batch_file).read_text(encoding="utf-8").splitlines()
+        prompts += [_batch_line(ln, f"{args.batch_file}:{i}") for i, ln in enumerate(lines, 1) if ln.strip()]
+    prompts = [_unescape(p) if args.escapes and isinstance(p, str) else p for p in prompts]
+    if not prompts:
+        raise SystemExit("error: give a PROMPT or --batch-file")
+    model = load_model_arg(args)
+    config, sampler = decode_setup(args)
+    if args.trace_out:
+        import dataclasses
+
+        config = dataclasses.replace(config, record_confidence=True)
+    out = generate(model, prompts, config, sampler=sampler, cache=args.cache)
+    s = out.stats
+    if args.trace_out:
+        from dllm.viz import render
+
+        for row in range(len(prompts)):
+            path = Path(args.trace_out)
+            if len(prompts) > 1:
+                path = path.with_name(f"{path.stem}-{row}{path.suffix}")
+            render(out, path, row=row, tokenizer=getattr(model, "tokenizer", None))
+            print(f"[trajectory of row {row}: {path}]", file=sys.stderr)
+    guided = None
+    if getattr(sampler, "name", None) == "guided" or args.sampler == "guided":
+        from dllm.samplers.guided import guided_summary
+
+        guided = guided_summary(s)
+    if args.json:
+        print(json.dumps({
+            "sequences": out.sequences.tolist(), "texts": out.texts, "nfe": s.nfe, "row_nfe": s.row_nfe,
+            "tokens_per_forward": s.tokens_per_forward, "finish_step": s.finish_step,
+            "time": {"model": s.time_model, "sampler": s.time_sampler, "cache": s.time_cache, "total": s.time_total},
+            **({"guided": guided} if guided is not None else {}),
+        }))
+    else:
+        for text in out.texts:
+            print(text)
+        extra = ""
+        if guided is not None:
+            extra = (f", AR forwards {guided['ar_forwards']}, {guided['accepted_per_verification']:.2f} drafts "
+                     f"accepted/verification, acceptance {guided['acceptance_rate']:.2f}")
+        print(f"[nfe {s.nfe}, {s.tokens_per_forward:.2f} tokens/forward, {s.time_total:.2f}s{extra}]", file=sys.stderr)
+    return 0
+
+
+def cmd_samplers(args) -> int:
+    from dllm.samplers import list_samplers
+
+    for e in list_samplers():
+        print(f"{e.name}: {e.description}")
+        for k, v in e.params().items():
+            print(f"    {k} = {v!r}")
+    return 0
+
+
+def add_parser(sub) -> None:
+    g = sub.add_parser("generate", help="generate text with a model (default: the bundled llada-tiny)")
+    g.add_argument("prompt", nargs="*", help="prompt text(s); the chat template is applied")
+    g.add_argument("--batch-file", help="file with one prompt per line: plain text, {\"prompt\": ...}, or a JSON "
+                   "list of chat messages or of token ids (other lines starting with '[' are plain text)")
+    g.add_argument("--escapes", action="store_true", help=r"interpret backslash escapes such as \n in prompts")
+    g.add_argument("--json", action="store_true", help="print sequences, texts, nfe and timing as JSON")
+    g.add_argument("--trace-out", metavar="FILE", default=None,
+                   help="draw the decoding trajectory to FILE.png, FILE.gif or FILE.html (one file per prompt: "
+                        "FILE-0.png, ... when there are several)")
+    add_decode_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("samplers", help="list samplers with their parameters and defaults")
+    s.set_defaults(func=cmd_samplers)
