@@ -21,7 +21,7 @@ import torch
 from dllm import generate, get_sampler
 from dllm.caches import CACHES, get_cache
 from dllm.models import LLADA, Transformer, TransformerConfig
-from dllm.train import init_weights
+from dllm.models.weights import init_weights
 
 
 def build(layers: int, width: int, heads: int, vocab: int, max_len: int, device, dtype) -> Transformer:

@@ -19,8 +19,8 @@ import dllm
 from dllm.assets import BUNDLED
 from dllm.evals import tasks as T
 from dllm.models import LLADA, Transformer, TransformerConfig
+from dllm.models.weights import init_weights
 from dllm.samplers import get_sampler
-from dllm.train import init_weights
 
 
 def part1(batch: int) -> None:

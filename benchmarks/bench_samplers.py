@@ -33,9 +33,9 @@ import torch
 
 import dllm
 from dllm.models import LLADA, Transformer, TransformerConfig
+from dllm.models.weights import init_weights
 from dllm.samplers import StepResult, get_sampler
 from dllm.samplers.presets import PRESETS
-from dllm.train import init_weights
 
 V, BLOCK = 126_464, 32
 BASELINES = ("llada", "dream-maskgit-plus")

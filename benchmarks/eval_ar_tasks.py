@@ -13,7 +13,7 @@ import time
 import torch
 
 from dllm.samplers.guided import guide_path
-from dllm.train_ar import evaluate
+from dllm.tiny.train_ar import evaluate
 
 
 def main(argv=None) -> int:

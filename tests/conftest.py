@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 from dllm.models import DREAM, LLADA, Transformer, TransformerConfig
-from dllm.train import init_weights
+from dllm.models.weights import init_weights
 
 
 @pytest.fixture(autouse=True, scope="session")

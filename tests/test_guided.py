@@ -269,7 +269,7 @@ def test_tokenizer_mismatch_is_a_clear_error():
 
 
 def test_ar_training_batch_labels_cover_answer_and_end_of_turn():
-    from dllm.train_ar import IGNORE, make_batch
+    from dllm.tiny.train_ar import IGNORE, make_batch
 
     ids, att, labels = make_batch([([5, 6, 7], [10, 11]), ([8], [12, 13, 14])], pad_id=0, eot_ids=[4, 7])
     assert ids.tolist() == [[5, 6, 7, 10, 11, 4], [8, 12, 13, 14, 7, 0]]
@@ -374,7 +374,7 @@ def test_train_tiny_ar_writes_a_transformers_guide(tmp_path):
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import dllm.train_ar as train_ar
+    import dllm.tiny.train_ar as train_ar
     from dllm.assets import model_path
     from dllm.cli import main
     from dllm.models import load_model
@@ -403,7 +403,7 @@ def test_train_tiny_ar_writes_a_transformers_guide(tmp_path):
 def test_train_tiny_ar_save_every_and_dllm_only_options(tmp_path, monkeypatch):
     """The ar trainer writes its checkpoint every --save-every steps (not only at the end), and the options that
     only the dLLM trainer reads are refused for --family ar instead of being ignored."""
-    import dllm.train_ar as train_ar
+    import dllm.tiny.train_ar as train_ar
     from dllm.cli import main
 
     saved = []

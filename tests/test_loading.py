@@ -13,8 +13,8 @@ from safetensors import safe_open
 
 import dllm
 from dllm.models import DREAM, LLADA, Transformer, TransformerConfig, load_model, save_pretrained
-from dllm.models import tokenizer_build as tb
-from dllm.train import init_weights
+from dllm.models.weights import init_weights
+from dllm.tiny import tokenizer as tb
 
 MASK_TOKEN = {"llada": "<|mdm_mask|>", "dream": "<|mask|>"}
 EOT_TOKEN = {"llada": "<|eot_id|>", "dream": "<|im_end|>"}

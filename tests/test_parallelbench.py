@@ -441,8 +441,8 @@ def tiny(tmp_path_factory):
     """(model, checkpoint directory)."""
     from dllm.assets import model_path
     from dllm.models import LLADA, Transformer, TransformerConfig, load_model, save_pretrained
-    from dllm.models import tokenizer_build as tb
-    from dllm.train import init_weights
+    from dllm.models.weights import init_weights
+    from dllm.tiny import tokenizer as tb
 
     bundled = model_path("llada-tiny")
     if (bundled / "config.json").is_file():

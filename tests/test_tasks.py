@@ -453,7 +453,7 @@ def test_addition():
 
 @pytest.fixture(scope="module")
 def tok_dirs(tmp_path_factory):
-    from dllm.models.tokenizer_build import build_tokenizer
+    from dllm.tiny.tokenizer import build_tokenizer
 
     root = tmp_path_factory.mktemp("tok")
     return {fam: build_tokenizer(root / fam, fam) for fam in ("llada", "dream")}
@@ -467,7 +467,7 @@ def toks(tok_dirs):
 
 
 def test_tokenizer_files_and_determinism(tok_dirs, tmp_path):
-    from dllm.models.tokenizer_build import build_tokenizer
+    from dllm.tiny.tokenizer import build_tokenizer
 
     for d in tok_dirs.values():
         assert {p.name for p in d.iterdir()} >= {"tokenizer.json", "tokenizer_config.json",
@@ -482,7 +482,7 @@ def test_tokenizer_files_and_determinism(tok_dirs, tmp_path):
 
 
 def test_special_tokens(toks):
-    from dllm.models.tokenizer_build import SPECIAL_TOKENS
+    from dllm.tiny.tokenizer import SPECIAL_TOKENS
 
     for tok in toks.values():
         ids = tok.convert_tokens_to_ids(list(SPECIAL_TOKENS))
@@ -539,7 +539,7 @@ def test_list_item_tokenizer_layout(tmp_path):
     single tokens, every pre-token of the task texts is one token, and text round-trips."""
     from transformers import AutoTokenizer
 
-    from dllm.models.tokenizer_build import build_tokenizer
+    from dllm.tiny.tokenizer import build_tokenizer
 
     tok = AutoTokenizer.from_pretrained(str(build_tokenizer(tmp_path / "items", "llada", list_items=True)))
     ex = T.generate("waiting_line/copy", 1, 5)[0]
@@ -564,7 +564,7 @@ def test_names_tokenizer_layout(tmp_path):
     structure is ``[``, ``, `` and ``]``; every pre-token of the task texts is one token; text round-trips."""
     from transformers import AutoTokenizer
 
-    from dllm.models.tokenizer_build import build_tokenizer
+    from dllm.tiny.tokenizer import build_tokenizer
 
     tok = AutoTokenizer.from_pretrained(str(build_tokenizer(tmp_path / "names", "llada", layout="names")))
 
@@ -596,7 +596,7 @@ def test_names_tokenizer_layout(tmp_path):
 
 
 def test_chat_templates(toks):
-    from dllm.models.tokenizer_build import chat_text
+    from dllm.tiny.tokenizer import chat_text
 
     msgs = [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"},
             {"role": "user", "content": "Q2"}]

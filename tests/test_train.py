@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dllm
-from dllm.train import TrainConfig, train
+from dllm.tiny.train import TrainConfig, train
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
@@ -35,7 +35,7 @@ def test_train_tiny_writes_a_loadable_checkpoint(tmp_path, family):
 
 
 def test_masked_diffusion_loss_kinds():
-    from dllm.train import masked_diffusion_loss
+    from dllm.tiny.train import masked_diffusion_loss
 
     logits = torch.log(torch.tensor([[[0.5, 0.5], [0.9, 0.1]], [[0.2, 0.8], [0.5, 0.5]]]))
     target = torch.tensor([[0, 0], [1, 1]])
@@ -67,7 +67,7 @@ def test_task_sampler_family_mix_balances_families():
     import random
 
     from dllm.evals import tasks as T
-    from dllm.train import task_sampler
+    from dllm.tiny.train import task_sampler
 
     names = T.task_names()
     draws = [task_sampler(names, "family")(random.Random(0)) for _ in range(1)]
@@ -88,7 +88,7 @@ def test_task_sampler_family_mix_balances_families():
 
 
 def test_train_chat_curriculum_family_mix_and_periodic_saves(tmp_path, monkeypatch):
-    import dllm.train as tr
+    import dllm.tiny.train as tr
 
     torch.set_num_threads(1)
     saved = []
@@ -134,9 +134,9 @@ def test_example_stream_gives_fresh_examples_and_never_the_eval_seeds(monkeypatc
     777 / 12345), a drawn example is never repeated across chunks, and the stream is deterministic."""
     from transformers import AutoTokenizer
 
-    from dllm import train as tr
     from dllm.assets import BUNDLED
     from dllm.evals import tasks as T
+    from dllm.tiny import train as tr
 
     tok = AutoTokenizer.from_pretrained(str(BUNDLED["llada-tiny"]))
     seeds = []
@@ -163,7 +163,7 @@ def test_rotation_shuffle_targets(tmp_path):
     tasks are untouched; the streams and the pools use them; an unknown choice is refused."""
     from transformers import AutoTokenizer
 
-    import dllm.train as tr
+    import dllm.tiny.train as tr
     from dllm.assets import BUNDLED
     from dllm.evals import tasks as T
 
@@ -204,7 +204,7 @@ def test_last_edit_targets(tmp_path):
     edits included) are untouched; the streams and the pools use them; an unknown choice is refused."""
     from transformers import AutoTokenizer
 
-    import dllm.train as tr
+    import dllm.tiny.train as tr
     from dllm.assets import BUNDLED
     from dllm.evals import tasks as T
 
@@ -240,7 +240,7 @@ def test_last_edit_targets(tmp_path):
 def test_task_sampler_adaptive_mix_weights_unsolved_tasks():
     import random
 
-    from dllm.train import task_sampler
+    from dllm.tiny.train import task_sampler
 
     names = ["waiting_line/copy", "waiting_line/sort", "puzzle/sudoku", "arithmetic/addition"]
     scores = {"waiting_line/copy": 1.0, "waiting_line/sort": 0.0, "puzzle/sudoku": 0.5}
@@ -286,10 +286,10 @@ def test_init_from_ar_takes_the_causal_lm_weights(tmp_path):
     tying are refused."""
     from transformers import AutoModelForCausalLM
 
-    import dllm.train_ar as train_ar
+    import dllm.tiny.train_ar as train_ar
     from dllm.models.loading import load_model
     from dllm.models.transformer import rope_tables
-    from dllm.train import TrainConfig, train
+    from dllm.tiny.train import TrainConfig, train
 
     small = dict(d_model=16, n_layers=1, n_heads=2, mlp_hidden=32, batch_size=2, examples_per_task=2, list_item_tokens=True)
     train_ar.train(train_ar.ARTrainConfig(steps=3, **small), tmp_path / "ar")
@@ -348,10 +348,10 @@ def test_init_from_keeps_the_checkpoints_key_value_heads(tmp_path):
 
 def test_cli_target_choices_are_the_trainers():
     """The train-tiny parser lists its --shuffle-targets / --edit-targets choices itself (it does not import
-    dllm.train, which imports torch): they must stay the trainer's own."""
+    dllm.tiny.train, which imports torch): they must stay the trainer's own."""
     import argparse
 
-    import dllm.train as tr
+    import dllm.tiny.train as tr
     from dllm.cli import build_parser
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))

@@ -11,8 +11,8 @@ _DLLM_ONLY_TRAIN_OPTIONS = ("loss", "no_curriculum", "curriculum", "task_mix", "
 
 def cmd_train_tiny(args) -> int:
     if args.family == "ar":  # the AR guide (a transformers LlamaForCausalLM): dllm/train_ar.py
-        from dllm.train_ar import ARTrainConfig
-        from dllm.train_ar import train as train_ar
+        from dllm.tiny.train_ar import ARTrainConfig
+        from dllm.tiny.train_ar import train as train_ar
 
         # the options only the dLLM trainer reads, refused when changed from the parser's own default
         parser = args.train_tiny_parser
@@ -34,7 +34,7 @@ def cmd_train_tiny(args) -> int:
         return 0
     import logging
 
-    from dllm.train import TrainConfig, train
+    from dllm.tiny.train import TrainConfig, train
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = TrainConfig(family=args.family, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,

@@ -3,6 +3,7 @@ read, then each tensor read straight onto its device and converted to the model 
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -184,3 +185,17 @@ def _read_one(fh, f: Path, key: str, dtype: torch.dtype) -> torch.Tensor:
         raise ValueError(f"{f}: reading tensor {key!r} failed ({e}): the file is corrupt or truncated; copy it again "
                          "from the original checkpoint") from None
     return t.to(dtype)  # the stored-dtype tensor is freed on return
+
+
+def init_weights(model: Transformer, std: float = 0.02) -> None:
+    """GPT-style init: normal(0, std) weights, scaled-down residual projections, zero biases, unit norms."""
+    n = model.config.n_layers
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            torch.nn.init.ones_(p)
+        elif name.endswith(".bias"):
+            torch.nn.init.zeros_(p)
+        elif name.endswith(("o.weight", "down.weight")):
+            torch.nn.init.normal_(p, std=std / math.sqrt(2 * n))
+        else:
+            torch.nn.init.normal_(p, std=std)

@@ -2,7 +2,7 @@
 
 A small ``transformers`` ``LlamaForCausalLM`` with the project tokenizer (same vocabulary and token ids as the
 tiny dLLMs), trained with next-token cross-entropy on the answer tokens and the end-of-turn token of the same
-synthetic tasks (:mod:`dllm.evals.tasks`) and prompt format as :mod:`dllm.train`. Prompts are rendered with
+synthetic tasks (:mod:`dllm.evals.tasks`) and prompt format as :mod:`dllm.tiny.train`. Prompts are rendered with
 both chat templates of the project (LLaDA's and Dream's, half of the examples each) so one guide verifies the
 drafts of either tiny dLLM; the saved tokenizer carries the LLaDA template (the default model's).
 
@@ -40,7 +40,7 @@ class ARTrainConfig:
     lr: float = 3e-3
     warmup: int = 100
     weight_decay: float = 0.01
-    examples_per_task: int = 2000  # fixed pool per task; 0: fresh examples streamed from new seeds (dllm.train.ExampleStream)
+    examples_per_task: int = 2000  # fixed pool per task; 0: fresh examples streamed from new seeds (dllm.tiny.train.ExampleStream)
     multi_turn: float = 0.6  # fraction of prompts with the worked example turn (the evaluation prompts have it)
     dream_template: float = 0.5  # fraction of prompts rendered with the Dream (Qwen-style) chat template
     seed: int = 0
@@ -57,7 +57,7 @@ def _tokenizers(out_dir: Path, list_items: bool = False, layout: str | None = No
     """(LLaDA-template tokenizer saved in ``out_dir``, Dream-template tokenizer from a scratch directory)."""
     from transformers import AutoTokenizer
 
-    from dllm.models.tokenizer_build import build_tokenizer
+    from dllm.tiny.tokenizer import build_tokenizer
 
     tok = AutoTokenizer.from_pretrained(str(build_tokenizer(out_dir, "llada", list_items=list_items, layout=layout)))
     with tempfile.TemporaryDirectory() as tmp:
@@ -104,7 +104,7 @@ def make_batch(items, pad_id: int, eot_ids: list[int]):
 
 def train(cfg: ARTrainConfig, out_dir, *, progress=None) -> dict:
     """Train, save to ``out_dir`` and return a summary (also written to ``out_dir/training.json``)."""
-    from dllm.train import ExampleStream, build_pools
+    from dllm.tiny.train import ExampleStream, build_pools
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -212,8 +212,8 @@ def evaluate(path, names: list[str] | None = None, n: int = 20, seed: int = 1234
     (``"llada"``: the checkpoint's own; ``"dream"``: the Qwen-style one)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dllm.models.tokenizer_build import CHAT_TEMPLATES
-    from dllm.train import encode_example
+    from dllm.tiny.tokenizer import CHAT_TEMPLATES
+    from dllm.tiny.train import encode_example
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(str(path))

@@ -26,6 +26,7 @@ from dllm.evals import tasks as T
 from dllm.models.loading import save_pretrained
 from dllm.models.spec import SPECS
 from dllm.models.transformer import Transformer, TransformerConfig
+from dllm.models.weights import init_weights
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +54,8 @@ class TrainConfig:
     eps: float = 1e-3
     task_curriculum: bool = True  # CURRICULUM: copy, then copy/reverse, then list operations, then every task
     loss: str = "weighted"  # "weighted": LLaDA's 1/t-weighted sum over masked tokens; "mean": plain masked mean
-    list_item_tokens: bool = False  # tokenizer layout with one token per list item (tokenizer_build.SPLIT_PATTERN)
-    tokenizer_layout: str | None = None  # "gpt2" | "list-items" | "names" (tokenizer_build.LAYOUTS); None: from list_item_tokens
+    list_item_tokens: bool = False  # tokenizer layout with one token per list item (tokenizer.SPLIT_PATTERN)
+    tokenizer_layout: str | None = None  # "gpt2" | "list-items" | "names" (tokenizer.LAYOUTS); None: from list_item_tokens
     decay_from: float = 0.75  # learning rate constant after warmup until this progress, then cosine decay
     init_from: str | None = None  # continue from an existing checkpoint of the same family and shape
     shuffle_targets: str = "random"  # training target of waiting_line/shuffle: "random" | "rotation" (rotation_targets)
@@ -74,7 +75,7 @@ class TrainConfig:
 
 def encode_example(tok, ex: T.Example, with_example: bool = True) -> tuple[list[int], list[int]]:
     """(prompt ids, answer ids); ``with_example=False`` drops the worked example turn (single-turn prompt)."""
-    from dllm.models.tokenizer_build import chat_text
+    from dllm.tiny.tokenizer import chat_text
 
     messages = ex.messages if with_example else ex.messages[-1:]
     prompt = tok(chat_text(tok, messages, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
@@ -340,7 +341,7 @@ def train(cfg: TrainConfig, out_dir, *, progress=None) -> dict:
     """Train and save; returns a summary dict (also written to ``out_dir/training.json``)."""
     from transformers import AutoTokenizer
 
-    from dllm.models.tokenizer_build import build_tokenizer
+    from dllm.tiny.tokenizer import build_tokenizer
 
     if cfg.loss not in LOSSES:
         raise ValueError(f"unknown loss {cfg.loss!r}; known: {', '.join(LOSSES)}")
@@ -532,17 +533,3 @@ def masked_diffusion_loss(logits, target, masked, t, kind: str = "weighted") -> 
     if kind == "mean":
         return ce.sum() / masked.sum().clamp(min=1)
     return (ce / t[:, None]).sum() / target.numel()
-
-
-def init_weights(model: Transformer, std: float = 0.02) -> None:
-    """GPT-style init: normal(0, std) weights, scaled-down residual projections, zero biases, unit norms."""
-    n = model.config.n_layers
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            torch.nn.init.ones_(p)
-        elif name.endswith(".bias"):
-            torch.nn.init.zeros_(p)
-        elif name.endswith(("o.weight", "down.weight")):
-            torch.nn.init.normal_(p, std=std / math.sqrt(2 * n))
-        else:
-            torch.nn.init.normal_(p, std=std)
