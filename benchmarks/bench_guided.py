@@ -23,7 +23,7 @@ from dllm import generate
 from dllm.assets import model_path
 from dllm.config import GenerateConfig
 from dllm.evals import parallelbench as PB
-from dllm.evals.parallelbench_sweep import subset_indices
+from dllm.evals.parallelbench.sweep import subset_indices
 from dllm.models import load_model
 from dllm.samplers import get_sampler
 from dllm.samplers.guided import guided_summary, load_guide

@@ -86,7 +86,7 @@ def _fixture_cases(name: str, ref_of) -> list[tuple[str, str, bool]]:
 
 
 def scorers(task: str) -> dict:
-    from dllm.evals import standard_answers as A
+    from dllm.evals.standard import answers as A
 
     out = {}
     if task == "math":

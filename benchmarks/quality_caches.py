@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from _suite import load_suite_model, suite_parser
 
-from dllm.evals.parallelbench_sweep import load_samples, run_sweep
+from dllm.evals.parallelbench.sweep import load_samples, run_sweep
 
 CACHES = ("none", "prefix", "dual", "dkv-decode", "dkv-greedy", "freecache", "elastic")
 

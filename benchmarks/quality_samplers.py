@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from _suite import load_suite_model, suite_parser
 
-from dllm.evals.parallelbench_report import write_report
-from dllm.evals.parallelbench_sweep import load_samples, run_sweep
+from dllm.evals.parallelbench.report import write_report
+from dllm.evals.parallelbench.sweep import load_samples, run_sweep
 from dllm.samplers import SAMPLERS
 
 SKIP = {"guided"}  # needs a guide model: benchmarks/bench_guided.py

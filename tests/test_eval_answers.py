@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from dllm.evals import standard_answers as A
+from dllm.evals.standard import answers as A
 from dllm.evals.standard import get_standard_task, load_samples
 
 

@@ -12,8 +12,8 @@ import pytest
 lm_eval = pytest.importorskip("lm_eval")
 evaluate = pytest.importorskip("evaluate")
 
-from dllm.evals.code_eval import SandboxCodeEval, estimate_pass_at_k  # noqa: E402
-from dllm.evals.lm_eval_adapter import DLLMLM  # noqa: E402 - registers `dllm`, routes code_eval
+from dllm.evals.standard.code_eval import SandboxCodeEval, estimate_pass_at_k  # noqa: E402
+from dllm.evals.standard.lm_eval_adapter import DLLMLM  # noqa: E402 - registers `dllm`, routes code_eval
 
 FIXTURES = Path(__file__).parent / "fixtures" / "eval"
 ADD = "def add(a, b):\n    return a + b\n"
@@ -77,7 +77,7 @@ def test_lm_eval_humaneval_task_end_to_end(tmp_path, monkeypatch):
     assert len(samples) == 2
     score = res["results"]["he_local"]["pass@1,create_test"]
     # the tiny model writes no working code; each sample's score is what our sandbox gives its program
-    from dllm.evals.sandbox import run_program
+    from dllm.evals.standard.sandbox import run_program
 
     for s in samples:
         program = s["filtered_resps"][0][0] if isinstance(s["filtered_resps"][0], list) else s["filtered_resps"][0]

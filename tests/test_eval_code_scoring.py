@@ -167,7 +167,7 @@ def test_runner_scores_misbehaving_programs_and_goes_on(tmp_path, monkeypatch):
     from dllm.assets import model_path
     from dllm.config import GenerateConfig
     from dllm.evals.standard import build_prompts, load_samples
-    from dllm.evals.standard_runner import run_standard_eval
+    from dllm.evals.standard.runner import run_standard_eval
     from dllm.models import load_model
 
     fixtures = Path(__file__).parent / "fixtures" / "eval"

@@ -10,7 +10,7 @@ import torch
 
 lm_eval = pytest.importorskip("lm_eval")
 
-from dllm.evals.lm_eval_adapter import DLLMLM  # noqa: E402 - registers the `dllm` model
+from dllm.evals.standard.lm_eval_adapter import DLLMLM  # noqa: E402 - registers the `dllm` model
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS = REPO / "tests" / "fixtures" / "eval" / "lm_eval_tasks"

@@ -8,7 +8,7 @@ import pytest
 from dllm.cli import main as cli_main
 from dllm.config import GenerateConfig
 from dllm.evals.standard import build_prompts, get_standard_task, load_samples
-from dllm.evals.standard_runner import read_done, run_standard_eval
+from dllm.evals.standard.runner import read_done, run_standard_eval
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "eval"

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from dllm.evals import sandbox
-from dllm.evals.sandbox import available_isolation, run_program
-from dllm.evals.standard import get_standard_task, load_samples
+from dllm.evals.standard import get_standard_task, load_samples, sandbox
+from dllm.evals.standard.sandbox import available_isolation, run_program
 
 FIXTURES = Path(__file__).parent / "fixtures" / "eval"
 ISOLATED = [m for m in ("bwrap", "unshare") if sandbox._works(m)]
@@ -186,7 +185,7 @@ def test_isolation_choice_and_fallback_warning(monkeypatch, caplog):
     monkeypatch.delenv("DLLM_SANDBOX")
     monkeypatch.setattr(sandbox, "_works", lambda mode: mode == "none")
     monkeypatch.setattr(sandbox, "_warned", False)
-    with caplog.at_level(logging.WARNING, logger="dllm.evals.sandbox"):
+    with caplog.at_level(logging.WARNING, logger="dllm.evals.standard.sandbox"):
         assert run_program("pass\n").isolation == "none"
     assert "no namespace isolation" in caplog.text
     with pytest.raises(RuntimeError, match="does not work on this machine"):

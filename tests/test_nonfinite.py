@@ -103,10 +103,10 @@ def test_evaluations_record_non_finite_samples_as_errors(tmp_path):
     """eval-tasks, dllm eval and the ParallelBench report: a sample whose logits turn NaN is an error (kept out
     of the accuracy), the other samples of its batch are decoded and scored, and the run goes on."""
     from dllm.assets import model_path
-    from dllm.evals.parallelbench_report import aggregate
+    from dllm.evals.parallelbench.report import aggregate
     from dllm.evals.runner import evaluate_tasks
     from dllm.evals.standard import build_prompts, get_standard_task, load_samples
-    from dllm.evals.standard_runner import run_standard_eval
+    from dllm.evals.standard.runner import run_standard_eval
     from dllm.models import load_model
 
     tiny = load_model(model_path("llada-tiny"))

@@ -12,9 +12,9 @@ from conftest import random_model
 
 from dllm.cli import main
 from dllm.evals import parallelbench as PB
-from dllm.evals import parallelbench_report as R
-from dllm.evals import parallelbench_sweep as S
 from dllm.evals import tasks as T
+from dllm.evals.parallelbench import report as R
+from dllm.evals.parallelbench import sweep as S
 
 WL = [f"waiting_line/{op}" for op in T.WAITING_LINE_OPS]
 GENERATED = [t for t in PB.TASKS if not PB.TASKS[t].needs_data]

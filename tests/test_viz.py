@@ -132,7 +132,7 @@ def test_parallelbench_show_regenerates_a_stored_sample(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 0, err
     assert "regenerated the stored output" in err and (tmp_path / "s.html").exists()
-    from dllm.evals.parallelbench_sweep import replay_sample
+    from dllm.evals.parallelbench.sweep import replay_sample
 
     tiny = dllm.load_model(str(model_path("llada-tiny")), dtype="float32")
     with pytest.raises(ValueError, match="pick one with --task and --setting"):

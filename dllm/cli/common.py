@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from dllm.evals.parallelbench_sweep import parse_scalar
+from dllm.evals.parallelbench.sweep import parse_scalar
 
 
 def parse_params(items: list[str] | None) -> dict:

@@ -44,7 +44,7 @@ def _make_accelerator(device: str | None):
 def cmd_eval(args) -> int:
     from dllm.assets import model_path
     from dllm.evals.standard import build_prompts, get_standard_task, load_samples
-    from dllm.evals.standard_runner import run_standard_eval, summary_markdown
+    from dllm.evals.standard.runner import run_standard_eval, summary_markdown
     from dllm.generate import prepare_prompts
     from dllm.models import load_model
 
@@ -169,7 +169,7 @@ def cmd_eval_tasks(args) -> int:
 
 
 def cmd_lm_eval(args) -> int:
-    from dllm.evals.lm_eval_adapter import run_lm_eval_cli
+    from dllm.evals.standard.lm_eval_adapter import run_lm_eval_cli
 
     return run_lm_eval_cli(args.lm_eval_args)
 
@@ -218,7 +218,7 @@ def add_parser(sub) -> None:
         "lm-eval", help="lm-evaluation-harness with the `dllm` model registered (all arguments go to lm_eval)",
         description="Runs lm_eval's own command line with the `dllm` model adapter registered, e.g. dllm lm-eval "
                     "--model dllm --model_args pretrained=PATH,sampler=llada,gen_length=256,block_length=32 "
-                    "--tasks gsm8k --num_fewshot 5. Same as python -m dllm.evals.lm_eval_adapter ...",
+                    "--tasks gsm8k --num_fewshot 5. Same as python -m dllm.evals.standard.lm_eval_adapter ...",
         add_help=False, prefix_chars="\x1f")  # no options of its own: every argument (--model ...) is lm_eval's
     le.add_argument("lm_eval_args", nargs=argparse.REMAINDER)
     le.set_defaults(func=cmd_lm_eval)

@@ -142,8 +142,8 @@ def cmd_run(args) -> int:
     from tqdm import tqdm
 
     from dllm.assets import model_path
-    from dllm.evals.parallelbench_report import write_report
-    from dllm.evals.parallelbench_sweep import parse_methods, run_sweep
+    from dllm.evals.parallelbench.report import write_report
+    from dllm.evals.parallelbench.sweep import parse_methods, run_sweep
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError("parallelbench run is single-process: every process would run the whole sweep; start it "
@@ -184,7 +184,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from dllm.evals.parallelbench_report import write_report
+    from dllm.evals.parallelbench.report import write_report
 
     report = write_report(args.dirs, args.out, plot=not args.no_plot)
     print(report.markdown)
@@ -196,7 +196,7 @@ def cmd_report(args) -> int:
 
 
 def cmd_show(args) -> int:
-    from dllm.evals.parallelbench_sweep import RUN_FILE, replay_sample
+    from dllm.evals.parallelbench.sweep import RUN_FILE, replay_sample
     from dllm.viz import render
 
     if args.model is None:  # the model the sweep was run with

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import logging
@@ -87,6 +88,41 @@ def read_lines(path: str | Path, *, strict: bool = False) -> list[dict]:
                     raise ValueError(f"{path}:{i}: not valid JSON ({exc.msg})") from None
                 log.warning("%s:%d: skipping a malformed line", path, i)
     return out
+
+
+def read_jsonl(path: str | Path, *, nonempty: bool = False) -> list[dict]:
+    """The JSON objects of a complete JSONL file (``.gz`` too; blank lines skipped), for data files; errors name
+    the file and line. ``nonempty``: a file without records is an error. (Results files, appended while a run
+    may be killed, are read with :func:`read_lines`.)"""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"data file not found: {p}")
+    opener = gzip.open if p.suffix == ".gz" else open
+    rows = []
+    with opener(p, "rt", encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{p}:{i}: not valid JSON ({exc.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{p}:{i}: each line must be a JSON object, got {type(row).__name__}")
+            rows.append(row)
+    if nonempty and not rows:
+        raise ValueError(f"{p}: no records")
+    return rows
+
+
+def write_jsonl(path: str | Path, records: Iterable[dict]) -> Path:
+    """Write ``records`` as a JSONL file (parents created); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    return path
 
 
 class JsonlStore:

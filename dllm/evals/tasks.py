@@ -92,7 +92,7 @@ WAITING_LINE_OPS: tuple[str, ...] = (
 )
 
 LATIN_SYMBOLS = "ABCDEFGH"
-_SIZE = 4
+GRID_SIZE = 4
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -200,7 +200,7 @@ def _as_list(value: str | list[str]) -> list[str]:
 # ----------------------------------------------------------------------------------------------------------
 # Waiting line
 
-_SHORT_PROMPTS = {
+SHORT_PROMPTS = {
     "copy": "Please copy the list exactly:\n{context}",
     "reverse": "Please reverse the order of the list:\n{context}",
     "sort": "Please sort the list alphabetically by last name:\n{context}",
@@ -214,7 +214,7 @@ _SHORT_PROMPTS = {
 }
 
 _FULL_HEAD = "You are managing a waiting line at a customer service desk.\n"
-_FULL_PROMPTS = {
+FULL_PROMPTS = {
     "copy": _FULL_HEAD + "You need to record the following people in the order they arrived:\n{context}\n"
     "Please copy the list exactly and provide only the final list.",
     "reverse": _FULL_HEAD + "The previous staff member put the waiting line in the wrong order.\n"
@@ -241,7 +241,7 @@ _FULL_PROMPTS = {
     '{context}\nPlease replace one random person with "{word}" and provide only the final list.',
 }
 
-_PROMPT_STYLES = {"short": _SHORT_PROMPTS, "full": _FULL_PROMPTS}
+_PROMPT_STYLES = {"short": SHORT_PROMPTS, "full": FULL_PROMPTS}
 
 
 def _sample_names(rng: random.Random, length: int) -> list[str]:
@@ -420,7 +420,7 @@ def _score_waiting_line(prediction: str, example: Example, strict: bool) -> floa
 Grid = tuple[tuple[str, ...], ...]
 
 
-def _grid_rows(cells: list[str] | tuple[str, ...], size: int = _SIZE) -> Grid:
+def _grid_rows(cells: list[str] | tuple[str, ...], size: int = GRID_SIZE) -> Grid:
     return tuple(tuple(cells[r * size:(r + 1) * size]) for r in range(size))
 
 
@@ -428,7 +428,7 @@ def _format_grid(grid: Grid, sep: str) -> str:
     return "\n".join(sep.join(row) for row in grid)
 
 
-def parse_grid(text: str | None, size: int = _SIZE, symbols: str | None = None) -> Grid | None:
+def parse_grid(text: str | None, size: int = GRID_SIZE, symbols: str | None = None) -> Grid | None:
     """Leniently read a ``size`` x ``size`` grid of single-character cells from model output.
 
     A line counts as a row when, after dropping separators (spaces, commas, ``|``, tabs), it holds exactly
@@ -476,21 +476,21 @@ def is_sudoku_solution(grid: Grid | None) -> bool:
 
 
 def _matches_givens(grid: Grid, givens: dict) -> bool:
-    return all(grid[int(k) // _SIZE][int(k) % _SIZE] == v for k, v in givens.items())
+    return all(grid[int(k) // GRID_SIZE][int(k) % GRID_SIZE] == v for k, v in givens.items())
 
 
 @cache
 def _all_latin_squares() -> tuple[tuple[int, ...], ...]:
     """All 576 4x4 Latin squares over 0..3, as flat tuples, in a fixed order."""
-    perms = list(itertools.permutations(range(_SIZE)))
+    perms = list(itertools.permutations(range(GRID_SIZE)))
     out: list[tuple[int, ...]] = []
 
     def extend(rows: list[tuple[int, ...]]) -> None:
-        if len(rows) == _SIZE:
+        if len(rows) == GRID_SIZE:
             out.append(tuple(v for row in rows for v in row))
             return
         for perm in perms:
-            if all(perm[c] != row[c] for row in rows for c in range(_SIZE)):
+            if all(perm[c] != row[c] for row in rows for c in range(GRID_SIZE)):
                 extend(rows + [perm])
 
     extend([])
@@ -512,7 +512,7 @@ def sudoku_solutions() -> tuple[str, ...]:
 def _sudoku_masks() -> tuple[tuple[int, ...], ...]:
     """masks[cell][digit-1] = bitset of solutions having that digit in that cell."""
     sols = sudoku_solutions()
-    masks = [[0] * _SIZE for _ in range(_SIZE * _SIZE)]
+    masks = [[0] * GRID_SIZE for _ in range(GRID_SIZE * GRID_SIZE)]
     for i, s in enumerate(sols):
         for cell, ch in enumerate(s):
             masks[cell][int(ch) - 1] |= 1 << i
@@ -533,8 +533,8 @@ def _sudoku_puzzle(rng: random.Random, n_given: int) -> tuple[str, dict[int, str
     sols = sudoku_solutions()
     while True:
         sol = rng.choice(sols)
-        givens = {i: sol[i] for i in range(_SIZE * _SIZE)}
-        for cell in rng.sample(range(_SIZE * _SIZE), _SIZE * _SIZE):
+        givens = {i: sol[i] for i in range(GRID_SIZE * GRID_SIZE)}
+        for cell in rng.sample(range(GRID_SIZE * GRID_SIZE), GRID_SIZE * GRID_SIZE):
             if len(givens) == n_given:
                 break
             digit = givens.pop(cell)
@@ -545,11 +545,11 @@ def _sudoku_puzzle(rng: random.Random, n_given: int) -> tuple[str, dict[int, str
 
 
 def _puzzle_text(givens: dict[int, str], blank: str, sep: str = "") -> str:
-    cells = [givens.get(i, blank) for i in range(_SIZE * _SIZE)]
+    cells = [givens.get(i, blank) for i in range(GRID_SIZE * GRID_SIZE)]
     return _format_grid(_grid_rows(cells), sep)
 
 
-_SUDOKU_PROMPTS = {
+SUDOKU_PROMPTS = {
     "short": "Solve this 4x4 sudoku:\n{grid}",
     "full": "Fill the positions where the values are {blank} in a 4x4 grid with digits 1-4 so that each "
     "column, each row, and each of the four 2x2 subgrids that compose the grid contains all of the digits "
@@ -565,14 +565,14 @@ def generate_sudoku(n: int, seed: int, *, givens: tuple[int, int] = (4, 12), bla
         raise ValueError("givens must lie in [4, 16]")
     if len(blank) != 1 or blank in "1234":
         raise ValueError("blank must be one character other than 1-4")
-    if style not in _SUDOKU_PROMPTS:
-        raise ValueError(f"style must be one of {sorted(_SUDOKU_PROMPTS)}")
+    if style not in SUDOKU_PROMPTS:
+        raise ValueError(f"style must be one of {sorted(SUDOKU_PROMPTS)}")
     name = "puzzle/sudoku"
 
     def instance(rng: random.Random, k: int) -> tuple[str, str, dict]:
         sol, given = _sudoku_puzzle(rng, k)
         puzzle = _puzzle_text(given, blank)
-        prompt = _SUDOKU_PROMPTS[style].format(grid=puzzle, blank=blank)
+        prompt = SUDOKU_PROMPTS[style].format(grid=puzzle, blank=blank)
         target = _format_grid(_grid_rows(list(sol)), "")
         return prompt, target, {"puzzle": puzzle, "givens": {str(c): d for c, d in sorted(given.items())},
                                 "length": k}
@@ -606,15 +606,15 @@ def _score_sudoku(prediction: str, example: Example, strict: bool) -> float:
         rows = []
         for line in prediction.splitlines():
             digits = re.sub(r"[^0-9]", "", line)
-            if len(digits) == _SIZE:
+            if len(digits) == GRID_SIZE:
                 rows.append(tuple(digits))
-        if len(rows) != _SIZE:
+        if len(rows) != GRID_SIZE:
             return 0.0
         grid = tuple(rows)
     return float(is_sudoku_solution(grid) and _matches_givens(grid, givens))
 
 
-_LATIN_PROMPTS = {
+LATIN_PROMPTS = {
     "short": "Generate a 4x4 Latin square with the symbols {symbols}:",
     "full": "Generate a Latin square of size 4 with the symbols [{symbols}]. Only output the final result.",
 }
@@ -634,29 +634,29 @@ def generate_latin_square(n: int, seed: int, *, givens: tuple[int, int] = (0, 0)
     if not 0 <= lo <= hi <= 16:
         raise ValueError("givens must lie in [0, 16]")
     pool = "".join(dict.fromkeys(symbols_pool))
-    if len(pool) < _SIZE or not all(c.isdigit() or (c.isalpha() and c.isupper()) for c in pool):
+    if len(pool) < GRID_SIZE or not all(c.isdigit() or (c.isalpha() and c.isupper()) for c in pool):
         raise ValueError("symbols_pool needs at least 4 distinct upper-case letters or digits")
     if sep not in (" ", ","):
         raise ValueError(f"sep must be ' ' or ',', got {sep!r}")
     if len(blank) != 1 or blank in pool:
         raise ValueError("blank must be one character outside the symbol pool")
-    if style not in _LATIN_PROMPTS:
-        raise ValueError(f"style must be one of {sorted(_LATIN_PROMPTS)}")
+    if style not in LATIN_PROMPTS:
+        raise ValueError(f"style must be one of {sorted(LATIN_PROMPTS)}")
     name = "puzzle/latin_square"
     squares = _all_latin_squares()
 
     def instance(rng: random.Random, k: int) -> tuple[str, str, dict]:
-        symbols = rng.sample(pool, _SIZE)
+        symbols = rng.sample(pool, GRID_SIZE)
         flat = rng.choice(squares)
         cells = [symbols[v] for v in flat]
-        given_cells = sorted(rng.sample(range(_SIZE * _SIZE), k))
+        given_cells = sorted(rng.sample(range(GRID_SIZE * GRID_SIZE), k))
         given = {c: cells[c] for c in given_cells}
-        prompt = _LATIN_PROMPTS[style].format(symbols=", ".join(symbols))
+        prompt = LATIN_PROMPTS[style].format(symbols=", ".join(symbols))
         if k:
             prompt += "\n" + _puzzle_text(given, blank, " ")
         target = _format_grid(_grid_rows(cells), sep)
         meta = {"symbols": list(symbols), "givens": {str(c): v for c, v in given.items()}, "length": k,
-                "size": _SIZE}
+                "size": GRID_SIZE}
         return prompt, target, meta
 
     def make(rng: random.Random, i: int) -> Example:
@@ -667,11 +667,11 @@ def generate_latin_square(n: int, seed: int, *, givens: tuple[int, int] = (0, 0)
                     {"role": "assistant", "content": shot_target},
                     {"role": "user", "content": prompt}]
         answer = {"symbols": meta["symbols"], "givens": meta["givens"], "example": target}
-        icl = {"input": {"size": _SIZE, "symbols": "[" + ", ".join(shot_meta["symbols"]) + "]"},
+        icl = {"input": {"size": GRID_SIZE, "symbols": "[" + ", ".join(shot_meta["symbols"]) + "]"},
                "answer": {"symbols": shot_meta["symbols"], "givens": shot_meta["givens"], "example": shot_target},
                "metadata": {"length": shot_meta["length"]}}
         metadata = dict(meta, seed=int(seed), style=style, sep=sep, icl=[icl],
-                        input={"size": _SIZE, "symbols": "[" + ", ".join(meta["symbols"]) + "]"})
+                        input={"size": GRID_SIZE, "symbols": "[" + ", ".join(meta["symbols"]) + "]"})
         return Example(task=name, messages=messages, answer=answer, metadata=metadata)
 
     return _collect(name, n, seed, make)
@@ -687,11 +687,11 @@ def _score_latin(prediction: str, example: Example, strict: bool) -> float:
         text = prediction.strip()
         lines = text.split("\n")
         cell = r"[^\s,]"
-        if len(lines) != _SIZE or any(not re.fullmatch(f"{cell}({re.escape(sep)}{cell}){{3}}", ln) for ln in lines):
+        if len(lines) != GRID_SIZE or any(not re.fullmatch(f"{cell}({re.escape(sep)}{cell}){{3}}", ln) for ln in lines):
             return 0.0
         grid = tuple(tuple(ln.split(sep)) for ln in lines)
     else:
-        grid = parse_grid(prediction, _SIZE, symbols)
+        grid = parse_grid(prediction, GRID_SIZE, symbols)
     return float(is_latin_square(grid, symbols) and _matches_givens(grid, givens))
 
 
@@ -759,7 +759,7 @@ def _waiting_line_generator(op: str) -> Callable[..., list[Example]]:
     return gen
 
 
-_DESCRIPTIONS = {
+DESCRIPTIONS = {
     "copy": "copy the list", "reverse": "reverse the list", "sort": "sort by last name",
     "shuffle": "any different order of the same names", "insert_index": "insert a name at a position",
     "remove_index": "remove the name at a position", "replace_index": "replace the name at a position",
@@ -771,7 +771,7 @@ TASKS: dict[str, Task] = {}
 for _op in WAITING_LINE_OPS:
     TASKS[f"waiting_line/{_op}"] = _make_task(
         f"waiting_line/{_op}", "waiting_line", _waiting_line_generator(_op), _score_waiting_line,
-        _op == "shuffle" or _op.endswith("_random"), _DESCRIPTIONS[_op])
+        _op == "shuffle" or _op.endswith("_random"), DESCRIPTIONS[_op])
 TASKS["puzzle/latin_square"] = _make_task("puzzle/latin_square", "puzzle", generate_latin_square,
                                           _score_latin, True, "any 4x4 Latin square over the symbols")
 TASKS["puzzle/sudoku"] = _make_task("puzzle/sudoku", "puzzle", generate_sudoku, _score_sudoku, False,
@@ -822,7 +822,7 @@ def score_strict(prediction: str, example: Example) -> float:
 
 def prompt_words() -> list[str]:
     """Fixed words of the short prompts (handy for tokenizer checks)."""
-    texts = list(_SHORT_PROMPTS.values()) + [_SUDOKU_PROMPTS["short"], _LATIN_PROMPTS["short"],
+    texts = list(SHORT_PROMPTS.values()) + [SUDOKU_PROMPTS["short"], LATIN_PROMPTS["short"],
                                              _ADDITION_PROMPT]
     words: list[str] = []
     for t in texts:

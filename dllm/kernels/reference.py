@@ -133,7 +133,7 @@ class ConfidenceStats(NamedTuple):
     entropy: torch.Tensor  # float32: -sum p log p in nats (0 log 0 = 0, so -inf logits are fine)
 
 
-def _confidence_noise(logits: torch.Tensor, temperature: float, noise: torch.Tensor | None) -> torch.Tensor | None:
+def confidence_noise(logits: torch.Tensor, temperature: float, noise: torch.Tensor | None) -> torch.Tensor | None:
     if logits.dim() < 1 or logits.shape[-1] < 1:
         raise ValueError("logits must be [..., V] with V >= 1")
     if not logits.is_floating_point():
@@ -171,7 +171,7 @@ def confidence_stats(logits: torch.Tensor, temperature: float = 0.0, noise: torc
         :class:`ConfidenceStats`: ``token`` ``[...]`` int64, ``p_token``/``p_max``/``p_second``/``entropy``
         ``[...]`` float32. Margin confidence is ``p_max - p_second``.
     """
-    noise = _confidence_noise(logits, temperature, noise)
+    noise = confidence_noise(logits, temperature, noise)
     x = logits.float()
     lse = torch.logsumexp(x, dim=-1, keepdim=True)
     logp = x - lse

@@ -422,7 +422,7 @@ def confidence_stats(logits, temperature=0.0, noise=None):
     """
     if not _usable(logits):
         return reference.confidence_stats(logits, temperature=temperature, noise=noise)
-    noise = reference._confidence_noise(logits, temperature, noise)
+    noise = reference.confidence_noise(logits, temperature, noise)
     (logits,), _ = _widen(logits)
     V, N = logits.shape[-1], logits.numel() // max(logits.shape[-1], 1)
     block_v = 256 if _interpreting() else 2048

@@ -25,7 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from dllm.ops import _blocks, check_choice, check_range, fast_argmax, top2_values  # noqa: F401 (re-exported)
+from dllm.ops import check_choice, check_range, fast_argmax, top2_values  # noqa: F401 (re-exported)
 
 NOISE_SCOPES = ("row", "region", "canvas")
 SOFTMAX_DTYPES = {"float32": torch.float32, "float64": torch.float64, "model": None}

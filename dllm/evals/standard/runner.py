@@ -36,7 +36,7 @@ from pathlib import Path
 from dllm.config import GenerateConfig
 from dllm.evals.io import ConfigChanged, JsonlStore, check_pinned, content_key
 from dllm.evals.standard import Sample, StandardTask
-from dllm.evals.standard_answers import truncate_at
+from dllm.evals.standard.answers import truncate_at
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dllm.evals import parallelbench as PB
-from dllm.evals.parallelbench_sweep import RUN_FILE, load_samples
+from dllm.evals.parallelbench.sweep import RUN_FILE, load_samples
 
 __all__ = ["PB_LEVELS", "Cell", "Report", "aggregate", "aup", "build_report", "pb_score", "write_report"]
 

@@ -280,7 +280,7 @@ def _resolve_tasks(tasks, data_dir, n, seed, style, index_base, sort_by, sudoku_
                     names.append(t)
                 else:
                     needs[t] = f"no {t}.jsonl in {data_dir}" + (
-                        f" ({PB._DATA_HINT[t]})" if PB.TASKS[t].needs_data else "")
+                        f" ({PB.DATA_HINT[t]})" if PB.TASKS[t].needs_data else "")
     else:
         names = PB.task_names(pattern)
     if not names and not needs:

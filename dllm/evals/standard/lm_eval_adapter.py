@@ -5,12 +5,12 @@ register it and then run lm_eval's own CLI with the remaining arguments)::
 
     dllm lm-eval --model dllm --model_args pretrained=PATH,sampler=llada,gen_length=256,block_length=32 \\
         --tasks gsm8k --num_fewshot 5 --apply_chat_template
-    python -m dllm.evals.lm_eval_adapter --model dllm --model_args ... --tasks ...
-    accelerate launch --num_processes 8 -m dllm.evals.lm_eval_adapter --model dllm ...   # one model per GPU
+    python -m dllm.evals.standard.lm_eval_adapter --model dllm --model_args ... --tasks ...
+    accelerate launch --num_processes 8 -m dllm.evals.standard.lm_eval_adapter --model dllm ...   # one model per GPU
 
-From Python: ``import dllm.evals.lm_eval_adapter`` then ``lm_eval.simple_evaluate(model="dllm", ...)``.
+From Python: ``import dllm.evals.standard.lm_eval_adapter`` then ``lm_eval.simple_evaluate(model="dllm", ...)``.
 Importing it also routes lm_eval's code tasks (``evaluate.load("code_eval")``) to the dllm sandbox
-(:mod:`dllm.evals.code_eval`).
+(:mod:`dllm.evals.standard.code_eval`).
 
 ``model_args``: ``pretrained`` (a checkpoint directory or a bundled name), ``sampler`` (a registered sampler;
 default: the family baseline), ``gen_length``, ``block_length``, ``steps``, ``cfg_scale``, ``cache``,
@@ -146,7 +146,7 @@ class DLLMLM(LM):
     # ------------------------------------------------------------------ generation
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         from dllm.evals.runner import output_lengths
-        from dllm.evals.standard_answers import truncate_at
+        from dllm.evals.standard.answers import truncate_at
         from dllm.generate import generate
 
         out: list[str | None] = [None] * len(requests)
@@ -268,7 +268,7 @@ class DLLMLM(LM):
 
 if __name__ != "__main__":  # run as a script, the module below registers itself under its real name
     register_model("dllm")(DLLMLM)
-    from dllm.evals.code_eval import route_code_eval_to_sandbox
+    from dllm.evals.standard.code_eval import route_code_eval_to_sandbox
 
     route_code_eval_to_sandbox()  # lm_eval's code tasks execute programs in the dllm sandbox
 
@@ -287,7 +287,7 @@ def run_lm_eval_cli(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":  # python -m dllm.evals.lm_eval_adapter <lm_eval arguments>
-    from dllm.evals.lm_eval_adapter import run_lm_eval_cli as _run  # registers `dllm`
+if __name__ == "__main__":  # python -m dllm.evals.standard.lm_eval_adapter <lm_eval arguments>
+    from dllm.evals.standard.lm_eval_adapter import run_lm_eval_cli as _run  # registers `dllm`
 
     sys.exit(_run())

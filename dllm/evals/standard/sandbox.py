@@ -1,7 +1,7 @@
 """Run untrusted generated code in a separate, isolated, resource-limited process.
 
 :func:`run_program` writes the program to a fresh temporary directory and runs it with a separate Python
-interpreter (``python -I``) through the harness in :mod:`dllm.evals._sandbox_harness`:
+interpreter (``python -I``) through the harness in :mod:`dllm.evals.standard._sandbox_harness`:
 
 * **Passing means the tests ran and returned.** The program is executed (not as ``__main__``) and only after
   that returns does the harness write a one-time nonce the parent passed through a pipe. ``sys.exit``,
@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from dllm.evals._sandbox_harness import kill_tree
+from dllm.evals.standard._sandbox_harness import kill_tree
 
 __all__ = ["ISOLATION_MODES", "SandboxResult", "available_isolation", "run_program"]
 
