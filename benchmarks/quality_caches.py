@@ -17,6 +17,7 @@ import torch
 from _suite import load_suite_model, suite_parser
 
 from dllm.evals.parallelbench.sweep import load_samples, run_sweep
+from dllm.evals.stats import fmt_ci, mean_ci, paired_test
 
 CACHES = ("none", "prefix", "dual", "dkv-decode", "dkv-greedy", "freecache", "elastic")
 
@@ -49,14 +50,20 @@ def main() -> None:
         if base is None:
             base = by_key
         same = statistics.mean(float(by_key[k]["prediction"] == base[k]["prediction"]) for k in base if k in by_key)
-        rows.append((label, meth, same, statistics.mean(x["score"] for x in lines),
+        keys = [k for k in base if k in by_key]
+        t = paired_test([by_key[k]["score"] for k in keys], [base[k]["score"] for k in keys])
+        scores = [x["score"] for x in lines]
+        rows.append((label, meth, same, statistics.mean(scores), mean_ci(scores), t,
                      statistics.mean(x["nfe"] for x in lines), sum(x["time_s"] for x in lines)))
     print(f"model {args.model}, tasks {args.tasks}, {args.n} samples per task, gen {args.gen_length}, "
           f"torch threads {torch.get_num_threads()}")
-    print("| cache | method | identical to no cache | score | NFE | wall s |")
-    print("|---|---|---|---|---|---|")
-    for label, meth, same, score, nfe, secs in rows:
-        print(f"| {label} | `{meth}` | {same:.2f} | {100 * score:.1f} | {nfe:.1f} | {secs:.1f} |")
+    print("score: percent, 95% CI (Wilson); vs none: the paired difference on the same examples and its p-value "
+          "(sign-flip permutation test)")
+    print("| cache | method | identical to no cache | score | 95% CI | vs none | p | NFE | wall s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for label, meth, same, score, ci, t, nfe, secs in rows:
+        print(f"| {label} | `{meth}` | {same:.2f} | {100 * score:.1f} | {fmt_ci(*ci, scale=100)} | "
+              f"{100 * t['diff']:+.1f} | {t['p']:.3f} | {nfe:.1f} | {secs:.1f} |")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from _suite import load_suite_model, suite_parser
 
 from dllm.evals.parallelbench.report import write_report
 from dllm.evals.parallelbench.sweep import load_samples, run_sweep
+from dllm.evals.stats import fmt_ci, mean_ci, paired_test
 from dllm.samplers import SAMPLERS
 
 SKIP = {"guided"}  # needs a guide model: benchmarks/bench_guided.py
@@ -48,22 +49,32 @@ def main() -> None:
         by[line["setting"]].append(line)
     print(f"model {args.model}, tasks {args.tasks}, {args.n} samples per task, gen {args.gen_length}, "
           f"torch threads {torch.get_num_threads()}")
-    print("| preset | score | tokens/forward | NFE | wall s/sample |")
-    print("|---|---|---|---|---|")
+    base = "dream" if family == "dream" else "llada"
+    base_scores = {(x["task"], x["index"]): x["score"] for x in by[base]}
+    print(f"score: percent, 95% CI (Wilson); vs {base}: the paired difference on the same examples and its p-value "
+          "(sign-flip permutation test)")
+    print(f"| preset | score | 95% CI | vs {base} | p | tokens/forward | NFE | wall s/sample |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, lines in sorted(by.items()):
-        print(f"| {name} | {100 * statistics.mean(x['score'] for x in lines):.1f} | "
-              f"{statistics.mean(x['tokens_per_step'] for x in lines):.2f} | "
+        scores = [x["score"] for x in lines]
+        keys = [(x["task"], x["index"]) for x in lines if (x["task"], x["index"]) in base_scores]
+        mine = {(x["task"], x["index"]): x["score"] for x in lines}
+        t = paired_test([mine[k] for k in keys], [base_scores[k] for k in keys])
+        print(f"| {name} | {100 * statistics.mean(scores):.1f} | {fmt_ci(*mean_ci(scores), scale=100)} | "
+              f"{100 * t['diff']:+.1f} | {t['p']:.3f} | {statistics.mean(x['tokens_per_step'] for x in lines):.2f} | "
               f"{statistics.mean(x['nfe'] for x in lines):.1f} | {statistics.mean(x['time_s'] for x in lines):.3f} |")
     run_sweep(model, root / "curves", args.curves, **kw)
     report = write_report([root / "curves"], root / "report.md")
     print()
-    print("| curve | AUP | PB90 | PB80 | PB70 |")
-    print("|---|---|---|---|---|")
+    print("| curve | AUP | 95% CI | PB90 | PB80 | PB70 |")
+    print("|---|---|---|---|---|---|")
     for name, c in report.curves.items():
         def f(v):
             return "-" if v is None else f"{v:.2f}"
 
-        print(f"| {name} | {f(c.get('AUP'))} | {f(c.get('PB90'))} | {f(c.get('PB80'))} | {f(c.get('PB70'))} |")
+        ci = fmt_ci(*c.get("AUP_ci", (float("nan"),) * 2), digits=2)
+        print(f"| {name} | {f(c.get('AUP'))} | {ci} | {f(c.get('PB90'))} | {f(c.get('PB80'))} | {f(c.get('PB70'))} |")
+    print("(differences between the curves, with p-values: the report's \"Differences between methods\")")
     print(f"\nreport: {root / 'report.md'}")
 
 

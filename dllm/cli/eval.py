@@ -143,6 +143,7 @@ def cmd_eval_tasks(args) -> int:
 
     from dllm.evals import tasks as T
     from dllm.evals.runner import evaluate_tasks, family_average
+    from dllm.evals.stats import fmt_ci
 
     if args.n < 1:
         raise ValueError(f"--n must be >= 1 (examples per task), got {args.n}")
@@ -155,10 +156,11 @@ def cmd_eval_tasks(args) -> int:
     res = evaluate_tasks(model, names, args.n, args.seed_data, config, sampler=sampler, cache=args.cache,
                          batch_size=args.batch_size, on_batch=lambda name, k: bar.update(k))
     bar.close()
-    print("| task | score | strict | NFE | tokens/forward |")
-    print("|---|---|---|---|---|")
+    print("| task | score | 95% CI | strict | NFE | tokens/forward |")
+    print("|---|---|---|---|---|---|")
     for r in res:
-        print(f"| {r.task} | {r.score:.3f} | {r.score_strict:.3f} | {r.nfe:.1f} | {r.tokens_per_forward:.2f} |")
+        print(f"| {r.task} | {r.score:.3f} | {fmt_ci(*r.score_ci, digits=3)} | {r.score_strict:.3f} | {r.nfe:.1f} | "
+              f"{r.tokens_per_forward:.2f} |")
     fam = family_average(res)
     print()
     print("| family | score |")

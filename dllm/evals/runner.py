@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from dllm.config import GenerateConfig
 from dllm.evals import tasks as T
+from dllm.evals.stats import mean_ci
 from dllm.generate import GenerateOutput, NonFiniteLogitsError
 
 
@@ -47,12 +48,6 @@ def generate_batches(model, conversations: Sequence, config: GenerateConfig, *, 
         yield [start + i for i in kept], out, {start + i: m for i, m in errors.items()}
 
 
-def output_lengths(model, sequences) -> list[int]:
-    """Generated tokens of each row before its first EOS/EOT (the whole row when it has none)."""
-    stops = {i for i in (model.eos_id, model.eot_id) if i is not None}
-    return [next((j for j, t in enumerate(row) if t in stops), len(row)) for row in sequences.tolist()]
-
-
 @dataclass
 class TaskResult:
     task: str
@@ -65,6 +60,11 @@ class TaskResult:
     seconds: float
     samples: list[dict] = field(default_factory=list)
     errors: int = 0  # examples not decoded (non-finite logits): in ``samples`` with an ``error``, not scored
+
+    @property
+    def score_ci(self) -> tuple[float, float]:
+        """95 % interval of ``score`` over the scored samples (Wilson for 0/1 scores)."""
+        return mean_ci([x["score"] for x in self.samples if "score" in x])
 
 
 def evaluate_tasks(model, names: list[str], n: int, seed: int, config: GenerateConfig, *, sampler=None,

@@ -786,23 +786,42 @@ for _name, _task in TASKS.items():
 del _name, _task
 
 
+# ParallelBench's names of the two puzzles (dllm.evals.parallelbench) name the same tasks here.
+ALIASES = {"puzzle/latin_square_n4": "puzzle/latin_square", "puzzle/sudoku_n4_12": "puzzle/sudoku"}
+
+
 def get_task(name: str | Task) -> Task:
-    """The task called ``name`` (a Task passes through); KeyError lists the known names."""
+    """The task called ``name`` (a Task passes through; ParallelBench's puzzle names are aliases); KeyError
+    lists the known names."""
     if isinstance(name, Task):
         return name
     try:
-        return TASKS[name]
+        return TASKS[ALIASES.get(name, name)]
     except KeyError:
         raise KeyError(f"unknown task {name!r}; known tasks: {', '.join(TASKS)}") from None
 
 
+def match_names(names, pattern: str | None, aliases: dict[str, str] | None = None) -> list[str]:
+    """The names matching ``pattern``: comma-separated names, aliases, categories (the part before ``/``) or
+    fnmatch patterns, in the order of ``names``'s matches per pattern; ``None`` / ``""`` / ``"all"`` / ``"*"``:
+    every name. The one name filter of both task tables (this one and ParallelBench's)."""
+    names = list(names)
+    if pattern is None or pattern.strip() in ("", "all", "*"):
+        return names
+    out: list[str] = []
+    for pat in (p.strip() for p in pattern.split(",")):
+        if not pat:
+            continue
+        pat = (aliases or {}).get(pat, pat)
+        hits = [n for n in names if n == pat or n.split("/", 1)[0] == pat or fnmatch.fnmatchcase(n, pat)]
+        out += [h for h in hits if h not in out]
+    return out
+
+
 def task_names(pattern: str | None = None) -> list[str]:
-    """Task names in registry order, optionally filtered by an fnmatch pattern or a family name."""
-    if pattern is None:
-        return list(TASKS)
-    if pattern in FAMILIES:
-        return list(FAMILIES[pattern])
-    return [n for n in TASKS if fnmatch.fnmatchcase(n, pattern)]
+    """Task names in registry order, optionally filtered (:func:`match_names`: ``"waiting_line,puzzle"``,
+    ``"waiting_line/*_random"``, ``"puzzle/sudoku_n4_12"``)."""
+    return match_names(TASKS, pattern, ALIASES)
 
 
 def generate(name: str, n: int, seed: int, **options: Any) -> list[Example]:

@@ -12,13 +12,13 @@ from dllm.evals.io import read_jsonl, write_jsonl
 from dllm.evals.parallelbench.parsing import parse_list
 from dllm.evals.parallelbench.prompts import prompt_for
 from dllm.evals.parallelbench.tasks import (
+    ALIASES,
     DEFAULT_SEED,
     LATIN_POOL_FULL,
     STYLES,
     TASKS,
     DataNeeded,
     get_task,
-    match_names,
     task_names,
 )
 
@@ -321,7 +321,7 @@ def available_tasks(data_dir: str | Path, pattern: str | None = None) -> list[st
     found = sorted(str(p.relative_to(root).with_suffix("")) for p in root.glob("*/*.jsonl"))
     found = [f for f in found if not f.split("/")[-1].startswith("_")]
     ordered = [t for t in TASKS if t in found] + [f for f in found if f not in TASKS]
-    return match_names(ordered, pattern)
+    return T.match_names(ordered, pattern, ALIASES)
 
 
 def load_records(data_dir: str | Path, name: str) -> list[dict]:

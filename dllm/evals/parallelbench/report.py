@@ -24,7 +24,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from dllm.evals import parallelbench as PB
+from dllm.evals import stats
 from dllm.evals.parallelbench.sweep import RUN_FILE, load_samples
 
 __all__ = ["PB_LEVELS", "Cell", "Report", "aggregate", "aup", "build_report", "pb_score", "write_report"]
@@ -128,6 +131,55 @@ def aup(points: Sequence[tuple[float, float]]) -> float | None:
     for (r1, s1), (r2, s2) in zip(pts, pts[1:]):
         area += (r2 - r1) * (s1 + s2) / 2
     return area
+
+
+def bootstrap_curves(lines: Sequence[dict], settings_curve: dict[str, str], common: Sequence[str], *,
+                     resamples: int = stats.RESAMPLES, seed: int = stats.SEED) -> dict | None:
+    """Percentile-bootstrap draws of every figure, resampling the examples of each common task (the same
+    examples for every setting: the comparisons are paired). Returns ``{"score": {setting: [B]}, "tps":
+    {setting: [B]}, "AUP": {curve: [B]}, "PB70": {curve: [B]}, ...}`` (percent scores; NaN where a resample
+    reaches no PBx), or None when some common task has no example scored in every setting."""
+    settings = list(settings_curve)
+    by: dict[tuple[str, str], dict] = {}
+    for line in lines:
+        if "error" in line or line.get("score") is None:
+            continue
+        _, point = _curve_name(line)
+        cell = by.setdefault((point, line["task"]), {})
+        cell[line.get("index", len(cell))] = (float(line["score"]), float(line["tokens_per_step"]))
+    if not common:
+        return None
+    score = np.zeros((len(settings), resamples))
+    tps = np.zeros((len(settings), resamples))
+    for k, t in enumerate(common):
+        keys = set.intersection(*(set(by.get((s, t), {})) for s in settings))
+        if not keys:
+            return None
+        ids = sorted(keys, key=str)
+        vals = np.array([[by[(s, t)][i] for i in ids] for s in settings])  # [settings, n, 2]
+        idx = stats.bootstrap_indices(len(ids), resamples, seed + k)
+        score += vals[:, idx, 0].mean(-1)
+        tps += vals[:, idx, 1].mean(-1)
+    score *= 100.0 / len(common)
+    tps /= len(common)
+    out: dict = {"score": {s: score[i] for i, s in enumerate(settings)}, "tps": {s: tps[i] for i, s in enumerate(settings)}}
+    for name in dict.fromkeys(settings_curve.values()):
+        rows = [i for i, s in enumerate(settings) if settings_curve[s] == name]
+        draws: dict[str, list] = {"AUP": [], **{f"PB{x}": [] for x in PB_LEVELS}}
+        for b in range(resamples):
+            pts = [(tps[i, b], score[i, b]) for i in rows]
+            draws["AUP"].append(aup(pts))
+            for x in PB_LEVELS:
+                v = pb_score(pts, x)
+                draws[f"PB{x}"].append(np.nan if v is None else v)
+        for key, v in draws.items():
+            out.setdefault(key, {})[name] = np.asarray(v, dtype=float)
+    return out
+
+
+def _p_two_sided(diff: np.ndarray) -> float:
+    """Bootstrap p-value of a zero difference: twice the smaller tail share (at most 1)."""
+    return float(min(1.0, 2 * min(np.mean(diff <= 0), np.mean(diff >= 0))))
 
 
 @dataclass
@@ -242,6 +294,14 @@ def build_report(lines: Sequence[dict], *, plot_dir: str | Path | None = None, t
             info[f"PB{x}_interp"] = pb_score(pts, x, interpolate=True)
         curves[name] = info
     all_pts = [p for c in curves.values() for p in c["points"]]
+    boot = bootstrap_curves(lines, settings_curve, common)
+    if boot is not None:
+        for s in settings:
+            summary[s]["score_ci"] = stats.percentile_ci(boot["score"][s])
+        for name, info in curves.items():
+            info["AUP_ci"] = stats.percentile_ci(boot["AUP"][name])
+            for x in PB_LEVELS:
+                info[f"PB{x}_ci"] = stats.percentile_ci(boot[f"PB{x}"][name])
 
     md: list[str] = [f"# {title}", ""]
     n_samples = len(lines)
@@ -250,31 +310,50 @@ def build_report(lines: Sequence[dict], *, plot_dir: str | Path | None = None, t
     md.append("")
     md.append("## Summary per method")
     md.append("")
-    head = ["method"] + [f"PB{x}" for x in PB_LEVELS] + [f"PB{x} (interp.)" for x in PB_LEVELS] + ["AUP", "settings"]
+    head = (["method"] + [f"PB{x}" for x in PB_LEVELS] + [f"PB{x} (interp.)" for x in PB_LEVELS]
+            + ["AUP", "AUP 95% CI", "settings"])
     md.append("| " + " | ".join(head) + " |")
     md.append("|" + "---|" * len(head))
     rows = list(curves.items())
     if len(curves) > 1:
         any_info = {f"PB{x}": pb_score(all_pts, x) for x in PB_LEVELS}
         any_info.update({f"PB{x}_interp": "" for x in PB_LEVELS})
-        any_info.update(AUP="", points=all_pts)
+        any_info.update(AUP="", AUP_ci=(float("nan"), float("nan")), points=all_pts)
         rows.append(("(best of all settings)", any_info))
     for name, c in rows:
         cells_ = ([_f(c[f"PB{x}"], 2) for x in PB_LEVELS] + [_f(c[f"PB{x}_interp"], 2) for x in PB_LEVELS]
-                  + [_f(c["AUP"], 3), str(len(c["points"]))])
+                  + [_f(c["AUP"], 3), stats.fmt_ci(*c.get("AUP_ci", (float("nan"),) * 2), digits=3),
+                     str(len(c["points"]))])
         md.append(f"| {name} | " + " | ".join(cells_) + " |")
     md.append("")
     md.append(f"Task-averaged over the {len(common)} common tasks: " + (", ".join(common) or "none") + ".")
     md.append("")
     md.append("## Settings (task-averaged)")
     md.append("")
-    md.append("| method | setting | score % | strict % | tokens/step | NFE | output tokens | s/sample |")
-    md.append("|---|---|---|---|---|---|---|---|")
+    md.append("| method | setting | score % | 95% CI | strict % | tokens/step | NFE | output tokens | s/sample |")
+    md.append("|---|---|---|---|---|---|---|---|---|")
     for s in settings:
         r = summary[s]
-        md.append(f"| {r['method']} | {s} | {_f(r['score'])} | {_f(r['score_strict'])} | {_f(r['tps'], 2)} | "
+        ci = stats.fmt_ci(*r.get("score_ci", (float("nan"),) * 2))
+        md.append(f"| {r['method']} | {s} | {_f(r['score'])} | {ci} | {_f(r['score_strict'])} | {_f(r['tps'], 2)} | "
                   f"{_f(r.get('nfe'))} | {_f(r.get('output_length'))} | {_f(r.get('time_s'), 4)} |")
     md.append("")
+    if boot is not None and len(curves) > 1:
+        md.append("## Differences between methods (AUP, paired bootstrap over examples)")
+        md.append("")
+        md.append("| method A | method B | AUP A - B | 95% CI | p | significant (5 %) |")
+        md.append("|---|---|---|---|---|---|")
+        names = list(curves)
+        for i, a_ in enumerate(names):
+            for b_ in names[i + 1:]:
+                if curves[a_]["AUP"] is None or curves[b_]["AUP"] is None:
+                    continue
+                d = boot["AUP"][a_] - boot["AUP"][b_]
+                lo, hi = stats.percentile_ci(d)
+                p = _p_two_sided(d)
+                md.append(f"| {a_} | {b_} | {curves[a_]['AUP'] - curves[b_]['AUP']:+.3f} | "
+                          f"{stats.fmt_ci(lo, hi, digits=3)} | {p:.3f} | {'yes' if p < 0.05 else 'no'} |")
+        md.append("")
     incomplete = False
     for title_, attr, digits in (("Score (%) by task", "score", 1), ("Tokens per step by task", "tps", 2)):
         md.append(f"## {title_}")
@@ -298,6 +377,23 @@ def build_report(lines: Sequence[dict], *, plot_dir: str | Path | None = None, t
         avg = [_f(summary[s][attr], digits) for s in settings]
         md.append("| **average (common tasks)** | " + " | ".join(avg) + " |")
         md.append("")
+    per_cell: dict[tuple[str, str], list[float]] = {}
+    for line in lines:
+        if "error" not in line and line.get("score") is not None:
+            per_cell.setdefault((_curve_name(line)[1], line["task"]), []).append(float(line["score"]))
+    md.append("## Score 95% CI by task")
+    md.append("")
+    md.append("Wilson interval for 0/1 scores, percentile bootstrap otherwise (percent).")
+    md.append("")
+    md.append("| task | " + " | ".join(settings) + " |")
+    md.append("|---|" + "---|" * len(settings))
+    for t in tasks:
+        vals = []
+        for s_ in settings:
+            v = per_cell.get((s_, t))
+            vals.append(stats.fmt_ci(*stats.mean_ci(v), digits=0, scale=100) if v else "")
+        md.append(f"| {t} | " + " | ".join(vals) + " |")
+    md.append("")
     if incomplete:
         md.append("`*` fewer samples than the other settings of that task (an unfinished run).")
         md.append("")
@@ -335,6 +431,9 @@ def build_report(lines: Sequence[dict], *, plot_dir: str | Path | None = None, t
     md.append("- PBx = the highest task-averaged tokens per step among a method's settings whose task-averaged "
               "score is >= x %; (interp.) = the same on the piecewise-linear curve through the settings sorted "
               "by tokens per step. '-' = no setting reaches x %.")
+    md.append(f"- 95% CI: percentile bootstrap over the examples of each common task ({stats.RESAMPLES} resamples, "
+              f"seed {stats.SEED}; every setting resamples the same examples, so differences are paired); p: twice "
+              "the smaller share of resampled differences on either side of 0.")
     md.append("- AUP = s1*r1 + sum over consecutive settings (r_i - r_{i-1}) * (s_i + s_{i-1}) / 2, with "
               "scores s as fractions and settings sorted by tokens per step r (trapezoid area under the curve, "
               "the first point extended to r = 0).")

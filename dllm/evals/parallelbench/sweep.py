@@ -43,7 +43,8 @@ from typing import Any
 from dllm.config import GenerateConfig
 from dllm.evals import parallelbench as PB
 from dllm.evals.io import ConfigChanged, JsonlStore, check_pinned, content_key, read_lines
-from dllm.evals.runner import generate_batches, output_lengths
+from dllm.evals.runner import generate_batches
+from dllm.generate import answer_lengths
 
 __all__ = ["SAMPLES_FILE", "RUN_FILE", "Setting", "SweepResult", "load_samples", "parse_method", "parse_methods",
            "parse_values", "run_sweep", "subset_indices"]
@@ -420,7 +421,7 @@ def run_sweep(model, out_dir: str | Path, methods: Sequence[str | Setting] | str
                 if res is None:
                     continue
                 rows = [pending[k] for k in kept]
-                lengths = output_lengths(model, res.sequences)
+                lengths = answer_lengths(model, res.sequences)
                 per_row = res.stats.time_total / len(rows)
                 for j, idx in enumerate(rows):
                     record = td.records[idx]

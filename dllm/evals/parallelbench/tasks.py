@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import fnmatch
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from dllm.evals import tasks as T
@@ -101,22 +99,7 @@ def get_task(name: str) -> PBTask:
         raise KeyError(f"unknown ParallelBench task {name!r}; known tasks: {', '.join(TASKS)}") from None
 
 
-def match_names(names: Iterable[str], pattern: str | None) -> list[str]:
-    """The names matching ``pattern``: comma-separated names, aliases, categories or fnmatch patterns."""
-    names = list(names)
-    if pattern is None or pattern.strip() in ("", "all", "*"):
-        return names
-    out: list[str] = []
-    for pat in (p.strip() for p in pattern.split(",")):
-        if not pat:
-            continue
-        pat = ALIASES.get(pat, pat)
-        hits = [n for n in names if n == pat or n.split("/", 1)[0] == pat or fnmatch.fnmatchcase(n, pat)]
-        out += [h for h in hits if h not in out]
-    return out
-
-
 def task_names(pattern: str | None = None) -> list[str]:
     """Built-in task names, optionally filtered: comma-separated fnmatch patterns or category names
     (``"waiting_line,puzzle"``, ``"waiting_line/*_random"``); ``None``/``"all"`` gives all 17."""
-    return match_names(TASKS, pattern)
+    return T.match_names(TASKS, pattern, ALIASES)

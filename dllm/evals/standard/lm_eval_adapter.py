@@ -44,6 +44,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from dllm.generate import answer_lengths, cfg_forward, generate
+
 try:
     from lm_eval.api.model import LM
     from lm_eval.api.registry import register_model
@@ -145,9 +147,7 @@ class DLLMLM(LM):
 
     # ------------------------------------------------------------------ generation
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        from dllm.evals.runner import output_lengths
         from dllm.evals.standard.answers import truncate_at
-        from dllm.generate import generate
 
         out: list[str | None] = [None] * len(requests)
         items = []
@@ -171,7 +171,7 @@ class DLLMLM(LM):
                     steps = None if cfg.steps is None else max(1, cfg.steps * cap // cfg.gen_length)
                     cfg = replace(cfg, gen_length=cap, steps=steps)
             res = generate(self.model, [ids for _, ids, _, _ in chunk], cfg, sampler=self.sampler, cache=self.cache)
-            lengths = output_lengths(self.model, res.sequences)
+            lengths = answer_lengths(self.model, res.sequences)
             self.stats["nfe"] += res.stats.nfe
             self.stats["gen_seconds"] += res.stats.time_total
             for (i, _, until, _), text, n in zip(chunk, res.texts, lengths):
@@ -194,11 +194,7 @@ class DLLMLM(LM):
     def _logits(self, x: torch.Tensor, n_prefix: int, cols: torch.Tensor) -> torch.Tensor:
         idx = cols.expand(x.shape[0], -1)
         if self.cfg_scale > 0:
-            un = x.clone()
-            un[:, :n_prefix] = self.model.mask_id
-            both = self.model(torch.cat([x, un]), logits_idx=torch.cat([idx, idx]))
-            cond, unc = both.float().chunk(2)
-            return unc + (self.cfg_scale + 1) * (cond - unc)
+            return cfg_forward(self.model, x, n_prefix, self.cfg_scale, torch.float32, logits_idx=idx)
         return self.model(x, logits_idx=idx).float()
 
     @torch.no_grad()

@@ -37,6 +37,7 @@ from dllm.config import GenerateConfig
 from dllm.evals.io import ConfigChanged, JsonlStore, check_pinned, content_key
 from dllm.evals.standard import Sample, StandardTask
 from dllm.evals.standard.answers import truncate_at
+from dllm.evals.stats import fmt_ci, proportion_ci
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class EvalSummary:
     written: int = 0  # samples scored by this run
     already_done: int = 0  # samples found in --out from an earlier run
     errors: int = 0  # samples not decoded (non-finite logits), left out of the accuracy
+    accuracy_ci: tuple[float, float] = (float("nan"), float("nan"))  # 95 % Wilson interval of the accuracy
 
 
 UNPINNED = ("data", "fewshot_data")  # recorded in run.json, not compared: samples are keyed by their content
@@ -110,7 +112,8 @@ def run_standard_eval(model, task: StandardTask, samples: list[Sample], config: 
     other settings is refused, or with ``overwrite`` the results there are discarded first. Returns the
     summary over all samples in ``out`` on the main process, ``None`` on the others.
     """
-    from dllm.evals.runner import generate_rows, output_lengths
+    from dllm.evals.runner import generate_rows
+    from dllm.generate import answer_lengths
 
     if len(prompts) != len(samples):
         raise ValueError(f"{len(prompts)} prompts for {len(samples)} samples")
@@ -161,7 +164,7 @@ def run_standard_eval(model, task: StandardTask, samples: list[Sample], config: 
             if res is None:
                 continue
             idx = [mine[b + k] for k in kept]
-            lengths = output_lengths(model, res.sequences)
+            lengths = answer_lengths(model, res.sequences)
             share = res.stats.time_total / len(idx)
             for j, i in enumerate(idx):
                 s = samples[i]
@@ -223,14 +226,17 @@ def summarize(task: str, rows: list[dict]) -> EvalSummary:
     return EvalSummary(task=task, n=n, correct=correct, accuracy=correct / k, nfe=nfe / k,
                        tokens_per_forward=sum(r["tokens_per_forward"] for r in rows) / k, answer_tokens=toks,
                        answer_tokens_per_forward=toks / max(nfe, 1), gen_seconds=secs,
-                       tokens_per_second=toks / secs if secs > 0 else 0.0, errors=errors)
+                       tokens_per_second=toks / secs if secs > 0 else 0.0, errors=errors,
+                       accuracy_ci=proportion_ci(correct, n))
 
 
 def summary_markdown(summaries: list[EvalSummary]) -> str:
-    lines = ["| task | n | accuracy % | NFE | tokens/forward | answer tokens/forward | answer tokens | "
-             "gen time s | tokens/s | errors |", "|---|---|---|---|---|---|---|---|---|---|"]
+    """The summary table; the accuracy with its 95 % Wilson interval."""
+    lines = ["| task | n | accuracy % | 95% CI | NFE | tokens/forward | answer tokens/forward | answer tokens | "
+             "gen time s | tokens/s | errors |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in summaries:
-        lines.append(f"| {s.task} | {s.n} | {100 * s.accuracy:.1f} | {s.nfe:.1f} | {s.tokens_per_forward:.2f} | "
+        lines.append(f"| {s.task} | {s.n} | {100 * s.accuracy:.1f} | {fmt_ci(*s.accuracy_ci, scale=100)} | "
+                     f"{s.nfe:.1f} | {s.tokens_per_forward:.2f} | "
                      f"{s.answer_tokens_per_forward:.2f} | {s.answer_tokens} | {s.gen_seconds:.2f} | "
                      f"{s.tokens_per_second:.1f} | {s.errors} |")
     return "\n".join(lines)
