@@ -29,6 +29,7 @@ CURVES = (
     "localleap:tau=0.5,0.6,0.7,0.8,0.9",  # relaxed threshold near anchors; kappa 0.9 (tau <= kappa)
     "credit:tau=0.5,0.6,0.7,0.8,0.9,1.0",
     "topk:k=1,2,4,8",
+    "eb:gamma=0.001,0.01,0.1,1,10",  # EB-Sampler: entropy budget per step
 )
 
 

@@ -1,5 +1,5 @@
 """dllm against golden trajectories recorded from the LLaDA-family method references: KLASS's LLaDA script,
-AdaBlock's LLaDA loop, LocalLeap, Prophet's early exit and EOSER / ASS.
+AdaBlock's LLaDA loop, LocalLeap, Prophet's early exit, EOSER / ASS and the EB-Sampler.
 
 Fixtures: ``tests/fixtures/golden/<reference>_<model>.json`` (schema in ``tests/golden_common.py``), written by
 ``benchmarks/golden/record_others.py``. Each case is replayed with the dllm configuration that claims to
@@ -17,7 +17,7 @@ from dllm.samplers import get_sampler
 from dllm.samplers.llada import LLaDASampler
 from dllm.samplers.prophet import Prophet
 
-REFERENCES = ("klass-llada", "adablock-llada", "localleap", "prophet", "eoser")
+REFERENCES = ("klass-llada", "adablock-llada", "localleap", "prophet", "eoser", "eb")
 MODELS = {"klass-llada": ("shaped-llada",)}  # KLASS's LLaDA script hard-codes LLaDA's mask id
 
 
@@ -118,8 +118,15 @@ def eoser(p: dict):
     return sampler, kw, (SizedBlocks(sizes) if len(sizes) > 1 else None)
 
 
+def eb(p: dict):
+    """``generate_with_eb_sampler`` -> the ``eb`` preset (``gamma``), the whole generation as one region, the
+    reference's noise stream."""
+    sampler = get_sampler("eb", gamma=p["gamma"], temperature=p["temperature"], noise_scope="canvas")
+    return sampler, dict(gen_length=p["gen_length"], seed=p.get("seed", 0))
+
+
 MAPPINGS = {"klass-llada": klass_llada, "adablock-llada": adablock_llada, "localleap": localleap,
-            "prophet": prophet, "eoser": eoser}
+            "prophet": prophet, "eoser": eoser, "eb": eb}
 
 # Cases where the reference's torch.topk ordered exactly tied scores differently from dllm's lower-column-first
 # rule (checked up to that forward, see golden_common.compare_case); every other case is compared in full.

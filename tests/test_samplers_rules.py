@@ -562,3 +562,30 @@ def test_fast_argmax_and_top2_match_torch_at_large_vocabularies():
                 x[..., : V // 2] = float("-inf")
             assert torch.equal(fast_argmax(x), x.argmax(-1))
             assert torch.equal(top2_values(x), torch.topk(x, 2, -1).values)
+
+
+def test_entropy_bound_commits_the_prefix_whose_entropy_less_its_largest_is_within_gamma():
+    """EB-Sampler's rule against a direct computation: Categorical entropies sorted ascending, the prefix with
+    cumsum - cummax <= gamma, at least one; non-candidates never committed."""
+    from types import SimpleNamespace
+
+    from dllm.samplers.rules import EntropyBound
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 10, 40, generator=g) * torch.tensor([0.5, 3.0, 8.0])[:, None, None]
+    cand = torch.rand(3, 10, generator=g) < 0.7
+    cand[:, 0] = True
+    for gamma in (0.0, 0.05, 0.5, 5.0):
+        commit, info = EntropyBound(gamma).select(None, SimpleNamespace(cand=cand), logits=logits)
+        for b in range(3):
+            idx = cand[b].nonzero().flatten()
+            ent = torch.distributions.Categorical(logits=logits[b, idx]).entropy()
+            order = torch.argsort(ent, stable=True)
+            srt = ent[order]
+            k = max(1, int(((srt.cumsum(0) - srt.cummax(0).values) <= gamma).sum()))
+            expect = torch.zeros(10, dtype=torch.bool)
+            expect[idx[order[:k]]] = True
+            assert torch.equal(commit[b], expect), (gamma, b)
+            assert int(info["accepted"][b]) == k
+    with pytest.raises(ValueError, match="gamma"):
+        EntropyBound(-0.1)

@@ -16,6 +16,10 @@ Each reference is a public repository; check it out at the commit named here and
   ``from model.modeling_llada import LLaDAModelLM`` (used only by its ``main``) is satisfied by a stub module.
 * ``prophet``: pixeli99/Prophet @ 460afe41c7063a29a9893675aca07b985997bb83, ``generate_earlyexit.py``
   (``generate`` with ``analyze_gap=True``; no ``constraints``: nothing is forced into the canvas).
+* ``eb``: the EB-Sampler as yks23/Information-Gain-Sampler @ 0ae2da8ca1d710c0ca1590210e3f31496eaf2a94 carries it,
+  ``src/generators/eb_sampler.py`` (``generate_with_eb_sampler``: the whole generation as one region, entropy
+  of ``Categorical(logits=...)``, the sorted prefix with summed entropy less its largest ``<= gamma``); its
+  ``src.generators.base`` helpers are loaded from the same checkout without the package's other imports.
 * ``eoser``: yjyddq/EOSER-ASS-RL @ 5affb4ec0db9d3819175c2011c94e38c74325624, ``eval/generate.py``
   (``eoser_generate``, ``ass_generate``, ``eoser_ass_generate``; ``params.function`` names the one that ran).
   Its loops call ``torch.distributed.get_rank()``: the script starts a one-process gloo group first.
@@ -30,6 +34,7 @@ LLaDA modeling file); from the repository root, each command writes
     $PY benchmarks/golden/record_others.py localleap --ref-dir /path/to/localleap-dir    # localleap_*
     $PY benchmarks/golden/record_others.py prophet --ref-dir /path/to/Prophet            # prophet_*
     $PY benchmarks/golden/record_others.py eoser --ref-dir /path/to/EOSER-ASS-RL         # eoser_*
+    $PY benchmarks/golden/record_others.py eb --ref-dir /path/to/Information-Gain-Sampler  # eb_*
 
 Models: the bundled ``llada-tiny`` and the LLaDA-shaped random model of ``tests/golden_models.py`` (AdaBlock gets
 delimiter ids that each model proposes: the tokenizer's newline tokens, two frequent ids of the shaped model).
@@ -412,6 +417,46 @@ def record_eoser(ref_dir: Path):
         dist.destroy_process_group()
 
 
+# ------------------------------------------------------------------------------------------------- EB-Sampler
+def run_eb(mod, model, cid, rows, params):
+    """``generate_with_eb_sampler`` (batch 1); ``params``: its keyword arguments plus ``seed`` (global RNG)."""
+    rec = Host(model, 1)
+    ids = torch.tensor(rows)
+    torch.manual_seed(params.get("seed", 0))
+    x = mod.generate_with_eb_sampler(rec, ids, mask_id=model.mask_id,
+                                     **{k: v for k, v in params.items() if k != "seed"})
+    P = ids.shape[1]
+    return finish(cid, rows, params, x[:, P:], rec, P, model.mask_id, len(rec.canvases))
+
+
+def eb_cases(prompts):
+    """gamma from one token per step in practice (0.001) to most of the answer at once (10), two lengths, and
+    seeded temperature > 0 (the reference's float64 Gumbel-max over the whole canvas)."""
+    b = dict(gamma=0.01, gen_length=32, temperature=0.0)
+    return [
+        ("g0.001", [prompts[0]], dict(b, gamma=0.001)),
+        ("g0.01", [prompts[1]], dict(b)),
+        ("g0.1", [prompts[2]], dict(b, gamma=0.1)),
+        ("g1", [prompts[3]], dict(b, gamma=1.0)),
+        ("g10", [prompts[0]], dict(b, gamma=10.0)),
+        ("g0.1_len16", [prompts[1]], dict(b, gamma=0.1, gen_length=16)),
+        ("g0.1_t07", [prompts[2]], dict(b, gamma=0.1, temperature=0.7, seed=3)),
+    ]
+
+
+def record_eb(ref_dir: Path):
+    for name in ("src", "src.generators"):  # the package's __init__ files import every generator: not needed
+        stub = sys.modules.setdefault(name, types.ModuleType(name))
+        stub.__path__ = []
+    sys.modules["src.generators.base"] = rl.load_module(ref_dir / "src" / "generators" / "base.py", "src.generators.base")
+    mod = rl.load_module(ref_dir / "src" / "generators" / "eb_sampler.py", "ref_eb_sampler")
+    reference = {"repo": "yks23/Information-Gain-Sampler", "commit": "0ae2da8ca1d710c0ca1590210e3f31496eaf2a94",
+                 "file": "src/generators/eb_sampler.py", "function": "generate_with_eb_sampler"}
+    for label, model, prompts in llada_models():
+        save("eb", label, reference, model, [run_eb(mod, model, cid, rows, params)
+                                              for cid, rows, params in eb_cases(prompts)])
+
+
 # ---------------------------------------------------------------------------------------------------- common
 def llada_models():
     tiny = rl.tiny_model("llada-tiny")
@@ -430,7 +475,7 @@ def save(ref_name, label, reference, model, cases, active=()):
 
 
 RECORDERS = {"klass": record_klass, "adablock": record_adablock, "localleap": record_localleap,
-             "prophet": record_prophet, "eoser": record_eoser}
+             "prophet": record_prophet, "eoser": record_eoser, "eb": record_eb}
 
 
 def main(argv=None):

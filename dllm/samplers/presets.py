@@ -17,7 +17,7 @@ from dllm.samplers.base import StepContext, StepResult, check_choice
 from dllm.samplers.composed import ComposedSampler
 from dllm.samplers.guided import guided
 from dllm.samplers.recipe import Recipe
-from dllm.samplers.rules import Ascending, Factor, KLStable, LocalLeap, Quota, Threshold
+from dllm.samplers.rules import Ascending, EntropyBound, Factor, KLStable, LocalLeap, Quota, Threshold
 from dllm.samplers.transforms import CreditFusion, EOSRejection
 
 
@@ -32,6 +32,15 @@ def threshold_sampler(tau: float = 0.9, temperature: float = 0.0, confidence: st
     """Fast-dLLM threshold rule: commit every candidate with ``conf >= tau`` plus the best one."""
     return Recipe(ComposedSampler(Threshold(tau, max_slack),
                                   **_common(temperature, confidence, softmax_dtype, name, fused, noise_scope)),
+                  block_length=block_length, name=name)
+
+
+def eb(gamma: float = 0.01, temperature: float = 0.0, noise_scope: str = "row", block_length: int | None = None,
+       name: str = "eb") -> ComposedSampler:
+    """EB-Sampler: the lowest-entropy candidates while their summed entropy, less the largest, stays within
+    ``gamma`` (the reference decodes the whole generation as one region: ``block_length`` None)."""
+    return Recipe(ComposedSampler(EntropyBound(gamma), **_common(temperature, "neg_entropy", "float32", name,
+                                                                 "off", noise_scope)),
                   block_length=block_length, name=name)
 
 
@@ -216,6 +225,7 @@ class KLASSRecipe(Recipe):
 #: name -> (factory, description); registered by :mod:`dllm.samplers`.
 PRESETS = {
     "threshold": (threshold_sampler, "Fast-dLLM threshold rule: conf >= tau plus the best candidate (tau 0.9)"),
+    "eb": (eb, "EB-Sampler: lowest-entropy tokens while their summed entropy minus the largest is <= gamma (0.01)"),
     "factor": (factor_sampler, "Fast-dLLM factor rule: longest prefix with c_n >= 1 - f/(n+1) (f 1.0)"),
     "fast-dllm": (fast_dllm, "Fast-dLLM parallel decoding: threshold 0.9, block 32, dual cache"),
     "elastic": (elastic, "Elastic-Cache: threshold 0.9, window 16, elastic cache gamma 0.9"),

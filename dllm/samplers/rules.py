@@ -12,6 +12,8 @@ commits exactly its quota. ``info`` holds ``[B]`` tensors for the decode loop's 
 * :class:`LocalLeap`: anchors ``conf >= kappa``; within ``radius`` of an anchor ``tau`` suffices.
 * :class:`KLStable`: KLASS, candidates whose distribution stayed put (KL below ``kl_threshold`` for
   ``history`` steps) and ``conf > conf_threshold``; otherwise the quota schedule.
+* :class:`EntropyBound`: EB-Sampler, the lowest-entropy candidates while their entropies, less the largest
+  of them, sum to at most ``gamma``.
 """
 
 from __future__ import annotations
@@ -470,3 +472,37 @@ class _KLHistory:
             for r in a[rows].tolist():
                 self._lse(s, r, r + 1)
         return s.lse[:, a]
+
+
+@dataclass(frozen=True)
+class EntropyBound:
+    """EB-Sampler (Ben-Hamu et al., 2025, "Accelerated Sampling from Masked Diffusion Models via Entropy
+    Bounded Unmasking"): with the candidates sorted by the entropy of their distribution, ``H_1 <= H_2 <= ...``,
+    commit the longest prefix whose entropies less the largest of them sum to at most ``gamma``
+    (``sum_{j<=k} H_j - max_{j<=k} H_j <= gamma``), at least one candidate.
+
+    The entropy is the full-vocabulary softmax's (mask column included), computed from the logits in float32
+    as ``torch.distributions.Categorical(logits=...).entropy()`` computes it, independently of the sampler's
+    ``confidence`` score; ties in entropy are ordered by column.
+    """
+
+    gamma: float = 0.01
+
+    def __post_init__(self):
+        check_range("gamma", self.gamma, 0, math.inf, hi_open=True,
+                    fix="; gamma bounds the summed entropy (nats) of the tokens committed together, e.g. 0.01-1")
+
+    def select(self, conf, ctx, *, logits, probs=None):
+        cand = ctx.cand
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        ent = -(logp.clamp(min=torch.finfo(logp.dtype).min) * logp.exp()).sum(-1)
+        ent = ent.masked_fill(~cand, math.inf)
+        vals, order = torch.sort(ent, dim=-1, stable=True)
+        before = torch.cumsum(vals.masked_fill(~torch.isfinite(vals), 0.0), dim=-1) - vals.masked_fill(
+            ~torch.isfinite(vals), 0.0)  # the summed entropy of the candidates sorted before each one
+        take = (before <= self.gamma) & torch.isfinite(vals)
+        k = take.long().cumprod(-1).sum(-1)
+        k = torch.maximum(k, cand.any(-1).long())  # at least one candidate
+        ranks = torch.arange(ent.shape[-1], device=ent.device).expand_as(ent)
+        commit = torch.zeros_like(cand).scatter(-1, order, ranks < k[:, None])
+        return commit & cand, {"accepted": k}
