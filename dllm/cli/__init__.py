@@ -1,4 +1,4 @@
-"""The ``dllm`` command line: ``generate | samplers | train-tiny | eval-tasks | eval | lm-eval | parallelbench``.
+"""The ``dllm`` command line: ``generate | samplers | train-tiny | eval-tasks | eval | lm-eval | parallelbench | serve``.
 
 One module per command group, each with ``add_parser(subparsers)``; the shared decoding options are in
 :mod:`dllm.cli.common`.
@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from dllm.cli import eval as eval_commands
-from dllm.cli import generate, parallelbench, train
+from dllm.cli import generate, parallelbench, serve, train
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_parser(sub)
     eval_commands.add_parser(sub)
     parallelbench.add_parser(sub)
+    serve.add_parser(sub)
     return ap
 
 

@@ -1,0 +1,441 @@
+"""Serving engine: step-level continuous batching over :class:`dllm.generate.Decoder`.
+
+Requests join a running batch at a step boundary and leave it as soon as they finish; nothing a row computes
+depends on the other rows (per-row random streams keyed by (seed, request id), per-row regions and schedules),
+so every response is token-identical to ``dllm.generate`` of the same request alone with
+``row_ids=[request id]`` (float32; tested).
+
+* A *group* is one batch: requests whose decoding settings one batch can hold (the same sampler and
+  parameters, ``gen_length``, ``block_length``, ``steps``, ``eos_early_stop``, ``seed``). Groups with
+  different settings are stepped in turn, one forward each per engine tick.
+* Joining: the newcomers get their own :meth:`Decoder.start`, then both states are re-padded on the left to
+  the longer prompt (region bounds shift with them) and concatenated along the batch; the running rows are
+  not recomputed. Leaving: finished rows are answered and removed from every per-row tensor
+  (``index_select``); the canvas is cropped when the longest prompt left.
+* What one batch cannot hold exactly is refused with a message naming what is supported: approximate caches
+  (their buffers are per batch), and samplers whose decisions read batch-level state (``credit``,
+  ``klass``, ``guided``: scratch state across steps; ``prophet``, ``eoser``, ``ascending``, ``eoser-ass``:
+  the batch's forward count as progress). ``noise_scope`` must be ``"row"`` (the default).
+
+Use: ``engine.submit(prompt, gen_length=...)`` returns a :class:`RequestHandle` (``.result()``, ``.deltas()``
+for the left-to-right final prefix as it becomes final, ``.cancel()``); :meth:`Engine.step` runs one tick,
+:meth:`Engine.start` a background thread that ticks while there is work.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dllm.config import GenerateConfig
+from dllm.generate import Decoder, DecodeState, decode_texts, prepare_prompts
+from dllm.recipes import resolve
+from dllm.samplers import get_sampler
+
+log = logging.getLogger(__name__)
+
+# samplers whose step reads state shared by the batch (scratch across steps, or the batch's forward count)
+BATCH_STATEFUL = ("credit", "credit-localleap", "klass", "guided", "prophet", "eoser", "ascending", "eoser-ass")
+
+
+class QueueFull(RuntimeError):
+    """The engine's queue holds ``max_queue`` requests already."""
+
+
+class RequestError(ValueError):
+    """A request the engine cannot run (the message names the field and the fix)."""
+
+
+@dataclass
+class Result:
+    """A finished request: generated ids (``gen_length``, EOS padding included), the answer's text (cut at the
+    first EOS/EOT; ``None`` without a tokenizer), forwards the row took part in, prompt length, why it ended."""
+
+    request_id: str
+    tokens: list[int]
+    text: str | None
+    nfe: int
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str  # "stop" (EOS/EOT before gen_length) | "length" | "cancelled" | "error"
+    error: str | None = None
+    seconds: float = 0.0
+
+
+class RequestHandle:
+    """What :meth:`Engine.submit` returns: ``result(timeout)``, ``deltas()`` (an iterator of text pieces of the
+    final prefix as it becomes final; ``delta_ids()`` the same as token ids), ``cancel()``."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self._done = threading.Event()
+        self._result: Result | None = None
+        self._events: queue.Queue = queue.Queue()
+        self.cancelled = False
+
+    def result(self, timeout: float | None = None) -> Result:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} not finished after {timeout} s")
+        return self._result
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def cancel(self) -> None:
+        """Free the request's row at the next step (its result has ``finish_reason="cancelled"``)."""
+        self.cancelled = True
+
+    def delta_ids(self):
+        """Token ids of the final left-to-right prefix, in pieces as they become final, until the request ends."""
+        while True:
+            kind, value = self._events.get()
+            if kind == "end":
+                return
+            yield value
+
+    def _emit(self, ids: list[int]) -> None:
+        if ids:
+            self._events.put(("ids", ids))
+
+    def _finish(self, result: Result) -> None:
+        self._result = result
+        self._done.set()
+        self._events.put(("end", None))
+
+
+@dataclass
+class _Request:
+    request_id: str
+    rows: list[int]
+    config: GenerateConfig
+    sampler_spec: tuple
+    handle: RequestHandle
+    t_submit: float
+    recipe: Any = None
+    emitted: int = 0  # generated positions already streamed
+
+
+@dataclass
+class _Group:
+    key: tuple
+    decoder: Decoder
+    state: DecodeState
+    requests: list[_Request] = field(default_factory=list)
+
+
+def _pad_left(t: torch.Tensor | None, d: int, value) -> torch.Tensor | None:
+    """``[B, T]`` -> ``[B, T + d]`` with ``d`` columns of ``value`` on the left (``d < 0``: crop ``-d`` columns)."""
+    if t is None or d == 0:
+        return t
+    if d < 0:
+        return t[:, -d:]
+    return torch.cat([torch.full((t.shape[0], d), value, dtype=t.dtype, device=t.device), t], dim=1)
+
+
+def _repad(st: DecodeState, d: int, pad_id: int) -> DecodeState:
+    """The state with ``d`` more (or ``-d`` fewer) left-padding columns; column positions shift by ``d``."""
+    if d == 0:
+        return st
+    key_mask = st.key_mask if st.key_mask is not None else torch.ones_like(st.x, dtype=torch.bool)
+    st.x = _pad_left(st.x, d, pad_id)
+    st.positions = _pad_left(st.positions, d, 0)
+    st.key_mask = _pad_left(key_mask, d, False)
+    st.committed = _pad_left(st.committed, d, False)
+    st.commit_step = _pad_left(st.commit_step, d, -1)
+    st.commit_conf = _pad_left(st.commit_conf, d, float("nan"))
+    st.P += d
+    st.lo, st.hi = st.lo + d, st.hi + d
+    return st
+
+
+_PER_ROW = ("x", "positions", "key_mask", "lo", "hi", "steps", "step_in", "n_start", "active", "finish",
+            "row_nfe", "committed", "commit_step", "commit_conf", "row_key")
+
+
+def _cat(a: DecodeState, b: DecodeState) -> DecodeState:
+    """Rows of ``b`` appended to ``a`` (same width: re-padded first)."""
+    merged = {}
+    for name in _PER_ROW:
+        ta, tb = getattr(a, name), getattr(b, name)
+        if ta is None and tb is None:
+            continue
+        if name == "key_mask":  # no mask: every column real
+            ta = ta if ta is not None else torch.ones_like(a.x, dtype=torch.bool)
+            tb = tb if tb is not None else torch.ones_like(b.x, dtype=torch.bool)
+        merged[name] = torch.cat([ta, tb])
+    for name, t in merged.items():
+        setattr(a, name, t)
+    a.rows = a.rows + b.rows
+    for k, v in b.state.items():  # deterministic tables (Dream's schedule) are the same for both
+        a.state.setdefault(k, v)
+    return a
+
+
+def _select(st: DecodeState, keep: list[int]) -> DecodeState:
+    idx = torch.tensor(keep, dtype=torch.long, device=st.x.device)
+    for name in _PER_ROW:
+        t = getattr(st, name)
+        if t is not None:
+            setattr(st, name, t.index_select(0, idx))
+    st.rows = [st.rows[i] for i in keep]
+    return st
+
+
+class Engine:
+    """Continuous-batching decoder for one model (see the module docstring). ``max_rows``: rows per group;
+    ``max_queue``: requests waiting or running before :meth:`submit` raises :class:`QueueFull`."""
+
+    def __init__(self, model, *, max_rows: int = 8, max_queue: int = 256):
+        if not isinstance(max_rows, int) or max_rows < 1:
+            raise ValueError(f"max_rows={max_rows!r} must be a positive integer")
+        self.model = model
+        self.max_rows, self.max_queue = max_rows, max_queue
+        self.groups: dict[tuple, _Group] = {}
+        self.waiting: deque[_Request] = deque()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self._ids = itertools.count()
+        self.metrics = {"requests": {"stop": 0, "length": 0, "cancelled": 0, "error": 0}, "forwards": 0,
+                        "tokens": 0, "step_seconds": 0.0, "steps": 0}
+
+    # ------------------------------------------------------------------------------------------ requests
+    def submit(self, prompt, *, gen_length: int = 64, block_length: int | None = None, steps: int | None = None,
+               sampler: str | None = None, params: dict | None = None, seed: int = 0,
+               eos_early_stop: bool = False, chat_template: bool = True, request_id: str | None = None
+               ) -> RequestHandle:
+        """Queue one request (a string, a chat conversation or token ids); returns its handle. Bad settings
+        raise :class:`RequestError` here, before anything runs."""
+        with self._lock:
+            if len(self.waiting) + sum(len(g.requests) for g in self.groups.values()) >= self.max_queue:
+                raise QueueFull(f"the engine holds {self.max_queue} requests; retry later")
+        rid = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
+        name = sampler or ("dream" if getattr(self.model.spec, "family", "llada") == "dream" else "llada")
+        if name in BATCH_STATEFUL:
+            raise RequestError(f"sampler {name!r} reads state shared by a batch and is not served; served: every "
+                               f"registered sampler but {', '.join(BATCH_STATEFUL)}")
+        params = dict(params or {})
+        if params.get("noise_scope", "row") != "row":
+            raise RequestError("noise_scope must be 'row' when serving (per-request random streams)")
+        try:
+            config = GenerateConfig(gen_length=gen_length, block_length=block_length, steps=steps, seed=seed,
+                                    eos_early_stop=eos_early_stop, chat_template=chat_template)
+            recipe = get_sampler(name, **params)
+            rows = prepare_prompts(self.model, [prompt], None, chat_template)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise RequestError(str(exc)) from None
+        spec = (name, tuple(sorted(params.items())))
+        try:  # lengths, block layout and context checked before queueing (no approximate cache when serving)
+            resolve(self.model, recipe, "none", None, config)
+            if len(rows[0]) + gen_length > self.model.max_seq_len:
+                raise ValueError(f"prompt ({len(rows[0])} tokens) + gen_length ({gen_length}) exceeds the model's "
+                                 f"context of {self.model.max_seq_len} tokens")
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
+        handle = RequestHandle(rid)
+        req = _Request(rid, rows[0], config, spec, handle, time.perf_counter(), recipe)
+        with self._lock:
+            self.waiting.append(req)
+        self._wake.set()
+        return handle
+
+    # ------------------------------------------------------------------------------------------ the loop
+    def step(self) -> bool:
+        """One tick: admit waiting requests into their groups, then one forward for every group. Returns
+        whether any request is still waiting or running."""
+        self._admit()
+        for key in list(self.groups):
+            self._step_group(self.groups[key])
+        with self._lock:
+            return bool(self.waiting or self.groups)
+
+    def run_until_idle(self) -> None:
+        while self.step():
+            pass
+
+    def start(self) -> None:
+        """Run the loop in a background thread (idle waits cost nothing)."""
+        if self._thread is not None:
+            return
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="dllm-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, drain: bool = True) -> None:
+        """Stop the background loop; with ``drain`` after every queued request has finished."""
+        if drain:
+            while self.pending():
+                time.sleep(0.01)
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self.waiting) + sum(len(g.requests) for g in self.groups.values())
+
+    def _loop(self) -> None:
+        while not self._stop:
+            if not self.step():
+                self._wake.wait(0.05)
+                self._wake.clear()
+
+    def _key(self, req: _Request) -> tuple:
+        c = req.config
+        return (req.sampler_spec, c.gen_length, c.block_length, c.steps, c.eos_early_stop, c.seed, c.chat_template)
+
+    def _admit(self) -> None:
+        with self._lock:
+            waiting, self.waiting = list(self.waiting), deque()
+        later = []
+        by_key: dict[tuple, list[_Request]] = {}
+        for req in waiting:
+            if req.handle.cancelled:
+                self._answer(req, None, "cancelled")
+                continue
+            by_key.setdefault(self._key(req), []).append(req)
+        for key, reqs in by_key.items():
+            group = self.groups.get(key)
+            room = self.max_rows - (len(group.requests) if group else 0)
+            take, rest = reqs[:room], reqs[room:]
+            later += rest
+            if take:
+                try:
+                    self._join(key, group, take)
+                except Exception as exc:  # a request that cannot start fails alone
+                    for r in take:
+                        self._answer(r, None, "error", str(exc))
+        with self._lock:
+            self.waiting.extendleft(reversed(later))
+
+    def _join(self, key: tuple, group: _Group | None, reqs: list[_Request]) -> None:
+        recipe = reqs[0].recipe
+        sampler, cache, policy, config = resolve(self.model, recipe, "none", None, reqs[0].config)
+        dec = Decoder(self.model, sampler, cache, policy, config)
+        dec.max_iters = float("inf")  # rows come and go; each row's own progress is checked in _step_group
+        st = dec.start([r.rows for r in reqs], [r.request_id for r in reqs])
+        if group is None:
+            self.groups[key] = _Group(key, dec, st, list(reqs))
+            return
+        old = group.state
+        P = max(old.P, st.P)
+        pad = self.model.pad_id if self.model.pad_id is not None else self.model.eos_id
+        old, st = _repad(old, P - old.P, pad), _repad(st, P - st.P, pad)
+        group.state = _cat(old, st)
+        group.requests += reqs
+        self._reset_width(group)
+
+    def _reset_width(self, group: _Group) -> None:
+        st, dec = group.state, group.decoder
+        T = st.x.shape[1]
+        dec.cols_all = torch.arange(T, device=st.x.device)
+        dec.cache.reset(st.x.shape[0], T)
+        if st.key_mask is not None and bool(st.key_mask.all()):
+            st.key_mask = None
+        st.window = tuple(dec._window(st).tolist())
+
+    def _step_group(self, group: _Group) -> None:
+        st, dec = group.state, group.decoder
+        keep = []
+        for i, req in enumerate(group.requests):  # a disconnected client frees its row now
+            if req.handle.cancelled:
+                self._answer(req, None, "cancelled")
+            else:
+                keep.append(i)
+        if len(keep) < len(group.requests):
+            self._remove(group, keep)
+            if not group.requests:
+                return
+            st = group.state
+        t0 = time.perf_counter()
+        try:
+            dec.step(st)
+        except Exception as exc:  # the group's requests fail; the engine goes on
+            log.exception("decode step failed")
+            for req in group.requests:
+                self._answer(req, None, "error", f"{type(exc).__name__}: {exc}")
+            del self.groups[group.key]
+            return
+        self.metrics["step_seconds"] += time.perf_counter() - t0
+        self.metrics["steps"] += 1
+        self.metrics["forwards"] += 1
+        st.trace.clear()  # per-request statistics come from the per-row tensors
+        self._stream(group)
+        G = dec.config.gen_length
+        limit = 4 * (G + dec.config.total_steps) + 8
+        done = (~st.active).tolist()
+        row_nfe = st.row_nfe.tolist()
+        keep = []
+        for i, req in enumerate(group.requests):
+            if done[i]:
+                self._answer(req, (group, i), "done")
+            elif row_nfe[i] > limit:
+                self._answer(req, None, "error", f"no progress after {row_nfe[i]} forwards")
+            else:
+                keep.append(i)
+        if len(keep) < len(group.requests):
+            self._remove(group, keep)
+
+    def _remove(self, group: _Group, keep: list[int]) -> None:
+        if not keep:
+            del self.groups[group.key]
+            return
+        st = _select(group.state, keep)
+        group.requests = [group.requests[i] for i in keep]
+        P = max(len(r) for r in st.rows)
+        if P < st.P:  # the longest prompt left: crop the padding no row needs
+            pad = self.model.pad_id if self.model.pad_id is not None else self.model.eos_id
+            st = _repad(st, P - st.P, pad)
+        group.state = st
+        self._reset_width(group)
+
+    def _stream(self, group: _Group) -> None:
+        st = group.state
+        gen = st.x[:, st.P:]
+        masked = (gen == self.model.mask_id).tolist()
+        rows = gen.tolist()
+        for i, req in enumerate(group.requests):
+            final = next((j for j, m in enumerate(masked[i]) if m), len(masked[i]))
+            if final > req.emitted:
+                req.handle._emit(rows[i][req.emitted:final])
+                req.emitted = final
+
+    def _answer(self, req: _Request, where, outcome: str, error: str | None = None) -> None:
+        tokens, nfe = [], 0
+        if where is not None:
+            group, i = where
+            st = group.state
+            tokens = st.x[i, st.P:].tolist()
+            nfe = int(st.row_nfe[i])
+        stops = {t for t in (self.model.eos_id, self.model.eot_id) if t is not None}
+        n = next((j for j, t in enumerate(tokens) if t in stops), len(tokens))
+        if outcome == "done":
+            outcome = "stop" if n < len(tokens) else "length"
+            if req.emitted < len(tokens):
+                req.handle._emit(tokens[req.emitted:])
+                req.emitted = len(tokens)
+        text = None
+        if tokens:
+            texts = decode_texts(self.model, torch.tensor([tokens]))
+            text = texts[0] if texts is not None else None
+        self.metrics["requests"][outcome] += 1
+        self.metrics["tokens"] += n
+        req.handle._finish(Result(req.request_id, tokens, text, nfe, len(req.rows), n, outcome, error,
+                                  time.perf_counter() - req.t_submit))
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            waiting = len(self.waiting)
+        running = sum(len(g.requests) for g in self.groups.values())
+        return {**self.metrics, "waiting": waiting, "running": running, "groups": len(self.groups)}

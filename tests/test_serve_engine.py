@@ -1,0 +1,139 @@
+"""The serving engine: continuous batching at step boundaries, every response token-identical to
+``dllm.generate`` of the same request alone (float32, bundled tiny models)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dllm
+from dllm.serve import Engine, QueueFull, RequestError
+
+PROMPTS = [
+    'Please copy the list exactly: ["Ann Lee", "Bob Stone"]',
+    'Reverse the list: ["Kevin Irving", "Ann Lee", "Paula Parker", "Julia Graham"]',
+    "What is 12 + 30?",
+    'Sort the list by last name: ["Wendy Harper", "Frank Dawson", "Martin Gordon"]',
+    "Fill in the Latin square with the symbols A, B, C, D.",
+    "What is 407 + 2185?",
+]
+
+
+@pytest.fixture(scope="module")
+def llada():
+    return dllm.load_model("llada-tiny", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def dream():
+    return dllm.load_model("dream-tiny", dtype="float32")
+
+
+def solo(model, prompt, rid, **kw):
+    """The request alone, as dllm.generate runs it (no cache: the engine serves without approximate caches)."""
+    sampler = kw.pop("sampler", None)
+    params = kw.pop("params", {})
+    s = dllm.get_sampler(sampler, **params) if sampler else None
+    out = dllm.generate(model, [prompt], sampler=s, cache="none", row_ids=[rid], **kw)
+    return out.sequences[0].tolist(), out.stats.row_nfe[0]
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_concurrent_requests_with_mixed_settings_and_join_times_match_solo_runs(family, llada, dream):
+    model = llada if family == "llada" else dream
+    base = "llada" if family == "llada" else "dream"
+    settings = [  # (sampler, params, gen_length, block_length, seed)
+        (base, {}, 32, 8, 0),
+        ("threshold", {}, 32, 8, 0),
+        ("threshold", {"temperature": 0.8}, 32, 8, 5),
+        ("eb", {"gamma": 0.1}, 16, None, 0),
+        (base, {"temperature": 0.8}, 16, None, 3),
+        ("factor", {}, 32, 16, 0),
+    ]
+    eng = Engine(model, max_rows=3)
+    reqs = []
+    for i in range(12):  # two requests per setting, one joining after some steps of the first
+        sampler, params, G, B, seed = settings[i % len(settings)]
+        prompt = PROMPTS[(i * 5 + i // 6) % len(PROMPTS)]  # the joining twin has another prompt length
+        rid = f"{family}-{i}"
+        h = eng.submit(prompt, gen_length=G, block_length=B, sampler=sampler, params=params, seed=seed,
+                       request_id=rid)
+        reqs.append((h, prompt, rid, dict(sampler=sampler, params=params, gen_length=G, block_length=B, seed=seed)))
+        for _ in range(i % 3):  # later requests join running batches at step boundaries
+            eng.step()
+    eng.run_until_idle()
+    assert not eng.groups and not eng.waiting
+    for h, prompt, rid, kw in reqs:
+        r = h.result(timeout=0)
+        tokens, nfe = solo(model, prompt, rid, **kw)
+        assert r.tokens == tokens, (rid, kw)
+        assert r.nfe == nfe, (rid, kw)
+        assert r.finish_reason in ("stop", "length")
+
+
+def test_rows_leave_and_the_canvas_shrinks_when_the_longest_prompt_leaves(llada):
+    eng = Engine(llada, max_rows=4)
+    long = PROMPTS[1] + " " + PROMPTS[3]
+    h_long = eng.submit(long, gen_length=8, sampler="threshold", request_id="long")
+    h_short = eng.submit(PROMPTS[2], gen_length=8, sampler="threshold", request_id="short")
+    eng._admit()
+    group = next(iter(eng.groups.values()))
+    width = group.state.x.shape[1]
+    h_long.cancel()
+    eng.step()
+    assert h_long.result(timeout=0).finish_reason == "cancelled"
+    if eng.groups:  # the short request still running: its canvas holds only its own prompt now
+        assert next(iter(eng.groups.values())).state.x.shape[1] < width
+    eng.run_until_idle()
+    tokens, nfe = solo(llada, PROMPTS[2], "short", sampler="threshold", gen_length=8)
+    assert h_short.result(timeout=0).tokens == tokens
+
+
+def test_streamed_pieces_are_the_final_prefix_and_add_up_to_the_answer(llada):
+    eng = Engine(llada)
+    h = eng.submit(PROMPTS[0], gen_length=32, block_length=8, sampler="llada", request_id="s")
+    eng.start()
+    pieces = list(h.delta_ids())
+    eng.stop()
+    r = h.result(timeout=5)
+    assert len(pieces) > 1  # block by block
+    assert sum(pieces, []) == r.tokens
+    assert r.completion_tokens <= 32 and r.prompt_tokens > 0
+
+
+def test_refusals_name_the_problem(llada):
+    eng = Engine(llada, max_queue=2)
+    with pytest.raises(RequestError, match="credit.*not served"):
+        eng.submit(PROMPTS[0], sampler="credit")
+    with pytest.raises(RequestError, match="noise_scope"):
+        eng.submit(PROMPTS[0], sampler="threshold", params={"noise_scope": "canvas"})
+    with pytest.raises(RequestError, match="unknown sampler"):
+        eng.submit(PROMPTS[0], sampler="nope")
+    with pytest.raises(RequestError, match="context"):
+        eng.submit(PROMPTS[0], gen_length=llada.max_seq_len)
+    with pytest.raises(RequestError, match="block_length"):
+        eng.submit(PROMPTS[0], gen_length=32, block_length=5)
+    eng.submit(PROMPTS[0], gen_length=8)
+    eng.submit(PROMPTS[1], gen_length=8)
+    with pytest.raises(QueueFull):
+        eng.submit(PROMPTS[2], gen_length=8)
+    eng.run_until_idle()
+    assert eng.stats()["requests"]["stop"] + eng.stats()["requests"]["length"] == 2
+
+
+def test_a_failing_group_fails_only_its_requests(llada, monkeypatch):
+    eng = Engine(llada)
+    bad = eng.submit(PROMPTS[0], gen_length=16, sampler="factor", request_id="bad")
+    good = eng.submit(PROMPTS[1], gen_length=16, sampler="threshold", request_id="good")
+    eng._admit()
+    group = next(g for g in eng.groups.values() if g.requests[0].request_id == "bad")
+
+    def boom(st):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(group.decoder, "step", boom)
+    eng.run_until_idle()
+    assert bad.result(timeout=0).finish_reason == "error" and "device lost" in bad.result().error
+    tokens, _ = solo(llada, PROMPTS[1], "good", sampler="threshold", gen_length=16)
+    assert good.result(timeout=0).tokens == tokens
+    assert torch.is_grad_enabled()  # the engine leaves global state alone
