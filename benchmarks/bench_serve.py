@@ -1,0 +1,140 @@
+"""Serving throughput and latency: continuous batching (dllm.serve.Engine) against static batches and one
+request at a time, in one run, at several concurrency levels.
+
+``C`` closed-loop clients each send ``--requests`` requests back to back (the next one when the previous has
+finished). Continuous: the engine's background loop, requests join and leave at step boundaries. Static: the
+``C`` clients' requests are decoded together as one ``dllm.generate`` batch, and the next batch starts when
+the whole batch is done. One at a time: ``dllm.generate`` per request, the clients' requests queued (a
+request's latency includes its wait). Printed per mode and concurrency: answer
+tokens per second (tokens before EOS), latency p50 / p99 to completion and, for the engine, to the first
+streamed token.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_serve.py --model llada-tiny --concurrency 1 4 16 --requests 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import threading
+import time
+
+import torch
+
+import dllm
+from dllm.assets import model_path
+from dllm.evals import tasks as T
+from dllm.serve import Engine
+
+
+def prompts(n: int) -> list:
+    """``n`` chat prompts of the synthetic tasks (different lengths), held-out seed."""
+    out = []
+    names = T.task_names("waiting_line")
+    for i in range(n):
+        ex = T.get_task(names[i % len(names)]).generate(1, 1000 + i)[0]
+        out.append(ex.messages[-1:])
+    return out
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def answer_tokens(model, seq) -> int:
+    stops = {model.eos_id, model.eot_id}
+    return next((i for i, t in enumerate(seq) if t in stops), len(seq))
+
+
+def run_continuous(model, work, kw, max_rows):
+    engine = Engine(model, max_rows=max_rows, max_queue=10_000)
+    engine.start()
+    lat, ttft, toks = [], [], 0
+    lock = threading.Lock()
+
+    def client(items):
+        nonlocal toks
+        for p in items:
+            t0 = time.perf_counter()
+            h = engine.submit(p, sampler=kw["sampler"], gen_length=kw["gen_length"], block_length=kw["block_length"])
+            first = None
+            for _ in h.delta_ids():
+                if first is None:
+                    first = time.perf_counter() - t0
+            r = h.result()
+            with lock:
+                lat.append(time.perf_counter() - t0)
+                ttft.append(first if first is not None else lat[-1])
+                toks += r.completion_tokens
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(items,)) for items in work]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - t0
+    engine.stop()
+    return wall, toks, lat, ttft
+
+
+def run_static(model, work, kw):
+    lat, toks = [], 0
+    t0 = time.perf_counter()
+    for k in range(max(len(w) for w in work)):
+        batch = [w[k] for w in work if k < len(w)]
+        tb = time.perf_counter()
+        out = dllm.generate(model, batch, sampler=kw["sampler"], gen_length=kw["gen_length"],
+                            block_length=kw["block_length"], cache="none")
+        done = time.perf_counter() - tb
+        lat += [done] * len(batch)  # every request of the batch waits for the whole batch
+        toks += sum(answer_tokens(model, s) for s in out.sequences.tolist())
+    return time.perf_counter() - t0, toks, lat, lat
+
+
+def run_sequential(model, work, kw):
+    lat, toks = [], 0
+    t0 = time.perf_counter()
+    for items in zip(*work):  # the clients' k-th requests, sent together, served one after another
+        tb = time.perf_counter()
+        for p in items:
+            out = dllm.generate(model, [p], sampler=kw["sampler"], gen_length=kw["gen_length"],
+                                block_length=kw["block_length"], cache="none")
+            lat.append(time.perf_counter() - tb)  # its wait behind the earlier ones included
+            toks += answer_tokens(model, out.sequences[0].tolist())
+    return time.perf_counter() - t0, toks, lat, lat
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llada-tiny")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--requests", type=int, default=8, help="requests per client")
+    ap.add_argument("--sampler", default="threshold")
+    ap.add_argument("--gen-length", type=int, default=32)
+    ap.add_argument("--block-length", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model = dllm.load_model(str(model_path(args.model)), dtype="float32")
+    kw = dict(sampler=args.sampler, gen_length=args.gen_length, block_length=args.block_length)
+    dllm.generate(model, prompts(2), **kw)  # warm-up
+    print(f"model {args.model}, sampler {args.sampler}, gen {args.gen_length}, block {args.block_length}, "
+          f"{args.requests} requests per client, torch threads {torch.get_num_threads()}")
+    print("| clients | mode | answer tokens/s | latency p50 s | latency p99 s | first token p50 s | requests |")
+    print("|---|---|---|---|---|---|---|")
+    for c in args.concurrency:
+        ps = prompts(c * args.requests)
+        work = [ps[i * args.requests:(i + 1) * args.requests] for i in range(c)]
+        runs = {"continuous": (run_continuous, (model, work, kw, max(c, 1))),
+                "static batches": (run_static, (model, work, kw)),
+                "one at a time": (run_sequential, (model, work, kw))}
+        for name, (fn, fargs) in runs.items():
+            wall, toks, lat, ttft = fn(*fargs)
+            print(f"| {c} | {name} | {toks / wall:.1f} | {statistics.median(lat):.3f} | {pct(lat, 0.99):.3f} | "
+                  f"{statistics.median(ttft):.3f} | {len(lat)} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
