@@ -141,3 +141,20 @@ def test_a_full_queue_answers_429(server):
         engine.start()
     for h in handles:
         assert h.result(timeout=60).finish_reason in ("stop", "length")
+
+
+def test_a_disconnected_streaming_client_frees_its_row(server):
+    model, engine, url = server
+    before = engine.stats()["requests"]["cancelled"]
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 400, "stream": True,
+            "sampler": "llada", "block_length": 8}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=30) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())  # the first chunk has arrived: the request is running
+    for _ in range(200):  # the row is freed at a following step, long before its 400 forwards are done
+        if engine.stats()["requests"]["cancelled"] > before:
+            break
+        time.sleep(0.05)
+    assert engine.stats()["requests"]["cancelled"] == before + 1
+    assert engine.stats()["running"] == 0
