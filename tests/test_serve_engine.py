@@ -49,18 +49,22 @@ def test_concurrent_requests_with_mixed_settings_and_join_times_match_solo_runs(
         ("eb", {"gamma": 0.1}, 16, None, 0),
         (base, {"temperature": 0.8}, 16, None, 3),
         ("factor", {}, 32, 16, 0),
+        ("prophet", {}, 32, None, 0),  # progress from the row's own forwards
+        ("eoser", {}, 32, None, 0),
+        ("ascending", {}, 32, None, 0),
     ]
     eng = Engine(model, max_rows=3)
     reqs = []
-    for i in range(12):  # two requests per setting, one joining after some steps of the first
-        sampler, params, G, B, seed = settings[i % len(settings)]
-        prompt = PROMPTS[(i * 5 + i // 6) % len(PROMPTS)]  # the joining twin has another prompt length
-        rid = f"{family}-{i}"
-        h = eng.submit(prompt, gen_length=G, block_length=B, sampler=sampler, params=params, seed=seed,
-                       request_id=rid)
-        reqs.append((h, prompt, rid, dict(sampler=sampler, params=params, gen_length=G, block_length=B, seed=seed)))
-        for _ in range(i % 3):  # later requests join running batches at step boundaries
-            eng.step()
+    for wave in range(3):  # every setting gets a request per wave; waves 2 and 3 join running batches
+        for k, (sampler, params, G, B, seed) in enumerate(settings):
+            prompt = PROMPTS[(k + 2 * wave) % len(PROMPTS)]  # the joining requests have other prompt lengths
+            rid = f"{family}-{wave}-{k}"
+            h = eng.submit(prompt, gen_length=G, block_length=B, sampler=sampler, params=params, seed=seed,
+                           request_id=rid)
+            reqs.append((h, prompt, rid, dict(sampler=sampler, params=params, gen_length=G, block_length=B,
+                                               seed=seed)))
+        eng.step()
+    assert eng.stats()["joins"] >= len(settings)  # requests did join running batches
     eng.run_until_idle()
     assert not eng.groups and not eng.waiting
     for h, prompt, rid, kw in reqs:

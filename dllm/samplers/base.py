@@ -66,6 +66,16 @@ class StepContext:
     draws: int = 0  # per-row draws made so far in this step (each draw gets its own stream)
 
 
+def row_forwards(ctx: StepContext) -> torch.Tensor:
+    """``[B]`` int64 forwards each row has taken before this step: the row's own progress counter. In one
+    ``generate`` call every unfinished row has taken part in every forward, so this equals ``global_step``
+    there; in a serving batch that rows join and leave it stays each row's own (``global_step`` counts the
+    batch's forwards)."""
+    if ctx.row_step is not None:
+        return ctx.row_step.to(ctx.step.device)
+    return torch.full_like(ctx.step, ctx.global_step)
+
+
 @dataclass
 class StepResult:
     proposal: torch.Tensor  # [B, W] int64

@@ -41,7 +41,15 @@ from typing import Any
 
 import torch
 
-from dllm.samplers.base import SamplerBase, StepContext, StepResult, check_range, gumbel_argmax, top2_values
+from dllm.samplers.base import (
+    SamplerBase,
+    StepContext,
+    StepResult,
+    check_range,
+    gumbel_argmax,
+    row_forwards,
+    top2_values,
+)
 
 PROPHET_PROGRESS = ("steps", "decoded")
 
@@ -127,7 +135,8 @@ class Prophet(SamplerBase):
     def threshold(self, ctx: StepContext) -> torch.Tensor:
         """``[B]`` gap threshold for this step's progress."""
         if self.progress == "steps":
-            prog = torch.full(ctx.step.shape, (ctx.global_step + 1) / max(ctx.total_steps, 1), device=ctx.step.device)
+            done = row_forwards(ctx).to(torch.float64) + 1  # the row's own forwards: exact under serving
+            prog = (done / max(ctx.total_steps, 1)).to(torch.get_default_dtype())
         else:
             G = max(ctx.canvas_len - ctx.gen_lo, 1)
             cols = ctx.win_lo + torch.arange(ctx.x.shape[1], device=ctx.x.device)

@@ -31,6 +31,7 @@ from dllm.samplers.base import (
     check_range,
     ensure_progress,
     even_quota,
+    row_forwards,
     select_topk,
 )
 
@@ -81,7 +82,7 @@ class Ascending:
                              "(None: commit everything once the remainder is below the next power of two)")
 
     def quota(self, ctx: StepContext) -> torch.Tensor:
-        i = ctx.step if self.per_region else torch.full_like(ctx.step, ctx.global_step)
+        i = ctx.step if self.per_region else row_forwards(ctx)
         k = torch.ones_like(i) << i.clamp(0, 40)
         left = ctx.cand.sum(-1)
         last = left - k < 2 * k

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dllm.samplers.base import SOFTMAX_DTYPES, StepContext, argmax_unmasked, check_range, token_prob
+from dllm.samplers.base import SOFTMAX_DTYPES, StepContext, argmax_unmasked, check_range, row_forwards, token_prob
 
 EOS_PROGRESS = ("step", "step-total", "decoded", "ass")
 
@@ -132,7 +132,6 @@ class EOSRejection:
 
     def factor(self, ctx: StepContext) -> torch.Tensor:
         """``[B]`` attenuation factor ``g`` for this step."""
-        dev = ctx.step.device
         if self.progress in ("step", "step-total"):
             S = ctx.steps if self.progress == "step" else torch.full_like(ctx.steps, ctx.total_steps)
             t = ctx.step.minimum(S - 1).clamp_min(0).float() / (S - 1).clamp_min(1).float()
@@ -143,8 +142,8 @@ class EOSRejection:
         else:
             G = max(ctx.canvas_len - ctx.gen_lo, 1)
             S = max(int(math.floor(math.log2(G))), 0)
-            i = min(ctx.global_step, 60)
-            t = torch.full(ctx.step.shape, min((2 ** (i + 1) - 1) / 2**S, 1.0), device=dev)
+            i = row_forwards(ctx).clamp_max(60)  # the row's own forwards (exact under serving)
+            t = ((torch.pow(2, i + 1) - 1).to(torch.float64) / 2**S).clamp_max(1.0).to(torch.get_default_dtype())
         return self.gamma_min + (1 - self.gamma_min) * t.clamp(0, 1)
 
     def apply(self, conf: torch.Tensor, x0: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:

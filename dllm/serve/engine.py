@@ -13,9 +13,9 @@ so every response is token-identical to ``dllm.generate`` of the same request al
   not recomputed. Leaving: finished rows are answered and removed from every per-row tensor
   (``index_select``); the canvas is cropped when the longest prompt left.
 * What one batch cannot hold exactly is refused with a message naming what is supported: approximate caches
-  (their buffers are per batch), and samplers whose decisions read batch-level state (``credit``,
-  ``klass``, ``guided``: scratch state across steps; ``prophet``, ``eoser``, ``ascending``, ``eoser-ass``:
-  the batch's forward count as progress). ``noise_scope`` must be ``"row"`` (the default).
+  (their buffers are per batch) and samplers that keep scratch state of the batch across steps (``credit``,
+  ``credit-localleap``, ``klass``, ``guided``). Progress-driven samplers (``prophet``, ``eoser``,
+  ``ascending``) read each row's own forward count, so they are served. ``noise_scope`` must be ``"row"``.
 
 Use: ``engine.submit(prompt, gen_length=...)`` returns a :class:`RequestHandle` (``.result()``, ``.deltas()``
 for the left-to-right final prefix as it becomes final, ``.cancel()``); :meth:`Engine.step` runs one tick,
@@ -42,8 +42,8 @@ from dllm.samplers import get_sampler
 
 log = logging.getLogger(__name__)
 
-# samplers whose step reads state shared by the batch (scratch across steps, or the batch's forward count)
-BATCH_STATEFUL = ("credit", "credit-localleap", "klass", "guided", "prophet", "eoser", "ascending", "eoser-ass")
+# samplers whose step keeps scratch state of the batch across steps (not moved between batches yet)
+BATCH_STATEFUL = ("credit", "credit-localleap", "klass", "guided")
 
 
 class QueueFull(RuntimeError):
@@ -206,7 +206,7 @@ class Engine:
         self._stop = False
         self._ids = itertools.count()
         self.metrics = {"requests": {"stop": 0, "length": 0, "cancelled": 0, "error": 0}, "forwards": 0,
-                        "tokens": 0, "step_seconds": 0.0, "steps": 0}
+                        "tokens": 0, "step_seconds": 0.0, "steps": 0, "joins": 0}
 
     # ------------------------------------------------------------------------------------------ requests
     def submit(self, prompt, *, gen_length: int = 64, block_length: int | None = None, steps: int | None = None,
@@ -328,6 +328,7 @@ class Engine:
         if group is None:
             self.groups[key] = _Group(key, dec, st, list(reqs))
             return
+        self.metrics["joins"] += len(reqs)
         old = group.state
         P = max(old.P, st.P)
         pad = self.model.pad_id if self.model.pad_id is not None else self.model.eos_id
