@@ -141,3 +141,39 @@ def test_a_failing_group_fails_only_its_requests(llada, monkeypatch):
     tokens, _ = solo(llada, PROMPTS[1], "good", sampler="threshold", gen_length=16)
     assert good.result(timeout=0).tokens == tokens
     assert torch.is_grad_enabled()  # the engine leaves global state alone
+
+
+@pytest.mark.parametrize("cache", ["dual", "prefix", "dkv-decode", "dkv-greedy"])
+def test_cached_requests_joining_and_leaving_match_solo_runs(cache, llada):
+    """The K/V buffers move with the rows (re-padded, selected, extended): every response equals the request
+    alone with the same cache."""
+    eng = Engine(llada, max_rows=3)
+    reqs = []
+    for wave in range(3):
+        for k in range(2):
+            prompt = PROMPTS[(k + wave) % len(PROMPTS)]
+            rid = f"{cache}-{wave}-{k}"
+            sampler = "threshold" if k == 0 else "llada"
+            reqs.append((eng.submit(prompt, gen_length=32, block_length=8, sampler=sampler, cache=cache,
+                                    request_id=rid), prompt, rid, sampler))
+        eng.step()
+    eng.run_until_idle()
+    assert eng.stats()["joins"] >= 2
+    for h, prompt, rid, sampler in reqs:
+        out = dllm.generate(llada, [prompt], gen_length=32, block_length=8, sampler=sampler, cache=cache,
+                            row_ids=[rid])
+        assert h.result(timeout=0).tokens == out.sequences[0].tolist(), rid
+        assert h.result().nfe == out.stats.row_nfe[0]
+
+
+def test_a_preset_runs_with_its_own_cache_and_unmovable_caches_are_refused(llada):
+    eng = Engine(llada)
+    h = eng.submit(PROMPTS[0], gen_length=32, sampler="fast-dllm", request_id="fd")
+    eng.run_until_idle()
+    out = dllm.generate(llada, [PROMPTS[0]], gen_length=32, sampler="fast-dllm", row_ids=["fd"])  # dual cache
+    assert h.result(timeout=0).tokens == out.sequences[0].tolist()
+    for cache in ("freecache", "elastic"):
+        with pytest.raises(RequestError, match="not served; served caches"):
+            eng.submit(PROMPTS[0], cache=cache)
+    with pytest.raises(RequestError, match="not served"):
+        eng.submit(PROMPTS[0], sampler="elastic")  # its preset cache is Elastic-Cache

@@ -50,11 +50,11 @@ def server():
     engine.stop(drain=False)
 
 
-def _solo(model, prompt, rid, chat=True, **kw):
+def _solo(model, prompt, rid, chat=True, cache="none", **kw):
     sampler = kw.pop("sampler", None)
     params = kw.pop("params", {})
     out = dllm.generate(model, [prompt], sampler=dllm.get_sampler(sampler, **params) if sampler else None,
-                        cache="none", row_ids=[rid], chat_template=chat, **kw)
+                        cache=cache, row_ids=[rid], chat_template=chat, **kw)
     return out.texts[0], out.stats.row_nfe[0]
 
 
@@ -103,11 +103,11 @@ def test_concurrent_async_requests_are_each_exact(server):
                                                extra_body={"sampler": sampler})
 
     async def run():
-        return await asyncio.gather(*[one(p, s) for p in prompts for s in ("llada", "threshold")])
+        return await asyncio.gather(*[one(p, s) for p in prompts for s in ("llada", "threshold", "fast-dllm")])
 
     results = asyncio.run(run())
-    for (p, s), r in zip([(p, s) for p in prompts for s in ("llada", "threshold")], results):
-        text, _ = _solo(model, p, r.id, chat=False, sampler=s, gen_length=16)
+    for (p, s), r in zip([(p, s) for p in prompts for s in ("llada", "threshold", "fast-dllm")], results):
+        text, _ = _solo(model, p, r.id, chat=False, sampler=s, gen_length=16, cache=None)  # fast-dllm: dual
         assert r.choices[0].text == text, (p, s)
 
 

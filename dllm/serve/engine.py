@@ -3,7 +3,7 @@
 Requests join a running batch at a step boundary and leave it as soon as they finish; nothing a row computes
 depends on the other rows (per-row random streams keyed by (seed, request id), per-row regions and schedules),
 so every response is token-identical to ``dllm.generate`` of the same request alone with
-``row_ids=[request id]`` (float32; tested).
+``row_ids=[request id]`` and the same cache (float32; tested).
 
 * A *group* is one batch: requests whose decoding settings one batch can hold (the same sampler and
   parameters, ``gen_length``, ``block_length``, ``steps``, ``eos_early_stop``, ``seed``). Groups with
@@ -12,9 +12,11 @@ so every response is token-identical to ``dllm.generate`` of the same request al
   the longer prompt (region bounds shift with them) and concatenated along the batch; the running rows are
   not recomputed. Leaving: finished rows are answered and removed from every per-row tensor
   (``index_select``); the canvas is cropped when the longest prompt left.
-* What one batch cannot hold exactly is refused with a message naming what is supported: approximate caches
-  (their buffers are per batch) and samplers that keep scratch state of the batch across steps (``credit``,
-  ``credit-localleap``, ``klass``, ``guided``). Progress-driven samplers (``prophet``, ``eoser``,
+* Caches: the K/V buffers move with the rows (re-padded, selected, extended with the newcomers' rows, which
+  their first forward recomputes in full). ``prefix``, ``dual``, ``dkv-decode`` and ``dkv-greedy`` are served
+  (a preset's own cache by default: ``fast-dllm`` runs with ``dual``); ``freecache`` and ``elastic``, which keep
+  more per-batch state, are refused, as are samplers that keep scratch state of the batch across steps
+  (``credit``, ``credit-localleap``, ``klass``, ``guided``). Progress-driven samplers (``prophet``, ``eoser``,
   ``ascending``) read each row's own forward count, so they are served. ``noise_scope`` must be ``"row"``.
 
 Use: ``engine.submit(prompt, gen_length=...)`` returns a :class:`RequestHandle` (``.result()``, ``.deltas()``
@@ -44,6 +46,8 @@ log = logging.getLogger(__name__)
 
 # samplers whose step keeps scratch state of the batch across steps (not moved between batches yet)
 BATCH_STATEFUL = ("credit", "credit-localleap", "klass", "guided")
+# caches whose only batch state is the K/V buffers (moved with the rows); freecache and elastic keep more
+SERVED_CACHES = ("none", "prefix", "dual", "dkv-decode", "dkv-greedy")
 
 
 class QueueFull(RuntimeError):
@@ -189,6 +193,28 @@ def _select(st: DecodeState, keep: list[int]) -> DecodeState:
     return st
 
 
+def _move_cache(cache, d: int, keep: list[int] | None, n_new: int) -> None:
+    """Move a filled K/V cache with the rows: ``keep`` rows selected, ``d`` columns of left padding added
+    (``d < 0``: cropped), ``n_new`` empty rows appended for joining requests (their first forward recomputes
+    them in full: every served cache refreshes a row at its first step)."""
+    if not getattr(cache, "filled", False):
+        return
+    for layer in range(len(cache.k)):
+        for buf in (cache.k, cache.v):
+            t = buf[layer]
+            if t is None:
+                continue
+            if keep is not None:
+                t = t.index_select(0, torch.tensor(keep, dtype=torch.long, device=t.device))
+            if d > 0:
+                t = torch.cat([t.new_zeros(t.shape[0], t.shape[1], d, t.shape[3]), t], dim=2)
+            elif d < 0:
+                t = t[:, :, -d:]
+            if n_new:
+                t = torch.cat([t, t.new_zeros(n_new, *t.shape[1:])], dim=0)
+            buf[layer] = t.contiguous()
+
+
 class Engine:
     """Continuous-batching decoder for one model (see the module docstring). ``max_rows``: rows per group;
     ``max_queue``: requests waiting or running before :meth:`submit` raises :class:`QueueFull`."""
@@ -211,8 +237,8 @@ class Engine:
     # ------------------------------------------------------------------------------------------ requests
     def submit(self, prompt, *, gen_length: int = 64, block_length: int | None = None, steps: int | None = None,
                sampler: str | None = None, params: dict | None = None, seed: int = 0,
-               eos_early_stop: bool = False, chat_template: bool = True, request_id: str | None = None
-               ) -> RequestHandle:
+               eos_early_stop: bool = False, chat_template: bool = True, request_id: str | None = None,
+               cache: str | None = None) -> RequestHandle:
         """Queue one request (a string, a chat conversation or token ids); returns its handle. Bad settings
         raise :class:`RequestError` here, before anything runs."""
         with self._lock:
@@ -233,9 +259,14 @@ class Engine:
             rows = prepare_prompts(self.model, [prompt], None, chat_template)
         except (ValueError, TypeError, KeyError) as exc:
             raise RequestError(str(exc)) from None
-        spec = (name, tuple(sorted(params.items())))
-        try:  # lengths, block layout and context checked before queueing (no approximate cache when serving)
-            resolve(self.model, recipe, "none", None, config)
+        if cache is None:  # the preset's own cache (fast-dllm: dual), where the engine can move it
+            cache = getattr(recipe, "cache", None) or "none"
+            cache = cache if isinstance(cache, str) else cache[0]
+        if cache not in SERVED_CACHES:
+            raise RequestError(f"cache {cache!r} is not served; served caches: {', '.join(SERVED_CACHES)}")
+        spec = (name, tuple(sorted(params.items())), cache)
+        try:  # lengths, block layout and context checked before queueing
+            resolve(self.model, recipe, cache, None, config)
             if len(rows[0]) + gen_length > self.model.max_seq_len:
                 raise ValueError(f"prompt ({len(rows[0])} tokens) + gen_length ({gen_length}) exceeds the model's "
                                  f"context of {self.model.max_seq_len} tokens")
@@ -321,7 +352,7 @@ class Engine:
 
     def _join(self, key: tuple, group: _Group | None, reqs: list[_Request]) -> None:
         recipe = reqs[0].recipe
-        sampler, cache, policy, config = resolve(self.model, recipe, "none", None, reqs[0].config)
+        sampler, cache, policy, config = resolve(self.model, recipe, reqs[0].sampler_spec[2], None, reqs[0].config)
         dec = Decoder(self.model, sampler, cache, policy, config)
         dec.max_iters = float("inf")  # rows come and go; each row's own progress is checked in _step_group
         st = dec.start([r.rows for r in reqs], [r.request_id for r in reqs])
@@ -332,7 +363,9 @@ class Engine:
         old = group.state
         P = max(old.P, st.P)
         pad = self.model.pad_id if self.model.pad_id is not None else self.model.eos_id
-        old, st = _repad(old, P - old.P, pad), _repad(st, P - st.P, pad)
+        d_old = P - old.P
+        old, st = _repad(old, d_old, pad), _repad(st, P - st.P, pad)
+        _move_cache(group.decoder.cache, d_old, None, st.x.shape[0])
         group.state = _cat(old, st)
         group.requests += reqs
         self._reset_width(group)
@@ -341,7 +374,10 @@ class Engine:
         st, dec = group.state, group.decoder
         T = st.x.shape[1]
         dec.cols_all = torch.arange(T, device=st.x.device)
-        dec.cache.reset(st.x.shape[0], T)
+        if getattr(dec.cache, "filled", False):  # its buffers were moved with the rows
+            dec.cache.batch, dec.cache.canvas_len = st.x.shape[0], T
+        else:
+            dec.cache.reset(st.x.shape[0], T)
         if st.key_mask is not None and bool(st.key_mask.all()):
             st.key_mask = None
         st.window = tuple(dec._window(st).tolist())
@@ -395,9 +431,11 @@ class Engine:
         st = _select(group.state, keep)
         group.requests = [group.requests[i] for i in keep]
         P = max(len(r) for r in st.rows)
-        if P < st.P:  # the longest prompt left: crop the padding no row needs
+        d = P - st.P
+        if d < 0:  # the longest prompt left: crop the padding no row needs
             pad = self.model.pad_id if self.model.pad_id is not None else self.model.eos_id
-            st = _repad(st, P - st.P, pad)
+            st = _repad(st, d, pad)
+        _move_cache(group.decoder.cache, min(d, 0), keep, 0)
         group.state = st
         self._reset_width(group)
 

@@ -7,7 +7,7 @@ OpenAI chunk format: the final left-to-right prefix as it becomes final, then th
 OpenAI fields: ``max_tokens`` (-> ``gen_length``, default 64), ``temperature``, ``seed``, ``stream``, ``n`` (1
 only), ``stop`` (strings: the text is cut at the first one). dLLM fields in the request body (``extra_body``
 with the ``openai`` client): ``sampler`` and ``params`` (a dict of its parameters), ``steps``,
-``block_length``, ``eos_early_stop``. ``usage`` adds ``nfe`` and ``tokens_per_forward`` to the token counts.
+``block_length``, ``eos_early_stop``, ``cache`` (default: the preset's own). ``usage`` adds ``nfe`` and ``tokens_per_forward`` to the token counts.
 Errors are 400 with an OpenAI-style body naming the field, 401 without the ``--api-key`` bearer key, 429 when
 the queue is full.
 """
@@ -28,7 +28,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the serve extra
     raise ImportError("the server needs FastAPI and uvicorn: pip install 'dllm[serve]'") from exc
 
-DLLM_FIELDS = ("sampler", "params", "steps", "block_length", "eos_early_stop")
+DLLM_FIELDS = ("sampler", "params", "steps", "block_length", "eos_early_stop", "cache")
 
 
 def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
@@ -108,7 +108,7 @@ def create_app(engine: Engine, model_name: str = "dllm", api_key: str | None = N
             prompt, gen_length=b.get("max_tokens", int, 64, lambda v: v >= 1, "; max_tokens must be >= 1"),
             block_length=b.get("block_length", int, None), steps=b.get("steps", int, None),
             sampler=b.get("sampler", str, None), params=params, seed=b.get("seed", int, 0),
-            eos_early_stop=b.get("eos_early_stop", bool, False), chat_template=chat,
+            eos_early_stop=b.get("eos_early_stop", bool, False), chat_template=chat, cache=b.get("cache", str, None),
             request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}")
 
     def _usage(r) -> dict:
