@@ -57,7 +57,8 @@ def run_continuous(model, work, kw, max_rows):
         nonlocal toks
         for p in items:
             t0 = time.perf_counter()
-            h = engine.submit(p, sampler=kw["sampler"], gen_length=kw["gen_length"], block_length=kw["block_length"])
+            h = engine.submit(p, sampler=kw["sampler"], gen_length=kw["gen_length"], block_length=kw["block_length"],
+                              cache=kw["cache"])
             first = None
             for _ in h.delta_ids():
                 if first is None:
@@ -86,7 +87,7 @@ def run_static(model, work, kw):
         batch = [w[k] for w in work if k < len(w)]
         tb = time.perf_counter()
         out = dllm.generate(model, batch, sampler=kw["sampler"], gen_length=kw["gen_length"],
-                            block_length=kw["block_length"], cache="none")
+                            block_length=kw["block_length"], cache=kw["cache"])
         done = time.perf_counter() - tb
         lat += [done] * len(batch)  # every request of the batch waits for the whole batch
         toks += sum(answer_tokens(model, s) for s in out.sequences.tolist())
@@ -100,7 +101,7 @@ def run_sequential(model, work, kw):
         tb = time.perf_counter()
         for p in items:
             out = dllm.generate(model, [p], sampler=kw["sampler"], gen_length=kw["gen_length"],
-                                block_length=kw["block_length"], cache="none")
+                                block_length=kw["block_length"], cache=kw["cache"])
             lat.append(time.perf_counter() - tb)  # its wait behind the earlier ones included
             toks += answer_tokens(model, out.sequences[0].tolist())
     return time.perf_counter() - t0, toks, lat, lat
@@ -114,13 +115,15 @@ def main() -> None:
     ap.add_argument("--sampler", default="threshold")
     ap.add_argument("--gen-length", type=int, default=32)
     ap.add_argument("--block-length", type=int, default=8)
+    ap.add_argument("--cache", default=None, help="cache for every mode (default: the preset's own, e.g. fast-dllm: dual)")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = dllm.load_model(str(model_path(args.model)), dtype="float32")
-    kw = dict(sampler=args.sampler, gen_length=args.gen_length, block_length=args.block_length)
+    kw = dict(sampler=args.sampler, gen_length=args.gen_length, block_length=args.block_length, cache=args.cache)
     dllm.generate(model, prompts(2), **kw)  # warm-up
-    print(f"model {args.model}, sampler {args.sampler}, gen {args.gen_length}, block {args.block_length}, "
+    print(f"model {args.model}, sampler {args.sampler}, cache {args.cache or 'the preset default'}, gen "
+          f"{args.gen_length}, block {args.block_length}, "
           f"{args.requests} requests per client, torch threads {torch.get_num_threads()}")
     print("| clients | mode | answer tokens/s | latency p50 s | latency p99 s | first token p50 s | requests |")
     print("|---|---|---|---|---|---|---|")

@@ -4,6 +4,7 @@ chat, streaming and not, concurrent requests, outputs identical to ``dllm.genera
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 import time
@@ -126,7 +127,8 @@ def test_errors_are_openai_shaped(server):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
     assert httpx.get(f"{url}/health").json()["status"] == "ok"
-    assert "dllm_requests_total" in httpx.get(f"{url}/metrics").text
+    m = httpx.get(f"{url}/metrics").text
+    assert "dllm_requests_total{outcome=\"stop\"}" in m and "dllm_request_nfe_total" in m and "dllm_queue_waiting" in m
 
 
 def test_a_full_queue_answers_429(server):
@@ -158,3 +160,31 @@ def test_a_disconnected_streaming_client_frees_its_row(server):
         time.sleep(0.05)
     assert engine.stats()["requests"]["cancelled"] == before + 1
     assert engine.stats()["running"] == 0
+
+
+def test_the_per_step_canvas_is_streamed_on_request(server):
+    """``dllm_canvas``: a chunk per step with the positions it committed; together they are every generated
+    position once, with the final tokens, and the steps count up to the request's NFE."""
+    model, engine, url = server
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 16, "stream": True,
+            "block_length": 8, "sampler": "threshold", "dllm_canvas": True}
+    events, usage, rid = [], None, None
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=30) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            ev = json.loads(line[6:])
+            rid = ev["id"]
+            if "dllm" in ev:
+                events.append(ev["dllm"])
+            usage = ev.get("usage") or usage
+    committed = {}
+    for ev in events:
+        for pos, tok in ev["committed"].items():
+            assert pos not in committed  # each position committed once
+            committed[pos] = tok
+    out = dllm.generate(model, [[{"role": "user", "content": PROMPT}]], gen_length=16, block_length=8,
+                        sampler="threshold", row_ids=[rid])
+    assert [committed[str(j)] for j in range(16)] == out.sequences[0].tolist()
+    assert [ev["step"] for ev in events] == list(range(1, usage["nfe"] + 1))

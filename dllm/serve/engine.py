@@ -78,8 +78,9 @@ class RequestHandle:
     """What :meth:`Engine.submit` returns: ``result(timeout)``, ``deltas()`` (an iterator of text pieces of the
     final prefix as it becomes final; ``delta_ids()`` the same as token ids), ``cancel()``."""
 
-    def __init__(self, request_id: str):
+    def __init__(self, request_id: str, canvas: bool = False):
         self.request_id = request_id
+        self.canvas = canvas  # also stream each step's committed positions (``events()``: ("canvas", ...))
         self._done = threading.Event()
         self._result: Result | None = None
         self._events: queue.Queue = queue.Queue()
@@ -99,11 +100,18 @@ class RequestHandle:
 
     def delta_ids(self):
         """Token ids of the final left-to-right prefix, in pieces as they become final, until the request ends."""
+        for kind, value in self.events():
+            if kind == "ids":
+                yield value
+
+    def events(self):
+        """``("ids", [token ids])`` as the final prefix grows and, with ``canvas=True``, ``("canvas", {"step",
+        "committed": {generation offset: token id}})`` after each of the request's steps, until it ends."""
         while True:
             kind, value = self._events.get()
             if kind == "end":
                 return
-            yield value
+            yield kind, value
 
     def _emit(self, ids: list[int]) -> None:
         if ids:
@@ -232,13 +240,14 @@ class Engine:
         self._stop = False
         self._ids = itertools.count()
         self.metrics = {"requests": {"stop": 0, "length": 0, "cancelled": 0, "error": 0}, "forwards": 0,
-                        "tokens": 0, "step_seconds": 0.0, "steps": 0, "joins": 0}
+                        "tokens": 0, "step_seconds": 0.0, "steps": 0, "joins": 0, "request_nfe": 0,
+                        "request_positions": 0}
 
     # ------------------------------------------------------------------------------------------ requests
     def submit(self, prompt, *, gen_length: int = 64, block_length: int | None = None, steps: int | None = None,
                sampler: str | None = None, params: dict | None = None, seed: int = 0,
                eos_early_stop: bool = False, chat_template: bool = True, request_id: str | None = None,
-               cache: str | None = None) -> RequestHandle:
+               cache: str | None = None, canvas: bool = False) -> RequestHandle:
         """Queue one request (a string, a chat conversation or token ids); returns its handle. Bad settings
         raise :class:`RequestError` here, before anything runs."""
         with self._lock:
@@ -272,7 +281,7 @@ class Engine:
                                  f"context of {self.model.max_seq_len} tokens")
         except ValueError as exc:
             raise RequestError(str(exc)) from None
-        handle = RequestHandle(rid)
+        handle = RequestHandle(rid, canvas)
         req = _Request(rid, rows[0], config, spec, handle, time.perf_counter(), recipe)
         with self._lock:
             self.waiting.append(req)
@@ -444,6 +453,13 @@ class Engine:
         gen = st.x[:, st.P:]
         masked = (gen == self.model.mask_id).tolist()
         rows = gen.tolist()
+        if any(r.handle.canvas for r in group.requests):
+            committed = st.committed[:, st.P:].tolist()
+            row_nfe = st.row_nfe.tolist()
+            for i, req in enumerate(group.requests):
+                if req.handle.canvas:
+                    cols = {j: rows[i][j] for j, c in enumerate(committed[i]) if c}
+                    req.handle._events.put(("canvas", {"step": row_nfe[i], "committed": cols}))
         for i, req in enumerate(group.requests):
             final = next((j for j, m in enumerate(masked[i]) if m), len(masked[i]))
             if final > req.emitted:
@@ -470,6 +486,8 @@ class Engine:
             text = texts[0] if texts is not None else None
         self.metrics["requests"][outcome] += 1
         self.metrics["tokens"] += n
+        self.metrics["request_nfe"] += nfe  # finished requests' forwards and generated positions: their ratio is
+        self.metrics["request_positions"] += len(tokens)  # the served tokens per forward
         req.handle._finish(Result(req.request_id, tokens, text, nfe, len(req.rows), n, outcome, error,
                                   time.perf_counter() - req.t_submit))
 

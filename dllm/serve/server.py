@@ -2,12 +2,13 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream`` as server-sent events in the
 OpenAI chunk format: the final left-to-right prefix as it becomes final, then the finish reason and usage),
-``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text format).
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text format, ``prometheus-client``).
 
 OpenAI fields: ``max_tokens`` (-> ``gen_length``, default 64), ``temperature``, ``seed``, ``stream``, ``n`` (1
 only), ``stop`` (strings: the text is cut at the first one). dLLM fields in the request body (``extra_body``
 with the ``openai`` client): ``sampler`` and ``params`` (a dict of its parameters), ``steps``,
-``block_length``, ``eos_early_stop``, ``cache`` (default: the preset's own). ``usage`` adds ``nfe`` and ``tokens_per_forward`` to the token counts.
+``block_length``, ``eos_early_stop``, ``cache`` (default: the preset's own), ``dllm_canvas`` (with ``stream``:
+also a chunk per step with ``"dllm": {"step", "committed": {offset: token id}}``). ``usage`` adds ``nfe`` and ``tokens_per_forward`` to the token counts.
 Errors are 400 with an OpenAI-style body naming the field, 401 without the ``--api-key`` bearer key, 429 when
 the queue is full.
 """
@@ -23,12 +24,18 @@ from typing import Any
 from dllm.serve.engine import Engine, QueueFull, RequestError
 
 try:
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+except ImportError as exc:  # pragma: no cover - exercised only without the serve extra
+    raise ImportError("the server's /metrics needs prometheus-client: pip install 'dllm[serve]'") from exc
+
+try:
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 except ImportError as exc:  # pragma: no cover - exercised only without the serve extra
     raise ImportError("the server needs FastAPI and uvicorn: pip install 'dllm[serve]'") from exc
 
-DLLM_FIELDS = ("sampler", "params", "steps", "block_length", "eos_early_stop", "cache")
+DLLM_FIELDS = ("sampler", "params", "steps", "block_length", "eos_early_stop", "cache", "dllm_canvas")
 
 
 def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
@@ -41,6 +48,30 @@ def _cut(text: str | None, stop) -> tuple[str, bool]:
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
     return (text[: min(hits)], True) if hits else (text, False)
+
+
+class _EngineCollector:
+    """The engine's counters, read at each scrape (Prometheus client library)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def collect(self):
+        s = self.engine.stats()
+        yield GaugeMetricFamily("dllm_queue_waiting", "requests waiting for a row", value=s["waiting"])
+        yield GaugeMetricFamily("dllm_rows_running", "requests being decoded", value=s["running"])
+        req = CounterMetricFamily("dllm_requests", "finished requests by outcome", labels=["outcome"])
+        for k, v in s["requests"].items():
+            req.add_metric([k], v)
+        yield req
+        yield CounterMetricFamily("dllm_forwards", "model forwards (one per batch step)", value=s["forwards"])
+        yield CounterMetricFamily("dllm_request_nfe", "forwards summed over finished requests (NFE)",
+                                  value=s["request_nfe"])
+        yield CounterMetricFamily("dllm_request_positions", "generated positions of finished requests "
+                                  "(/ dllm_request_nfe: tokens per forward)", value=s["request_positions"])
+        yield CounterMetricFamily("dllm_answer_tokens", "answer tokens (before EOS) of finished requests "
+                                  "(rate: answer tokens/s)", value=s["tokens"])
+        yield CounterMetricFamily("dllm_step_seconds", "seconds spent in decode steps", value=s["step_seconds"])
 
 
 class _Body:
@@ -81,19 +112,12 @@ def create_app(engine: Engine, model_name: str = "dllm", api_key: str | None = N
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "dllm", "created": 0}]}
 
+    registry = CollectorRegistry()
+    registry.register(_EngineCollector(engine))
+
     @app.get("/metrics")
     async def metrics():
-        s = engine.stats()
-        lines = [
-            "# TYPE dllm_queue_waiting gauge", f"dllm_queue_waiting {s['waiting']}",
-            "# TYPE dllm_rows_running gauge", f"dllm_rows_running {s['running']}",
-            "# TYPE dllm_requests_total counter",
-            *[f'dllm_requests_total{{outcome="{k}"}} {v}' for k, v in s["requests"].items()],
-            "# TYPE dllm_forwards_total counter", f"dllm_forwards_total {s['forwards']}",
-            "# TYPE dllm_answer_tokens_total counter", f"dllm_answer_tokens_total {s['tokens']}",
-            "# TYPE dllm_step_seconds_total counter", f"dllm_step_seconds_total {s['step_seconds']:.6f}",
-        ]
-        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(generate_latest(registry).decode(), media_type=CONTENT_TYPE_LATEST)
 
     def _submit(body: dict, prompt, chat: bool):
         b = _Body(body)
@@ -109,6 +133,7 @@ def create_app(engine: Engine, model_name: str = "dllm", api_key: str | None = N
             block_length=b.get("block_length", int, None), steps=b.get("steps", int, None),
             sampler=b.get("sampler", str, None), params=params, seed=b.get("seed", int, 0),
             eos_early_stop=b.get("eos_early_stop", bool, False), chat_template=chat, cache=b.get("cache", str, None),
+            canvas=b.get("dllm_canvas", bool, False) and bool(body.get("stream")),
             request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}")
 
     def _usage(r) -> dict:
@@ -172,7 +197,7 @@ def create_app(engine: Engine, model_name: str = "dllm", api_key: str | None = N
         sent = ""
         stops = {t for t in (engine.model.eos_id, engine.model.eot_id) if t is not None}
 
-        def chunk(piece: str | None, reason: str | None, usage: dict | None = None) -> str:
+        def chunk(piece: str | None, reason: str | None, usage: dict | None = None, extra: dict | None = None) -> str:
             if chat:
                 delta = {} if piece is None else {"content": piece}
                 if not sent and piece is not None:
@@ -183,15 +208,21 @@ def create_app(engine: Engine, model_name: str = "dllm", api_key: str | None = N
             out = {"id": handle.request_id, "object": obj, "created": created, "model": model_name, "choices": [c]}
             if usage is not None:
                 out["usage"] = usage
+            if extra is not None:
+                out.update(extra)
             return f"data: {json.dumps(out)}\n\n"
 
-        it = handle.delta_ids()
+        it = handle.events()
         cut = False
         try:
             while True:
-                piece = await asyncio.to_thread(next, it, None)
-                if piece is None:
+                event = await asyncio.to_thread(next, it, None)
+                if event is None:
                     break
+                kind, piece = event
+                if kind == "canvas":  # opt-in: this step's committed positions (generation offsets -> ids)
+                    yield chunk(None if chat else "", None, extra={"dllm": piece})
+                    continue
                 ids += piece
                 n = next((i for i, t in enumerate(ids) if t in stops), len(ids))
                 text = tokenizer.decode(ids[:n], skip_special_tokens=True) if tokenizer is not None else ""
