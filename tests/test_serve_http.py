@@ -188,3 +188,45 @@ def test_the_per_step_canvas_is_streamed_on_request(server):
                         sampler="threshold", row_ids=[rid])
     assert [committed[str(j)] for j in range(16)] == out.sequences[0].tolist()
     assert [ev["step"] for ev in events] == list(range(1, usage["nfe"] + 1))
+
+
+def test_sigterm_stops_accepting_and_finishes_the_request_in_flight(tmp_path):
+    """``dllm serve`` in its own process: SIGTERM during a request lets it finish, then the process ends."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "dllm.cli", "serve", "--model", "llada-tiny", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        result = {}
+
+        def request():
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60, json={
+                "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 400, "sampler": "llada",
+                "block_length": 8})
+            result["status"], result["body"] = r.status_code, r.json()
+
+        th = threading.Thread(target=request)
+        th.start()
+        for _ in range(100):  # the request is running
+            if "dllm_rows_running 1.0" in httpx.get(f"http://127.0.0.1:{port}/metrics").text:
+                break
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        th.join(60)
+        assert result["status"] == 200 and result["body"]["choices"][0]["finish_reason"] in ("stop", "length")
+        assert result["body"]["usage"]["nfe"] > 0
+        assert proc.wait(60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has shut down
+    finally:
+        if proc.poll() is None:
+            proc.kill()
