@@ -256,6 +256,19 @@ def _plot(curves: dict[str, dict], cells, settings_curve, tasks, out_dir: Path) 
     return paths, ""
 
 
+def _task_table(md: list[str], title: str, settings: Sequence[str], tasks: Sequence[str], cell, *,
+                average: Sequence[str] | None = None, note: str = "") -> None:
+    """A task x setting markdown table (``cell(setting, task) -> str``), with an optional average row."""
+    md += [f"## {title}", ""] + ([note, ""] if note else [])
+    md.append("| task | " + " | ".join(settings) + " |")
+    md.append("|---|" + "---|" * len(settings))
+    for t in tasks:
+        md.append(f"| {t} | " + " | ".join(cell(s, t) for s in settings) + " |")
+    if average is not None:
+        md.append("| **average (common tasks)** | " + " | ".join(average) + " |")
+    md.append("")
+
+
 def build_report(lines: Sequence[dict], *, plot_dir: str | Path | None = None, title: str = "ParallelBench report",
                  sources: Sequence[str] = (), needs_data: dict[str, str] | None = None) -> Report:
     """The markdown report of sweep ``lines`` (and the plots, written to ``plot_dir`` when given)."""
@@ -355,45 +368,32 @@ def build_report(lines: Sequence[dict], *, plot_dir: str | Path | None = None, t
                           f"{stats.fmt_ci(lo, hi, digits=3)} | {p:.3f} | {'yes' if p < 0.05 else 'no'} |")
         md.append("")
     incomplete = False
+
+    def cell_text(attr: str, digits: int):
+        def text(s_: str, t: str) -> str:
+            nonlocal incomplete
+            c = cells.get((s_, t))
+            if c is None:
+                return ""
+            v = getattr(c, attr)
+            out = "n/a" if v is None else _f(v, digits)
+            if c.n < max_n[t]:
+                out += "*"
+                incomplete = True
+            return out
+        return text
+
     for title_, attr, digits in (("Score (%) by task", "score", 1), ("Tokens per step by task", "tps", 2)):
-        md.append(f"## {title_}")
-        md.append("")
-        md.append("| task | " + " | ".join(settings) + " |")
-        md.append("|---|" + "---|" * len(settings))
-        for t in tasks:
-            vals = []
-            for s in settings:
-                c = cells.get((s, t))
-                if c is None:
-                    vals.append("")
-                    continue
-                v = getattr(c, attr)
-                text = "n/a" if v is None else _f(v, digits)
-                if c.n < max_n[t]:
-                    text += "*"
-                    incomplete = True
-                vals.append(text)
-            md.append(f"| {t} | " + " | ".join(vals) + " |")
-        avg = [_f(summary[s][attr], digits) for s in settings]
-        md.append("| **average (common tasks)** | " + " | ".join(avg) + " |")
-        md.append("")
+        _task_table(md, title_, settings, tasks, cell_text(attr, digits),
+                    average=[_f(summary[s][attr], digits) for s in settings])
     per_cell: dict[tuple[str, str], list[float]] = {}
     for line in lines:
         if "error" not in line and line.get("score") is not None:
             per_cell.setdefault((_curve_name(line)[1], line["task"]), []).append(float(line["score"]))
-    md.append("## Score 95% CI by task")
-    md.append("")
-    md.append("Wilson interval for 0/1 scores, percentile bootstrap otherwise (percent).")
-    md.append("")
-    md.append("| task | " + " | ".join(settings) + " |")
-    md.append("|---|" + "---|" * len(settings))
-    for t in tasks:
-        vals = []
-        for s_ in settings:
-            v = per_cell.get((s_, t))
-            vals.append(stats.fmt_ci(*stats.mean_ci(v), digits=0, scale=100) if v else "")
-        md.append(f"| {t} | " + " | ".join(vals) + " |")
-    md.append("")
+    _task_table(md, "Score 95% CI by task", settings, tasks,
+                lambda s_, t: stats.fmt_ci(*stats.mean_ci(per_cell[(s_, t)]), digits=0, scale=100)
+                if (s_, t) in per_cell else "",
+                note="Wilson interval for 0/1 scores, percentile bootstrap otherwise (percent).")
     if incomplete:
         md.append("`*` fewer samples than the other settings of that task (an unfinished run).")
         md.append("")
