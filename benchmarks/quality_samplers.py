@@ -30,6 +30,7 @@ CURVES = (
     "credit:tau=0.5,0.6,0.7,0.8,0.9,1.0",
     "topk:k=1,2,4,8",
     "eb:gamma=0.001,0.01,0.1,1,10",  # EB-Sampler: entropy budget per step
+    "entropy-threshold:threshold=0.01,0.1,0.5,1,2",  # d3LLM's entropy threshold
 )
 
 

@@ -1,5 +1,5 @@
 """dllm against golden trajectories recorded from the LLaDA-family method references: KLASS's LLaDA script,
-AdaBlock's LLaDA loop, LocalLeap, Prophet's early exit, EOSER / ASS and the EB-Sampler.
+AdaBlock's LLaDA loop, LocalLeap, Prophet's early exit, EOSER / ASS, the EB-Sampler and d3LLM's entropy threshold.
 
 Fixtures: ``tests/fixtures/golden/<reference>_<model>.json`` (schema in ``tests/golden_common.py``), written by
 ``benchmarks/golden/record_others.py``. Each case is replayed with the dllm configuration that claims to
@@ -17,7 +17,7 @@ from dllm.samplers import get_sampler
 from dllm.samplers.llada import LLaDASampler
 from dllm.samplers.prophet import Prophet
 
-REFERENCES = ("klass-llada", "adablock-llada", "localleap", "prophet", "eoser", "eb")
+REFERENCES = ("klass-llada", "adablock-llada", "localleap", "prophet", "eoser", "eb", "d3llm")
 MODELS = {"klass-llada": ("shaped-llada",)}  # KLASS's LLaDA script hard-codes LLaDA's mask id
 
 
@@ -125,8 +125,16 @@ def eb(p: dict):
     return sampler, dict(gen_length=p["gen_length"], seed=p.get("seed", 0))
 
 
+def d3llm(p: dict):
+    """d3LLM's ``generate`` with ``threshold`` -> the ``entropy-threshold`` preset, fixed blocks, the reference's
+    noise stream (its ``steps`` only matter without a threshold)."""
+    sampler = get_sampler("entropy-threshold", threshold=p["threshold"], temperature=p["temperature"],
+                          noise_scope="canvas")
+    return sampler, dict(gen_length=p["gen_length"], block_length=p["block_length"], seed=p.get("seed", 0))
+
+
 MAPPINGS = {"klass-llada": klass_llada, "adablock-llada": adablock_llada, "localleap": localleap,
-            "prophet": prophet, "eoser": eoser, "eb": eb}
+            "prophet": prophet, "eoser": eoser, "eb": eb, "d3llm": d3llm}
 
 # Cases where the reference's torch.topk ordered exactly tied scores differently from dllm's lower-column-first
 # rule (checked up to that forward, see golden_common.compare_case); every other case is compared in full.

@@ -589,3 +589,26 @@ def test_entropy_bound_commits_the_prefix_whose_entropy_less_its_largest_is_with
             assert int(info["accepted"][b]) == k
     with pytest.raises(ValueError, match="gamma"):
         EntropyBound(-0.1)
+
+
+def test_entropy_threshold_commits_low_entropy_candidates_and_the_lowest_one():
+    """d3LLM's rule against a direct computation (float64 softmax, -sum p log(p + 1e-12))."""
+    from types import SimpleNamespace
+
+    from dllm.samplers.rules import EntropyThreshold
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 9, 30, generator=g) * torch.tensor([0.5, 4.0, 10.0])[:, None, None]
+    cand = torch.rand(3, 9, generator=g) < 0.6
+    cand[:, 2] = True
+    for thr in (0.0, 0.3, 1.5, 10.0):
+        commit, _ = EntropyThreshold(thr).select(None, SimpleNamespace(cand=cand), logits=logits)
+        p = torch.softmax(logits.double(), -1)
+        ent = -(p * torch.log(p + 1e-12)).sum(-1)
+        for b in range(3):
+            idx = cand[b].nonzero().flatten().tolist()
+            best = min(idx, key=lambda i: (float(ent[b, i]), i))
+            expect = {i for i in idx if float(ent[b, i]) <= thr} | {best}
+            assert set(commit[b].nonzero().flatten().tolist()) == expect, (thr, b)
+    with pytest.raises(ValueError, match="threshold"):
+        EntropyThreshold(-1.0)

@@ -20,6 +20,9 @@ Each reference is a public repository; check it out at the commit named here and
   ``src/generators/eb_sampler.py`` (``generate_with_eb_sampler``: the whole generation as one region, entropy
   of ``Categorical(logits=...)``, the sorted prefix with summed entropy less its largest ``<= gamma``); its
   ``src.generators.base`` helpers are loaded from the same checkout without the package's other imports.
+* ``d3llm``: hao-ai-lab/d3LLM @ e5bfcac, ``d3llm/d3llm_LLaDA/d3llm_llada_generate_util.py`` (``generate`` with
+  ``threshold``: d3LLM's entropy threshold in fixed blocks, ``get_transfer_index_entropy``); its
+  ``utils.utils_LLaDA.model.modeling_llada`` import (used only by its ``main``) is satisfied by a stub module.
 * ``eoser``: yjyddq/EOSER-ASS-RL @ 5affb4ec0db9d3819175c2011c94e38c74325624, ``eval/generate.py``
   (``eoser_generate``, ``ass_generate``, ``eoser_ass_generate``; ``params.function`` names the one that ran).
   Its loops call ``torch.distributed.get_rank()``: the script starts a one-process gloo group first.
@@ -35,6 +38,7 @@ LLaDA modeling file); from the repository root, each command writes
     $PY benchmarks/golden/record_others.py prophet --ref-dir /path/to/Prophet            # prophet_*
     $PY benchmarks/golden/record_others.py eoser --ref-dir /path/to/EOSER-ASS-RL         # eoser_*
     $PY benchmarks/golden/record_others.py eb --ref-dir /path/to/Information-Gain-Sampler  # eb_*
+    $PY benchmarks/golden/record_others.py d3llm --ref-dir /path/to/d3LLM                 # d3llm_*
 
 Models: the bundled ``llada-tiny`` and the LLaDA-shaped random model of ``tests/golden_models.py`` (AdaBlock gets
 delimiter ids that each model proposes: the tokenizer's newline tokens, two frequent ids of the shaped model).
@@ -457,6 +461,43 @@ def record_eb(ref_dir: Path):
                                               for cid, rows, params in eb_cases(prompts)])
 
 
+# ------------------------------------------------------------------------------------- d3LLM entropy threshold
+def run_d3llm(mod, model, cid, rows, params):
+    """d3LLM's ``generate`` with ``threshold`` (batch 1); ``params``: its keyword arguments plus ``seed``."""
+    rec = Host(model, 1)
+    ids = torch.tensor(rows)
+    torch.manual_seed(params.get("seed", 0))
+    x, nfe = mod.generate(rec, ids, mask_id=model.mask_id, **{k: v for k, v in params.items() if k != "seed"})
+    P = ids.shape[1]
+    return finish(cid, rows, params, x[:, P:], rec, P, model.mask_id, nfe)
+
+
+def d3llm_cases(prompts):
+    """Thresholds from one token per step in practice (0.01) to most of a block at once (5), one block or
+    blocks of 8 / 16, and seeded temperature > 0."""
+    b = dict(steps=32, gen_length=32, block_length=32, temperature=0.0, remasking="low_confidence", threshold=0.5)
+    return [
+        ("t0.5", [prompts[0]], dict(b)),
+        ("t0.01", [prompts[1]], dict(b, threshold=0.01)),
+        ("t2_b8", [prompts[2]], dict(b, threshold=2.0, block_length=8)),
+        ("t5_b16", [prompts[3]], dict(b, threshold=5.0, block_length=16)),
+        ("t1_b8_t07", [prompts[0]], dict(b, threshold=1.0, block_length=8, temperature=0.7, seed=2)),
+    ]
+
+
+def record_d3llm(ref_dir: Path):
+    for name in ("utils", "utils.utils_LLaDA", "utils.utils_LLaDA.model", "utils.utils_LLaDA.model.modeling_llada"):
+        stub = sys.modules.setdefault(name, types.ModuleType(name))
+        stub.__path__ = []
+    sys.modules["utils.utils_LLaDA.model.modeling_llada"].LLaDAModelLM = None
+    mod = rl.load_module(ref_dir / "d3llm" / "d3llm_LLaDA" / "d3llm_llada_generate_util.py", "ref_d3llm_generate")
+    reference = {"repo": "hao-ai-lab/d3LLM", "commit": "e5bfcaccb775ee75759c24ccc9a28218b8372b34",
+                 "file": "d3llm/d3llm_LLaDA/d3llm_llada_generate_util.py", "function": "generate (threshold)"}
+    for label, model, prompts in llada_models():
+        save("d3llm", label, reference, model, [run_d3llm(mod, model, cid, rows, params)
+                                                 for cid, rows, params in d3llm_cases(prompts)])
+
+
 # ---------------------------------------------------------------------------------------------------- common
 def llada_models():
     tiny = rl.tiny_model("llada-tiny")
@@ -475,7 +516,8 @@ def save(ref_name, label, reference, model, cases, active=()):
 
 
 RECORDERS = {"klass": record_klass, "adablock": record_adablock, "localleap": record_localleap,
-             "prophet": record_prophet, "eoser": record_eoser, "eb": record_eb}
+             "prophet": record_prophet, "eoser": record_eoser, "eb": record_eb,
+             "d3llm": record_d3llm}
 
 
 def main(argv=None):

@@ -9,11 +9,11 @@ from dllm.samplers.llada import LLaDASampler
 from dllm.samplers.prophet import Prophet
 from dllm.samplers.recipe import Recipe
 from dllm.samplers.registry import SAMPLERS, SamplerEntry, get_sampler, list_samplers, register
-from dllm.samplers.rules import Ascending, EntropyBound, Factor, KLStable, LocalLeap, Quota, Threshold
+from dllm.samplers.rules import Ascending, EntropyBound, EntropyThreshold, Factor, KLStable, LocalLeap, Quota, Threshold
 from dllm.samplers.transforms import CreditFusion, EOSRejection
 
 __all__ = ["SAMPLERS", "AdaBlock", "Ascending", "BlockPolicy", "ComposedSampler", "SamplerBase", "CreditFusion", "DreamSampler",
-           "EOSRejection", "EntropyBound", "Factor", "FixedBlocks", "KLStable", "LLaDASampler", "LocalLeap", "Prophet", "Quota",
+           "EOSRejection", "EntropyBound", "EntropyThreshold", "Factor", "FixedBlocks", "KLStable", "LLaDASampler", "LocalLeap", "Prophet", "Quota",
            "Sampler", "SamplerEntry", "SlidingWindow", "StepContext", "StepResult", "Threshold", "WholeCanvas", "get_sampler",
            "list_samplers", "register", "Recipe"]
 

@@ -17,7 +17,7 @@ from dllm.samplers.base import StepContext, StepResult, check_choice
 from dllm.samplers.composed import ComposedSampler
 from dllm.samplers.guided import guided
 from dllm.samplers.recipe import Recipe
-from dllm.samplers.rules import Ascending, EntropyBound, Factor, KLStable, LocalLeap, Quota, Threshold
+from dllm.samplers.rules import Ascending, EntropyBound, EntropyThreshold, Factor, KLStable, LocalLeap, Quota, Threshold
 from dllm.samplers.transforms import CreditFusion, EOSRejection
 
 
@@ -41,6 +41,14 @@ def eb(gamma: float = 0.01, temperature: float = 0.0, noise_scope: str = "row", 
     ``gamma`` (the reference decodes the whole generation as one region: ``block_length`` None)."""
     return Recipe(ComposedSampler(EntropyBound(gamma), **_common(temperature, "neg_entropy", "float32", name,
                                                                  "off", noise_scope)),
+                  block_length=block_length, name=name)
+
+
+def entropy_threshold(threshold: float = 0.5, temperature: float = 0.0, noise_scope: str = "row",
+                      block_length: int | None = None, name: str = "entropy-threshold") -> ComposedSampler:
+    """d3LLM's entropy threshold: every candidate with entropy <= ``threshold`` plus the lowest-entropy one."""
+    return Recipe(ComposedSampler(EntropyThreshold(threshold), **_common(temperature, "neg_entropy", "float32",
+                                                                         name, "off", noise_scope)),
                   block_length=block_length, name=name)
 
 
@@ -225,6 +233,7 @@ class KLASSRecipe(Recipe):
 #: name -> (factory, description); registered by :mod:`dllm.samplers`.
 PRESETS = {
     "threshold": (threshold_sampler, "Fast-dLLM threshold rule: conf >= tau plus the best candidate (tau 0.9)"),
+    "entropy-threshold": (entropy_threshold, "d3LLM: every token with entropy <= threshold (0.5) plus the lowest-entropy one"),
     "eb": (eb, "EB-Sampler: lowest-entropy tokens while their summed entropy minus the largest is <= gamma (0.01)"),
     "factor": (factor_sampler, "Fast-dLLM factor rule: longest prefix with c_n >= 1 - f/(n+1) (f 1.0)"),
     "fast-dllm": (fast_dllm, "Fast-dLLM parallel decoding: threshold 0.9, block 32, dual cache"),

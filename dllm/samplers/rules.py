@@ -14,6 +14,7 @@ commits exactly its quota. ``info`` holds ``[B]`` tensors for the decode loop's 
   ``history`` steps) and ``conf > conf_threshold``; otherwise the quota schedule.
 * :class:`EntropyBound`: EB-Sampler, the lowest-entropy candidates while their entropies, less the largest
   of them, sum to at most ``gamma``.
+* :class:`EntropyThreshold`: d3LLM, every candidate with entropy at most ``threshold`` plus the lowest-entropy one.
 """
 
 from __future__ import annotations
@@ -507,3 +508,27 @@ class EntropyBound:
         ranks = torch.arange(ent.shape[-1], device=ent.device).expand_as(ent)
         commit = torch.zeros_like(cand).scatter(-1, order, ranks < k[:, None])
         return commit & cand, {"accepted": k}
+
+
+@dataclass(frozen=True)
+class EntropyThreshold:
+    """d3LLM's entropy threshold (``get_transfer_index_entropy`` of hao-ai-lab/d3LLM): commit every candidate
+    whose entropy is at most ``threshold`` (nats) and always the lowest-entropy candidate (ties: lower column).
+    The entropy is ``-sum p log(p + 1e-12)`` of the full-vocabulary softmax in float64, as the reference
+    computes it."""
+
+    threshold: float = 0.5
+
+    def __post_init__(self):
+        check_range("threshold", self.threshold, 0, math.inf, hi_open=True,
+                    fix="; an entropy in nats, e.g. 0.5 (d3LLM's default)")
+
+    def select(self, conf, ctx, *, logits, probs=None):
+        cand = ctx.cand
+        p = torch.softmax(logits.to(torch.float64), dim=-1)
+        ent = -(p * torch.log(p + 1e-12)).sum(-1)
+        ent = ent.masked_fill(~cand, math.inf)
+        best = ent.argmin(-1)  # the first of equal minima: the lower column
+        commit = (ent <= self.threshold) & cand
+        commit = commit | (torch.nn.functional.one_hot(best, ent.shape[-1]).bool() & cand.any(-1, keepdim=True))
+        return commit & cand, {}
