@@ -91,6 +91,16 @@ class Host(rl.Recorder):
         return next(self.model.parameters()).dtype
 
 
+def stub_modules(*names: str, **attrs) -> None:
+    """Empty modules (packages) under ``names``, for a reference's imports that only its ``main`` uses; ``attrs``
+    are set on the last one."""
+    for name in names:
+        stub = sys.modules.setdefault(name, types.ModuleType(name))
+        stub.__path__ = []
+    for k, v in attrs.items():
+        setattr(sys.modules[names[-1]], k, v)
+
+
 def blocks_regions(block_lengths, forwards_per_block):
     out, lo = [], 0
     for bl, n in zip(block_lengths, forwards_per_block):
@@ -236,10 +246,7 @@ def localleap_cases(model, prompts):
 
 def record_localleap(ref_dir: Path):
     # its module-level `from model.modeling_llada import LLaDAModelLM` serves only its main(): a stub satisfies it
-    for name in ("model", "model.modeling_llada"):
-        stub = sys.modules.setdefault(name, types.ModuleType(name))
-        stub.__path__ = []
-    sys.modules["model.modeling_llada"].LLaDAModelLM = None
+    stub_modules("model", "model.modeling_llada", LLaDAModelLM=None)
     path = ref_dir / "generate.py" if (ref_dir / "generate.py").exists() else ref_dir / "llada" / "generate.py"
     mod = rl.load_module(path, "ref_localleap_generate")
     reference = {"repo": "friedrichor/LocalLeap (as ZitongWang018/dlm-seq experiments/localleap/generate.py)",
@@ -449,9 +456,7 @@ def eb_cases(prompts):
 
 
 def record_eb(ref_dir: Path):
-    for name in ("src", "src.generators"):  # the package's __init__ files import every generator: not needed
-        stub = sys.modules.setdefault(name, types.ModuleType(name))
-        stub.__path__ = []
+    stub_modules("src", "src.generators")  # the package's __init__ files import every generator: not needed
     sys.modules["src.generators.base"] = rl.load_module(ref_dir / "src" / "generators" / "base.py", "src.generators.base")
     mod = rl.load_module(ref_dir / "src" / "generators" / "eb_sampler.py", "ref_eb_sampler")
     reference = {"repo": "yks23/Information-Gain-Sampler", "commit": "0ae2da8ca1d710c0ca1590210e3f31496eaf2a94",
@@ -486,10 +491,8 @@ def d3llm_cases(prompts):
 
 
 def record_d3llm(ref_dir: Path):
-    for name in ("utils", "utils.utils_LLaDA", "utils.utils_LLaDA.model", "utils.utils_LLaDA.model.modeling_llada"):
-        stub = sys.modules.setdefault(name, types.ModuleType(name))
-        stub.__path__ = []
-    sys.modules["utils.utils_LLaDA.model.modeling_llada"].LLaDAModelLM = None
+    stub_modules("utils", "utils.utils_LLaDA", "utils.utils_LLaDA.model", "utils.utils_LLaDA.model.modeling_llada",
+                 LLaDAModelLM=None)
     mod = rl.load_module(ref_dir / "d3llm" / "d3llm_LLaDA" / "d3llm_llada_generate_util.py", "ref_d3llm_generate")
     reference = {"repo": "hao-ai-lab/d3LLM", "commit": "e5bfcaccb775ee75759c24ccc9a28218b8372b34",
                  "file": "d3llm/d3llm_LLaDA/d3llm_llada_generate_util.py", "function": "generate (threshold)"}
