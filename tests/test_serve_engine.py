@@ -52,6 +52,8 @@ def test_concurrent_requests_with_mixed_settings_and_join_times_match_solo_runs(
         ("prophet", {}, 32, None, 0),  # progress from the row's own forwards
         ("eoser", {}, 32, None, 0),
         ("ascending", {}, 32, None, 0),
+        ("credit", {}, 32, 8, 0),  # its credit tables move with the rows
+        ("credit-localleap", {}, 32, 16, 0),
     ]
     eng = Engine(model, max_rows=3)
     reqs = []
@@ -107,8 +109,8 @@ def test_streamed_pieces_are_the_final_prefix_and_add_up_to_the_answer(llada):
 
 def test_refusals_name_the_problem(llada):
     eng = Engine(llada, max_queue=2)
-    with pytest.raises(RequestError, match="credit.*not served"):
-        eng.submit(PROMPTS[0], sampler="credit")
+    with pytest.raises(RequestError, match="klass.*not served"):
+        eng.submit(PROMPTS[0], sampler="klass")
     with pytest.raises(RequestError, match="noise_scope"):
         eng.submit(PROMPTS[0], sampler="threshold", params={"noise_scope": "canvas"})
     with pytest.raises(RequestError, match="unknown sampler"):

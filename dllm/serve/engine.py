@@ -16,7 +16,7 @@ so every response is token-identical to ``dllm.generate`` of the same request al
   their first forward recomputes in full). ``prefix``, ``dual``, ``dkv-decode`` and ``dkv-greedy`` are served
   (a preset's own cache by default: ``fast-dllm`` runs with ``dual``); ``freecache`` and ``elastic``, which keep
   more per-batch state, are refused, as are samplers that keep scratch state of the batch across steps
-  (``credit``, ``credit-localleap``, ``klass``, ``guided``). Progress-driven samplers (``prophet``, ``eoser``,
+  (``klass``, ``guided``); CreditDecoding's credit tables move with the rows like the K/V buffers. Progress-driven samplers (``prophet``, ``eoser``,
   ``ascending``) read each row's own forward count, so they are served. ``noise_scope`` must be ``"row"``.
 
 Use: ``engine.submit(prompt, gen_length=...)`` returns a :class:`RequestHandle` (``.result()``, ``.deltas()``
@@ -45,7 +45,7 @@ from dllm.samplers import get_sampler
 log = logging.getLogger(__name__)
 
 # samplers whose step keeps scratch state of the batch across steps (not moved between batches yet)
-BATCH_STATEFUL = ("credit", "credit-localleap", "klass", "guided")
+BATCH_STATEFUL = ("klass", "guided")
 # caches whose only batch state is the K/V buffers (moved with the rows); freecache and elastic keep more
 SERVED_CACHES = ("none", "prefix", "dual", "dkv-decode", "dkv-greedy")
 
@@ -223,6 +223,27 @@ def _move_cache(cache, d: int, keep: list[int] | None, n_new: int) -> None:
             buf[layer] = t.contiguous()
 
 
+def _move_state(state: dict, d: int, keep: list[int] | None, n_new: int) -> None:
+    """Move the sampler scratch state a served sampler keeps per row with the rows, like :func:`_move_cache`:
+    CreditDecoding's canvas-indexed credit tables (``[B, T, slots]``) and their regions (canvas columns)."""
+    cr = state.get("credit")
+    if not cr or "tok" not in cr:
+        return
+    for key in ("tok", "val", "region"):
+        t = cr[key]
+        if keep is not None:
+            t = t.index_select(0, torch.tensor(keep, dtype=torch.long, device=t.device))
+        if key == "region":
+            t = t + d
+        elif d > 0:
+            t = torch.cat([t.new_zeros(t.shape[0], d, t.shape[2]), t], dim=1)
+        elif d < 0:
+            t = t[:, -d:]
+        if n_new:  # joining rows start with empty tables
+            t = torch.cat([t, t.new_zeros(n_new, *t.shape[1:])], dim=0)
+        cr[key] = t.contiguous()
+
+
 class Engine:
     """Continuous-batching decoder for one model (see the module docstring). ``max_rows``: rows per group;
     ``max_queue``: requests waiting or running before :meth:`submit` raises :class:`QueueFull`."""
@@ -375,6 +396,7 @@ class Engine:
         d_old = P - old.P
         old, st = _repad(old, d_old, pad), _repad(st, P - st.P, pad)
         _move_cache(group.decoder.cache, d_old, None, st.x.shape[0])
+        _move_state(old.state, d_old, None, st.x.shape[0])
         group.state = _cat(old, st)
         group.requests += reqs
         self._reset_width(group)
@@ -445,6 +467,7 @@ class Engine:
             pad = self.model.pad_id if self.model.pad_id is not None else self.model.eos_id
             st = _repad(st, d, pad)
         _move_cache(group.decoder.cache, min(d, 0), keep, 0)
+        _move_state(st.state, min(d, 0), keep, 0)
         group.state = st
         self._reset_width(group)
 
