@@ -15,12 +15,13 @@ so every response is token-identical to ``dllm.generate`` of the same request al
 * Caches: the K/V buffers move with the rows (re-padded, selected, extended with the newcomers' rows, which
   their first forward recomputes in full). ``prefix``, ``dual``, ``dkv-decode`` and ``dkv-greedy`` are served
   (a preset's own cache by default: ``fast-dllm`` runs with ``dual``); ``freecache`` and ``elastic``, which keep
-  more per-batch state, are refused, as are samplers that keep scratch state of the batch across steps
-  (``klass``, ``guided``); CreditDecoding's credit tables move with the rows like the K/V buffers. Progress-driven samplers (``prophet``, ``eoser``,
-  ``ascending``) read each row's own forward count, so they are served. ``noise_scope`` must be ``"row"``.
+  more per-batch state, are refused, as are samplers whose scratch state is not moved yet (``klass``,
+  ``guided``); CreditDecoding's credit tables move with the rows like the K/V buffers. Progress-driven
+  samplers (``prophet``, ``eoser``, ``ascending``) read each row's own forward count, so they are served.
+  ``noise_scope`` must be ``"row"``.
 
-Use: ``engine.submit(prompt, gen_length=...)`` returns a :class:`RequestHandle` (``.result()``, ``.deltas()``
-for the left-to-right final prefix as it becomes final, ``.cancel()``); :meth:`Engine.step` runs one tick,
+Use: ``engine.submit(prompt, gen_length=...)`` returns a :class:`RequestHandle` (``.result()``, ``.delta_ids()``
+for the left-to-right final prefix as it becomes final, ``.events()`` with the per-step canvas, ``.cancel()``); :meth:`Engine.step` runs one tick,
 :meth:`Engine.start` a background thread that ticks while there is work.
 """
 
@@ -44,7 +45,7 @@ from dllm.samplers import get_sampler
 
 log = logging.getLogger(__name__)
 
-# samplers whose step keeps scratch state of the batch across steps (not moved between batches yet)
+# samplers whose scratch state across steps is not moved between batches yet
 BATCH_STATEFUL = ("klass", "guided")
 # caches whose only batch state is the K/V buffers (moved with the rows); freecache and elastic keep more
 SERVED_CACHES = ("none", "prefix", "dual", "dkv-decode", "dkv-greedy")
