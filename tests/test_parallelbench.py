@@ -20,6 +20,11 @@ WL = [f"waiting_line/{op}" for op in T.WAITING_LINE_OPS]
 GENERATED = [t for t in PB.TASKS if not PB.TASKS[t].needs_data]
 
 
+def PL(text, strict=False):
+    """The original's list parsing."""
+    return T.parse_list(text, strict, rules="parallelbench")
+
+
 
 @pytest.fixture
 def backends():
@@ -84,8 +89,8 @@ def test_waiting_line_records_follow_the_original_schema():
             assert set(r) == {"input", "answer", "output_format", "metadata"}
             icl = r["input"]["icl_examples"]
             assert len(icl) == 1 and set(icl[0]) == {"input", "answer", "output_format", "metadata"}
-            assert r["output_format"] == T.list_to_str(["[MASK]"] * len(PB.parse_list(_target(r))))
-            names = PB.parse_list(r["input"]["context"])
+            assert r["output_format"] == T.list_to_str(["[MASK]"] * len(PL(_target(r))))
+            names = PL(r["input"]["context"])
             assert r["input"]["context"] == T.list_to_str(names) and 3 <= len(names) <= 6
             op = name.split("/")[1]
             if op == "shuffle" or op.endswith("_random"):
@@ -153,11 +158,11 @@ def test_full_style_prompts_are_the_original_wording():
 
 def test_sort_bug_option():
     for r in PB.generate_task("waiting_line/sort", 40, 1):  # fixed: by last name
-        out = PB.parse_list(r["answer"])
+        out = PL(r["answer"])
         assert out == sorted(out, key=lambda n: (n.split()[1], n)) and r["metadata"]["sort_by"] == "last"
     bug = PB.generate_task("waiting_line/sort", 40, 1, sort_by="first")  # the original's labels
-    assert all(PB.parse_list(r["answer"]) == sorted(PB.parse_list(r["input"]["context"])) for r in bug)
-    assert any(PB.parse_list(r["answer"]) != sorted(PB.parse_list(r["answer"]), key=lambda n: n.split()[1]) for r in bug)
+    assert all(PL(r["answer"]) == sorted(PL(r["input"]["context"])) for r in bug)
+    assert any(PL(r["answer"]) != sorted(PL(r["answer"]), key=lambda n: n.split()[1]) for r in bug)
     assert "by last name" in PB.prompt_for("waiting_line/sort")  # the prompt is the same either way
 
 
@@ -167,7 +172,7 @@ def test_index_base(base):
         recs = PB.generate_task(f"waiting_line/{op}", 60, 2, index_base=base)
         shown = set()
         for r in recs:
-            names, out, word = PB.parse_list(r["input"]["context"]), PB.parse_list(r["answer"]), r["input"].get("word")
+            names, out, word = PL(r["input"]["context"]), PL(r["answer"]), r["input"].get("word")
             i = r["input"]["index"] - base
             shown.add(r["input"]["index"])
             assert f"position {r['input']['index']}" in PB.messages_for(r, PB.prompt_for(f"waiting_line/{op}"))[-1]["content"]
@@ -186,7 +191,8 @@ def test_index_base(base):
 
 
 def test_list_parsing_rules():
-    P = PB.parse_list
+    P = PL
+    assert P('a, b') == ["a", "b"] and T.parse_list('a, b') is None  # the two rule sets differ here
     assert P('["Ann Lee", "Bob Stone"]') == ["Ann Lee", "Bob Stone"]
     assert P('Sure! Here it is: ["Ann Lee", "Bob Stone"]. Anything else?') == ["Ann Lee", "Bob Stone"]
     assert P('Sure! Here it is: ["Ann Lee", "Bob Stone"]. Anything else?', strict=True) == ["Ann Lee", "Bob Stone"]
@@ -202,7 +208,7 @@ def test_list_parsing_rules():
 
 def test_list_scorers_edge_cases():
     r = _rec("waiting_line/copy", 30)  # a 4-name list
-    names = PB.parse_list(r["input"]["context"])
+    names = PL(r["input"]["context"])
     ok = T.list_to_str(names)
     assert _score("waiting_line/copy", r, ok) == {"score": 1.0, "score_strict": 1.0}
     assert _score("waiting_line/copy", r, f"The final list is:\n{ok}\n")["score_strict"] == 1.0

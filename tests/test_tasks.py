@@ -37,6 +37,40 @@ def test_registry_and_families():
         assert T.get_task(task) is task
 
 
+def test_one_task_table_serves_both_suites():
+    from dllm.evals import parallelbench as PB
+
+    # ParallelBench's 17 and the synthetic 13 are views of one table: the same Task objects, 12 shared.
+    assert len(T.TASKS) == 18 and len(T.task_names(suite="all")) == 18
+    assert all(T.TASKS[t.name] is t for t in PB.TASKS.values())
+    shared = [n for n in ALL_TASKS if T.TASKS[n].pb_name]
+    assert len(shared) == 12 and "arithmetic/addition" not in shared
+    assert PB.get_task("puzzle/sudoku") is T.get_task("puzzle/sudoku_n4_12") is T.TASKS["puzzle/sudoku"]
+    assert T.TASKS["puzzle/latin_square"].pb_name == "puzzle/latin_square_n4"
+    assert PB.task_names("puzzle") == ["puzzle/latin_square_n4", "puzzle/sudoku_n4_12"]
+    assert T.task_names("puzzle/sudoku_n4_12") == ["puzzle/sudoku"]
+    assert PB.get_task("summarization") is T.TASKS["paraphrase_summarize/samsum"]
+    with pytest.raises(KeyError, match="unknown parallelbench task 'arithmetic/addition'"):
+        PB.get_task("arithmetic/addition")
+    with pytest.raises(KeyError, match="unknown synthetic task 'words_to_sentence/easy'"):
+        T.get_task("words_to_sentence/easy", suite="synthetic")
+    with pytest.raises(ValueError, match="no chat-example generator"):
+        T.generate("words_to_sentence/easy", 1, 0)
+    with pytest.raises(ValueError, match="known suites"):
+        T.task_names(suite="nope")
+    # The synthetic suite's short prompt is ParallelBench's short wording of the same task.
+    ex = T.generate("waiting_line/copy", 1, 0)[0]
+    assert T.TASKS["waiting_line/copy"].short_prompt.format(context=ex.metadata["input"]["context"]) == ex.prompt
+
+
+def test_parse_list_rules_are_explicit():
+    assert T.parse_list('x ["A B", "C"]') == T.parse_list('x ["A B", "C"]', rules="parallelbench") == ["A B", "C"]
+    assert T.parse_list("[\u201cA B\u201d]") == ["A B"]  # curly quotes stripped by the project's rules only
+    assert T.parse_list("[\u201cA B\u201d]", rules="parallelbench") == ["\u201cA B\u201d"]
+    with pytest.raises(ValueError, match="known: dllm, parallelbench"):
+        T.parse_list("[]", rules="hf")
+
+
 def test_get_task_unknown_lists_names():
     with pytest.raises(KeyError) as info:
         T.get_task("waiting_line/teleport")

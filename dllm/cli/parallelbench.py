@@ -220,7 +220,7 @@ def cmd_tasks(args) -> int:
     print("|---|---|---|---|---|---|")
     for t in PB.TASKS.values():
         data = " (needs a data file)" if t.needs_data else ""
-        print(f"| {t.name} | {t.metric} | {t.num_samples} | {t.max_tokens} | {t.icl} | {t.description}{data} |")
+        print(f"| {t.pb_name} | {t.metric} | {t.num_samples} | {t.max_tokens} | {t.icl} | {t.description}{data} |")
     if args.backends:
         print()
         for name, status in PB.text_backend_status().items():

@@ -1,4 +1,11 @@
-"""Seeded synthetic tasks and their scorers (a ParallelBench-compatible subset, sized for tiny models).
+"""The one task table of both evaluation suites, and the seeded synthetic tasks with their scorers.
+
+:data:`TASKS` holds every task once (:class:`Task`). The synthetic suite (:func:`task_names`, the default)
+is the tasks with chat-example generators, a ParallelBench-compatible subset sized for tiny models plus
+addition; the ParallelBench suite (:mod:`dllm.evals.parallelbench`) is the 17 tasks of the original, under
+its names (``task.pb_name``), with their metrics, prompt templates and output budgets. Both share one list
+parser (:func:`parse_list`; ``rules="parallelbench"`` is the original's) and one name filter
+(:func:`match_names`).
 
 Families and tasks
 ------------------
@@ -43,6 +50,8 @@ __all__ = [
     "FIRST_NAMES",
     "INDEX_BASE",
     "LAST_NAMES",
+    "LIST_RULES",
+    "SUITES",
     "TASKS",
     "WAITING_LINE_OPS",
     "Example",
@@ -63,6 +72,9 @@ __all__ = [
     "score",
     "score_strict",
     "sudoku_solutions",
+    "suite_aliases",
+    "suite_key",
+    "suite_tasks",
     "task_names",
 ]
 
@@ -123,20 +135,55 @@ class Example:
         return self.answer if isinstance(self.answer, str) else self.answer["example"]
 
 
+SUITES = ("synthetic", "parallelbench", "all")
+
+
 @dataclass(frozen=True)
 class Task:
-    """A named task: a seeded generator and two scorers (lenient and strict), each returning 0.0 or 1.0."""
+    """One row of the project's one task table (:data:`TASKS`): a task, what the synthetic suite needs to
+    make and score chat examples of it, and what the ParallelBench suite needs to write and score its
+    records.
+
+    Synthetic suite (``generator`` set): a seeded chat-example generator and two scorers (lenient and
+    strict), each returning 0.0 or 1.0. ParallelBench suite (``pb_name`` set): the original's task name,
+    metric name, prompt template (``prompt``, the original wording; ``short_prompt``, the project's short
+    wording, when one exists), output budget, sample count and number of worked examples. Most tasks are in
+    both; ``arithmetic/addition`` is synthetic only, the words-to-sentence and text tasks ParallelBench only.
+    """
 
     name: str
     family: str
-    generator: Callable[..., list[Example]] = field(repr=False)
-    scorer: Callable[[str, Example], float] = field(repr=False)
-    strict_scorer: Callable[[str, Example], float] = field(repr=False)
-    multi_answer: bool = False
     description: str = ""
+    generator: Callable[..., list[Example]] | None = field(default=None, repr=False)
+    scorer: Callable[[str, Example], float] | None = field(default=None, repr=False)
+    strict_scorer: Callable[[str, Example], float] | None = field(default=None, repr=False)
+    multi_answer: bool = False
+    pb_name: str | None = None
+    metric: str | None = None
+    prompt: str | None = field(default=None, repr=False)
+    short_prompt: str | None = field(default=None, repr=False)
+    max_tokens: int = 64
+    num_samples: int = 100
+    icl: int = 1
+    needs_data: bool = False
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def category(self) -> str:
+        """The part of the name before ``/`` (ParallelBench's word for :attr:`family`)."""
+        return self.family
+
+    def in_suite(self, suite: str) -> bool:
+        """Whether the task belongs to ``suite`` (``"synthetic"``, ``"parallelbench"`` or ``"all"``)."""
+        if suite not in SUITES:
+            raise ValueError(f"unknown suite {suite!r}; known suites: {', '.join(SUITES)}")
+        return suite == "all" or (self.generator is not None if suite == "synthetic" else self.pb_name is not None)
 
     def generate(self, n: int, seed: int, **options: Any) -> list[Example]:
         """``n`` distinct examples from ``seed``; ``options`` go to the family generator."""
+        if self.generator is None:
+            raise ValueError(f"{self.name} has no chat-example generator (it is a ParallelBench-only task): "
+                             "write its records with dllm.evals.parallelbench.generate_task")
         return self.generator(n, seed, **options)
 
     def score(self, prediction: str, example: Example) -> float:
@@ -161,14 +208,31 @@ _QUOTES = "\"'`\u201c\u201d\u2018\u2019"
 _STRICT_LIST = re.compile(r'\[(?:"[^"\[\]]*"(?:, "[^"\[\]]*")*)?\]')
 
 
-def parse_list(text: str | None, strict: bool = False) -> list[str] | None:
-    """Extract a list of names from model output.
+LIST_RULES = ("dllm", "parallelbench")
 
-    Lenient (default): the text after the last ``[`` up to the next ``]`` (or the end), split on commas,
-    items stripped of quotes and whitespace, inner whitespace collapsed, empty items dropped. Returns None
-    when there is no ``[``.
-    Strict: the stripped text must be exactly ``["a", "b"]`` (double quotes, ``", "`` separators).
+
+def parse_list(text: str | None, strict: bool = False, rules: str = "dllm") -> list[str] | None:
+    """Extract a list of names from model output; the one list parser of both suites.
+
+    ``rules="dllm"`` (the synthetic suite's scorers):
+
+    * lenient (default): the text after the last ``[`` up to the next ``]`` (or the end), split on commas,
+      items stripped of quotes (straight, curly, back-ticks) and whitespace, inner whitespace collapsed,
+      empty items dropped. None when there is no ``[``.
+    * strict: the stripped text must be exactly ``["a", "b"]`` (double quotes, ``", "`` separators).
+
+    ``rules="parallelbench"`` (the original's parsing, used by the ParallelBench metrics):
+
+    * lenient: the text after the last ``[`` (if any) and before the next ``]`` (if any), split on commas,
+      each item stripped of double quotes and spaces, empty items dropped; text without brackets is a bare
+      list.
+    * strict: both brackets present (text around them allowed), the inside exactly ``"a", "b"`` (``", "``
+      separators, each item in double quotes with no quote inside); otherwise None.
     """
+    if rules not in LIST_RULES:
+        raise ValueError(f"unknown list rules {rules!r}; known: {', '.join(LIST_RULES)}")
+    if rules == "parallelbench":
+        return _parse_list_original(text, strict)
     if text is None:
         return None
     if strict:
@@ -187,6 +251,26 @@ def parse_list(text: str | None, strict: bool = False) -> list[str] | None:
         item = " ".join(raw.strip().strip(_QUOTES).split())
         if item:
             items.append(item)
+    return items
+
+
+def _parse_list_original(text: str | None, strict: bool) -> list[str] | None:
+    s = "" if text is None else str(text)
+    if "[" in s:
+        s = s.rsplit("[", 1)[1]
+    elif strict:
+        return None
+    if "]" in s:
+        s = s.split("]", 1)[0]
+    elif strict:
+        return None
+    if not strict:
+        return [item.strip('" ') for item in s.strip("[]").split(",") if item.strip()]
+    items = []
+    for item in s.split(", "):
+        if not (item.startswith('"') and item.endswith('"')) or '"' in item[1:-1]:
+            return None
+        items.append(item[1:-1])
     return items
 
 
@@ -740,7 +824,7 @@ def _score_addition(prediction: str, example: Example, strict: bool) -> float:
 
 
 def _make_task(name: str, family: str, gen: Callable[..., list[Example]],
-               fn: Callable[[str, Example, bool], float], multi: bool, description: str) -> Task:
+               fn: Callable[[str, Example, bool], float], multi: bool, description: str, **pb: Any) -> Task:
     def lenient(prediction: str, example: Example) -> float:
         return fn(prediction, example, False)
 
@@ -748,7 +832,7 @@ def _make_task(name: str, family: str, gen: Callable[..., list[Example]],
         return fn(prediction, example, True)
 
     return Task(name=name, family=family, generator=gen, scorer=lenient, strict_scorer=strict,
-                multi_answer=multi, description=description)
+                multi_answer=multi, description=description, **pb)
 
 
 def _waiting_line_generator(op: str) -> Callable[..., list[Example]]:
@@ -767,44 +851,100 @@ DESCRIPTIONS = {
     "replace_random": "replace any one name",
 }
 
+# ParallelBench's metric names and prompt templates (its waiting-line prompts end with a newline, except
+# replace_random's; its Sudoku writes blanks as 0 and names the grid {sudoku}).
+_LIST_METRIC = {
+    "shuffle": "list_shuffle_score", "insert_random": "list_random_insert_score",
+    "remove_random": "list_random_remove_score", "replace_random": "list_random_replace_score",
+}
+_SUDOKU_PB = SUDOKU_PROMPTS["full"].replace("{blank}", "0").replace("{grid}", "{sudoku}") + "\n"
+_LATIN_PB = "Generate a Latin square of size {size} with the symbols {symbols}. Only output the final result as CSV."
+_W2S_PROMPT = "Construct a single, coherent sentence using the words {words}."
+_SUMMARY_PROMPT = "Summarize the following conversation. Only output the final result.\n\n{text}\n\nSummary:"
+_PARAPHRASE_PROMPT = "Paraphrase the following sentence. Only output the final result.\n\nSentence: {text}\n\nParaphrase:"
+
+#: The one task table: every task of both suites, in report order.
 TASKS: dict[str, Task] = {}
 for _op in WAITING_LINE_OPS:
     TASKS[f"waiting_line/{_op}"] = _make_task(
         f"waiting_line/{_op}", "waiting_line", _waiting_line_generator(_op), _score_waiting_line,
-        _op == "shuffle" or _op.endswith("_random"), DESCRIPTIONS[_op])
-TASKS["puzzle/latin_square"] = _make_task("puzzle/latin_square", "puzzle", generate_latin_square,
-                                          _score_latin, True, "any 4x4 Latin square over the symbols")
-TASKS["puzzle/sudoku"] = _make_task("puzzle/sudoku", "puzzle", generate_sudoku, _score_sudoku, False,
-                                    "4x4 Sudoku with a unique solution")
+        _op == "shuffle" or _op.endswith("_random"), DESCRIPTIONS[_op],
+        pb_name=f"waiting_line/{_op}", metric=_LIST_METRIC.get(_op, "list_match_score"),
+        prompt=FULL_PROMPTS[_op] + ("" if _op == "replace_random" else "\n"), short_prompt=SHORT_PROMPTS[_op],
+        max_tokens=32)
+TASKS["puzzle/latin_square"] = _make_task(
+    "puzzle/latin_square", "puzzle", generate_latin_square, _score_latin, True,
+    "any 4x4 Latin square over the symbols", pb_name="puzzle/latin_square_n4", metric="latin_square_score",
+    prompt=_LATIN_PB, short_prompt=LATIN_PROMPTS["short"])
+TASKS["puzzle/sudoku"] = _make_task(
+    "puzzle/sudoku", "puzzle", generate_sudoku, _score_sudoku, False, "4x4 Sudoku with a unique solution",
+    pb_name="puzzle/sudoku_n4_12", metric="sudoku_score", prompt=_SUDOKU_PB,
+    short_prompt=SUDOKU_PROMPTS["short"].replace("{grid}", "{sudoku}"), num_samples=108)
 TASKS["arithmetic/addition"] = _make_task("arithmetic/addition", "arithmetic", generate_addition,
                                           _score_addition, False, "multi-digit addition")
-del _op
+for _level, _desc in (("easy", "related"), ("medium", "loosely related"), ("hard", "unrelated")):
+    TASKS[f"words_to_sentence/{_level}"] = Task(
+        f"words_to_sentence/{_level}", "words_to_sentence", f"one sentence using four {_desc} words",
+        multi_answer=True, pb_name=f"words_to_sentence/{_level}", metric="sentence_to_words_score",
+        prompt=_W2S_PROMPT, icl=0)
+TASKS["paraphrase_summarize/samsum"] = Task(
+    "paraphrase_summarize/samsum", "paraphrase_summarize", "summarize a dialogue (SAMSum-style data file)",
+    multi_answer=True, pb_name="paraphrase_summarize/samsum", metric="summary_score", prompt=_SUMMARY_PROMPT,
+    icl=0, needs_data=True, aliases=("summarization",))
+TASKS["paraphrase_summarize/chatgpt-paraphrases"] = Task(
+    "paraphrase_summarize/chatgpt-paraphrases", "paraphrase_summarize", "paraphrase a sentence (data file)",
+    multi_answer=True, pb_name="paraphrase_summarize/chatgpt-paraphrases", metric="paraphrase_score",
+    prompt=_PARAPHRASE_PROMPT, icl=0, needs_data=True, aliases=("paraphrasing",))
+del _op, _level, _desc
 
+
+def suite_key(task: Task, suite: str) -> str:
+    """The name ``task`` goes by in ``suite`` (ParallelBench's own name there, the project's elsewhere)."""
+    return task.pb_name if suite == "parallelbench" and task.pb_name else task.name
+
+
+def suite_tasks(suite: str = "synthetic") -> dict[str, Task]:
+    """The tasks of ``suite`` keyed by the names they go by there (a view of :data:`TASKS`)."""
+    return {suite_key(t, suite): t for t in TASKS.values() if t.in_suite(suite)}
+
+
+def suite_aliases(suite: str = "synthetic") -> dict[str, str]:
+    """Every other name of the tasks of ``suite`` (the other suite's name, ``aliases``) -> the suite's name."""
+    out: dict[str, str] = {}
+    for t in TASKS.values():
+        if t.in_suite(suite):
+            key = suite_key(t, suite)
+            out.update({n: key for n in (t.name, t.pb_name, *t.aliases) if n and n != key})
+    return out
+
+
+#: Families of the synthetic suite: family -> task names.
 FAMILIES: dict[str, list[str]] = {}
-for _name, _task in TASKS.items():
+for _name, _task in suite_tasks("synthetic").items():
     FAMILIES.setdefault(_task.family, []).append(_name)
 del _name, _task
 
+#: ParallelBench's names of the two puzzles name the same tasks in the synthetic suite.
+ALIASES = suite_aliases("synthetic")
 
-# ParallelBench's names of the two puzzles (dllm.evals.parallelbench) name the same tasks here.
-ALIASES = {"puzzle/latin_square_n4": "puzzle/latin_square", "puzzle/sudoku_n4_12": "puzzle/sudoku"}
 
-
-def get_task(name: str | Task) -> Task:
-    """The task called ``name`` (a Task passes through; ParallelBench's puzzle names are aliases); KeyError
-    lists the known names."""
+def get_task(name: str | Task, suite: str = "all") -> Task:
+    """The task called ``name`` in any suite (its name, ParallelBench's name or an alias; a Task passes
+    through); ``suite`` limits the lookup. KeyError lists the known names."""
     if isinstance(name, Task):
         return name
+    tasks, aliases = suite_tasks(suite), suite_aliases(suite)
     try:
-        return TASKS[ALIASES.get(name, name)]
+        return tasks[aliases.get(name, name)]
     except KeyError:
-        raise KeyError(f"unknown task {name!r}; known tasks: {', '.join(TASKS)}") from None
+        what = "task" if suite == "all" else f"{suite} task"
+        raise KeyError(f"unknown {what} {name!r}; known tasks: {', '.join(tasks)}") from None
 
 
 def match_names(names, pattern: str | None, aliases: dict[str, str] | None = None) -> list[str]:
     """The names matching ``pattern``: comma-separated names, aliases, categories (the part before ``/``) or
     fnmatch patterns, in the order of ``names``'s matches per pattern; ``None`` / ``""`` / ``"all"`` / ``"*"``:
-    every name. The one name filter of both task tables (this one and ParallelBench's)."""
+    every name. The one name filter of both suites."""
     names = list(names)
     if pattern is None or pattern.strip() in ("", "all", "*"):
         return names
@@ -818,10 +958,11 @@ def match_names(names, pattern: str | None, aliases: dict[str, str] | None = Non
     return out
 
 
-def task_names(pattern: str | None = None) -> list[str]:
-    """Task names in registry order, optionally filtered (:func:`match_names`: ``"waiting_line,puzzle"``,
-    ``"waiting_line/*_random"``, ``"puzzle/sudoku_n4_12"``)."""
-    return match_names(TASKS, pattern, ALIASES)
+def task_names(pattern: str | None = None, suite: str = "synthetic") -> list[str]:
+    """Names of the tasks of ``suite`` in table order, optionally filtered (:func:`match_names`:
+    ``"waiting_line,puzzle"``, ``"waiting_line/*_random"``, ``"puzzle/sudoku_n4_12"``). The default suite is
+    the synthetic one (the tasks with chat examples); ``"parallelbench"`` gives ParallelBench's names."""
+    return match_names(suite_tasks(suite), pattern, suite_aliases(suite))
 
 
 def generate(name: str, n: int, seed: int, **options: Any) -> list[Example]:

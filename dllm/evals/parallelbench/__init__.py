@@ -3,7 +3,7 @@
 ParallelBench (Kang et al., 2025) measures what parallel decoding costs in quality on tasks whose output
 tokens depend on each other. This package is an independent implementation that reads and writes the same
 record schema, so files produced here run through the original's loader and the original's own data files
-run here without conversion. Modules: :mod:`.tasks` (the task table), :mod:`.data` (records and suite files), :mod:`.prompts`,
+run here without conversion. Modules: :mod:`.tasks` (ParallelBench's view of the one task table, :data:`dllm.evals.tasks.TASKS`), :mod:`.data` (records and suite files), :mod:`.prompts`,
 :mod:`.parsing`, :mod:`.metrics`, :mod:`.sweep` (resumable sweeps over decoding settings) and :mod:`.report`
 (PBx, AUP, intervals, plots); the command is ``dllm parallelbench`` (:mod:`dllm.cli.parallelbench`).
 ``docs/parallelbench.md`` is the user guide. Every public name of the modules is importable from here.
@@ -32,7 +32,8 @@ each task's ``prompt`` and ``metric`` (written as JSON, which YAML loaders read)
 
 Scoring (per sample 0/1, or a float for text tasks; averages are reported in percent)
 ------------------------------------------------------------------------------------
-Lenient and strict list parsing follow the original's rules (:func:`parse_list`); exact match for
+Lenient and strict list parsing follow the original's rules (:func:`dllm.evals.tasks.parse_list` with
+``rules="parallelbench"``); exact match for
 deterministic lists; validity for multi-answer tasks (shuffle: same multiset, different order; random
 insert/remove/replace: exactly one valid edit); Latin-square validity; Sudoku exact match (the solution is
 unique); words-to-sentence inclusion (case-sensitive substring) and grammar; summaries ROUGE-L x grammar;

@@ -9,7 +9,6 @@ from typing import Any
 
 from dllm.evals import tasks as T
 from dllm.evals.io import read_jsonl, write_jsonl
-from dllm.evals.parallelbench.parsing import parse_list
 from dllm.evals.parallelbench.prompts import prompt_for
 from dllm.evals.parallelbench.tasks import (
     ALIASES,
@@ -133,7 +132,7 @@ def _wl_meta(op: str, meta: dict) -> dict:
 
 def _answer_len(answer: str | dict) -> int:
     text = answer if isinstance(answer, str) else answer["example"]
-    return len(parse_list(text) or [])
+    return len(T.parse_list(text, rules="parallelbench") or [])
 
 
 def _wl_records(op: str, n: int, seed: int, style: str, index_base: int, sort_by: str) -> list[dict]:
@@ -223,16 +222,16 @@ def generate_task(name: str, n: int | None = None, seed: int = DEFAULT_SEED, *, 
     count = task.num_samples if n is None else int(n)
     if count < 0:
         raise ValueError("n must be >= 0")
-    cat, leaf = task.name.split("/", 1)
+    cat, leaf = task.pb_name.split("/", 1)
     if task.needs_data:
         if data is None:
-            raise DataNeeded(f"{task.name} has no offline source: pass a data file ({DATA_HINT[task.name]})")
-        return load_text_data(task.name, data, n=n, seed=seed)
+            raise DataNeeded(f"{task.pb_name} has no offline source: pass a data file ({DATA_HINT[task.pb_name]})")
+        return load_text_data(task.pb_name, data, n=n, seed=seed)
     if cat == "waiting_line":
         return _wl_records(leaf, count, seed, style, index_base, sort_by)
-    if task.name == "puzzle/latin_square_n4":
+    if task.pb_name == "puzzle/latin_square_n4":
         return _latin_records(count, seed, style)
-    if task.name == "puzzle/sudoku_n4_12":
+    if task.pb_name == "puzzle/sudoku_n4_12":
         return _sudoku_records(count, seed, style, sudoku_givens)
     return _generate_w2s(leaf, count, seed)
 
@@ -255,7 +254,7 @@ def load_text_data(name: str, path: str | Path, n: int | None = None, seed: int 
     task = get_task(name)
     path = Path(path)
     if not path.is_file():
-        raise DataNeeded(f"{task.name}: data file {str(path)!r} not found ({DATA_HINT.get(task.name, '')})")
+        raise DataNeeded(f"{task.pb_name}: data file {str(path)!r} not found ({DATA_HINT.get(task.pb_name, '')})")
     rows = read_jsonl(path)
     records = []
     for i, row in enumerate(rows):
@@ -264,10 +263,10 @@ def load_text_data(name: str, path: str | Path, n: int | None = None, seed: int 
             continue
         text = row.get("dialogue", row.get("text")) if task.metric == "summary_score" else row.get("text")
         if not isinstance(text, str):
-            raise ValueError(f"{path}:{i + 1}: no text field for {task.name} ({DATA_HINT[task.name]})")
+            raise ValueError(f"{path}:{i + 1}: no text field for {task.pb_name} ({DATA_HINT[task.pb_name]})")
         if task.metric == "summary_score":
             if not isinstance(row.get("summary"), str):
-                raise ValueError(f"{path}:{i + 1}: no 'summary' field ({DATA_HINT[task.name]})")
+                raise ValueError(f"{path}:{i + 1}: no 'summary' field ({DATA_HINT[task.pb_name]})")
             answer = {"text": text, "summary": row["summary"]}
         else:
             answer = {"text": text}
@@ -277,7 +276,7 @@ def load_text_data(name: str, path: str | Path, n: int | None = None, seed: int 
         records.append({"input": {"text": text}, "answer": answer, "metadata": {"length": 1}})
     limit = task.num_samples if n is None else int(n)
     if len(records) > limit:
-        keep = sorted(random.Random(f"dllm/parallelbench/{task.name}/{int(seed)}").sample(range(len(records)), limit))
+        keep = sorted(random.Random(f"dllm/parallelbench/{task.pb_name}/{int(seed)}").sample(range(len(records)), limit))
         records = [records[i] for i in keep]
     return records
 
@@ -345,7 +344,7 @@ def write_suite(out_dir: str | Path, pattern: str | None = None, *, n: int | Non
     names = task_names(pattern)
     if not names:
         raise ValueError(f"no task matches {pattern!r}; known tasks: {', '.join(TASKS)}")
-    data = {get_task(k).name: v for k, v in (text_data or {}).items()}
+    data = {get_task(k).pb_name: v for k, v in (text_data or {}).items()}
     result: dict[str, Path | str] = {}
     configs: dict[str, dict] = {}
     for name in names:

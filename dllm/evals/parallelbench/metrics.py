@@ -8,7 +8,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from dllm.evals.parallelbench.parsing import parse_list, parse_sudoku
+from dllm.evals import tasks as T
+from dllm.evals.parallelbench.parsing import parse_sudoku
 from dllm.evals.parallelbench.prompts import base_task
 
 # ----------------------------------------------------------------------------------------------------------
@@ -16,22 +17,22 @@ from dllm.evals.parallelbench.prompts import base_task
 
 
 def _list_match(pred: str, record: dict, strict: bool) -> float:
-    got = parse_list(pred, strict)
+    got = T.parse_list(pred, strict, "parallelbench")
     if got is None:
         return 0.0
     answer = record["answer"]
-    want = parse_list(answer if isinstance(answer, str) else answer["example"])
+    want = T.parse_list(answer if isinstance(answer, str) else answer["example"], rules="parallelbench")
     return float(got == want)
 
 
 def _list_shuffle(pred: str, record: dict, strict: bool) -> float:
-    got = parse_list(pred, strict)
+    got = T.parse_list(pred, strict, "parallelbench")
     source = list(record["answer"]["input"])
     return float(got is not None and sorted(got) == sorted(source) and got != source)
 
 
 def _list_insert(pred: str, record: dict, strict: bool) -> float:
-    got = parse_list(pred, strict)
+    got = T.parse_list(pred, strict, "parallelbench")
     if got is None:
         return 0.0
     words = record["answer"].get("word")
@@ -46,7 +47,7 @@ def _list_insert(pred: str, record: dict, strict: bool) -> float:
 
 
 def _list_remove(pred: str, record: dict, strict: bool) -> float:
-    got = parse_list(pred, strict)
+    got = T.parse_list(pred, strict, "parallelbench")
     if got is None:
         return 0.0
     source = list(record["answer"]["input"])
@@ -62,7 +63,7 @@ def _list_remove(pred: str, record: dict, strict: bool) -> float:
 
 
 def _list_replace(pred: str, record: dict, strict: bool) -> float:
-    got = parse_list(pred, strict)
+    got = T.parse_list(pred, strict, "parallelbench")
     source = list(record["answer"]["input"])
     if got is None or len(got) != len(source):
         return 0.0

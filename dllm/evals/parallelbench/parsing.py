@@ -1,4 +1,5 @@
-"""The original's parsing of list and Sudoku answers."""
+"""The original's parsing of Sudoku answers (lists: :func:`dllm.evals.tasks.parse_list` with
+``rules="parallelbench"``)."""
 
 from __future__ import annotations
 
@@ -6,34 +7,6 @@ import re
 
 # ----------------------------------------------------------------------------------------------------------
 # Parsing
-
-
-def parse_list(text: str | None, strict: bool = False) -> list[str] | None:
-    """The original's list parsing (not :func:`dllm.evals.tasks.parse_list`, which is more forgiving).
-
-    Lenient: keep the text after the last ``[`` (if any) and before the next ``]`` (if any), split on
-    commas, strip double quotes and spaces from each item, drop empty items. Text without brackets is
-    parsed as a bare list. Strict: both brackets must be present (text around them is allowed); the inside
-    must be ``"a", "b"`` exactly (``", "`` separators, each item in double quotes with no quote inside);
-    otherwise None.
-    """
-    s = "" if text is None else str(text)
-    if "[" in s:
-        s = s.rsplit("[", 1)[1]
-    elif strict:
-        return None
-    if "]" in s:
-        s = s.split("]", 1)[0]
-    elif strict:
-        return None
-    if not strict:
-        return [item.strip('" ') for item in s.strip("[]").split(",") if item.strip()]
-    items = []
-    for item in s.split(", "):
-        if not (item.startswith('"') and item.endswith('"')) or '"' in item[1:-1]:
-            return None
-        items.append(item[1:-1])
-    return items
 
 
 def parse_sudoku(text: str | None, strict: bool = False, n: int = 4) -> list[list[int]] | None:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dllm.evals.parallelbench.tasks import ALIASES, STYLES, TASKS, WAITING_LINE_OPS, PBTask
+from dllm.evals.parallelbench.tasks import ALIASES, STYLES, TASKS, WAITING_LINE_OPS
+from dllm.evals.tasks import Task
 
 # ----------------------------------------------------------------------------------------------------------
 # Prompts
 
 
-def base_task(name: str) -> PBTask | None:
+def base_task(name: str) -> Task | None:
     """The built-in task a name from another data set corresponds to (``waiting_line_n15/copy`` ->
     ``waiting_line/copy``, ``words_to_sentence/easy_n3`` -> ``words_to_sentence/easy``)."""
     name = ALIASES.get(name, name)

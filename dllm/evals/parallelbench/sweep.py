@@ -272,7 +272,7 @@ def _resolve_tasks(tasks, data_dir, n, seed, style, index_base, sort_by, sudoku_
     needs: dict[str, str] = {}
     out: list[_TaskData] = []
     pattern = ",".join(tasks) if isinstance(tasks, (list, tuple)) else tasks
-    text_data = {PB.get_task(k).name: v for k, v in (text_data or {}).items()}
+    text_data = {PB.get_task(k).pb_name: v for k, v in (text_data or {}).items()}
     if data_dir is not None:
         names = PB.available_tasks(data_dir, pattern)
         for t in PB.task_names(pattern):
