@@ -299,7 +299,7 @@ def _check_init_from_ar(cfg: TrainConfig, tok) -> dict:
         run_vocab = tok.get_vocab()
         if any(run_vocab.get(k) != v for k, v in ar_vocab.items()):
             raise ValueError(f"init_from_ar {ar_dir}: its tokenizer's vocabulary differs from this run's; use the "
-                             "same tokenizer layout (--list-item-tokens / --tokenizer-layout) for both")
+                             "same tokenizer layout (--tokenizer-layout) for both")
     return c
 
 
