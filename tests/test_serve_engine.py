@@ -179,3 +179,22 @@ def test_a_preset_runs_with_its_own_cache_and_unmovable_caches_are_refused(llada
             eng.submit(PROMPTS[0], cache=cache)
     with pytest.raises(RequestError, match="not served"):
         eng.submit(PROMPTS[0], sampler="elastic")  # its preset cache is Elastic-Cache
+
+
+def test_the_engine_default_sampler_and_params_apply_to_requests_that_name_none(llada):
+    eng = Engine(llada, sampler="threshold", params={"tau": 0.3})
+    a = eng.submit(PROMPTS[0], gen_length=16, block_length=8, request_id="a")  # tau 0.3
+    b = eng.submit(PROMPTS[0], gen_length=16, block_length=8, request_id="b", params={"tau": 0.95})
+    c = eng.submit(PROMPTS[0], gen_length=16, block_length=8, request_id="c", sampler="llada")  # not 0.7's params
+    eng.run_until_idle()
+    for h, sampler, params in ((a, "threshold", {"tau": 0.3}), (b, "threshold", {"tau": 0.95}),
+                               (c, "llada", {})):
+        r = h.result()
+        ids, nfe = solo(llada, PROMPTS[0], h.request_id, sampler=sampler, params=params, gen_length=16,
+                        block_length=8)
+        assert r.tokens == ids[-16:] and r.nfe == nfe
+    assert a.result().nfe < b.result().nfe  # the lower threshold commits more per step
+    with pytest.raises(RequestError, match="unknown sampler"):
+        Engine(llada, sampler="nope")
+    with pytest.raises(RequestError, match="klass.*not served"):
+        Engine(llada, sampler="klass")

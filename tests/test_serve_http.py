@@ -230,3 +230,14 @@ def test_sigterm_stops_accepting_and_finishes_the_request_in_flight(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_serve_command_checks_its_default_sampler_before_listening():
+    from dllm.cli import main
+
+    with pytest.raises(SystemExit, match="--param needs --sampler"):
+        main(["serve", "--param", "tau=0.3"])
+    with pytest.raises(SystemExit, match="unknown sampler 'nope'"):
+        main(["serve", "--sampler", "nope"])
+    with pytest.raises(SystemExit, match="no parameter"):
+        main(["serve", "--sampler", "threshold", "--param", "threshold=0.3"])

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
-from dllm.cli.common import load_model_arg
+from dllm.cli.common import load_model_arg, parse_params
 
 
 def cmd_serve(args) -> int:
+    from dllm.serve.engine import RequestError
     from dllm.serve.server import serve
 
+    params = parse_params(args.param)
+    if params and not args.sampler:
+        raise SystemExit("error: --param needs --sampler")
     model = load_model_arg(args)
-    serve(model, host=args.host, port=args.port, model_name=args.served_name or args.model or "llada-tiny",
-          api_key=args.api_key, max_rows=args.max_rows, max_queue=args.max_queue)
+    try:
+        serve(model, host=args.host, port=args.port, model_name=args.served_name or args.model or "llada-tiny",
+              api_key=args.api_key, max_rows=args.max_rows, max_queue=args.max_queue, sampler=args.sampler,
+              params=params)
+    except RequestError as exc:
+        raise SystemExit(f"error: {exc}") from None
     return 0
 
 
@@ -19,6 +27,9 @@ def add_parser(sub) -> None:
     s.add_argument("--model", default=None, help="checkpoint directory or bundled name (default: llada-tiny)")
     s.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
     s.add_argument("--device", default=None)
+    s.add_argument("--sampler", default=None, help="sampler of requests that name none (default: the family's "
+                   "baseline, llada / dream); requests may name another with their 'sampler' field")
+    s.add_argument("--param", action="append", metavar="K=V", help="parameter of --sampler, repeatable")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-name", default=None, help="model name in the API (default: --model)")

@@ -247,12 +247,22 @@ def _move_state(state: dict, d: int, keep: list[int] | None, n_new: int) -> None
 
 class Engine:
     """Continuous-batching decoder for one model (see the module docstring). ``max_rows``: rows per group;
-    ``max_queue``: requests waiting or running before :meth:`submit` raises :class:`QueueFull`."""
+    ``max_queue``: requests waiting or running before :meth:`submit` raises :class:`QueueFull`; ``sampler`` and
+    ``params``: the sampler of requests that name none (default: the model family's baseline), and its
+    parameters (a request naming no sampler, or this one, adds its own ``params`` over them)."""
 
-    def __init__(self, model, *, max_rows: int = 8, max_queue: int = 256):
+    def __init__(self, model, *, max_rows: int = 8, max_queue: int = 256, sampler: str | None = None,
+                 params: dict | None = None):
         if not isinstance(max_rows, int) or max_rows < 1:
             raise ValueError(f"max_rows={max_rows!r} must be a positive integer")
         self.model = model
+        self.sampler = sampler or ("dream" if getattr(model.spec, "family", "llada") == "dream" else "llada")
+        self.params = dict(params or {})
+        self._check_sampler(self.sampler, self.params)
+        try:
+            get_sampler(self.sampler, **self.params)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise RequestError(str(exc)) from None
         self.max_rows, self.max_queue = max_rows, max_queue
         self.groups: dict[tuple, _Group] = {}
         self.waiting: deque[_Request] = deque()
@@ -276,13 +286,9 @@ class Engine:
             if len(self.waiting) + sum(len(g.requests) for g in self.groups.values()) >= self.max_queue:
                 raise QueueFull(f"the engine holds {self.max_queue} requests; retry later")
         rid = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
-        name = sampler or ("dream" if getattr(self.model.spec, "family", "llada") == "dream" else "llada")
-        if name in BATCH_STATEFUL:
-            raise RequestError(f"sampler {name!r} reads state shared by a batch and is not served; served: every "
-                               f"registered sampler but {', '.join(BATCH_STATEFUL)}")
-        params = dict(params or {})
-        if params.get("noise_scope", "row") != "row":
-            raise RequestError("noise_scope must be 'row' when serving (per-request random streams)")
+        name = sampler or self.sampler
+        params = {**(self.params if name == self.sampler else {}), **(params or {})}
+        self._check_sampler(name, params)
         try:
             config = GenerateConfig(gen_length=gen_length, block_length=block_length, steps=steps, seed=seed,
                                     eos_early_stop=eos_early_stop, chat_template=chat_template)
@@ -309,6 +315,14 @@ class Engine:
             self.waiting.append(req)
         self._wake.set()
         return handle
+
+    @staticmethod
+    def _check_sampler(name: str, params: dict) -> None:
+        if name in BATCH_STATEFUL:
+            raise RequestError(f"sampler {name!r} reads state shared by a batch and is not served; served: every "
+                               f"registered sampler but {', '.join(BATCH_STATEFUL)}")
+        if params.get("noise_scope", "row") != "row":
+            raise RequestError("noise_scope must be 'row' when serving (per-request random streams)")
 
     # ------------------------------------------------------------------------------------------ the loop
     def step(self) -> bool:

@@ -250,11 +250,13 @@ def create_app(engine: Engine, model_name: str = "dllm", api_key: str | None = N
 
 
 def serve(model, *, host: str = "127.0.0.1", port: int = 8000, model_name: str = "dllm", api_key: str | None = None,
-          max_rows: int = 8, max_queue: int = 256, log_level: str = "info") -> None:
-    """Run the server until SIGINT / SIGTERM (uvicorn stops accepting and finishes the requests in flight)."""
+          max_rows: int = 8, max_queue: int = 256, sampler: str | None = None, params: dict | None = None,
+          log_level: str = "info") -> None:
+    """Run the server until SIGINT / SIGTERM (uvicorn stops accepting and finishes the requests in flight).
+    ``sampler`` / ``params``: the default of requests that name no sampler (:class:`Engine`)."""
     import uvicorn
 
-    engine = Engine(model, max_rows=max_rows, max_queue=max_queue)
+    engine = Engine(model, max_rows=max_rows, max_queue=max_queue, sampler=sampler, params=params)
     engine.start()
     try:
         uvicorn.run(create_app(engine, model_name, api_key), host=host, port=port, log_level=log_level)
