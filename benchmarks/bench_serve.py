@@ -24,6 +24,7 @@ import torch
 import dllm
 from dllm.assets import model_path
 from dllm.evals import tasks as T
+from dllm.generate import prepare_prompts
 from dllm.serve import Engine
 
 
@@ -107,6 +108,19 @@ def run_sequential(model, work, kw):
     return time.perf_counter() - t0, toks, lat, lat
 
 
+def forward_cost_per_row(model, length: int, rows: int, reps: int = 20) -> float:
+    """Seconds per row of one model forward of ``rows`` rows of ``length`` tokens (median of ``reps``)."""
+    x = torch.full((rows, length), model.mask_id, dtype=torch.long)
+    times = []
+    with torch.inference_mode():
+        model(x)
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            model(x)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) / rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llada-tiny")
@@ -125,6 +139,12 @@ def main() -> None:
     print(f"model {args.model}, sampler {args.sampler}, cache {args.cache or 'the preset default'}, gen "
           f"{args.gen_length}, block {args.block_length}, "
           f"{args.requests} requests per client, torch threads {torch.get_num_threads()}")
+    length = max(len(p) for p in prepare_prompts(model, prompts(16), None, True)) + args.gen_length
+    solo_cost = forward_cost_per_row(model, length, 1)
+    for c in args.concurrency:
+        cost = forward_cost_per_row(model, length, c)
+        print(f"forward of {c} rows x {length} tokens: {cost * 1e3:.3f} ms per row; batching gains at most "
+              f"{solo_cost / cost:.2f}x over one row at a time at this batch size")
     print("| clients | mode | answer tokens/s | latency p50 s | latency p99 s | first token p50 s | requests |")
     print("|---|---|---|---|---|---|---|")
     for c in args.concurrency:
