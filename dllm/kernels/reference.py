@@ -84,6 +84,32 @@ def attention(
     return out, lse
 
 
+def block_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_blocks: torch.Tensor,
+                           k_blocks: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Block-diffusion attention: a query attends to the keys of its own block and of earlier blocks
+    (bidirectional inside a block, causal across blocks), as SDAR-style models are trained.
+
+    Args:
+        q, k, v: as :func:`attention`.
+        q_blocks: ``[B, Lq]`` int64 block index of each query row (``position // block_size``).
+        k_blocks: ``[B, Lk]`` int64 block index of each key.
+        key_padding_mask: optional ``[B, Lk]`` bool, True where a key may be attended to.
+
+    Returns:
+        ``[B, Hq, Lq, D]`` in ``q.dtype``; query rows with no key to attend to get zeros. No Triton twin: every
+        backend runs this (``scaled_dot_product_attention`` with a boolean mask).
+    """
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    check_key_padding_mask(key_padding_mask, q, k)
+    allowed = k_blocks[:, None, :] <= q_blocks[:, :, None]  # [B, Lq, Lk]
+    if key_padding_mask is not None:
+        allowed = allowed & key_padding_mask[:, None, :]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], enable_gqa=hq != hkv)
+    return torch.where(allowed.any(-1)[:, None, :, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
 def _scores(q: torch.Tensor, k: torch.Tensor, key_padding_mask: torch.Tensor | None) -> torch.Tensor:
     group = q.shape[1] // k.shape[1]
     kf = k.float().repeat_interleave(group, dim=1)

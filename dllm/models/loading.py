@@ -1,4 +1,4 @@
-"""Load and save checkpoints in the published LLaDA / Dream formats (a local directory or a bundled name)."""
+"""Load and save checkpoints in the published LLaDA / Dream / SDAR formats (a local directory or a bundled name)."""
 
 from __future__ import annotations
 
@@ -101,7 +101,8 @@ def _load_tokenizer(path: Path):
     try:
         with warnings.catch_warnings():  # nor its deprecation notes about config fields it does not use here
             warnings.simplefilter("ignore", FutureWarning)
-            return AutoTokenizer.from_pretrained(str(path))
+            # never the checkpoint's own Python code (SDAR's config.json names some in auto_map)
+            return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     except Exception as e:  # tokenizers and transformers raise many types; all mean the same to the user
         raise ValueError(f"the tokenizer files in {path} cannot be loaded ({type(e).__name__}: {e}); copy them "
                          "again from the original checkpoint, or pass tokenizer=False") from None
@@ -117,7 +118,7 @@ def load_model(
     device_map=None,
     tokenizer: bool = True,
 ) -> Transformer:
-    """Load a LLaDA- or Dream-format checkpoint from a local directory or by bundled name.
+    """Load a LLaDA-, Dream- or SDAR-format checkpoint from a local directory or by bundled name.
 
     The checkpoint is checked before any tensor is read: config.json fields the model does not implement are
     refused, every tensor in the files must be used, none missing, shapes as the config implies; the mask and EOS

@@ -42,7 +42,9 @@ class ModelSpec:
             out[ours] = theirs
         for i in range(cfg.n_layers):
             for ours, theirs in self.layer_keys.items():
-                if ours.endswith(".bias") and not cfg.qkv_bias:
+                if ours.endswith(".bias") and not (cfg.out_bias if ours.startswith("o.") else cfg.qkv_bias):
+                    continue
+                if ours.startswith(("q_norm.", "k_norm.")) and not cfg.qk_norm:
                     continue
                 out[f"layers.{i}.{ours}"] = theirs.format(i=i)
         return out
@@ -348,7 +350,108 @@ DREAM = ModelSpec(
     tie_field="tie_word_embeddings",
 )
 
-SPECS: dict[str, ModelSpec] = {"llada": LLADA, "dream": DREAM}
+# ---------------------------------------------------------------------------------------------- SDAR
+# SDAR (JetAstra/SDAR, SDARForCausalLM): a Qwen3-architecture block-diffusion model. Per-head QK RMSNorm before
+# RoPE, an explicit head_dim, GQA, no logit shift; attention bidirectional inside a block of ``block_size`` tokens
+# (block boundaries at multiples of block_size from the first position) and causal across blocks.
+_SDAR_RULES = {
+    "hidden_act": (("silu",), "'silu'"),
+    "rope_scaling": ((None,), "null: plain RoPE"),
+    "use_sliding_window": (_NONE_OR_FALSE, "false: full attention"),
+}
+_SDAR_USED = frozenset({"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                        "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "rope_theta",
+                        "rms_norm_eps", "tie_word_embeddings", "attention_bias", "block_size"})
+_SDAR_IGNORED = _SDAR_USED | {
+    "sliding_window", "max_window_layers",  # used only with use_sliding_window=true
+    "attn_implementation", "debug", "ep_size", "fuse_cross_entropy", "micro_forward", "skip_checkpoint",
+    "use_deepep",  # kernel and training switches of the reference code
+}
+
+
+def _sdar_from_hf(c: dict) -> TransformerConfig:
+    _require(c, ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "block_size"), "SDAR")
+    _check_fields(c, "SDAR", _SDAR_RULES, _SDAR_IGNORED, [])
+    d_model = _positive_int(c, "hidden_size", "SDAR")
+    n_heads = _positive_int(c, "num_attention_heads", "SDAR")
+    bias = _flag(c, "attention_bias", "SDAR")
+    return _config(
+        "SDAR",
+        vocab_size=_positive_int(c, "vocab_size", "SDAR"),
+        d_model=d_model,
+        n_layers=_positive_int(c, "num_hidden_layers", "SDAR"),
+        n_heads=n_heads,
+        n_kv_heads=(_positive_int(c, "num_key_value_heads", "SDAR") if c.get("num_key_value_heads") is not None
+                    else n_heads),
+        mlp_hidden=_positive_int(c, "intermediate_size", "SDAR"),
+        max_seq_len=_positive_int(c, "max_position_embeddings", "SDAR", 32768),
+        rope_theta=_positive_float(c, "rope_theta", "SDAR", 10000.0),
+        norm_eps=_positive_float(c, "rms_norm_eps", "SDAR", 1e-6),
+        qkv_bias=bias,
+        out_bias=bias,
+        tie_embeddings=_flag(c, "tie_word_embeddings", "SDAR"),
+        head_size=_positive_int(c, "head_dim", "SDAR", d_model // n_heads),
+        qk_norm=True,
+        block_size=_positive_int(c, "block_size", "SDAR"),
+    )
+
+
+def _sdar_to_hf(cfg: TransformerConfig, ids: dict) -> dict:
+    return {
+        "architectures": ["SDARForCausalLM"],
+        "auto_map": {"AutoConfig": "configuration_sdar.SDARConfig", "AutoModel": "modeling_sdar.SDARModel",
+                     "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM"},
+        "model_type": "sdar",
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.mlp_hidden,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "attention_bias": cfg.qkv_bias,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "max_position_embeddings": cfg.max_seq_len,
+        "block_size": cfg.block_size,
+        "mask_token_id": ids["mask_id"],
+        "pad_token_id": ids["pad_id"],
+        "eos_token_id": ids["eos_id"],
+    }
+
+
+SDAR = ModelSpec(
+    family="sdar",
+    model_type="sdar",
+    architectures=("SDARForCausalLM",),
+    config_from_hf=_sdar_from_hf,
+    config_to_hf=_sdar_to_hf,
+    global_keys=dict(DREAM.global_keys),
+    layer_keys={
+        **DREAM.layer_keys,
+        "o.bias": "model.layers.{i}.self_attn.o_proj.bias",
+        "q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+        "k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
+    },
+    mask_id=151669,
+    eos_id=151643,
+    eot_id=151645,
+    pad_id=151643,
+    eot_token="<|im_end|>",
+    mask_token="<MASK>",
+    shift_logits=False,
+    max_context=32768,
+    layers_field="num_hidden_layers",
+    tie_field="tie_word_embeddings",
+)
+
+SPECS: dict[str, ModelSpec] = {"llada": LLADA, "dream": DREAM, "sdar": SDAR}
 
 
 def spec_for_model_type(model_type: str | None) -> ModelSpec:

@@ -1,7 +1,9 @@
 """One bidirectional Transformer for every supported dLLM family.
 
 RMSNorm (fp32 inside), rotary embeddings (split halves, fp32), SwiGLU MLP, grouped-query attention with an
-optional QKV bias. Family-specific facts (checkpoint names, special ids, Dream's logit shift) live in a
+optional QKV bias, optional per-head QK RMSNorm and an explicit head size (Qwen3-style, SDAR), and attention that
+is bidirectional over the whole canvas or, for block-diffusion models (``block_size``), bidirectional inside a
+block and causal across blocks. Family-specific facts (checkpoint names, special ids, Dream's logit shift) live in a
 :class:`~dllm.models.spec.ModelSpec`; nothing cache- or sampler-specific is threaded through this file beyond
 the generic partial-forward inputs of :meth:`Transformer.forward`.
 """
@@ -30,16 +32,24 @@ class TransformerConfig:
     norm_eps: float = 1e-5
     qkv_bias: bool = False
     tie_embeddings: bool = False
+    head_size: int | None = None  # per-head size when it is not d_model / n_heads (Qwen3, SDAR)
+    qk_norm: bool = False  # RMSNorm of each head's query and key before RoPE (Qwen3, SDAR)
+    out_bias: bool = False  # a bias on the attention output projection (SDAR's attention_bias covers it)
+    block_size: int | None = None  # block-diffusion attention: bidirectional in a block, causal across blocks
 
     def __post_init__(self):
-        if self.d_model % self.n_heads:
+        if self.head_size is None and self.d_model % self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        for name in ("head_size", "block_size"):
+            v = getattr(self, name)
+            if v is not None and (type(v) is not int or v < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {v!r}")
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.head_size if self.head_size is not None else self.d_model // self.n_heads
 
 
 class RMSNorm(nn.Module):
@@ -83,25 +93,35 @@ class Block(nn.Module):
         self.q = nn.Linear(d, cfg.n_heads * hd, bias=cfg.qkv_bias)
         self.k = nn.Linear(d, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
         self.v = nn.Linear(d, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
-        self.o = nn.Linear(cfg.n_heads * hd, d, bias=False)
+        self.o = nn.Linear(cfg.n_heads * hd, d, bias=cfg.out_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.norm_eps)
         self.mlp_norm = RMSNorm(d, cfg.norm_eps)
         self.gate = nn.Linear(d, cfg.mlp_hidden, bias=False)
         self.up = nn.Linear(d, cfg.mlp_hidden, bias=False)
         self.down = nn.Linear(cfg.mlp_hidden, d, bias=False)
 
-    def forward(self, h, cos, sin, key_mask, layer_idx: int, cache=None, rows=None):
+    def forward(self, h, cos, sin, key_mask, layer_idx: int, cache=None, rows=None, blocks=None):
         """``h``: ``[B, Q, d]`` hidden states of the computed rows (all ``T`` rows when ``rows`` is None, else
         the canvas rows ``rows`` ``[B, Q]``); ``cos``/``sin`` are the RoPE tables of those rows. Keys and
-        values of the rows not computed come from ``cache.update``."""
+        values of the rows not computed come from ``cache.update``. ``blocks``: ``(query blocks [B, Q], key
+        blocks [B, T])`` for block-diffusion attention (a query attends to keys of its block and earlier ones)."""
         B, T, _ = h.shape
         x = self.attn_norm(h)
-        q = self.q(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.k(x).view(B, T, self.n_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):  # per head, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(layer_idx, k, v) if rows is None else cache.update(layer_idx, k, v, rows)
-        a = kernels.attention(q, k, v, key_padding_mask=key_mask)
+        if blocks is None:
+            a = kernels.attention(q, k, v, key_padding_mask=key_mask)
+        else:
+            a = kernels.reference.block_causal_attention(q, k, v, blocks[0], blocks[1], key_padding_mask=key_mask)
         observe = cache.observe if cache is not None else None
         if observe is not None:  # optional hook (Elastic-Cache: attention mass, drift test)
             observe(layer_idx, q, k, key_mask, rows)
@@ -210,6 +230,8 @@ class Transformer(nn.Module):
             cos, sin = rope_tables(positions.gather(1, query_idx), hd, theta)
             h = self.embed(tokens.gather(1, query_idx))
         rows = query_idx
+        bs = self.config.block_size
+        key_blocks = positions // bs if bs else None
         layer_input = cache.layer_input if cache is not None else None
         for i, layer in enumerate(self.layers):
             if layer_input is not None:  # the cache sees each layer's input; it may switch to every row
@@ -217,7 +239,8 @@ class Transformer(nn.Module):
                 if switch is not None and rows is not None:  # every row ([B, T, d]) or new rows ((h, rows))
                     h, rows = switch if isinstance(switch, tuple) else (switch, None)
                     cos, sin = rope_tables(positions if rows is None else positions.gather(1, rows), hd, theta)
-            h = layer(h, cos, sin, attn_mask, i, cache, rows)
+            blocks = None if bs is None else (key_blocks if rows is None else key_blocks.gather(1, rows), key_blocks)
+            h = layer(h, cos, sin, attn_mask, i, cache, rows, blocks)
         if rows is None:
             if logits_idx is None:
                 idx = torch.arange(T, device=tokens.device).sub(shift).clamp_min(0).expand(B, T)
