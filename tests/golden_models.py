@@ -106,3 +106,37 @@ def shaped_prompts(family: str, lengths: list[int], seed: int = 0) -> list[list[
     limit = 126080 if family == "llada" else 151643
     g = torch.Generator().manual_seed(10_000 + seed)
     return [torch.randint(0, limit, (n,), generator=g).tolist() for n in lengths]
+
+
+def sdar_tiny(seed: int = 0, block_size: int = 4, bias: bool = False) -> Transformer:
+    """A random-weight SDAR-format model (Qwen3 block-diffusion layout: QK norms, head_dim 24 with d_model 64,
+    GQA 4/2) on the bundled Qwen-style tokenizer of ``dream-tiny`` (vocabulary 1,197), weights large enough
+    that the mask and EOS tokens keep real probability, norm weights perturbed so that a misplaced norm shows.
+    Save it with ``dllm.save_pretrained`` for a checkpoint in SDAR's published layout."""
+    import dllm
+    from dllm.models.spec import SDAR
+    from dllm.models.weights import init_weights
+
+    tok_model = dllm.load_model("dream-tiny", dtype="float32")
+    cfg = TransformerConfig(vocab_size=tok_model.config.vocab_size, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                            mlp_hidden=128, max_seq_len=512, rope_theta=10000.0, norm_eps=1e-6, head_size=24,
+                            qk_norm=True, block_size=block_size, qkv_bias=bias, out_bias=bias)
+    torch.manual_seed(seed)
+    m = Transformer(cfg, SDAR)
+    init_weights(m, std=0.2)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+        # Make EOS and the mask token real contenders: EOS takes over the head row of the most frequent
+        # argmax (slightly scaled up: it wins where that token won), the mask token the second's, scaled down.
+        x = torch.randint(0, cfg.vocab_size, (8, 24), generator=torch.Generator().manual_seed(seed))
+        top = torch.bincount(m(x).argmax(-1).flatten(), minlength=cfg.vocab_size).argsort(descending=True)
+        top = [int(t) for t in top if int(t) not in (tok_model.eos_id, tok_model.mask_id)][:2]
+        m.head.weight[tok_model.eos_id] = 1.02 * m.head.weight[top[0]]
+        m.head.weight[tok_model.mask_id] = 0.97 * m.head.weight[top[1]]
+    m.tokenizer = tok_model.tokenizer
+    m.mask_id, m.eos_id, m.pad_id, m.eot_id = tok_model.mask_id, tok_model.eos_id, tok_model.pad_id, tok_model.eot_id
+    return m.eval().requires_grad_(False)

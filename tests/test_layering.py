@@ -8,7 +8,7 @@ imports included: they run too). Layers, lowest first (a module may import its o
     caches, blocks, samplers            the three decoding axes
     recipes                             a preset = sampler + block layout + cache, resolved once
     generate                            the decode loop
-    viz                                 pictures of trajectories
+    blockdiff, viz                      block-diffusion decoding (SDAR); pictures of trajectories
     evals, tiny                         evaluation suites; tiny-model training
     serve                               the serving engine and HTTP server
     dllm (the package's public names)   re-exports for users
@@ -30,7 +30,7 @@ LAYERS = [
     {"caches", "blocks", "samplers"},
     {"recipes"},
     {"generate"},
-    {"viz"},
+    {"blockdiff", "viz"},
     {"evals", "tiny"},
     {"serve"},
     {"dllm"},

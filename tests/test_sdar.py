@@ -9,31 +9,14 @@ import json
 import pytest
 import torch
 
-import dllm
-from dllm.models import Transformer, TransformerConfig
+import golden_models as gm
+
 from dllm.models.loading import load_model, save_pretrained
-from dllm.models.spec import SDAR
-from dllm.models.weights import init_weights
 
 
-def make_sdar(path, *, seed: int = 0, block_size: int = 4, vocab_from: str = "dream-tiny", bias: bool = False):
-    """A random-weight SDAR checkpoint (weights large enough that the mask and EOS tokens keep real
-    probability) with the bundled Qwen-style tokenizer, written in SDAR's published layout."""
-    tok_model = dllm.load_model(vocab_from, dtype="float32")
-    cfg = TransformerConfig(vocab_size=tok_model.config.vocab_size, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                            mlp_hidden=128, max_seq_len=512, rope_theta=10000.0, norm_eps=1e-6, head_size=24,
-                            qk_norm=True, block_size=block_size, qkv_bias=bias, out_bias=bias)
-    torch.manual_seed(seed)
-    m = Transformer(cfg, SDAR)
-    init_weights(m, std=0.2)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if "norm" in name:  # non-trivial norm weights, so that a misplaced norm shows in the logits
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            elif name.endswith(".bias"):
-                p.copy_(0.1 * torch.randn_like(p))
-    m.tokenizer = tok_model.tokenizer
-    m.mask_id, m.eos_id, m.pad_id, m.eot_id = tok_model.mask_id, tok_model.eos_id, tok_model.pad_id, tok_model.eot_id
+def make_sdar(path, *, seed: int = 0, block_size: int = 4, bias: bool = False):
+    """:func:`golden_models.sdar_tiny` written to ``path`` in SDAR's published layout."""
+    m = gm.sdar_tiny(seed, block_size, bias)
     save_pretrained(m, path)
     return m
 

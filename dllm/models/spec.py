@@ -420,6 +420,9 @@ def _sdar_to_hf(cfg: TransformerConfig, ids: dict) -> dict:
         "tie_word_embeddings": cfg.tie_embeddings,
         "max_position_embeddings": cfg.max_seq_len,
         "block_size": cfg.block_size,
+        # switches SDAR's model code reads (training kernels and parallelism), with the published values
+        "fuse_cross_entropy": True, "micro_forward": False, "skip_checkpoint": False, "use_deepep": False,
+        "ep_size": 1, "debug": False,
         "mask_token_id": ids["mask_id"],
         "pad_token_id": ids["pad_id"],
         "eos_token_id": ids["eos_id"],

@@ -188,6 +188,8 @@ class Transformer(nn.Module):
         query_idx: torch.Tensor | None = None,
         cache=None,
         logits_idx: torch.Tensor | None = None,
+        key_positions: torch.Tensor | None = None,
+        block_size: int | None = None,
     ) -> torch.Tensor:
         """Logits for the positions the caller asks for.
 
@@ -212,6 +214,13 @@ class Transformer(nn.Module):
                 forward every wanted row must be in ``query_idx`` (else ``ValueError``), except columns outside the
                 cache's ``read_cols[b]`` (another row's window) or, with ``sparse_logits = True``, any column:
                 such columns get all-zero logits.
+            key_positions: ``[B, Lk]`` int64 positions of every key when the cache returns more keys than
+                ``tokens`` holds (stored keys of earlier blocks before this forward's own, the block-diffusion
+                cache of :mod:`dllm.blockdiff`); block-diffusion attention reads the keys' blocks from them.
+                Default: ``positions``.
+            block_size: the block grid of block-diffusion attention for this forward (default: the config's
+                ``block_size``; a decoder may use another block length, as SDAR's ``block_diffusion_generate``
+                does).
 
         Returns:
             ``[B, R, V]`` (or ``[B, T, V]``) logits in the model dtype.
@@ -230,8 +239,9 @@ class Transformer(nn.Module):
             cos, sin = rope_tables(positions.gather(1, query_idx), hd, theta)
             h = self.embed(tokens.gather(1, query_idx))
         rows = query_idx
-        bs = self.config.block_size
-        key_blocks = positions // bs if bs else None
+        bs = block_size or self.config.block_size
+        query_blocks = positions // bs if bs else None
+        key_blocks = (query_blocks if key_positions is None else key_positions // bs) if bs else None
         layer_input = cache.layer_input if cache is not None else None
         for i, layer in enumerate(self.layers):
             if layer_input is not None:  # the cache sees each layer's input; it may switch to every row
@@ -239,7 +249,7 @@ class Transformer(nn.Module):
                 if switch is not None and rows is not None:  # every row ([B, T, d]) or new rows ((h, rows))
                     h, rows = switch if isinstance(switch, tuple) else (switch, None)
                     cos, sin = rope_tables(positions if rows is None else positions.gather(1, rows), hd, theta)
-            blocks = None if bs is None else (key_blocks if rows is None else key_blocks.gather(1, rows), key_blocks)
+            blocks = None if bs is None else (query_blocks if rows is None else query_blocks.gather(1, rows), key_blocks)
             h = layer(h, cos, sin, attn_mask, i, cache, rows, blocks)
         if rows is None:
             if logits_idx is None:
