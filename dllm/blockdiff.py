@@ -60,7 +60,6 @@ class _BlockKV:
         self.k: list[torch.Tensor | None] = [None] * n_layers
         self.v: list[torch.Tensor | None] = [None] * n_layers
         self.store = False
-        self.length = 0
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         if self.k[layer] is not None:
@@ -118,6 +117,48 @@ def _commit(rule: str, masked: torch.Tensor, p: torch.Tensor, quota: int, thresh
     return out
 
 
+def _decode_row(model, prompt: list[int], gen_length: int, B: int, quota: list[int], remasking: str,
+                threshold: float, sampling: tuple, seed: int, stops: set[int]):
+    """One row: (generated region, forwards, per-forward trace)."""
+    P = len(prompt)
+    total = -(-(P + gen_length) // B) * B
+    if total > model.max_seq_len:
+        raise ValueError(f"prompt ({P} tokens) + gen_length ({gen_length}), rounded up to whole blocks of {B}, is "
+                         f"{total} tokens: more than the model's context of {model.max_seq_len}")
+    dev, mask_id, steps = model.device, model.mask_id, len(quota)
+    x = torch.full((1, total), mask_id, dtype=torch.long, device=dev)
+    x[0, :P] = torch.tensor(prompt, device=dev)
+    pos = torch.arange(total, device=dev)[None]
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    cache = _BlockKV(len(model.layers))
+    trace: list[dict] = []
+
+    def forward(lo: int, hi: int, store: bool, block: int | None) -> torch.Tensor:
+        cache.store = store
+        logits = model(x[:, lo:hi], positions=pos[:, lo:hi], cache=cache, key_positions=pos[:, :hi], block_size=B)
+        trace.append({"block": block, "store": store, "committed": []})
+        return logits[0]
+
+    first = P // B
+    if first:  # the prompt's whole blocks, stored at once
+        forward(0, first * B, True, None)
+    for blk in range(first, total // B):
+        lo, hi = blk * B, (blk + 1) * B
+        for step in range(steps + 1):
+            cur = x[0, lo:hi]
+            masked = cur == mask_id
+            if not bool(masked.any()):
+                forward(lo, hi, True, blk)  # the finished block's keys and values, appended once
+                break
+            tok, p = _sample(forward(lo, hi, False, blk), *sampling, gen)
+            commit = _commit(remasking, masked, p, quota[step] if step < steps else 0, threshold)
+            cur[commit] = tok[commit]
+            trace[-1]["committed"] = (commit.nonzero()[:, 0] + lo).tolist()
+        if stops & set(x[0, P:hi].tolist()):
+            break
+    return x[0, P:].tolist(), len(trace), trace
+
+
 @torch.no_grad()
 def block_diffusion_generate(model, prompts, *, gen_length: int = 128, block_length: int | None = None,
                              denoising_steps: int | None = None, remasking: str = "low_confidence_dynamic",
@@ -162,58 +203,16 @@ def block_diffusion_generate(model, prompts, *, gen_length: int = 128, block_len
     rows = prepare_prompts(model, prompts, None, chat_template)
     stops = set(stop_ids if stop_ids is not None else [t for t in (model.eos_id, model.eot_id) if t is not None])
     quota = num_transfer_tokens(B, steps)
-    dev, mask_id = model.device, model.mask_id
     out = BlockDiffusionOutput([], None, [len(r) for r in rows], [], [])
     for prompt in rows:
-        P = len(prompt)
-        total = -(-(P + gen_length) // B) * B
-        if total > model.max_seq_len:
-            raise ValueError(f"prompt ({P} tokens) + gen_length ({gen_length}), rounded up to whole blocks of {B}, "
-                             f"is {total} tokens: more than the model's context of {model.max_seq_len}")
-        x = torch.full((1, total), mask_id, dtype=torch.long, device=dev)
-        x[0, :P] = torch.tensor(prompt, device=dev)
-        pos = torch.arange(total, device=dev)[None]
-        gen = torch.Generator(device=dev).manual_seed(int(seed))
-        cache = _BlockKV(len(model.layers))
-        nfe, trace = 0, []
-
-        def forward(lo: int, hi: int, store: bool):
-            cache.store = store
-            logits = model(x[:, lo:hi], positions=pos[:, lo:hi], cache=cache, key_positions=pos[:, :hi],
-                           block_size=B)
-            if store:
-                cache.length = hi
-            return logits
-
-        first = P // B
-        if first:
-            forward(0, first * B, True)
-            nfe += 1
-            trace.append({"block": None, "store": True, "committed": []})
-        for blk in range(first, total // B):
-            lo, hi = blk * B, (blk + 1) * B
-            for step in range(steps + 1):
-                cur = x[0, lo:hi]
-                masked = cur == mask_id
-                if not bool(masked.any()):
-                    forward(lo, hi, True)
-                    nfe += 1
-                    trace.append({"block": blk, "store": True, "committed": []})
-                    break
-                logits = forward(lo, hi, False)[0]
-                nfe += 1
-                tok, p = _sample(logits, temperature, top_k, top_p, gen)
-                commit = _commit(remasking, masked, p, quota[step] if step < steps else 0, confidence_threshold)
-                cur[commit] = tok[commit]
-                trace.append({"block": blk, "store": False, "committed": (commit.nonzero()[:, 0] + lo).tolist()})
-            if stops & set(x[0, P:hi].tolist()):
-                break
-        out.sequences.append(x[0, P:].tolist())
+        seq, nfe, trace = _decode_row(model, prompt, gen_length, B, quota, remasking, confidence_threshold,
+                                      (temperature, top_k, top_p), int(seed), stops)
+        out.sequences.append(seq)
         out.nfe.append(nfe)
         out.trace.append(trace)
     tok = getattr(model, "tokenizer", None)
     if tok is not None:
         lens = answer_lengths(model, out.sequences)
-        out.texts = [tok.decode([t for t in s[:n] if t != mask_id], skip_special_tokens=True)
+        out.texts = [tok.decode([t for t in s[:n] if t != model.mask_id], skip_special_tokens=True)
                      for s, n in zip(out.sequences, lens)]
     return out

@@ -1,15 +1,15 @@
 """SDAR-format checkpoints (SDARForCausalLM: Qwen3 architecture, block-diffusion attention): the published
-layout (config fields, tensor names, tokenizer), loading checks, the block-causal attention, and logits equal to
-SDAR's own modeling code on the same weights (a recorded fixture)."""
+layout (config fields, tensor names, tokenizer), loading checks, the block-causal attention, and the block
+decoder's checks and row independence (its logits and trajectories against SDAR's own code:
+test_golden_sdar.py)."""
 
 from __future__ import annotations
 
 import json
 
+import golden_models as gm
 import pytest
 import torch
-
-import golden_models as gm
 
 from dllm.models.loading import load_model, save_pretrained
 
@@ -87,3 +87,32 @@ def test_attention_is_bidirectional_in_a_block_and_causal_across_blocks(sdar_dir
     pad = torch.cat([torch.full((1, 3), m.pad_id), x], 1)
     mask = torch.cat([torch.zeros(1, 3, dtype=torch.bool), torch.ones(1, 12, dtype=torch.bool)], 1)
     assert torch.allclose(m(pad, attn_mask=mask)[0, 3:], base[0], atol=1e-5)
+
+
+def test_block_decoder_checks_its_arguments_and_rows_are_independent(sdar_dir):
+    import dllm
+    from dllm.blockdiff import block_diffusion_generate
+
+    m = load_model(sdar_dir)
+    with pytest.raises(ValueError, match="block-diffusion checkpoint"):
+        block_diffusion_generate(dllm.load_model("llada-tiny"), ["hi"])
+    for kw, match in (({"temperature": 0.0}, "top_k=1"), ({"remasking": "entropy_bounded"}, "known: low_conf"),
+                      ({"denoising_steps": 8, "block_length": 4}, "exceeds block_length"),
+                      ({"gen_length": 0}, "gen_length"), ({"top_p": 0.0}, "top_p"),
+                      ({"gen_length": 600}, "context")):
+        with pytest.raises(ValueError, match=match):
+            block_diffusion_generate(m, ["What is 1 + 2?"], **kw)
+    prompts = ["What is 12 + 30?", 'Please copy the list exactly: ["Ann Lee", "Bob Stone"]']
+    kw = dict(gen_length=12, block_length=4, denoising_steps=4, top_k=0, seed=3)
+    both = block_diffusion_generate(m, prompts, **kw)
+    for i, p in enumerate(prompts):
+        alone = block_diffusion_generate(m, [p], **kw)
+        assert alone.sequences[0] == both.sequences[i] and alone.nfe[0] == both.nfe[i]
+    assert len(both.sequences[0]) % 4 == (-both.prompt_lengths[0]) % 4 and len(both.sequences[0]) >= 12
+    # The exact cache: each denoising forward over a block sees the stored blocks exactly as a full-canvas
+    # forward does (block-causal attention), so the first block's proposals equal the full forward's argmax.
+    x = torch.tensor([m.tokenizer.encode("abc def ghi jk")[:8] + [m.mask_id] * 4])
+    full = m(x, block_size=4)[0, 8:]
+    out = block_diffusion_generate(m, [x[0, :8].tolist()], gen_length=4, block_length=4, denoising_steps=1,
+                                   top_k=1, chat_template=False, remasking="low_confidence_static")
+    assert out.sequences[0] == full.argmax(-1).tolist() and out.nfe[0] == 3  # prefill, the block, its store
