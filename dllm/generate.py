@@ -304,9 +304,10 @@ class Decoder:
         self.cache.reset(B, T)
         self.cols_all = torch.arange(T, device=device)
         lo = torch.full((B,), P, dtype=torch.long, device=device)
-        hi, steps = self.policy.next_region(lo, T, config)
+        positions = (valid.long().cumsum(-1) - 1).clamp_min(0)
+        hi, steps = self._next_region(lo, T, P - positions[:, P])
         st = DecodeState(
-            rows=rows, x=x, positions=(valid.long().cumsum(-1) - 1).clamp_min(0),
+            rows=rows, x=x, positions=positions,
             key_mask=None if all_valid else valid, P=P, lo=lo, hi=hi, steps=steps,
             step_in=torch.zeros(B, dtype=torch.long, device=device), n_start=hi - lo,
             active=torch.ones(B, dtype=torch.bool, device=device),
@@ -322,6 +323,13 @@ class Decoder:
         st.window = tuple(self._window(st).tolist())
         self.max_iters = 4 * (G + config.total_steps) + 8
         return st
+
+    def _next_region(self, lo, T: int, offsets):
+        """The policy's next regions; ``offsets`` (each row's canvas column of its position 0) for policies that
+        declare ``row_offsets`` (blocks aligned to the model's grid)."""
+        if self.policy.row_offsets:
+            return self.policy.next_region(lo, T, self.config, offsets=offsets)
+        return self.policy.next_region(lo, T, self.config)
 
     def _window(self, st: DecodeState) -> torch.Tensor:
         """``[2]`` (lo, hi) of the union of the active rows' regions, on the device."""
@@ -437,7 +445,7 @@ class Decoder:
         st.finish = torch.where(finished_now, torch.full_like(st.finish, st.nfe), st.finish)
         st.active = st.active & ~finished_now
         advance = done & ~finished_now
-        nhi, nsteps = self.policy.next_region(new_lo, T, config)
+        nhi, nsteps = self._next_region(new_lo, T, st.P - st.positions[:, st.P])
         st.lo = new_lo
         hi = torch.where(advance, nhi, hi)
         st.hi = hi

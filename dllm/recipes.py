@@ -11,13 +11,18 @@ keeps working. :func:`resolve` is the one place where the caller's choices and t
   ``GenerateConfig.block_length``, or of the recipe's ``block_length`` when the caller set none and it is shorter
   than ``gen_length``;
 * cache: the caller's; else the recipe's (when the model supports caches); else none.
+
+Block-diffusion checkpoints (``config.block_size``, SDAR) differ in two defaults: with no block policy and no
+``block_length`` from the caller the regions are the model's own blocks (:class:`~dllm.blocks.AlignedBlocks`),
+and with no cache from the caller the cache is the exact block cache (``block``) rather than the recipe's (the
+recipes' caches approximate bidirectional models). The ``block`` cache gets the model's block size.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from dllm.blocks import BlockPolicyBase, FixedBlocks
+from dllm.blocks import AlignedBlocks, BlockPolicyBase, FixedBlocks
 from dllm.config import GenerateConfig
 from dllm.samplers.recipe import Recipe, as_recipe, configure
 
@@ -47,16 +52,21 @@ def resolve(model, sampler, cache, block_policy, config: GenerateConfig):
         sampler = default_sampler(model)
     recipe = as_recipe(sampler)
     recipe = dataclasses.replace(recipe, sampler=_Declared.wrap(recipe.sampler, SamplerBase)).bind_model(model)
+    block_size = getattr(getattr(model, "config", None), "block_size", None)
     if cache is None and getattr(model, "supports_cache", False):
-        cache = recipe.cache
+        cache = "block" if block_size else recipe.cache
     if isinstance(cache, str):
         cache = get_cache(cache)
     elif isinstance(cache, tuple):  # (name, params)
         cache = get_cache(cache[0], **dict(cache[1]))
+    if getattr(cache, "name", None) == "block" and getattr(cache, "block_size", 0) is None:
+        cache.block_size = block_size  # the exact block cache on the model's grid (ValueError at use without one)
     cache = _Declared.wrap(cache, CacheBase) if cache is not None else NoCache()
     if not isinstance(cache, NoCache) and not getattr(model, "supports_cache", False):
         raise ValueError(f"cache {cache.name!r} needs a dllm Transformer; this model supports no caches (use cache=None)")
     policy, preset_bl = block_policy or recipe.block_policy, None
+    if policy is None and block_size and config.block_length is None:
+        policy = AlignedBlocks()
     if policy is None:
         bl = recipe.block_length
         if bl and config.block_length is None and bl < config.gen_length:

@@ -17,7 +17,7 @@ from dllm.caches import CACHES, KVCache, get_cache
 from dllm.caches.base import rows_from_mask
 from dllm.samplers import SAMPLERS as SAMPLER_REGISTRY
 
-CACHE_NAMES = [n for n in CACHES if n != "none"]
+CACHE_NAMES = [n for n in CACHES if n not in ("none", "block")]  # block: block-diffusion models (test_sdar.py)
 
 
 def _canvas(model, P=6, G=12, B=2, seed=0, frac_masked=0.5):

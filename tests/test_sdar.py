@@ -116,3 +116,44 @@ def test_block_decoder_checks_its_arguments_and_rows_are_independent(sdar_dir):
     out = block_diffusion_generate(m, [x[0, :8].tolist()], gen_length=4, block_length=4, denoising_steps=1,
                                    top_k=1, chat_template=False, remasking="low_confidence_static")
     assert out.sequences[0] == full.argmax(-1).tolist() and out.nfe[0] == 3  # prefill, the block, its store
+
+
+def test_generate_decodes_sdar_on_its_own_blocks_with_the_exact_block_cache():
+    """dllm.generate on a block-diffusion model: regions on the model's block grid and the exact block cache by
+    default; every sampler gives the tokens and forwards of no cache while computing a fraction of the rows."""
+    import dllm
+    from dllm.samplers import SAMPLERS
+
+    m = gm.sdar_tiny(0)
+    prompts = ["What is 12 + 30?", 'Please copy the list exactly: ["Ann Lee", "Bob Stone"]', "Hi"]
+    for name in SAMPLERS:
+        if name in ("guided", "adablock"):  # the AR guide's tokenizer; delimiter ids of trained models
+            continue
+        kw = dict(gen_length=16, steps=16, sampler=name, seed=1)
+        base = dllm.generate(m, prompts, cache="none", **kw)
+        out = dllm.generate(m, prompts, **kw)
+        assert torch.equal(out.sequences, base.sequences), name
+        assert out.stats.row_nfe == base.stats.row_nfe, name
+        fractions = [float(f) for rec in out.stats.trace[1:] for f in rec["computed"]]
+        assert fractions and max(fractions) < 0.5, name  # after the first forward: blocks, not the canvas
+    out = dllm.generate(m, prompts, gen_length=16, steps=16)
+    first = out.stats.trace[0]
+    P = max(out.prompt_lengths)
+    for b, n in enumerate(out.prompt_lengths):  # each row's first region ends at its prompt's block boundary
+        off = P - n
+        assert int(first["hi"][b]) - off == (n // 4 + 1) * 4
+    with pytest.raises(ValueError, match="block-diffusion checkpoints"):
+        dllm.generate(dllm.load_model("llada-tiny"), ["hi"], gen_length=8, block_length=8, steps=8, cache="block")
+    with pytest.raises(ValueError, match="multiple of gen_length"):
+        dllm.generate(m, prompts, gen_length=16, steps=6)
+
+
+def test_the_block_cache_adds_one_synchronisation():
+    import dllm
+    from sync_counter import syncs_per_step
+
+    m = gm.sdar_tiny(0)
+    for name in ("llada", "threshold", "credit"):
+        per_step, where, steps = syncs_per_step(lambda: dllm.generate(m, ["What is 12 + 30?", "Hi"], gen_length=16,
+                                                                      steps=16, sampler=name))
+        assert steps > 0 and 1 <= per_step <= 2, (name, per_step, where.most_common(4))

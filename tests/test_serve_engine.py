@@ -198,3 +198,42 @@ def test_the_engine_default_sampler_and_params_apply_to_requests_that_name_none(
         Engine(llada, sampler="nope")
     with pytest.raises(RequestError, match="klass.*not served"):
         Engine(llada, sampler="klass")
+
+
+def test_block_diffusion_requests_join_and_leave_exactly():
+    """An SDAR-format checkpoint: its own blocks and exact block cache by default; requests of mixed samplers,
+    lengths and join times each equal dllm.generate of the request alone."""
+    import golden_models as gm
+
+    sdar = gm.sdar_tiny(0)
+    eng = Engine(sdar, max_rows=3)
+    reqs = []
+    for wave in range(3):
+        for k, (sampler, params) in enumerate([("llada", {}), ("threshold", {"tau": 0.5}),
+                                               ("credit", {"temperature": 0.8})]):
+            prompt = PROMPTS[(k + wave) % len(PROMPTS)]
+            rid = f"sdar-{wave}-{k}"
+            G = 16 if k != 1 else 8
+            reqs.append((eng.submit(prompt, gen_length=G, steps=G, sampler=sampler, params=params, seed=k,
+                                    request_id=rid), prompt, rid, sampler, params, G, k))
+        eng.step()
+    eng.run_until_idle()
+    assert eng.stats()["joins"] >= 2
+    for h, prompt, rid, sampler, params, G, seed in reqs:
+        out = dllm.generate(sdar, [prompt], gen_length=G, steps=G, sampler=dllm.get_sampler(sampler, **params),
+                            seed=seed, row_ids=[rid])
+        assert h.result(timeout=0).tokens == out.sequences[0].tolist(), rid
+        assert h.result().nfe == out.stats.row_nfe[0], rid
+    # The longest prompt leaves after a few steps: the canvas is cropped and the final columns move left with it.
+    eng = Engine(sdar, max_rows=4)
+    h_long = eng.submit(PROMPTS[1] + " " + PROMPTS[3], gen_length=16, steps=16, request_id="long")
+    h_short = eng.submit(PROMPTS[2], gen_length=16, steps=16, request_id="short")
+    for _ in range(6):
+        eng.step()
+    width = next(iter(eng.groups.values())).state.x.shape[1]
+    h_long.cancel()
+    eng.run_until_idle()
+    assert h_long.result(timeout=0).finish_reason == "cancelled" and eng.stats()["forwards"] > 6
+    out = dllm.generate(sdar, [PROMPTS[2]], gen_length=16, steps=16, row_ids=["short"])
+    assert h_short.result(timeout=0).tokens == out.sequences[0].tolist()
+    assert width > len(h_short.result().tokens)  # the group held the long prompt's padding before

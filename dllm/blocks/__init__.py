@@ -4,12 +4,14 @@ masks left, the policy is asked for the next one, starting where the last ended.
 
 * :class:`FixedBlocks` / :func:`WholeCanvas`: semi-autoregressive blocks (LLaDA) or one region (Dream);
 * :class:`SlidingWindow`: Elastic-Cache's window over the first remaining masks;
-* :class:`AdaBlock`: delimiter-aligned adaptive blocks (AdaBlock-dLLM).
+* :class:`AdaBlock`: delimiter-aligned adaptive blocks (AdaBlock-dLLM);
+* :class:`AlignedBlocks`: blocks on a block-diffusion model's block grid (SDAR).
 """
 
 from dllm.blocks.adablock import FAMILY_THRESHOLDS, AdaBlock, tokenizer_delimiters
+from dllm.blocks.aligned import AlignedBlocks
 from dllm.blocks.fixed import BlockPolicy, BlockPolicyBase, FixedBlocks, WholeCanvas
 from dllm.blocks.sliding import SlidingWindow
 
-__all__ = ["FAMILY_THRESHOLDS", "AdaBlock", "BlockPolicy", "BlockPolicyBase", "FixedBlocks", "SlidingWindow",
+__all__ = ["FAMILY_THRESHOLDS", "AdaBlock", "AlignedBlocks", "BlockPolicy", "BlockPolicyBase", "FixedBlocks", "SlidingWindow",
            "WholeCanvas", "tokenizer_delimiters"]

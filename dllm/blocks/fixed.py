@@ -28,6 +28,8 @@ class BlockPolicy(Protocol):
     #: ``slide(masked, lo) -> (lo, hi)`` or None: recompute every row's region before each forward (a sliding
     #: window; such a row is one schedule region and is done when no mask is left)
     slide: Callable | None
+    #: True: ``next_region`` also gets ``offsets`` ``[B]``, each row's canvas column of its position 0 (aligned blocks)
+    row_offsets: bool
 
     def bind(self, model) -> BlockPolicy:  # pragma: no cover - protocol
         """This policy with model-dependent settings resolved (once per ``generate``)."""
@@ -45,6 +47,7 @@ class BlockPolicyBase:
 
     refine = None
     slide = None
+    row_offsets = False
 
     def bind(self, model):
         return self

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dllm.caches.base import Cache, CacheState, KVCache, NoCache
 from dllm.caches.elastic import ElasticCache
-from dllm.caches.policies import DKVDecode, DKVGreedy, DualCache, FreeCache, PrefixCache
+from dllm.caches.policies import BlockExact, DKVDecode, DKVGreedy, DualCache, FreeCache, PrefixCache
 
 CACHES = {
     "none": NoCache,
@@ -14,6 +14,7 @@ CACHES = {
     "dkv-greedy": DKVGreedy,
     "freecache": FreeCache,
     "elastic": ElasticCache,
+    "block": BlockExact,
 }
 
 
@@ -24,5 +25,5 @@ def get_cache(name: str, **params) -> Cache:
     return CACHES[name](**params)
 
 
-__all__ = ["CACHES", "Cache", "CacheState", "DKVDecode", "DKVGreedy", "DualCache", "ElasticCache", "FreeCache", "KVCache",
+__all__ = ["CACHES", "BlockExact", "Cache", "CacheState", "DKVDecode", "DKVGreedy", "DualCache", "ElasticCache", "FreeCache", "KVCache",
            "NoCache", "PrefixCache", "get_cache"]

@@ -130,3 +130,57 @@ class FreeCache(KVCache):
         start = torch.where(state.step_in == 0, self.cur_lo, state.lo)
         c = _cols(state)
         return (c >= (start - state.shift)[:, None]) & (c < state.hi[:, None])
+
+
+class BlockExact(KVCache):
+    """The exact cache of block-diffusion checkpoints (attention bidirectional inside a block of the model's
+    ``block_size``, causal across blocks; SDAR). A block's keys and values depend only on the tokens of that block
+    and earlier ones, so once a block holds no mask they are final: each forward recomputes a row from the start
+    of its first block whose stored K/V are not final yet (a block that finished at the previous step is
+    recomputed once, with its final tokens) to the end of the block holding the region's last column; earlier
+    blocks come from the cache, never refreshed, and later blocks are not attended to. The logits equal those
+    of no cache (up to float rounding of the smaller matrix products), whatever the block layout of the
+    decoding. Needs a block-diffusion model (``generate`` gives it the model's block size)."""
+
+    name = "block"
+
+    def __init__(self, block_size: int | None = None):
+        super().__init__(None)
+        if block_size is not None and (type(block_size) is not int or block_size < 1):
+            raise ValueError(f"block_size={block_size!r} must be a positive integer (default: the model's)")
+        self.block_size = block_size
+
+    def __repr__(self) -> str:
+        return f"BlockExact(block_size={self.block_size})"
+
+    def on_reset(self):
+        self.final = None  # [B] canvas column up to which each row's stored K/V are final
+
+    def _grid(self, state):
+        """Each row's offset (the canvas column of its position 0) and the block start of every column."""
+        if not self.block_size:
+            raise ValueError("cache 'block' is the exact cache of block-diffusion checkpoints (config block_size, "
+                             "e.g. SDAR); for LLaDA / Dream use 'prefix', 'dual' or another cache")
+        B, T = state.x.shape
+        off = (~state.valid).sum(-1) if state.valid is not None else torch.zeros(B, dtype=torch.long,
+                                                                                   device=state.x.device)
+        c = _cols(state)
+        start = off[:, None] + (c - off[:, None]).clamp_min(0) // self.block_size * self.block_size
+        return off, start
+
+    def _first_open_block(self, state, start):
+        """[B] start column of each row's first block that still holds a mask (the canvas length if none)."""
+        masked = state.x == state.mask_id
+        T = state.x.shape[1]
+        return torch.where(masked, start, T).min(-1).values
+
+    def after_plan(self, state, rows):
+        _, start = self._grid(state)
+        self.final = self._first_open_block(state, start)  # every block before it is computed now, mask-free
+
+    def select(self, state):
+        _, start = self._grid(state)
+        c = _cols(state)
+        last = (state.hi - 1).clamp_min(0)
+        end = start.gather(1, last[:, None]) + self.block_size  # end of the block holding the region's last column
+        return (c >= self.final[:, None]) & (c < end)

@@ -14,7 +14,9 @@ so every response is token-identical to ``dllm.generate`` of the same request al
   (``index_select``); the canvas is cropped when the longest prompt left.
 * Caches: the K/V buffers move with the rows (re-padded, selected, extended with the newcomers' rows, which
   their first forward recomputes in full). ``prefix``, ``dual``, ``dkv-decode`` and ``dkv-greedy`` are served
-  (a preset's own cache by default: ``fast-dllm`` runs with ``dual``); ``freecache`` and ``elastic``, which keep
+  (a preset's own cache by default: ``fast-dllm`` runs with ``dual``), and the exact ``block`` cache of
+  block-diffusion checkpoints (their default; its per-row count of final columns moves with the rows, a joining
+  row has none); ``freecache`` and ``elastic``, which keep
   more per-batch state, are refused, as are samplers whose scratch state is not moved yet (``klass``,
   ``guided``); CreditDecoding's credit tables move with the rows like the K/V buffers. Progress-driven
   samplers (``prophet``, ``eoser``, ``ascending``) read each row's own forward count, so they are served.
@@ -48,7 +50,7 @@ log = logging.getLogger(__name__)
 # samplers whose scratch state across steps is not moved between batches yet
 BATCH_STATEFUL = ("klass", "guided")
 # caches whose only batch state is the K/V buffers (moved with the rows); freecache and elastic keep more
-SERVED_CACHES = ("none", "prefix", "dual", "dkv-decode", "dkv-greedy")
+SERVED_CACHES = ("none", "prefix", "dual", "dkv-decode", "dkv-greedy", "block")
 
 
 class QueueFull(RuntimeError):
@@ -208,6 +210,12 @@ def _move_cache(cache, d: int, keep: list[int] | None, n_new: int) -> None:
     them in full: every served cache refreshes a row at its first step)."""
     if not getattr(cache, "filled", False):
         return
+    final = getattr(cache, "final", None)  # the block cache: each row's column up to which its K/V are final
+    if final is not None:
+        if keep is not None:
+            final = final.index_select(0, torch.tensor(keep, dtype=torch.long, device=final.device))
+        final = (final + d).clamp_min(0)
+        cache.final = torch.cat([final, final.new_zeros(n_new)]) if n_new else final  # joining rows: none yet
     for layer in range(len(cache.k)):
         for buf in (cache.k, cache.v):
             t = buf[layer]
@@ -296,8 +304,10 @@ class Engine:
             rows = prepare_prompts(self.model, [prompt], None, chat_template)
         except (ValueError, TypeError, KeyError) as exc:
             raise RequestError(str(exc)) from None
-        if cache is None:  # the preset's own cache (fast-dllm: dual), where the engine can move it
-            cache = getattr(recipe, "cache", None) or "none"
+        if cache is None:  # the preset's own cache (fast-dllm: dual), where the engine can move it; block-diffusion
+            # checkpoints: their exact block cache, as in generate
+            cache = "block" if getattr(self.model.config, "block_size", None) else (getattr(recipe, "cache", None)
+                                                                                    or "none")
             cache = cache if isinstance(cache, str) else cache[0]
         if cache not in SERVED_CACHES:
             raise RequestError(f"cache {cache!r} is not served; served caches: {', '.join(SERVED_CACHES)}")
