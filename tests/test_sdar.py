@@ -149,11 +149,12 @@ def test_generate_decodes_sdar_on_its_own_blocks_with_the_exact_block_cache():
 
 
 def test_the_block_cache_adds_one_synchronisation():
-    import dllm
     from sync_counter import syncs_per_step
+
+    import dllm
 
     m = gm.sdar_tiny(0)
     for name in ("llada", "threshold", "credit"):
-        per_step, where, steps = syncs_per_step(lambda: dllm.generate(m, ["What is 12 + 30?", "Hi"], gen_length=16,
-                                                                      steps=16, sampler=name))
+        per_step, where, steps = syncs_per_step(lambda name=name: dllm.generate(m, ["What is 12 + 30?", "Hi"],
+                                                                                gen_length=16, steps=16, sampler=name))
         assert steps > 0 and 1 <= per_step <= 2, (name, per_step, where.most_common(4))
