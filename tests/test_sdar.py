@@ -158,3 +158,19 @@ def test_the_block_cache_adds_one_synchronisation():
         per_step, where, steps = syncs_per_step(lambda name=name: dllm.generate(m, ["What is 12 + 30?", "Hi"],
                                                                                 gen_length=16, steps=16, sampler=name))
         assert steps > 0 and 1 <= per_step <= 2, (name, per_step, where.most_common(4))
+
+
+def test_the_command_line_generates_and_evaluates_an_sdar_checkpoint(sdar_dir, tmp_path, capsys):
+    """`dllm generate` and `dllm eval-tasks` / `dllm parallelbench run` take an SDAR directory like any checkpoint."""
+    from dllm.cli import main
+
+    assert main(["generate", "What is 1 + 2?", "--model", str(sdar_dir), "--gen-length", "8", "--json"]) == 0
+    import json
+
+    assert len(json.loads(capsys.readouterr().out)["sequences"][0]) == 8
+    assert main(["eval-tasks", "--model", str(sdar_dir), "--tasks", "waiting_line/copy", "--n", "2",
+                 "--gen-length", "16"]) == 0
+    assert "waiting_line/copy" in capsys.readouterr().out
+    assert main(["parallelbench", "run", "--model", str(sdar_dir), "--tasks", "waiting_line/copy", "--n", "2",
+                 "--method", "threshold", "--gen-length", "16", "--out", str(tmp_path / "pb")]) == 0
+    assert (tmp_path / "pb").is_dir()
