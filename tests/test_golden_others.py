@@ -17,7 +17,7 @@ from dllm.samplers import get_sampler
 from dllm.samplers.llada import LLaDASampler
 from dllm.samplers.prophet import Prophet
 
-REFERENCES = ("klass-llada", "adablock-llada", "localleap", "prophet", "eoser", "eb", "d3llm")
+REFERENCES = ("klass-llada", "adablock-llada", "localleap", "prophet", "eoser", "eb", "d3llm", "d3llm-multiblock")
 MODELS = {"klass-llada": ("shaped-llada",)}  # KLASS's LLaDA script hard-codes LLaDA's mask id
 
 
@@ -133,8 +133,17 @@ def d3llm(p: dict):
     return sampler, dict(gen_length=p["gen_length"], block_length=p["block_length"], seed=p.get("seed", 0))
 
 
+def d3llm_multiblock(p: dict):
+    """d3LLM's ``generate_multi_block`` -> the ``multiblock`` preset (its policy and the activated block's
+    progress), the reference's noise stream (``steps`` is unused by the reference)."""
+    sampler = get_sampler("multiblock", threshold=p["threshold"], block_length=p["block_size"],
+                          add_threshold=p["block_add_threshold"], activate_threshold=p["decoded_token_threshold"],
+                          temperature=p["temperature"], noise_scope="canvas")
+    return sampler, dict(gen_length=p["max_new_tokens"], seed=p.get("seed", 0))
+
+
 MAPPINGS = {"klass-llada": klass_llada, "adablock-llada": adablock_llada, "localleap": localleap,
-            "prophet": prophet, "eoser": eoser, "eb": eb, "d3llm": d3llm}
+            "prophet": prophet, "eoser": eoser, "eb": eb, "d3llm": d3llm, "d3llm-multiblock": d3llm_multiblock}
 
 # Cases where the reference's torch.topk ordered exactly tied scores differently from dllm's lower-column-first
 # rule (checked up to that forward, see golden_common.compare_case); every other case is compared in full.

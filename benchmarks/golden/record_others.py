@@ -23,6 +23,7 @@ Each reference is a public repository; check it out at the commit named here and
 * ``d3llm``: hao-ai-lab/d3LLM @ e5bfcac, ``d3llm/d3llm_LLaDA/d3llm_llada_generate_util.py`` (``generate`` with
   ``threshold``: d3LLM's entropy threshold in fixed blocks, ``get_transfer_index_entropy``); its
   ``utils.utils_LLaDA.model.modeling_llada`` import (used only by its ``main``) is satisfied by a stub module.
+  ``d3llm-multiblock``: the same file's ``generate_multi_block`` (pipelined blocks, no cache, no early stop).
 * ``eoser``: yjyddq/EOSER-ASS-RL @ 5affb4ec0db9d3819175c2011c94e38c74325624, ``eval/generate.py``
   (``eoser_generate``, ``ass_generate``, ``eoser_ass_generate``; ``params.function`` names the one that ran).
   Its loops call ``torch.distributed.get_rank()``: the script starts a one-process gloo group first.
@@ -39,6 +40,7 @@ LLaDA modeling file); from the repository root, each command writes
     $PY benchmarks/golden/record_others.py eoser --ref-dir /path/to/EOSER-ASS-RL         # eoser_*
     $PY benchmarks/golden/record_others.py eb --ref-dir /path/to/Information-Gain-Sampler  # eb_*
     $PY benchmarks/golden/record_others.py d3llm --ref-dir /path/to/d3LLM                 # d3llm_*
+    $PY benchmarks/golden/record_others.py d3llm-multiblock --ref-dir /path/to/d3LLM      # d3llm-multiblock_*
 
 Models: the bundled ``llada-tiny`` and the LLaDA-shaped random model of ``tests/golden_models.py`` (AdaBlock gets
 delimiter ids that each model proposes: the tokenizer's newline tokens, two frequent ids of the shaped model).
@@ -501,6 +503,47 @@ def record_d3llm(ref_dir: Path):
                                                  for cid, rows, params in d3llm_cases(prompts)])
 
 
+def run_d3llm_multiblock(mod, model, cid, rows, params):
+    """d3LLM's ``generate_multi_block`` (no cache, no early stop; batch 1); ``params``: its keyword arguments plus
+    ``seed``."""
+    rec = Host(model, 1)
+    ids = torch.tensor(rows)
+    torch.manual_seed(params.get("seed", 0))
+    x, nfe = mod.generate_multi_block(rec, ids, mask_id=model.mask_id,
+                                      **{k: v for k, v in params.items() if k != "seed"})
+    P = ids.shape[1]
+    return finish(cid, rows, params, x[:, P:], rec, P, model.mask_id, nfe)
+
+
+def d3llm_multiblock_cases(prompts):
+    """Blocks of 8 over 32 positions: the next block added at a quarter, a half or the whole of the last one,
+    fully activated at a half or the whole of the previous one; thresholds from one token per step to most of
+    a block; seeded temperature > 0."""
+    b = dict(steps=32, max_new_tokens=32, block_size=8, temperature=0.0, remasking="low_confidence",
+             threshold=0.5, block_add_threshold=0.5, decoded_token_threshold=0.5)
+    return [
+        ("t0.5", [prompts[0]], dict(b)),
+        ("t0.01_add0.25", [prompts[1]], dict(b, threshold=0.01, block_add_threshold=0.25)),
+        ("t2_add0.25_act1", [prompts[2]], dict(b, threshold=2.0, block_add_threshold=0.25,
+                                               decoded_token_threshold=1.0)),
+        ("t1_sequential", [prompts[3]], dict(b, threshold=1.0, block_add_threshold=1.0, decoded_token_threshold=1.0)),
+        ("t0.3_b16", [prompts[0]], dict(b, threshold=0.3, block_size=16, block_add_threshold=0.75)),
+        ("t1_t07", [prompts[1]], dict(b, threshold=1.0, temperature=0.7, seed=2)),
+    ]
+
+
+def record_d3llm_multiblock(ref_dir: Path):
+    stub_modules("utils", "utils.utils_LLaDA", "utils.utils_LLaDA.model", "utils.utils_LLaDA.model.modeling_llada",
+                 LLaDAModelLM=None)
+    mod = rl.load_module(ref_dir / "d3llm" / "d3llm_LLaDA" / "d3llm_llada_generate_util.py", "ref_d3llm_generate")
+    reference = {"repo": "hao-ai-lab/d3LLM", "commit": "e5bfcaccb775ee75759c24ccc9a28218b8372b34",
+                 "file": "d3llm/d3llm_LLaDA/d3llm_llada_generate_util.py", "function": "generate_multi_block"}
+    for label, model, prompts in llada_models():
+        save("d3llm-multiblock", label, reference, model,
+             [run_d3llm_multiblock(mod, model, cid, rows, params)
+              for cid, rows, params in d3llm_multiblock_cases(prompts)])
+
+
 # ---------------------------------------------------------------------------------------------------- common
 def llada_models():
     tiny = rl.tiny_model("llada-tiny")
@@ -520,7 +563,7 @@ def save(ref_name, label, reference, model, cases, active=()):
 
 RECORDERS = {"klass": record_klass, "adablock": record_adablock, "localleap": record_localleap,
              "prophet": record_prophet, "eoser": record_eoser, "eb": record_eb,
-             "d3llm": record_d3llm}
+             "d3llm": record_d3llm, "d3llm-multiblock": record_d3llm_multiblock}
 
 
 def main(argv=None):

@@ -5,13 +5,15 @@ masks left, the policy is asked for the next one, starting where the last ended.
 * :class:`FixedBlocks` / :func:`WholeCanvas`: semi-autoregressive blocks (LLaDA) or one region (Dream);
 * :class:`SlidingWindow`: Elastic-Cache's window over the first remaining masks;
 * :class:`AdaBlock`: delimiter-aligned adaptive blocks (AdaBlock-dLLM);
-* :class:`AlignedBlocks`: blocks on a block-diffusion model's block grid (SDAR).
+* :class:`AlignedBlocks`: blocks on a block-diffusion model's block grid (SDAR);
+* :class:`MultiBlock`: d3LLM's multi-block decoding (the next block starts before the current one is done).
 """
 
 from dllm.blocks.adablock import FAMILY_THRESHOLDS, AdaBlock, tokenizer_delimiters
 from dllm.blocks.aligned import AlignedBlocks
 from dllm.blocks.fixed import BlockPolicy, BlockPolicyBase, FixedBlocks, WholeCanvas
+from dllm.blocks.multiblock import MultiBlock
 from dllm.blocks.sliding import SlidingWindow
 
-__all__ = ["FAMILY_THRESHOLDS", "AdaBlock", "AlignedBlocks", "BlockPolicy", "BlockPolicyBase", "FixedBlocks", "SlidingWindow",
+__all__ = ["FAMILY_THRESHOLDS", "AdaBlock", "AlignedBlocks", "BlockPolicy", "BlockPolicyBase", "FixedBlocks", "MultiBlock", "SlidingWindow",
            "WholeCanvas", "tokenizer_delimiters"]

@@ -8,11 +8,13 @@ which ``generate`` uses where the caller chooses none (:func:`dllm.recipes.resol
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
 
-from dllm.blocks import AdaBlock, SlidingWindow
+from dllm.blocks import AdaBlock, MultiBlock, SlidingWindow
+from dllm.blocks.multiblock import block_states
 from dllm.samplers.base import StepContext, StepResult, check_choice
 from dllm.samplers.composed import ComposedSampler
 from dllm.samplers.guided import guided
@@ -50,6 +52,46 @@ def entropy_threshold(threshold: float = 0.5, temperature: float = 0.0, noise_sc
     return Recipe(ComposedSampler(EntropyThreshold(threshold), **_common(temperature, "neg_entropy", "float32",
                                                                          name, "off", noise_scope)),
                   block_length=block_length, name=name)
+
+
+@dataclass(frozen=True)
+class MultiBlockSampler(ComposedSampler):
+    """d3LLM's multi-block step (``generate_multi_block``): the entropy threshold over every candidate of the
+    region (all added blocks), and progress for the first fully activated block that holds masks: when the rule
+    commits nothing there, its lowest-entropy masked position is committed with the plain argmax token (the
+    reference's re-sample, without noise). The block layout comes from :class:`dllm.blocks.MultiBlock` with the
+    same ``block_length`` and thresholds (the ``multiblock`` preset builds both)."""
+
+    block_length: int = 32
+    add_threshold: float = 0.5
+    activate_threshold: float = 0.5
+
+    def step(self, logits: torch.Tensor, ctx) -> StepResult:
+        res = super().step(logits, ctx)
+        block_of, _, activated, masks = block_states(ctx.canvas == ctx.mask_id, ctx.region_lo, self.block_length,
+                                                     self.add_threshold, self.activate_threshold)
+        nb = masks.shape[1]
+        first = torch.where(activated & (masks > 0), torch.arange(nb, device=masks.device)[None], nb).min(-1).values
+        W = logits.shape[1]
+        in_first = (block_of[:, ctx.win_lo:ctx.win_lo + W] == first[:, None]) & ctx.cand
+        need = in_first.any(-1) & ~(res.commit & in_first).any(-1)
+        p = torch.softmax(logits.to(torch.float64), dim=-1)
+        ent = (-(p * torch.log(p + 1e-12)).sum(-1)).masked_fill(~in_first, math.inf)
+        force = torch.nn.functional.one_hot(ent.argmin(-1), W).bool() & need[:, None]
+        proposal = torch.where(force, logits.argmax(-1), res.proposal)
+        return StepResult(proposal, res.commit | force, res.info)
+
+
+def multiblock(threshold: float = 0.5, block_length: int = 32, add_threshold: float = 0.5,
+               activate_threshold: float = 0.5, temperature: float = 0.0, noise_scope: str = "row",
+               name: str = "multiblock") -> ComposedSampler:
+    """d3LLM's multi-block decoding: the entropy threshold over several blocks at once, a block added when the
+    last one is ``add_threshold`` decoded and fully activated when the one before it is ``activate_threshold``
+    decoded (:class:`dllm.blocks.MultiBlock`)."""
+    sampler = MultiBlockSampler(EntropyThreshold(threshold), block_length=block_length, add_threshold=add_threshold,
+                                activate_threshold=activate_threshold,
+                                **_common(temperature, "neg_entropy", "float32", name, "off", noise_scope))
+    return Recipe(sampler, block_policy=MultiBlock(block_length, add_threshold, activate_threshold), name=name)
 
 
 def _cache(cache):
@@ -234,6 +276,8 @@ class KLASSRecipe(Recipe):
 PRESETS = {
     "threshold": (threshold_sampler, "Fast-dLLM threshold rule: conf >= tau plus the best candidate (tau 0.9)"),
     "entropy-threshold": (entropy_threshold, "d3LLM: every token with entropy <= threshold (0.5) plus the lowest-entropy one"),
+    "multiblock": (multiblock, "d3LLM multi-block: entropy threshold 0.5 over blocks of 32 added at 50 % of the last "
+                               "one, fully activated at 50 % of the previous"),
     "eb": (eb, "EB-Sampler: lowest-entropy tokens while their summed entropy minus the largest is <= gamma (0.01)"),
     "factor": (factor_sampler, "Fast-dLLM factor rule: longest prefix with c_n >= 1 - f/(n+1) (f 1.0)"),
     "fast-dllm": (fast_dllm, "Fast-dLLM parallel decoding: threshold 0.9, block 32, dual cache"),
