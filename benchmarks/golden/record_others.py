@@ -469,12 +469,13 @@ def record_eb(ref_dir: Path):
 
 
 # ------------------------------------------------------------------------------------- d3LLM entropy threshold
-def run_d3llm(mod, model, cid, rows, params):
-    """d3LLM's ``generate`` with ``threshold`` (batch 1); ``params``: its keyword arguments plus ``seed``."""
+def run_d3llm(mod, model, cid, rows, params, fn: str = "generate"):
+    """d3LLM's ``generate`` with ``threshold`` (or ``fn``, e.g. ``generate_multi_block``; batch 1); ``params``: its
+    keyword arguments plus ``seed``."""
     rec = Host(model, 1)
     ids = torch.tensor(rows)
     torch.manual_seed(params.get("seed", 0))
-    x, nfe = mod.generate(rec, ids, mask_id=model.mask_id, **{k: v for k, v in params.items() if k != "seed"})
+    x, nfe = getattr(mod, fn)(rec, ids, mask_id=model.mask_id, **{k: v for k, v in params.items() if k != "seed"})
     P = ids.shape[1]
     return finish(cid, rows, params, x[:, P:], rec, P, model.mask_id, nfe)
 
@@ -503,18 +504,6 @@ def record_d3llm(ref_dir: Path):
                                                  for cid, rows, params in d3llm_cases(prompts)])
 
 
-def run_d3llm_multiblock(mod, model, cid, rows, params):
-    """d3LLM's ``generate_multi_block`` (no cache, no early stop; batch 1); ``params``: its keyword arguments plus
-    ``seed``."""
-    rec = Host(model, 1)
-    ids = torch.tensor(rows)
-    torch.manual_seed(params.get("seed", 0))
-    x, nfe = mod.generate_multi_block(rec, ids, mask_id=model.mask_id,
-                                      **{k: v for k, v in params.items() if k != "seed"})
-    P = ids.shape[1]
-    return finish(cid, rows, params, x[:, P:], rec, P, model.mask_id, nfe)
-
-
 def d3llm_multiblock_cases(prompts):
     """Blocks of 8 over 32 positions: the next block added at a quarter, a half or the whole of the last one,
     fully activated at a half or the whole of the previous one; thresholds from one token per step to most of
@@ -540,7 +529,7 @@ def record_d3llm_multiblock(ref_dir: Path):
                  "file": "d3llm/d3llm_LLaDA/d3llm_llada_generate_util.py", "function": "generate_multi_block"}
     for label, model, prompts in llada_models():
         save("d3llm-multiblock", label, reference, model,
-             [run_d3llm_multiblock(mod, model, cid, rows, params)
+             [run_d3llm(mod, model, cid, rows, params, "generate_multi_block")
               for cid, rows, params in d3llm_multiblock_cases(prompts)])
 
 

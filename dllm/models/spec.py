@@ -261,41 +261,28 @@ def _dream_rope(c: dict) -> tuple[float, list[str]]:
     return _positive_float({**c, **params}, "rope_theta", "Dream", 10000.0), []
 
 
-def _dream_from_hf(c: dict) -> TransformerConfig:
-    _require(c, ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"), "Dream")
-    d_model = _positive_int(c, "hidden_size", "Dream")
-    n_heads = _positive_int(c, "num_attention_heads", "Dream")
-    n_layers = _positive_int(c, "num_hidden_layers", "Dream")
-    theta, bad = _dream_rope(c)
-    if c.get("head_dim") is not None and c["head_dim"] * n_heads != d_model:
-        bad.append(f"head_dim={c['head_dim']!r} is not supported (only hidden_size / num_attention_heads = "
-                   f"{d_model // n_heads})")
-    layer_types = c.get("layer_types")
-    if layer_types is not None and any(t != "full_attention" for t in layer_types):
-        bad.append(f"layer_types={layer_types!r} is not supported (only 'full_attention' in every layer)")
-    _check_fields(c, "Dream", _DREAM_RULES, _DREAM_IGNORED, bad)
-    return _config(
-        "Dream",
-        vocab_size=_positive_int(c, "vocab_size", "Dream"),
+def _qwen_fields(c: dict, family: str, *, mlp_default: int | None, max_default: int) -> dict:
+    """The fields Qwen-architecture configs (Dream, SDAR) share, read and checked."""
+    d_model = _positive_int(c, "hidden_size", family)
+    n_heads = _positive_int(c, "num_attention_heads", family)
+    return dict(
+        vocab_size=_positive_int(c, "vocab_size", family),
         d_model=d_model,
-        n_layers=n_layers,
+        n_layers=_positive_int(c, "num_hidden_layers", family),
         n_heads=n_heads,
-        n_kv_heads=(_positive_int(c, "num_key_value_heads", "Dream") if c.get("num_key_value_heads") is not None
+        n_kv_heads=(_positive_int(c, "num_key_value_heads", family) if c.get("num_key_value_heads") is not None
                     else n_heads),
-        mlp_hidden=(_positive_int(c, "intermediate_size", "Dream") if c.get("intermediate_size") is not None
-                    else 4 * d_model),
-        max_seq_len=_positive_int(c, "max_position_embeddings", "Dream", 131072),
-        rope_theta=theta,
-        norm_eps=_positive_float(c, "rms_norm_eps", "Dream", 1e-6),
-        qkv_bias=True,
-        tie_embeddings=_flag(c, "tie_word_embeddings", "Dream"),
+        mlp_hidden=(_positive_int(c, "intermediate_size", family) if c.get("intermediate_size") is not None
+                    or mlp_default is None else mlp_default),
+        max_seq_len=_positive_int(c, "max_position_embeddings", family, max_default),
+        norm_eps=_positive_float(c, "rms_norm_eps", family, 1e-6),
+        tie_embeddings=_flag(c, "tie_word_embeddings", family),
     )
 
 
-def _dream_to_hf(cfg: TransformerConfig, ids: dict) -> dict:
+def _qwen_hf(cfg: TransformerConfig, ids: dict) -> dict:
+    """The fields Qwen-architecture configs (Dream, SDAR) share, written."""
     return {
-        "architectures": ["DreamModel"],
-        "model_type": "Dream",
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.mlp_hidden,
         "num_hidden_layers": cfg.n_layers,
@@ -311,6 +298,25 @@ def _dream_to_hf(cfg: TransformerConfig, ids: dict) -> dict:
         "pad_token_id": ids["pad_id"],
         "eos_token_id": ids["eos_id"],
     }
+
+
+def _dream_from_hf(c: dict) -> TransformerConfig:
+    _require(c, ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"), "Dream")
+    fields = _qwen_fields(c, "Dream", mlp_default=4 * _positive_int(c, "hidden_size", "Dream"), max_default=131072)
+    d_model, n_heads = fields["d_model"], fields["n_heads"]
+    theta, bad = _dream_rope(c)
+    if c.get("head_dim") is not None and c["head_dim"] * n_heads != d_model:
+        bad.append(f"head_dim={c['head_dim']!r} is not supported (only hidden_size / num_attention_heads = "
+                   f"{d_model // n_heads})")
+    layer_types = c.get("layer_types")
+    if layer_types is not None and any(t != "full_attention" for t in layer_types):
+        bad.append(f"layer_types={layer_types!r} is not supported (only 'full_attention' in every layer)")
+    _check_fields(c, "Dream", _DREAM_RULES, _DREAM_IGNORED, bad)
+    return _config("Dream", **fields, rope_theta=theta, qkv_bias=True)
+
+
+def _dream_to_hf(cfg: TransformerConfig, ids: dict) -> dict:
+    return {"architectures": ["DreamModel"], "model_type": "Dream", **_qwen_hf(cfg, ids)}
 
 
 DREAM = ModelSpec(
@@ -370,27 +376,17 @@ _SDAR_IGNORED = _SDAR_USED | {
 
 
 def _sdar_from_hf(c: dict) -> TransformerConfig:
-    _require(c, ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "block_size"), "SDAR")
+    _require(c, ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size",
+                 "block_size"), "SDAR")
     _check_fields(c, "SDAR", _SDAR_RULES, _SDAR_IGNORED, [])
-    d_model = _positive_int(c, "hidden_size", "SDAR")
-    n_heads = _positive_int(c, "num_attention_heads", "SDAR")
+    fields = _qwen_fields(c, "SDAR", mlp_default=None, max_default=32768)
     bias = _flag(c, "attention_bias", "SDAR")
     return _config(
-        "SDAR",
-        vocab_size=_positive_int(c, "vocab_size", "SDAR"),
-        d_model=d_model,
-        n_layers=_positive_int(c, "num_hidden_layers", "SDAR"),
-        n_heads=n_heads,
-        n_kv_heads=(_positive_int(c, "num_key_value_heads", "SDAR") if c.get("num_key_value_heads") is not None
-                    else n_heads),
-        mlp_hidden=_positive_int(c, "intermediate_size", "SDAR"),
-        max_seq_len=_positive_int(c, "max_position_embeddings", "SDAR", 32768),
+        "SDAR", **fields,
         rope_theta=_positive_float(c, "rope_theta", "SDAR", 10000.0),
-        norm_eps=_positive_float(c, "rms_norm_eps", "SDAR", 1e-6),
         qkv_bias=bias,
         out_bias=bias,
-        tie_embeddings=_flag(c, "tie_word_embeddings", "SDAR"),
-        head_size=_positive_int(c, "head_dim", "SDAR", d_model // n_heads),
+        head_size=_positive_int(c, "head_dim", "SDAR", fields["d_model"] // fields["n_heads"]),
         qk_norm=True,
         block_size=_positive_int(c, "block_size", "SDAR"),
     )
@@ -402,30 +398,17 @@ def _sdar_to_hf(cfg: TransformerConfig, ids: dict) -> dict:
         "auto_map": {"AutoConfig": "configuration_sdar.SDARConfig", "AutoModel": "modeling_sdar.SDARModel",
                      "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM"},
         "model_type": "sdar",
-        "hidden_size": cfg.d_model,
-        "intermediate_size": cfg.mlp_hidden,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
+        **_qwen_hf(cfg, ids),
         "head_dim": cfg.head_dim,
-        "vocab_size": cfg.vocab_size,
-        "hidden_act": "silu",
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
         "rope_scaling": None,
         "attention_bias": cfg.qkv_bias,
         "attention_dropout": 0.0,
         "use_sliding_window": False,
         "sliding_window": None,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "max_position_embeddings": cfg.max_seq_len,
         "block_size": cfg.block_size,
         # switches SDAR's model code reads (training kernels and parallelism), with the published values
         "fuse_cross_entropy": True, "micro_forward": False, "skip_checkpoint": False, "use_deepep": False,
         "ep_size": 1, "debug": False,
-        "mask_token_id": ids["mask_id"],
-        "pad_token_id": ids["pad_id"],
-        "eos_token_id": ids["eos_id"],
     }
 
 
