@@ -237,3 +237,27 @@ def test_block_diffusion_requests_join_and_leave_exactly():
     out = dllm.generate(sdar, [PROMPTS[2]], gen_length=16, steps=16, row_ids=["short"])
     assert h_short.result(timeout=0).tokens == out.sequences[0].tolist()
     assert width > len(h_short.result().tokens)  # the group held the long prompt's padding before
+
+
+def test_asyncio_callers_await_results_and_iterate_deltas(llada):
+    """submit() from asyncio code: ``await aresult()`` and ``async for`` over the final prefix's pieces."""
+    import asyncio
+
+    eng = Engine(llada, max_rows=4)
+    eng.start()
+    try:
+        async def one(i):
+            h = eng.submit(PROMPTS[i], gen_length=16, sampler="threshold", request_id=f"a{i}")
+            pieces = [ids async for ids in h.adelta_ids()]
+            return h, pieces, await h.aresult()
+
+        async def main():
+            return await asyncio.gather(*(one(i) for i in range(3)))
+
+        for h, pieces, r in asyncio.run(main()):
+            flat = [t for p in pieces for t in p]
+            assert flat and r.tokens[:len(flat)] == flat
+            tokens, _ = solo(llada, PROMPTS[int(h.request_id[1:])], h.request_id, sampler="threshold", gen_length=16)
+            assert r.tokens == tokens
+    finally:
+        eng.stop()

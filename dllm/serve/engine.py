@@ -29,6 +29,7 @@ for the left-to-right final prefix as it becomes final, ``.events()`` with the p
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import queue
@@ -78,8 +79,10 @@ class Result:
 
 
 class RequestHandle:
-    """What :meth:`Engine.submit` returns: ``result(timeout)``, ``deltas()`` (an iterator of text pieces of the
-    final prefix as it becomes final; ``delta_ids()`` the same as token ids), ``cancel()``."""
+    """What :meth:`Engine.submit` returns: ``result(timeout)``, ``delta_ids()`` (the token ids of the final
+    left-to-right prefix, in pieces as they become final), ``events()``, ``cancel()``; for asyncio code
+    ``await aresult()`` and ``async for ids in adelta_ids()`` / ``aevents()`` (the engine's loop runs in its
+    thread, :meth:`Engine.start`)."""
 
     def __init__(self, request_id: str, canvas: bool = False):
         self.request_id = request_id
@@ -115,6 +118,24 @@ class RequestHandle:
             if kind == "end":
                 return
             yield kind, value
+
+    async def aresult(self) -> Result:
+        """:meth:`result`, awaited."""
+        return await asyncio.to_thread(self.result)
+
+    async def aevents(self):
+        """:meth:`events` as an async iterator."""
+        while True:
+            kind, value = await asyncio.to_thread(self._events.get)
+            if kind == "end":
+                return
+            yield kind, value
+
+    async def adelta_ids(self):
+        """:meth:`delta_ids` as an async iterator."""
+        async for kind, value in self.aevents():
+            if kind == "ids":
+                yield value
 
     def _emit(self, ids: list[int]) -> None:
         if ids:
