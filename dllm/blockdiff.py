@@ -1,4 +1,4 @@
-"""Block-diffusion decoding for SDAR-style checkpoints, with the exact KV cache of finished blocks.
+"""Block-diffusion decoding for SDAR and LLaDA2.x checkpoints, with the exact KV cache of finished blocks.
 
 A block-diffusion model attends bidirectionally inside a block and causally across blocks, so the keys and
 values of a finished block never change: they are computed once, when the block is complete, and appended to
@@ -29,8 +29,14 @@ top-k also picks prompt positions of that block and overwrites them with predict
 are committed (the only difference; it needs ``block_length / denoising_steps`` larger than the masks left in
 the prompt's last block).
 
+``style="llada2"`` is LLaDA2's ``generate`` (``modeling_llada2_moe.py``) instead: no prefill or storing forwards (a
+block's first forward also computes and stores the finished block before it, where the reference recomputes the
+whole window), greedy decoding at ``temperature=0`` (argmax, softmax probability), at most ``denoising_steps``
+forwards per block, EOS alone ends a row, the region cut at ``gen_length`` (docs/block-diffusion.md).
+
 Rows are decoded one at a time (each with its own generator seeded by ``seed``), so a row's output never depends
-on its batch. Recorded reference runs: ``tests/fixtures/golden/sdar-*.json`` (``benchmarks/golden/record_sdar.py``).
+on its batch. Recorded reference runs: ``tests/fixtures/golden/sdar_sdar-tiny.json`` and
+``llada2_llada2-tiny.json`` (``benchmarks/golden/record_sdar.py``, ``record_llada2.py``).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import torch
 from dllm.generate import answer_lengths, prepare_prompts
 
 REMASKING = ("low_confidence_dynamic", "low_confidence_static", "sequential")
+STYLES = ("sdar", "llada2")
 
 
 @dataclass
@@ -54,20 +61,23 @@ class BlockDiffusionOutput:
 
 
 class _BlockKV:
-    """Keys and values of the finished blocks, per layer; ``store`` appends this forward's own."""
+    """Keys and values of the finished blocks, per layer; ``store`` appends that many of this forward's leading
+    rows (``True``: all of them)."""
 
     def __init__(self, n_layers: int):
         self.k: list[torch.Tensor | None] = [None] * n_layers
         self.v: list[torch.Tensor | None] = [None] * n_layers
-        self.store = False
+        self.store: bool | int = False
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        past = 0 if self.k[layer] is None else self.k[layer].shape[2]
         if self.k[layer] is not None:
             full_k, full_v = torch.cat([self.k[layer], k], 2), torch.cat([self.v[layer], v], 2)
         else:
             full_k, full_v = k, v
         if self.store:
-            self.k[layer], self.v[layer] = full_k, full_v
+            keep = full_k.shape[2] if self.store is True else past + self.store
+            self.k[layer], self.v[layer] = full_k[:, :, :keep], full_v[:, :, :keep]
         return full_k, full_v
 
     # the decode loop's optional cache hooks, unused here
@@ -82,9 +92,14 @@ def num_transfer_tokens(block_length: int, steps: int) -> list[int]:
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator):
-    """One draw per position (``[L, V]`` logits) and its probability, as the reference's
-    ``sample_with_temperature_topk_topp``."""
-    if temperature != 1.0:
+    """One draw per position (``[L, V]`` logits) and its probability, as the references'
+    ``sample_with_temperature_topk_topp``; temperature 0 without top-k / top-p: the argmax and its softmax
+    probability (LLaDA2's greedy mode; SDAR has none)."""
+    if temperature == 0 and not top_k and top_p >= 1.0:
+        probs = torch.softmax(logits, -1)
+        token = logits.argmax(-1, keepdim=True)
+        return token[:, 0], probs.gather(-1, token)[:, 0]
+    if temperature not in (0.0, 1.0):
         logits = logits / temperature
     if top_k > 0:
         kth = torch.topk(logits, top_k).values[..., -1:]
@@ -118,7 +133,7 @@ def _commit(rule: str, masked: torch.Tensor, p: torch.Tensor, quota: int, thresh
 
 
 def _decode_row(model, prompt: list[int], gen_length: int, B: int, quota: list[int], remasking: str,
-                threshold: float, sampling: tuple, seed: int, stops: set[int]):
+                threshold: float, sampling: tuple, seed: int, stops: set[int], style: str):
     """One row: (generated region, forwards, per-forward trace)."""
     P = len(prompt)
     total = -(-(P + gen_length) // B) * B
@@ -133,38 +148,53 @@ def _decode_row(model, prompt: list[int], gen_length: int, B: int, quota: list[i
     cache = _BlockKV(len(model.layers))
     trace: list[dict] = []
 
-    def forward(lo: int, hi: int, store: bool, block: int | None) -> torch.Tensor:
+    def forward(lo: int, hi: int, store: bool | int, block: int | None) -> torch.Tensor:
         cache.store = store
         logits = model(x[:, lo:hi], positions=pos[:, lo:hi], cache=cache, key_positions=pos[:, :hi], block_size=B)
-        trace.append({"block": block, "store": store, "committed": []})
+        trace.append({"block": block, "store": store is True, "committed": []})
         return logits[0]
 
+    def denoise(logits: torch.Tensor, lo: int, hi: int, step: int) -> None:
+        cur = x[0, lo:hi]
+        tok, p = _sample(logits, *sampling, gen)
+        commit = _commit(remasking, cur == mask_id, p, quota[step] if step < steps else 0, threshold)
+        cur[commit] = tok[commit]
+        trace[-1]["committed"] = (commit.nonzero()[:, 0] + lo).tolist()
+
     first = P // B
-    if first:  # the prompt's whole blocks, stored at once
-        forward(0, first * B, True, None)
-    for blk in range(first, total // B):
-        lo, hi = blk * B, (blk + 1) * B
-        for step in range(steps + 1):
-            cur = x[0, lo:hi]
-            masked = cur == mask_id
-            if not bool(masked.any()):
-                forward(lo, hi, True, blk)  # the finished block's keys and values, appended once
+    if style == "sdar":
+        if first:  # the prompt's whole blocks, stored at once
+            forward(0, first * B, True, None)
+        for blk in range(first, total // B):
+            lo, hi = blk * B, (blk + 1) * B
+            for step in range(steps + 1):
+                if not bool((x[0, lo:hi] == mask_id).any()):
+                    forward(lo, hi, True, blk)  # the finished block's keys and values, appended once
+                    break
+                denoise(forward(lo, hi, False, blk), lo, hi, step)
+            if stops & set(x[0, P:hi].tolist()):
                 break
-            tok, p = _sample(forward(lo, hi, False, blk), *sampling, gen)
-            commit = _commit(remasking, masked, p, quota[step] if step < steps else 0, threshold)
-            cur[commit] = tok[commit]
-            trace[-1]["committed"] = (commit.nonzero()[:, 0] + lo).tolist()
+        return x[0, P:].tolist(), len(trace), trace
+    stored = 0  # llada2: no prefill or storing forwards; a block's first forward also computes (and stores)
+    for blk in range(first, total // B):  # the finished blocks not stored yet: the logits the reference's
+        lo, hi = blk * B, (blk + 1) * B  # full recomputation of the window gives
+        for step in range(steps):
+            if not bool((x[0, lo:hi] == mask_id).any()):
+                break
+            logits = forward(stored, hi, lo - stored, blk)[lo - stored:]
+            stored = lo
+            denoise(logits, lo, hi, step)
         if stops & set(x[0, P:hi].tolist()):
             break
-    return x[0, P:].tolist(), len(trace), trace
+    return x[0, P:P + gen_length].tolist(), len(trace), trace
 
 
 @torch.no_grad()
 def block_diffusion_generate(model, prompts, *, gen_length: int = 128, block_length: int | None = None,
                              denoising_steps: int | None = None, remasking: str = "low_confidence_dynamic",
-                             confidence_threshold: float = 0.85, temperature: float = 1.0, top_k: int = 0,
-                             top_p: float = 1.0, seed: int = 0, stop_ids: list[int] | None = None,
-                             chat_template: bool = True) -> BlockDiffusionOutput:
+                             confidence_threshold: float = 0.85, temperature: float = 1.0, top_k: int | None = 0,
+                             top_p: float | None = 1.0, seed: int = 0, stop_ids: list[int] | None = None,
+                             chat_template: bool = True, style: str = "sdar") -> BlockDiffusionOutput:
     """Decode ``prompts`` block by block with the exact cache of finished blocks (see the module docstring).
 
     Args:
@@ -177,7 +207,10 @@ def block_diffusion_generate(model, prompts, *, gen_length: int = 128, block_len
         remasking: ``low_confidence_dynamic`` (default), ``low_confidence_static`` or ``sequential``.
         temperature, top_k, top_p: the reference's sampling (``top_k=1``: greedy). ``temperature`` must be > 0.
         seed: each row's generator seed (the reference's ``torch.manual_seed``).
-        stop_ids: token ids that end a row after the block holding one (default: EOS and EOT).
+        stop_ids: token ids that end a row after the block holding one (default: EOS and EOT; ``llada2``: EOS).
+        style: ``"sdar"`` (SDAR's ``block_diffusion_generate``) or ``"llada2"`` (LLaDA2's ``generate``: no prefill
+            or storing forwards, greedy at ``temperature=0``, ``denoising_steps`` forwards per block at most, the
+            region cut at ``gen_length``; use ``remasking="low_confidence_dynamic"`` and its ``threshold``).
     """
     bs_model = getattr(getattr(model, "config", None), "block_size", None)
     if not bs_model:
@@ -187,13 +220,18 @@ def block_diffusion_generate(model, prompts, *, gen_length: int = 128, block_len
     steps = denoising_steps or B
     if remasking not in REMASKING:
         raise ValueError(f"unknown remasking {remasking!r}; known: {', '.join(REMASKING)}")
+    if style not in STYLES:
+        raise ValueError(f"unknown style {style!r}; known: {', '.join(STYLES)}")
     for name, v in (("gen_length", gen_length), ("block_length", B), ("denoising_steps", steps)):
         if type(v) is not int or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
     if steps > B:
         raise ValueError(f"denoising_steps ({steps}) exceeds block_length ({B}): some steps would commit nothing")
-    if not temperature > 0 or temperature == float("inf"):
-        raise ValueError(f"temperature={temperature!r} must be a positive number; greedy decoding is top_k=1")
+    if not (temperature > 0 or (style == "llada2" and temperature == 0)) or temperature == float("inf"):
+        raise ValueError(f"temperature={temperature!r} must be a positive number; SDAR's greedy decoding is top_k=1 "
+                         "(style='llada2' takes temperature=0)")
+    top_k = 0 if top_k is None else top_k
+    top_p = 1.0 if top_p is None else top_p
     if type(top_k) is not int or top_k < 0:
         raise ValueError(f"top_k={top_k!r} must be an integer >= 0 (0: off)")
     if not 0 < top_p <= 1:
@@ -201,12 +239,13 @@ def block_diffusion_generate(model, prompts, *, gen_length: int = 128, block_len
     if not 0 <= confidence_threshold <= 1:
         raise ValueError(f"confidence_threshold={confidence_threshold!r} must be in [0, 1]")
     rows = prepare_prompts(model, prompts, None, chat_template)
-    stops = set(stop_ids if stop_ids is not None else [t for t in (model.eos_id, model.eot_id) if t is not None])
+    default_stops = (model.eos_id,) if style == "llada2" else (model.eos_id, model.eot_id)
+    stops = set(stop_ids if stop_ids is not None else [t for t in default_stops if t is not None])
     quota = num_transfer_tokens(B, steps)
     out = BlockDiffusionOutput([], None, [len(r) for r in rows], [], [])
     for prompt in rows:
         seq, nfe, trace = _decode_row(model, prompt, gen_length, B, quota, remasking, confidence_threshold,
-                                      (temperature, top_k, top_p), int(seed), stops)
+                                      (temperature, top_k, top_p), int(seed), stops, style)
         out.sequences.append(seq)
         out.nfe.append(nfe)
         out.trace.append(trace)

@@ -6,7 +6,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dllm.models.transformer import TransformerConfig
+from dllm.models.transformer import Transformer, TransformerConfig
 
 log = logging.getLogger(__name__)
 
@@ -34,19 +34,20 @@ class ModelSpec:
     tie_field: str = "weight_tying"
 
     def key_map(self, cfg: TransformerConfig) -> dict[str, str]:
-        """Our name -> checkpoint name, for every tensor the checkpoint must contain."""
+        """Our name -> checkpoint name, for every tensor the checkpoint must contain: the templates of
+        ``global_keys`` / ``layer_keys`` (``{i}``: layer, ``{e}``: expert) whose parameter the model for ``cfg``
+        has (biases, QK norms, fused or separate projections, dense or expert MLPs follow the config)."""
+        have = Transformer.expected_shapes(cfg)
         out = {}
         for ours, theirs in self.global_keys.items():
-            if ours == "head.weight" and cfg.tie_embeddings:
-                continue
-            out[ours] = theirs
+            if ours in have and not (ours == "head.weight" and cfg.tie_embeddings):
+                out[ours] = theirs
         for i in range(cfg.n_layers):
             for ours, theirs in self.layer_keys.items():
-                if ours.endswith(".bias") and not (cfg.out_bias if ours.startswith("o.") else cfg.qkv_bias):
-                    continue
-                if ours.startswith(("q_norm.", "k_norm.")) and not cfg.qk_norm:
-                    continue
-                out[f"layers.{i}.{ours}"] = theirs.format(i=i)
+                for e in range(cfg.n_experts) if "{e}" in ours else (None,):
+                    name = f"layers.{i}.{ours.format(e=e)}"
+                    if name in have:
+                        out[name] = theirs.format(i=i, e=e)
         return out
 
 
@@ -437,7 +438,128 @@ SDAR = ModelSpec(
     tie_field="tie_word_embeddings",
 )
 
-SPECS: dict[str, ModelSpec] = {"llada": LLADA, "dream": DREAM, "sdar": SDAR}
+# ---------------------------------------------------------------------------------------------- LLaDA2
+# LLaDA2.x (inclusionAI, LLaDA2MoeModelLM, model_type "llada2_moe"): block diffusion (blocks of 32 in its
+# generate) over a mixture-of-experts Transformer: fused query_key_value projection, per-head QK RMSNorm, partial
+# rotary embeddings, the first ``first_k_dense_replace`` layers dense, then sigmoid-routed experts (group-limited
+# top-k with an expert bias, routed scaling) plus shared experts; no logit shift.
+_LLADA2_RULES = {
+    "hidden_act": (("silu",), "'silu'"),
+    "rope_scaling": ((None,), "null: plain RoPE"),
+    "use_sliding_window": (_NONE_OR_FALSE, "false: full attention"),
+}
+_LLADA2_USED = frozenset({"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                          "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "rope_theta",
+                          "rms_norm_eps", "tie_word_embeddings", "use_qkv_bias", "use_bias", "num_experts",
+                          "num_shared_experts", "num_experts_per_tok", "n_group", "topk_group",
+                          "routed_scaling_factor", "moe_intermediate_size", "first_k_dense_replace",
+                          "partial_rotary_factor", "block_size"})
+_LLADA2_IGNORED = _LLADA2_USED | {
+    "sliding_window", "max_window_layers", "embedding_dropout", "output_dropout", "output_router_logits",
+    "use_qk_norm",  # the model code always has the query / key norms
+    "norm_head",  # the model code's lm_head is a plain linear layer whatever its value
+}
+
+
+def _llada2_from_hf(c: dict) -> TransformerConfig:
+    _require(c, ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"),
+             "LLaDA2")
+    _check_fields(c, "LLaDA2", _LLADA2_RULES, _LLADA2_IGNORED, [])
+    fields = _qwen_fields(c, "LLaDA2", mlp_default=None, max_default=16384)
+    head = _positive_int(c, "head_dim", "LLaDA2", fields["d_model"] // fields["n_heads"])
+    factor = _positive_float(c, "partial_rotary_factor", "LLaDA2", 1.0)
+    experts = c.get("num_experts") or 0
+    moe = {}
+    if experts:
+        moe = dict(n_experts=_positive_int(c, "num_experts", "LLaDA2"),
+                   experts_per_token=_positive_int(c, "num_experts_per_tok", "LLaDA2"),
+                   n_shared_experts=int(c.get("num_shared_experts") or 0),
+                   moe_hidden=_positive_int(c, "moe_intermediate_size", "LLaDA2"),
+                   dense_layers=int(c.get("first_k_dense_replace") or 0),
+                   n_groups=_positive_int(c, "n_group", "LLaDA2", 1), topk_groups=_positive_int(c, "topk_group",
+                                                                                               "LLaDA2", 1),
+                   routed_scaling=_positive_float(c, "routed_scaling_factor", "LLaDA2", 1.0))
+    return _config(
+        "LLaDA2", **fields,
+        rope_theta=_positive_float(c, "rope_theta", "LLaDA2", 10000.0),
+        qkv_bias=_flag(c, "use_qkv_bias", "LLaDA2"),
+        out_bias=_flag(c, "use_bias", "LLaDA2"),
+        head_size=head,
+        rope_dim=int(head * factor) if factor < 1 else None,
+        qk_norm=True,
+        fused_qkv=True,
+        block_size=_positive_int(c, "block_size", "LLaDA2", 32),
+        **moe,
+    )
+
+
+def _llada2_to_hf(cfg: TransformerConfig, ids: dict) -> dict:
+    return {
+        "architectures": ["LLaDA2MoeModelLM"],
+        "model_type": "llada2_moe",
+        **_qwen_hf(cfg, ids),
+        "head_dim": cfg.head_dim,
+        "rope_scaling": None,
+        "use_qkv_bias": cfg.qkv_bias,
+        "use_bias": cfg.out_bias,
+        "use_qk_norm": True,
+        "norm_head": False,
+        "partial_rotary_factor": (cfg.rope_dim or cfg.head_dim) / cfg.head_dim,
+        "num_experts": cfg.n_experts or None,
+        "num_shared_experts": cfg.n_shared_experts,
+        "num_experts_per_tok": cfg.experts_per_token,
+        "n_group": cfg.n_groups,
+        "topk_group": cfg.topk_groups,
+        "routed_scaling_factor": cfg.routed_scaling,
+        "moe_intermediate_size": cfg.moe_hidden,
+        "first_k_dense_replace": cfg.dense_layers,
+        "block_size": cfg.block_size,
+        "use_sliding_window": False,
+    }
+
+
+_LLADA2_MLP = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+LLADA2 = ModelSpec(
+    family="llada2",
+    model_type="llada2_moe",
+    architectures=("LLaDA2MoeModelLM",),
+    config_from_hf=_llada2_from_hf,
+    config_to_hf=_llada2_to_hf,
+    global_keys={
+        "embed.weight": "model.word_embeddings.weight",
+        "norm.weight": "model.norm.weight",
+        "head.weight": "lm_head.weight",
+    },
+    layer_keys={
+        "attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+        "qkv.weight": "model.layers.{i}.attention.query_key_value.weight",
+        "qkv.bias": "model.layers.{i}.attention.query_key_value.bias",
+        "q_norm.weight": "model.layers.{i}.attention.query_layernorm.weight",
+        "k_norm.weight": "model.layers.{i}.attention.key_layernorm.weight",
+        "o.weight": "model.layers.{i}.attention.dense.weight",
+        "o.bias": "model.layers.{i}.attention.dense.bias",
+        "mlp_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+        **{f"{ours}.weight": f"model.layers.{{i}}.mlp.{theirs}.weight" for ours, theirs in _LLADA2_MLP.items()},
+        "moe.router.weight": "model.layers.{i}.mlp.gate.weight",
+        "moe.expert_bias": "model.layers.{i}.mlp.gate.expert_bias",
+        **{f"moe.experts.{{e}}.{ours}.weight": f"model.layers.{{i}}.mlp.experts.{{e}}.{theirs}.weight"
+           for ours, theirs in _LLADA2_MLP.items()},
+        **{f"moe.shared.{ours}.weight": f"model.layers.{{i}}.mlp.shared_experts.{theirs}.weight"
+           for ours, theirs in _LLADA2_MLP.items()},
+    },
+    mask_id=156895,
+    eos_id=156892,
+    eot_id=156892,
+    pad_id=156892,
+    eot_token="<|role_end|>",
+    mask_token="<|mask|>",
+    shift_logits=False,
+    max_context=32768,
+    layers_field="num_hidden_layers",
+    tie_field="tie_word_embeddings",
+)
+
+SPECS: dict[str, ModelSpec] = {"llada": LLADA, "dream": DREAM, "sdar": SDAR, "llada2": LLADA2}
 
 
 def spec_for_model_type(model_type: str | None) -> ModelSpec:

@@ -36,16 +36,38 @@ class TransformerConfig:
     qk_norm: bool = False  # RMSNorm of each head's query and key before RoPE (Qwen3, SDAR)
     out_bias: bool = False  # a bias on the attention output projection (SDAR's attention_bias covers it)
     block_size: int | None = None  # block-diffusion attention: bidirectional in a block, causal across blocks
+    rope_dim: int | None = None  # head dims that get RoPE (partial rotary, LLaDA2); None: all of them
+    fused_qkv: bool = False  # one query/key/value projection (LLaDA2's query_key_value)
+    # mixture of experts (LLaDA2): layers from ``dense_layers`` on route each token to ``experts_per_token`` of
+    # ``n_experts`` SwiGLU experts (``moe_hidden`` wide) plus ``n_shared_experts`` always-on ones
+    n_experts: int = 0
+    experts_per_token: int = 2
+    n_shared_experts: int = 0
+    moe_hidden: int | None = None
+    dense_layers: int = 0
+    n_groups: int = 1  # group-limited routing: experts in n_groups groups, the best topk_groups kept per token
+    topk_groups: int = 1
+    routed_scaling: float = 1.0
 
     def __post_init__(self):
         if self.head_size is None and self.d_model % self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
-        for name in ("head_size", "block_size"):
+        for name in ("head_size", "block_size", "rope_dim", "moe_hidden"):
             v = getattr(self, name)
             if v is not None and (type(v) is not int or v < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {v!r}")
+        if self.rope_dim is not None and (self.rope_dim > self.head_dim or self.rope_dim % 2):
+            raise ValueError(f"rope_dim ({self.rope_dim}) must be even and at most head_dim ({self.head_dim})")
+        if self.n_experts:
+            if self.moe_hidden is None or not 1 <= self.experts_per_token <= self.n_experts:
+                raise ValueError(f"a mixture of experts needs moe_hidden and 1 <= experts_per_token <= n_experts, got "
+                                 f"{self.moe_hidden}, {self.experts_per_token}, {self.n_experts}")
+            if self.n_experts % self.n_groups or not 1 <= self.topk_groups <= self.n_groups or \
+                    self.n_experts // self.n_groups < 2:
+                raise ValueError(f"n_experts ({self.n_experts}) must split into n_groups ({self.n_groups}) groups of at "
+                                 f"least 2, and 1 <= topk_groups ({self.topk_groups}) <= n_groups")
 
     @property
     def head_dim(self) -> int:
@@ -77,30 +99,99 @@ def rope_tables(positions: torch.Tensor, head_dim: int, theta: float):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE computed in fp32, returned in ``x.dtype``. ``x``: ``[B, H, T, D]``."""
+    """Rotate-half RoPE computed in fp32, returned in ``x.dtype``. ``x``: ``[B, H, T, D]``; with tables narrower
+    than ``D`` (partial rotary) only the first ``cos.shape[-1]`` dims rotate, the rest pass through."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
     xf = x.float()
     half = xf.shape[-1] // 2
     rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
     return (xf * cos + rotated * sin).to(x.dtype)
 
 
-class Block(nn.Module):
+class SwiGLU(nn.Module):
+    """``down(silu(gate(x)) * up(x))``, no biases."""
+
+    def __init__(self, d: int, hidden: int):
+        super().__init__()
+        self.gate = nn.Linear(d, hidden, bias=False)
+        self.up = nn.Linear(d, hidden, bias=False)
+        self.down = nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class MoE(nn.Module):
+    """Mixture of SwiGLU experts with LLaDA2's routing: sigmoid scores of an fp32 router; the experts chosen by
+    the scores plus a per-expert bias (``expert_bias``, routing only) within the ``topk_groups`` best groups (a
+    group's score: the sum of its two best); the chosen experts' scores, normalised to sum 1 (when more than one)
+    and times ``routed_scaling``, weight their outputs; shared experts are added for every token. Every token is
+    routed on its own, so a row's output does not depend on its batch."""
+
     def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        d = cfg.d_model
+        self.k, self.groups, self.topk_groups, self.scale = (cfg.experts_per_token, cfg.n_groups, cfg.topk_groups,
+                                                             cfg.routed_scaling)
+        self.router = nn.Linear(d, cfg.n_experts, bias=False)
+        self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
+        self.experts = nn.ModuleList(SwiGLU(d, cfg.moe_hidden) for _ in range(cfg.n_experts))
+        self.shared = SwiGLU(d, cfg.moe_hidden * cfg.n_shared_experts) if cfg.n_shared_experts else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(experts [N, k], weights [N, k])`` for tokens ``x`` ``[N, d]``."""
+        scores = torch.sigmoid(F.linear(x.float(), self.router.weight.float()))
+        biased = scores + self.expert_bias.float()
+        N, E = biased.shape
+        group = biased.view(N, self.groups, E // self.groups).topk(2, dim=-1).values.sum(-1)
+        keep = torch.zeros_like(group).scatter_(1, group.topk(self.topk_groups, dim=-1).indices, 1.0).bool()
+        keep = keep[:, :, None].expand(N, self.groups, E // self.groups).reshape(N, E)
+        idx = biased.masked_fill(~keep, float("-inf")).topk(self.k, dim=-1).indices
+        w = scores.gather(1, idx)
+        if self.k > 1:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return idx, w * self.scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        idx, w = self.route(flat)
+        out = torch.zeros(flat.shape[0], self.k, flat.shape[1], dtype=flat.dtype, device=flat.device)
+        for e, expert in enumerate(self.experts):
+            tok, slot = (idx == e).nonzero(as_tuple=True)
+            if tok.numel():
+                out[tok, slot] = expert(flat[tok])
+        y = (out.to(w.dtype) * w[..., None]).sum(1).to(flat.dtype)
+        if self.shared is not None:
+            y = y + self.shared(flat)
+        return y.view(shape)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: TransformerConfig, layer: int = 0):
         super().__init__()
         d, hd = cfg.d_model, cfg.head_dim
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, hd
         self.attn_norm = RMSNorm(d, cfg.norm_eps)
-        self.q = nn.Linear(d, cfg.n_heads * hd, bias=cfg.qkv_bias)
-        self.k = nn.Linear(d, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
-        self.v = nn.Linear(d, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
+        if cfg.fused_qkv:
+            self.qkv = nn.Linear(d, (cfg.n_heads + 2 * cfg.n_kv_heads) * hd, bias=cfg.qkv_bias)
+        else:
+            self.q = nn.Linear(d, cfg.n_heads * hd, bias=cfg.qkv_bias)
+            self.k = nn.Linear(d, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
+            self.v = nn.Linear(d, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
         self.o = nn.Linear(cfg.n_heads * hd, d, bias=cfg.out_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.norm_eps)
             self.k_norm = RMSNorm(hd, cfg.norm_eps)
         self.mlp_norm = RMSNorm(d, cfg.norm_eps)
-        self.gate = nn.Linear(d, cfg.mlp_hidden, bias=False)
-        self.up = nn.Linear(d, cfg.mlp_hidden, bias=False)
-        self.down = nn.Linear(cfg.mlp_hidden, d, bias=False)
+        if cfg.n_experts and layer >= cfg.dense_layers:
+            self.moe = MoE(cfg)
+        else:
+            self.gate = nn.Linear(d, cfg.mlp_hidden, bias=False)
+            self.up = nn.Linear(d, cfg.mlp_hidden, bias=False)
+            self.down = nn.Linear(cfg.mlp_hidden, d, bias=False)
 
     def forward(self, h, cos, sin, key_mask, layer_idx: int, cache=None, rows=None, blocks=None):
         """``h``: ``[B, Q, d]`` hidden states of the computed rows (all ``T`` rows when ``rows`` is None, else
@@ -109,12 +200,16 @@ class Block(nn.Module):
         blocks [B, T])`` for block-diffusion attention (a query attends to keys of its block and earlier ones)."""
         B, T, _ = h.shape
         x = self.attn_norm(h)
-        q = self.q(x).view(B, T, self.n_heads, self.head_dim)
-        k = self.k(x).view(B, T, self.n_kv_heads, self.head_dim)
+        if hasattr(self, "qkv"):  # one projection: queries, then keys, then values, per head
+            q, k, v = self.qkv(x).view(B, T, -1, self.head_dim).split(
+                [self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=2)
+        else:
+            q = self.q(x).view(B, T, self.n_heads, self.head_dim)
+            k = self.k(x).view(B, T, self.n_kv_heads, self.head_dim)
+            v = self.v(x).view(B, T, self.n_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):  # per head, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = self.v(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(layer_idx, k, v) if rows is None else cache.update(layer_idx, k, v, rows)
@@ -127,6 +222,8 @@ class Block(nn.Module):
             observe(layer_idx, q, k, key_mask, rows)
         h = h + self.o(a.transpose(1, 2).reshape(B, T, -1))
         x = self.mlp_norm(h)
+        if hasattr(self, "moe"):
+            return h + self.moe(x)
         return h + self.down(F.silu(self.gate(x)) * self.up(x))
 
 
@@ -139,7 +236,7 @@ class Transformer(nn.Module):
         self.spec = spec
         self.tokenizer = None
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -228,7 +325,7 @@ class Transformer(nn.Module):
         B, T = tokens.shape
         if positions is None:
             positions = default_positions(attn_mask, B, T, tokens.device)
-        hd, theta = self.config.head_dim, self.config.rope_theta
+        hd, theta = self.config.rope_dim or self.config.head_dim, self.config.rope_theta
         shift = 1 if self.shift_logits else 0
         if query_idx is None:
             cos, sin = rope_tables(positions, hd, theta)

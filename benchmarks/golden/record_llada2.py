@@ -1,0 +1,123 @@
+"""Record LLaDA2.x fixtures from LLaDA2's own code (LLaDA2MoeModelLM; run locally, the code stays outside).
+
+Two phases, two environments, as ``record_sdar.py``:
+
+1. ``checkpoint`` (this project's environment): write the random-weight LLaDA2-format checkpoint of
+   ``tests/golden_models.py`` (``llada2_tiny``: fused QKV, QK norms, partial rotary, a dense layer then 8 routed
+   experts with an expert bias and a shared expert) and the prompts::
+
+       PYTHONPATH=tests python benchmarks/golden/record_llada2.py checkpoint --out /tmp/llada2-ckpt
+
+2. ``record`` (the reference's environment: torch 2.13.0 CPU, transformers 4.52.4, safetensors; the reference
+   files in ``$LLADA2_REF_DIR/llada2_ref/`` as ``llada2_harness/run_ref.py`` says)::
+
+       LLADA2_REF_DIR=/path/to/ref /path/to/refenv/bin/python benchmarks/golden/record_llada2.py record \\
+           --ckpt /tmp/llada2-ckpt          # -> tests/fixtures/golden/llada2_llada2-tiny.json
+
+The fixture holds the reference model's full-canvas logits under the block-causal mask (float32, base64) for a
+few inputs, and for each decoding case the output of the model's own ``generate`` (prompt removed), its forward
+count and the positions committed at every forward (``transfer_index``, commits of the mask token itself
+included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURE = ROOT / "tests" / "fixtures" / "golden" / "llada2_llada2-tiny.json"
+PROMPTS = ["What is 12 + 30?", 'Please copy the list exactly: ["Ann Lee", "Bob Stone"]',
+           'Please reverse the order of the list: ["Carol Carter", "David Dixon", "Emma Ellis"]']
+# (id, gen_length, block_length, steps, threshold, temperature, top_k, top_p, seed)
+CASES = [
+    ("greedy_t0.5", 12, 4, 4, 0.5, 0.0, None, None, 0),
+    ("greedy_t0.95", 12, 4, 4, 0.95, 0.0, None, None, 0),
+    ("greedy_t0.1", 12, 4, 4, 0.1, 0.0, None, None, 0),
+    ("greedy_b8_s4", 16, 8, 4, 0.5, 0.0, None, None, 0),
+    ("greedy_b8_s8_t0.3", 16, 8, 8, 0.3, 0.0, None, None, 0),
+    ("sample_t0.7", 12, 4, 4, 0.5, 0.7, None, None, 1),
+    ("sample_topk_topp", 12, 4, 4, 0.5, 1.0, 20, 0.9, 2),
+]
+
+
+def _checkpoint(out: Path) -> None:
+    sys.path.insert(0, str(ROOT / "tests"))
+    import golden_common as gc
+    import golden_models as gm
+
+    from dllm.generate import prepare_prompts
+    from dllm.models.loading import save_pretrained
+
+    m = gm.llada2_tiny(0)
+    save_pretrained(m, out)
+    ids = prepare_prompts(m, PROMPTS, None, True)
+    (out / "dllm_prompts.json").write_text(json.dumps({"prompt_ids": ids, "weights_sha256": gc.state_sha256(m),
+                                                       "mask_id": m.mask_id, "eos_id": m.eos_id}))
+    print(f"wrote {out}")
+
+
+def _b64(t) -> str:
+    return base64.b64encode(t.detach().float().contiguous().numpy().astype("<f4").tobytes()).decode()
+
+
+def _record(ckpt: Path) -> None:
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).parent / "llada2_harness"))
+    import run_ref
+
+    meta = json.loads((ckpt / "dllm_prompts.json").read_text())
+    model = run_ref.load_ref(str(ckpt), torch.float32)
+    mask_id, eos = meta["mask_id"], meta["eos_id"]
+    fx = {"reference": {"repo": "inclusionAI LLaDA2.0 (Hugging Face modeling file, as copied in "
+                                "sajadn/Megatron-Bridge @ 4fde5488)", "commit": "4fde5488",
+                        "file": "modeling_llada2_moe.py", "function": "LLaDA2MoeModelLM.forward; generate"},
+          "model": {"llada2": "llada2_tiny", "seed": 0}, "weights_sha256": meta["weights_sha256"],
+          "logits": [], "cases": []}
+    g = torch.Generator().manual_seed(0)
+    for L, bl in ((12, 4), (19, 4), (16, 8)):
+        ids = torch.randint(9, model.config.vocab_size, (1, L), generator=g)
+        ids[0, L // 2:] = mask_id
+        lg = run_ref.ref_logits(model, ids, bl)[0]
+        fx["logits"].append({"input_ids": ids[0].tolist(), "block_length": bl, "shape": list(lg.shape),
+                             "logits_f32_b64": _b64(lg)})
+    for p_i, prompt in enumerate(meta["prompt_ids"]):
+        for cid, G, bl, steps, thr, temp, top_k, top_p, seed in CASES:
+            torch.manual_seed(seed)
+            res = run_ref.ref_generate(model, torch.tensor([prompt]), temperature=temp, block_length=bl, steps=steps,
+                                       gen_length=G, top_p=top_p, top_k=top_k, threshold=thr, eos_id=eos,
+                                       mask_id=mask_id)
+            P = len(prompt)
+            fx["cases"].append({
+                "id": f"p{p_i}_{cid}", "prompt_ids": [prompt],
+                "params": {"gen_length": G, "block_length": bl, "steps": steps, "threshold": thr,
+                           "temperature": temp, "top_k": top_k, "top_p": top_p, "seed": seed, "eos_id": eos},
+                "output": [res["output"][0, P:].tolist()], "nfe": res["n_forwards"],
+                "forwards": [sorted(c - P for c in f.get("committed_positions", [])) for f in res["forwards"]]})
+    FIXTURE.write_text(json.dumps(fx) + "\n")
+    digest = hashlib.sha256(FIXTURE.read_bytes()).hexdigest()[:12]
+    print(f"wrote {FIXTURE} ({len(fx['cases'])} cases, {len(fx['logits'])} logits inputs, sha256 {digest})")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("phase", choices=["checkpoint", "record"])
+    ap.add_argument("--out", type=Path, help="checkpoint: the directory to write")
+    ap.add_argument("--ckpt", type=Path, help="record: the directory the checkpoint phase wrote")
+    a = ap.parse_args()
+    if a.phase == "checkpoint":
+        _checkpoint(a.out)
+    else:
+        if "LLADA2_REF_DIR" not in os.environ:
+            raise SystemExit("set LLADA2_REF_DIR to the directory holding llada2_ref/ (the reference files)")
+        _record(a.ckpt)
+
+
+if __name__ == "__main__":
+    main()
