@@ -52,6 +52,7 @@ def resolve(model, sampler, cache, block_policy, config: GenerateConfig):
         sampler = default_sampler(model)
     recipe = as_recipe(sampler)
     recipe = dataclasses.replace(recipe, sampler=_Declared.wrap(recipe.sampler, SamplerBase)).bind_model(model)
+    recipe = recipe.for_config(config)
     block_size = getattr(getattr(model, "config", None), "block_size", None)
     if cache is None and getattr(model, "supports_cache", False):
         cache = "block" if block_size else recipe.cache

@@ -42,8 +42,6 @@ def _block_model(family):
 
 def _sampler(name, temperature, model=None):
     kw = {"delimiters": (5, 6, 7)} if name == "adablock" and model is None else {}  # random models: no tokenizer
-    if name == "multiblock" and model is None:  # its blocks (default 32) must divide the generation of 16
-        kw["block_length"] = BLOCK
     params = SAMPLERS[name].params()
     if "temperature" in params:
         kw["temperature"] = temperature

@@ -201,7 +201,6 @@ SAMPLER_PARAMS = {
     # random models have no tokenizer: delimiter ids; most of the vocabulary, so blocks really vary
     "adablock": {"delimiters": tuple(range(3, 60)), "delimiter_threshold": 0.2},
     "prophet-firing": {"early": 2.0, "mid": 1.0, "late": 0.5},  # low thresholds: the all-in step fires
-    "multiblock": {"block_length": 8},  # its own blocks (default 32) must divide the generation of 16
 }
 
 

@@ -29,8 +29,7 @@ APPROX_CACHES = [c for c in CACHES if c not in ("none", "elastic", "block")]  # 
 
 
 def _run(model, name, cache="none", **kw):
-    extra = {"adablock": {"delimiters": (5, 6, 7)}, "multiblock": {"block_length": 8}}.get(name, {})
-    sampler = get_sampler(name, **extra, **kw)
+    sampler = get_sampler(name, **({"delimiters": (5, 6, 7)} if name == "adablock" else {}), **kw)
     prompts = ragged_prompts(3, 1)
     return syncs_per_step(lambda: dllm.generate(model, prompts, gen_length=16, block_length=8, steps=16,
                                                 sampler=sampler, cache=cache, seed=1))

@@ -216,8 +216,6 @@ def test_adablock_matches_the_reference_loop(family):
 def _preset_kw(name, model):
     if name == "adablock":  # random models have no tokenizer: delimiters by id
         return {"delimiters": (5, 6, 7)}
-    if name == "multiblock":  # its own blocks (default 32) must divide the tests' generation of 16
-        return {"block_length": 8}
     return {}
 
 

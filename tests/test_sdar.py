@@ -195,3 +195,13 @@ def test_multi_block_decoding_keeps_the_block_cache_exact():
                                                                    add_threshold=0.25), gen_length=16)
     step = out.stats.commit_step[0]  # the step at which each generated position was committed
     assert any(step[q] > step[p] for p in range(4, 16) for q in range(p // 4 * 4 - 4, p // 4 * 4))
+
+
+def test_the_callers_block_length_sets_the_multi_block_size():
+    import dllm
+
+    m = dllm.load_model("llada-tiny")
+    out = dllm.generate(m, ["What is 12 + 30?"], gen_length=16, block_length=4, steps=16, sampler="multiblock")
+    assert int(out.stats.trace[0]["hi"][0]) - out.prompt_lengths[0] == 4  # the first region: one block of 4
+    with pytest.raises(ValueError, match="multiple of the multi-block block_length \\(32\\)"):
+        dllm.generate(m, ["What is 12 + 30?"], gen_length=16, steps=16, sampler="multiblock")

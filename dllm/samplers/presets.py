@@ -68,12 +68,16 @@ class MultiBlockSampler(ComposedSampler):
 
     def step(self, logits: torch.Tensor, ctx) -> StepResult:
         res = super().step(logits, ctx)
-        block_of, _, activated, masks = block_states(ctx.canvas == ctx.mask_id, ctx.region_lo, self.block_length,
-                                                     self.add_threshold, self.activate_threshold)
+        W = logits.shape[1]
+        if ctx.canvas is not None:  # the blocks from the whole canvas (the region starts at the generation)
+            masked, start, off = ctx.canvas == ctx.mask_id, ctx.region_lo, ctx.win_lo
+        else:  # a window alone: its columns, the region start inside it
+            masked, start, off = ctx.x == ctx.mask_id, (ctx.region_lo - ctx.win_lo).clamp_min(0), 0
+        block_of, _, activated, masks = block_states(masked, start, self.block_length, self.add_threshold,
+                                                     self.activate_threshold)
         nb = masks.shape[1]
         first = torch.where(activated & (masks > 0), torch.arange(nb, device=masks.device)[None], nb).min(-1).values
-        W = logits.shape[1]
-        in_first = (block_of[:, ctx.win_lo:ctx.win_lo + W] == first[:, None]) & ctx.cand
+        in_first = (block_of[:, off:off + W] == first[:, None]) & ctx.cand
         need = in_first.any(-1) & ~(res.commit & in_first).any(-1)
         p = torch.softmax(logits.to(torch.float64), dim=-1)
         ent = (-(p * torch.log(p + 1e-12)).sum(-1)).masked_fill(~in_first, math.inf)
@@ -91,7 +95,21 @@ def multiblock(threshold: float = 0.5, block_length: int = 32, add_threshold: fl
     sampler = MultiBlockSampler(EntropyThreshold(threshold), block_length=block_length, add_threshold=add_threshold,
                                 activate_threshold=activate_threshold,
                                 **_common(temperature, "neg_entropy", "float32", name, "off", noise_scope))
-    return Recipe(sampler, block_policy=MultiBlock(block_length, add_threshold, activate_threshold), name=name)
+    return MultiBlockRecipe(sampler, block_policy=MultiBlock(block_length, add_threshold, activate_threshold),
+                            name=name)
+
+
+@dataclass(frozen=True)
+class MultiBlockRecipe(Recipe):
+    """The ``multiblock`` recipe: a ``block_length`` from the caller sets the block size of both its policy and its
+    sampler (the preset's own, 32, otherwise)."""
+
+    def for_config(self, config) -> Recipe:
+        bl = config.block_length
+        if not bl or bl == self.block_policy.block_length:
+            return self
+        return replace(self, sampler=replace(self.sampler, block_length=bl),
+                       block_policy=replace(self.block_policy, block_length=bl))
 
 
 def _cache(cache):

@@ -40,6 +40,11 @@ class Recipe:
     def step(self, logits, ctx):
         return self.sampler.step(logits, ctx)
 
+    def for_config(self, config) -> Recipe:
+        """The recipe for the caller's :class:`~dllm.config.GenerateConfig` (this one; a recipe whose sampler and
+        block policy share a block length takes the caller's ``block_length``, e.g. ``multiblock``)."""
+        return self
+
     def bind_model(self, model) -> Recipe:
         """The recipe with its sampler bound to ``model`` (the sampler's ``bind_model`` hook)."""
         bound = self.sampler.bind_model(model) or self.sampler  # a hook that returns nothing keeps the sampler
