@@ -64,6 +64,16 @@ def save_fixture(name: str, data: dict) -> Path:
     return path
 
 
+def decode_logits(rec: dict) -> torch.Tensor:
+    """The float32 logits a block-diffusion fixture stores base64-encoded (``logits_f32_b64``, ``shape``)."""
+    import base64
+
+    import numpy as np
+
+    flat = np.frombuffer(base64.b64decode(rec["logits_f32_b64"]), dtype="<f4").copy()
+    return torch.from_numpy(flat).view(*rec["shape"])
+
+
 def state_sha256(module: torch.nn.Module) -> str:
     """A digest of a model's weights (names, shapes, fp32 bytes), to check both sides used the same ones."""
     h = hashlib.sha256()

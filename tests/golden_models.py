@@ -108,21 +108,19 @@ def shaped_prompts(family: str, lengths: list[int], seed: int = 0) -> list[list[
     return [torch.randint(0, limit, (n,), generator=g).tolist() for n in lengths]
 
 
-def sdar_tiny(seed: int = 0, block_size: int = 4, bias: bool = False) -> Transformer:
-    """A random-weight SDAR-format model (Qwen3 block-diffusion layout: QK norms, head_dim 24 with d_model 64,
-    GQA 4/2) on the bundled Qwen-style tokenizer of ``dream-tiny`` (vocabulary 1,197), weights large enough
-    that the mask and EOS tokens keep real probability, norm weights perturbed so that a misplaced norm shows.
-    Save it with ``dllm.save_pretrained`` for a checkpoint in SDAR's published layout."""
+def _random_block_model(cfg: TransformerConfig, spec, seed: int, perturb=None) -> Transformer:
+    """A random-weight model of ``spec`` on the bundled Qwen-style tokenizer of ``dream-tiny``: weights large
+    enough that the logits are not flat, norm weights and biases perturbed so that a misplaced norm or bias
+    shows, ``perturb(model)`` for family-specific buffers, then EOS and the mask token made real contenders: EOS
+    takes over the head row of the most frequent argmax (slightly scaled up: it wins where that token won), the
+    mask token the second's, scaled down."""
     import dllm
-    from dllm.models.spec import SDAR
     from dllm.models.weights import init_weights
 
     tok_model = dllm.load_model("dream-tiny", dtype="float32")
-    cfg = TransformerConfig(vocab_size=tok_model.config.vocab_size, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                            mlp_hidden=128, max_seq_len=512, rope_theta=10000.0, norm_eps=1e-6, head_size=24,
-                            qk_norm=True, block_size=block_size, qkv_bias=bias, out_bias=bias)
+    assert cfg.vocab_size == tok_model.config.vocab_size, "TINY_VOCAB is the bundled tokenizer's vocabulary size"
     torch.manual_seed(seed)
-    m = Transformer(cfg, SDAR)
+    m = Transformer(cfg, spec)
     init_weights(m, std=0.2)
     with torch.no_grad():
         for name, p in m.named_parameters():
@@ -130,8 +128,8 @@ def sdar_tiny(seed: int = 0, block_size: int = 4, bias: bool = False) -> Transfo
                 p.copy_(1 + 0.1 * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn_like(p))
-        # Make EOS and the mask token real contenders: EOS takes over the head row of the most frequent
-        # argmax (slightly scaled up: it wins where that token won), the mask token the second's, scaled down.
+        if perturb is not None:
+            perturb(m)
         x = torch.randint(0, cfg.vocab_size, (8, 24), generator=torch.Generator().manual_seed(seed))
         top = torch.bincount(m(x).argmax(-1).flatten(), minlength=cfg.vocab_size).argsort(descending=True)
         top = [int(t) for t in top if int(t) not in (tok_model.eos_id, tok_model.mask_id)][:2]
@@ -140,38 +138,39 @@ def sdar_tiny(seed: int = 0, block_size: int = 4, bias: bool = False) -> Transfo
     m.tokenizer = tok_model.tokenizer
     m.mask_id, m.eos_id, m.pad_id, m.eot_id = tok_model.mask_id, tok_model.eos_id, tok_model.pad_id, tok_model.eot_id
     return m.eval().requires_grad_(False)
+
+
+TINY_VOCAB = 1197  # the bundled tokenizer's (dream-tiny)
+
+
+def sdar_tiny(seed: int = 0, block_size: int = 4, bias: bool = False) -> Transformer:
+    """A random-weight SDAR-format model (Qwen3 block-diffusion layout: QK norms, head_dim 24 with d_model 64,
+    GQA 4/2; :func:`_random_block_model`). Save it with ``dllm.save_pretrained`` for a checkpoint in SDAR's
+    published layout."""
+    from dllm.models.spec import SDAR
+
+    cfg = TransformerConfig(vocab_size=TINY_VOCAB, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                            mlp_hidden=128, max_seq_len=512, rope_theta=10000.0, norm_eps=1e-6, head_size=24,
+                            qk_norm=True, block_size=block_size, qkv_bias=bias, out_bias=bias)
+    return _random_block_model(cfg, SDAR, seed)
 
 
 def llada2_tiny(seed: int = 0, block_size: int = 4) -> Transformer:
     """A random-weight LLaDA2-format model (``llada2_moe``: fused QKV, QK norms, half the head rotary, one dense
-    layer then 8 sigmoid-routed experts in 4 groups, 2 per token, one shared expert, a random expert bias) on the
-    bundled Qwen-style tokenizer of ``dream-tiny``; EOS and the mask token made real contenders as in
-    :func:`sdar_tiny`. Save it with ``dllm.save_pretrained`` for a checkpoint in LLaDA2's published layout."""
-    import dllm
+    layer then 8 sigmoid-routed experts in 4 groups, 2 per token, one shared expert, a random expert bias;
+    :func:`_random_block_model`). Save it with ``dllm.save_pretrained`` for a checkpoint in LLaDA2's published
+    layout."""
     from dllm.models.spec import LLADA2
-    from dllm.models.weights import init_weights
 
-    tok_model = dllm.load_model("dream-tiny", dtype="float32")
-    cfg = TransformerConfig(vocab_size=tok_model.config.vocab_size, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2,
+    cfg = TransformerConfig(vocab_size=TINY_VOCAB, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2,
                             mlp_hidden=128, max_seq_len=512, rope_theta=10000.0, norm_eps=1e-6, head_size=16,
                             qk_norm=True, fused_qkv=True, rope_dim=8, block_size=block_size, n_experts=8,
                             experts_per_token=2, n_shared_experts=1, moe_hidden=32, dense_layers=1, n_groups=4,
                             topk_groups=2, routed_scaling=2.5)
-    torch.manual_seed(seed)
-    m = Transformer(cfg, LLADA2)
-    init_weights(m, std=0.2)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn_like(p))
+
+    def expert_bias(m):
         for layer in m.layers:
             if hasattr(layer, "moe"):
                 layer.moe.expert_bias.copy_(0.05 * torch.randn_like(layer.moe.expert_bias))
-        x = torch.randint(0, cfg.vocab_size, (8, 24), generator=torch.Generator().manual_seed(seed))
-        top = torch.bincount(m(x).argmax(-1).flatten(), minlength=cfg.vocab_size).argsort(descending=True)
-        top = [int(t) for t in top if int(t) not in (tok_model.eos_id, tok_model.mask_id)][:2]
-        m.head.weight[tok_model.eos_id] = 1.02 * m.head.weight[top[0]]
-        m.head.weight[tok_model.mask_id] = 0.97 * m.head.weight[top[1]]
-    m.tokenizer = tok_model.tokenizer
-    m.mask_id, m.eos_id, m.pad_id, m.eot_id = tok_model.mask_id, tok_model.eos_id, tok_model.pad_id, tok_model.eot_id
-    return m.eval().requires_grad_(False)
+
+    return _random_block_model(cfg, LLADA2, seed, expert_bias)

@@ -5,11 +5,8 @@ forward count and positions committed at every forward, greedy (``top_k=1``) and
 
 from __future__ import annotations
 
-import base64
-
 import golden_common as gc
 import golden_models as gm
-import numpy as np
 import pytest
 import torch
 
@@ -28,8 +25,7 @@ def model():
 @pytest.mark.parametrize("i", range(len(FX["logits"])))
 def test_logits_equal_sdars_model_code(model, i):
     rec = FX["logits"][i]
-    want = torch.from_numpy(np.frombuffer(base64.b64decode(rec["logits_f32_b64"]), dtype="<f4").copy())
-    want = want.view(*rec["shape"])
+    want = gc.decode_logits(rec)
     got = model(torch.tensor([rec["input_ids"]]), block_size=rec["block_length"])[0]
     assert got.shape == want.shape
     assert (got - want).abs().max().item() < 1e-5

@@ -22,15 +22,15 @@ included).
 
 from __future__ import annotations
 
-import argparse
-import base64
 import hashlib
 import json
-import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _block_recorder as br  # noqa: E402
+
+ROOT = br.ROOT
 FIXTURE = ROOT / "tests" / "fixtures" / "golden" / "llada2_llada2-tiny.json"
 PROMPTS = ["What is 12 + 30?", 'Please copy the list exactly: ["Ann Lee", "Bob Stone"]',
            'Please reverse the order of the list: ["Carol Carter", "David Dixon", "Emma Ellis"]']
@@ -48,22 +48,9 @@ CASES = [
 
 def _checkpoint(out: Path) -> None:
     sys.path.insert(0, str(ROOT / "tests"))
-    import golden_common as gc
     import golden_models as gm
 
-    from dllm.generate import prepare_prompts
-    from dllm.models.loading import save_pretrained
-
-    m = gm.llada2_tiny(0)
-    save_pretrained(m, out)
-    ids = prepare_prompts(m, PROMPTS, None, True)
-    (out / "dllm_prompts.json").write_text(json.dumps({"prompt_ids": ids, "weights_sha256": gc.state_sha256(m),
-                                                       "mask_id": m.mask_id, "eos_id": m.eos_id}))
-    print(f"wrote {out}")
-
-
-def _b64(t) -> str:
-    return base64.b64encode(t.detach().float().contiguous().numpy().astype("<f4").tobytes()).decode()
+    br.write_checkpoint(lambda: gm.llada2_tiny(0), out, PROMPTS)
 
 
 def _record(ckpt: Path) -> None:
@@ -72,7 +59,7 @@ def _record(ckpt: Path) -> None:
     sys.path.insert(0, str(Path(__file__).parent / "llada2_harness"))
     import run_ref
 
-    meta = json.loads((ckpt / "dllm_prompts.json").read_text())
+    meta = br.read_meta(ckpt)
     model = run_ref.load_ref(str(ckpt), torch.float32)
     mask_id, eos = meta["mask_id"], meta["eos_id"]
     fx = {"reference": {"repo": "inclusionAI LLaDA2.0 (Hugging Face modeling file, as copied in "
@@ -86,7 +73,7 @@ def _record(ckpt: Path) -> None:
         ids[0, L // 2:] = mask_id
         lg = run_ref.ref_logits(model, ids, bl)[0]
         fx["logits"].append({"input_ids": ids[0].tolist(), "block_length": bl, "shape": list(lg.shape),
-                             "logits_f32_b64": _b64(lg)})
+                             "logits_f32_b64": br.b64(lg)})
     for p_i, prompt in enumerate(meta["prompt_ids"]):
         for cid, G, bl, steps, thr, temp, top_k, top_p, seed in CASES:
             torch.manual_seed(seed)
@@ -105,19 +92,5 @@ def _record(ckpt: Path) -> None:
     print(f"wrote {FIXTURE} ({len(fx['cases'])} cases, {len(fx['logits'])} logits inputs, sha256 {digest})")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("phase", choices=["checkpoint", "record"])
-    ap.add_argument("--out", type=Path, help="checkpoint: the directory to write")
-    ap.add_argument("--ckpt", type=Path, help="record: the directory the checkpoint phase wrote")
-    a = ap.parse_args()
-    if a.phase == "checkpoint":
-        _checkpoint(a.out)
-    else:
-        if "LLADA2_REF_DIR" not in os.environ:
-            raise SystemExit("set LLADA2_REF_DIR to the directory holding llada2_ref/ (the reference files)")
-        _record(a.ckpt)
-
-
 if __name__ == "__main__":
-    main()
+    br.main(__doc__, _checkpoint, _record, "LLADA2_REF_DIR")

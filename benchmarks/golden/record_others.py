@@ -57,6 +57,7 @@ forward count equals the recorded one.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import os
 import sys
@@ -493,15 +494,19 @@ def d3llm_cases(prompts):
     ]
 
 
-def record_d3llm(ref_dir: Path):
+def record_d3llm(ref_dir: Path, multiblock: bool = False):
+    """``generate`` with ``threshold`` (fixtures ``d3llm_*``), or ``generate_multi_block`` (``d3llm-multiblock_*``)."""
     stub_modules("utils", "utils.utils_LLaDA", "utils.utils_LLaDA.model", "utils.utils_LLaDA.model.modeling_llada",
                  LLaDAModelLM=None)
     mod = rl.load_module(ref_dir / "d3llm" / "d3llm_LLaDA" / "d3llm_llada_generate_util.py", "ref_d3llm_generate")
+    fn = "generate_multi_block" if multiblock else "generate"
     reference = {"repo": "hao-ai-lab/d3LLM", "commit": "e5bfcaccb775ee75759c24ccc9a28218b8372b34",
-                 "file": "d3llm/d3llm_LLaDA/d3llm_llada_generate_util.py", "function": "generate (threshold)"}
+                 "file": "d3llm/d3llm_LLaDA/d3llm_llada_generate_util.py",
+                 "function": fn if multiblock else "generate (threshold)"}
+    cases = d3llm_multiblock_cases if multiblock else d3llm_cases
     for label, model, prompts in llada_models():
-        save("d3llm", label, reference, model, [run_d3llm(mod, model, cid, rows, params)
-                                                 for cid, rows, params in d3llm_cases(prompts)])
+        save("d3llm-multiblock" if multiblock else "d3llm", label, reference, model,
+             [run_d3llm(mod, model, cid, rows, params, fn) for cid, rows, params in cases(prompts)])
 
 
 def d3llm_multiblock_cases(prompts):
@@ -519,18 +524,6 @@ def d3llm_multiblock_cases(prompts):
         ("t0.3_b16", [prompts[0]], dict(b, threshold=0.3, block_size=16, block_add_threshold=0.75)),
         ("t1_t07", [prompts[1]], dict(b, threshold=1.0, temperature=0.7, seed=2)),
     ]
-
-
-def record_d3llm_multiblock(ref_dir: Path):
-    stub_modules("utils", "utils.utils_LLaDA", "utils.utils_LLaDA.model", "utils.utils_LLaDA.model.modeling_llada",
-                 LLaDAModelLM=None)
-    mod = rl.load_module(ref_dir / "d3llm" / "d3llm_LLaDA" / "d3llm_llada_generate_util.py", "ref_d3llm_generate")
-    reference = {"repo": "hao-ai-lab/d3LLM", "commit": "e5bfcaccb775ee75759c24ccc9a28218b8372b34",
-                 "file": "d3llm/d3llm_LLaDA/d3llm_llada_generate_util.py", "function": "generate_multi_block"}
-    for label, model, prompts in llada_models():
-        save("d3llm-multiblock", label, reference, model,
-             [run_d3llm(mod, model, cid, rows, params, "generate_multi_block")
-              for cid, rows, params in d3llm_multiblock_cases(prompts)])
 
 
 # ---------------------------------------------------------------------------------------------------- common
@@ -552,7 +545,7 @@ def save(ref_name, label, reference, model, cases, active=()):
 
 RECORDERS = {"klass": record_klass, "adablock": record_adablock, "localleap": record_localleap,
              "prophet": record_prophet, "eoser": record_eoser, "eb": record_eb,
-             "d3llm": record_d3llm, "d3llm-multiblock": record_d3llm_multiblock}
+             "d3llm": record_d3llm, "d3llm-multiblock": functools.partial(record_d3llm, multiblock=True)}
 
 
 def main(argv=None):
