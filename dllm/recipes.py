@@ -26,7 +26,7 @@ from dllm.blocks import AlignedBlocks, BlockPolicyBase, FixedBlocks
 from dllm.config import GenerateConfig
 from dllm.samplers.recipe import Recipe, as_recipe, configure
 
-__all__ = ["Recipe", "as_recipe", "configure", "default_sampler", "resolve"]
+__all__ = ["Recipe", "as_recipe", "configure", "default_sampler", "model_block_size", "resolve"]
 
 
 def default_sampler(model):
@@ -35,6 +35,14 @@ def default_sampler(model):
 
     family = getattr(getattr(model, "spec", None), "family", "llada")
     return get_sampler("dream" if family == "dream" else "llada")
+
+
+def model_block_size(model) -> int | None:
+    """The block size of a block-diffusion dllm Transformer (SDAR, LLaDA2), ``None`` for other models (a wrapped
+    Hugging Face model's ``config.block_size``, where one exists, means something else)."""
+    if not getattr(model, "supports_cache", False):
+        return None
+    return getattr(getattr(model, "config", None), "block_size", None)
 
 
 def resolve(model, sampler, cache, block_policy, config: GenerateConfig):
@@ -53,7 +61,7 @@ def resolve(model, sampler, cache, block_policy, config: GenerateConfig):
     recipe = as_recipe(sampler)
     recipe = dataclasses.replace(recipe, sampler=_Declared.wrap(recipe.sampler, SamplerBase)).bind_model(model)
     recipe = recipe.for_config(config)
-    block_size = getattr(getattr(model, "config", None), "block_size", None)
+    block_size = model_block_size(model)
     if cache is None and getattr(model, "supports_cache", False):
         cache = "block" if block_size else recipe.cache
     if isinstance(cache, str):

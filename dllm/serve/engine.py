@@ -43,7 +43,7 @@ import torch
 
 from dllm.config import GenerateConfig
 from dllm.generate import Decoder, DecodeState, decode_texts, prepare_prompts
-from dllm.recipes import resolve
+from dllm.recipes import model_block_size, resolve
 from dllm.samplers import get_sampler
 
 log = logging.getLogger(__name__)
@@ -327,8 +327,7 @@ class Engine:
             raise RequestError(str(exc)) from None
         if cache is None:  # the preset's own cache (fast-dllm: dual), where the engine can move it; block-diffusion
             # checkpoints: their exact block cache, as in generate
-            cache = "block" if getattr(self.model.config, "block_size", None) else (getattr(recipe, "cache", None)
-                                                                                    or "none")
+            cache = "block" if model_block_size(self.model) else (getattr(recipe, "cache", None) or "none")
             cache = cache if isinstance(cache, str) else cache[0]
         if cache not in SERVED_CACHES:
             raise RequestError(f"cache {cache!r} is not served; served caches: {', '.join(SERVED_CACHES)}")
