@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dllm.generate import answer_lengths, prepare_prompts
+from dllm.samplers.dream import top_k_logits, top_p_logits
 
 REMASKING = ("low_confidence_dynamic", "low_confidence_static", "sequential")
 STYLES = ("sdar", "llada2")
@@ -102,15 +103,9 @@ def _sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, 
     if temperature not in (0.0, 1.0):
         logits = logits / temperature
     if top_k > 0:
-        kth = torch.topk(logits, top_k).values[..., -1:]
-        logits = torch.where(logits < kth, torch.full_like(logits, float("-inf")), logits)
+        logits = top_k_logits(logits, top_k, fill=float("-inf"))
     if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cum = torch.cumsum(torch.softmax(sorted_logits, -1), -1)
-        drop = cum > top_p
-        drop[..., 1:] = drop[..., :-1].clone()
-        drop[..., 0] = False
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+        logits = top_p_logits(logits, top_p, fill=float("-inf"))
     probs = torch.softmax(logits, -1)
     token = torch.multinomial(probs, 1, generator=gen)
     return token[:, 0], probs.gather(-1, token)[:, 0]

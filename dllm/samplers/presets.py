@@ -19,7 +19,17 @@ from dllm.samplers.base import StepContext, StepResult, check_choice
 from dllm.samplers.composed import ComposedSampler
 from dllm.samplers.guided import guided
 from dllm.samplers.recipe import Recipe
-from dllm.samplers.rules import Ascending, EntropyBound, EntropyThreshold, Factor, KLStable, LocalLeap, Quota, Threshold
+from dllm.samplers.rules import (
+    Ascending,
+    EntropyBound,
+    EntropyThreshold,
+    Factor,
+    KLStable,
+    LocalLeap,
+    Quota,
+    Threshold,
+    d3llm_entropy,
+)
 from dllm.samplers.transforms import CreditFusion, EOSRejection
 
 
@@ -79,8 +89,7 @@ class MultiBlockSampler(ComposedSampler):
         first = torch.where(activated & (masks > 0), torch.arange(nb, device=masks.device)[None], nb).min(-1).values
         in_first = (block_of[:, off:off + W] == first[:, None]) & ctx.cand
         need = in_first.any(-1) & ~(res.commit & in_first).any(-1)
-        p = torch.softmax(logits.to(torch.float64), dim=-1)
-        ent = (-(p * torch.log(p + 1e-12)).sum(-1)).masked_fill(~in_first, math.inf)
+        ent = d3llm_entropy(logits).masked_fill(~in_first, math.inf)
         force = torch.nn.functional.one_hot(ent.argmin(-1), W).bool() & need[:, None]
         proposal = torch.where(force, logits.argmax(-1), res.proposal)
         return StepResult(proposal, res.commit | force, res.info)

@@ -510,6 +510,13 @@ class EntropyBound:
         return commit & cand, {"accepted": k}
 
 
+def d3llm_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """``[..., V]`` logits -> ``[...]`` entropies as d3LLM computes them: ``-sum p log(p + 1e-12)`` of the
+    full-vocabulary softmax in float64."""
+    p = torch.softmax(logits.to(torch.float64), dim=-1)
+    return -(p * torch.log(p + 1e-12)).sum(-1)
+
+
 @dataclass(frozen=True)
 class EntropyThreshold:
     """d3LLM's entropy threshold (``get_transfer_index_entropy`` of hao-ai-lab/d3LLM): commit every candidate
@@ -525,9 +532,7 @@ class EntropyThreshold:
 
     def select(self, conf, ctx, *, logits, probs=None):
         cand = ctx.cand
-        p = torch.softmax(logits.to(torch.float64), dim=-1)
-        ent = -(p * torch.log(p + 1e-12)).sum(-1)
-        ent = ent.masked_fill(~cand, math.inf)
+        ent = d3llm_entropy(logits).masked_fill(~cand, math.inf)
         best = ent.argmin(-1)  # the first of equal minima: the lower column
         commit = (ent <= self.threshold) & cand
         commit = commit | (torch.nn.functional.one_hot(best, ent.shape[-1]).bool() & cand.any(-1, keepdim=True))
