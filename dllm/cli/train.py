@@ -1,4 +1,4 @@
-"""``dllm train-tiny``: train a tiny LLaDA-, Dream- or AR-format model on the synthetic tasks."""
+"""``dllm train-tiny``: train a tiny LLaDA-, Dream-, SDAR-, LLaDA2- or AR-format model on the synthetic tasks."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import sys
 
 _DLLM_ONLY_TRAIN_OPTIONS = ("loss", "no_curriculum", "curriculum", "task_mix", "tasks", "eval_every", "eval_n",
-                            "init_from_ar", "shuffle_targets", "edit_targets")
+                            "init_from_ar", "shuffle_targets", "edit_targets", "block_size")
 
 
 def cmd_train_tiny(args) -> int:
@@ -46,7 +46,7 @@ def cmd_train_tiny(args) -> int:
                       tie_embeddings=args.tie_embeddings, examples_per_task=args.examples_per_task,
                       tasks=args.tasks, eval_every=args.eval_every, eval_n=args.eval_n,
                       tokenizer_layout=args.tokenizer_layout, shuffle_targets=args.shuffle_targets,
-                      edit_targets=args.edit_targets)
+                      edit_targets=args.edit_targets, block_size=args.block_size)
 
     def progress(step, loss, secs):
         print(f"step {step}/{cfg.steps}  loss {loss:.4f}  {secs:.0f}s", file=sys.stderr, flush=True)
@@ -58,7 +58,9 @@ def cmd_train_tiny(args) -> int:
 
 def add_parser(sub) -> None:
     t = sub.add_parser("train-tiny", help="train a tiny LLaDA- or Dream-format model on the synthetic tasks")
-    t.add_argument("--family", choices=["llada", "dream", "ar"], required=True,
+    t.add_argument("--block-size", type=int, default=None,
+                   help="block-diffusion families (sdar, llada2): the block size (default: 4 for sdar, 32 for llada2)")
+    t.add_argument("--family", choices=["llada", "dream", "sdar", "llada2", "ar"], required=True,
                    help="ar: the tiny autoregressive guide for --guide (a transformers LlamaForCausalLM)")
     t.add_argument("--out", required=True)
     t.add_argument("--steps", type=int, default=4000)

@@ -99,11 +99,22 @@ def block_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
         ``[B, Hq, Lq, D]`` in ``q.dtype``; query rows with no key to attend to get zeros. No Triton twin: every
         backend runs this (``scaled_dot_product_attention`` with a boolean mask).
     """
+    return pattern_attention(q, k, v, k_blocks[:, None, :] <= q_blocks[:, :, None], key_padding_mask)
+
+
+def pattern_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                      key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention under an explicit pattern: query ``i`` attends to key ``j`` where ``allowed[b, i, j]``
+    (``[B, Lq, Lk]`` bool) and the key is not padding. Block-diffusion attention is one such pattern; the
+    block-diffusion training objective (a noisy and a clean copy of the sequence in one forward) is another.
+    Query rows with no key to attend to get zeros."""
     hq, hkv = q.shape[1], k.shape[1]
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
     check_key_padding_mask(key_padding_mask, q, k)
-    allowed = k_blocks[:, None, :] <= q_blocks[:, :, None]  # [B, Lq, Lk]
+    if allowed.shape != (q.shape[0], q.shape[2], k.shape[2]) or allowed.dtype != torch.bool:
+        raise ValueError(f"allowed must be a [B, Lq, Lk] = {[q.shape[0], q.shape[2], k.shape[2]]} bool tensor, got "
+                         f"{list(allowed.shape)} {allowed.dtype}")
     if key_padding_mask is not None:
         allowed = allowed & key_padding_mask[:, None, :]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], enable_gqa=hq != hkv)

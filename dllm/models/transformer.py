@@ -197,7 +197,8 @@ class Block(nn.Module):
         """``h``: ``[B, Q, d]`` hidden states of the computed rows (all ``T`` rows when ``rows`` is None, else
         the canvas rows ``rows`` ``[B, Q]``); ``cos``/``sin`` are the RoPE tables of those rows. Keys and
         values of the rows not computed come from ``cache.update``. ``blocks``: ``(query blocks [B, Q], key
-        blocks [B, T])`` for block-diffusion attention (a query attends to keys of its block and earlier ones)."""
+        blocks [B, T])`` for block-diffusion attention (a query attends to keys of its block and earlier ones), or
+        an explicit ``[B, Q, T]`` bool pattern of which keys each query attends to."""
         B, T, _ = h.shape
         x = self.attn_norm(h)
         if hasattr(self, "qkv"):  # one projection: queries, then keys, then values, per head
@@ -215,6 +216,8 @@ class Block(nn.Module):
             k, v = cache.update(layer_idx, k, v) if rows is None else cache.update(layer_idx, k, v, rows)
         if blocks is None:
             a = kernels.attention(q, k, v, key_padding_mask=key_mask)
+        elif isinstance(blocks, torch.Tensor):  # an explicit [B, Q, T] pattern (block-diffusion training)
+            a = kernels.reference.pattern_attention(q, k, v, blocks, key_padding_mask=key_mask)
         else:
             a = kernels.reference.block_causal_attention(q, k, v, blocks[0], blocks[1], key_padding_mask=key_mask)
         observe = cache.observe if cache is not None else None
@@ -287,6 +290,7 @@ class Transformer(nn.Module):
         logits_idx: torch.Tensor | None = None,
         key_positions: torch.Tensor | None = None,
         block_size: int | None = None,
+        attn_pattern: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits for the positions the caller asks for.
 
@@ -318,6 +322,10 @@ class Transformer(nn.Module):
             block_size: the block grid of block-diffusion attention for this forward (default: the config's
                 ``block_size``; a decoder may use another block length, as SDAR's ``block_diffusion_generate``
                 does).
+            attn_pattern: ``[B, T, T]`` bool, which keys each query attends to, replacing the block grid and the
+                bidirectional default (padding keys still excluded); only for full forwards. Block-diffusion
+                training uses it: a noisy and a clean copy of the sequence in one forward attend by rules that
+                no block grid expresses (:mod:`dllm.tiny.train`).
 
         Returns:
             ``[B, R, V]`` (or ``[B, T, V]``) logits in the model dtype.
@@ -336,6 +344,8 @@ class Transformer(nn.Module):
             cos, sin = rope_tables(positions.gather(1, query_idx), hd, theta)
             h = self.embed(tokens.gather(1, query_idx))
         rows = query_idx
+        if attn_pattern is not None and (query_idx is not None or cache is not None):
+            raise ValueError("attn_pattern is for full forwards without a cache (training); drop query_idx / cache")
         bs = block_size or self.config.block_size
         query_blocks = positions // bs if bs else None
         key_blocks = (query_blocks if key_positions is None else key_positions // bs) if bs else None
@@ -346,7 +356,11 @@ class Transformer(nn.Module):
                 if switch is not None and rows is not None:  # every row ([B, T, d]) or new rows ((h, rows))
                     h, rows = switch if isinstance(switch, tuple) else (switch, None)
                     cos, sin = rope_tables(positions if rows is None else positions.gather(1, rows), hd, theta)
-            blocks = None if bs is None else (query_blocks if rows is None else query_blocks.gather(1, rows), key_blocks)
+            if attn_pattern is not None:
+                blocks = attn_pattern
+            else:
+                blocks = None if bs is None else (query_blocks if rows is None else query_blocks.gather(1, rows),
+                                                  key_blocks)
             h = layer(h, cos, sin, attn_mask, i, cache, rows, blocks)
         if rows is None:
             if logits_idx is None:

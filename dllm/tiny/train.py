@@ -7,6 +7,9 @@ predict token ``i`` from hidden row ``i - 1``) and writes a checkpoint in the re
 
 The response is the answer, the end-of-turn token, then EOS padding up to the response length, so decoding
 learns to close the answer with EOT and fill the tail with EOS, as LLaDA's SFT data does.
+
+``--family sdar|llada2`` trains a block-diffusion checkpoint instead (SDAR's or LLaDA2's layout, usually from the
+bundled autoregressive model with ``--init-from-ar``): the objective of :mod:`dllm.tiny.block`.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from dllm.models.loading import save_pretrained
 from dllm.models.spec import SPECS
 from dllm.models.transformer import Transformer, TransformerConfig
 from dllm.models.weights import init_weights
+from dllm.tiny import block
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +65,7 @@ class TrainConfig:
     shuffle_targets: str = "random"  # training target of waiting_line/shuffle: "random" | "rotation" (rotation_targets)
     edit_targets: str = "random"  # training target of the *_random edits: "random" | "last" (last_edit_targets)
     init_from_ar: str | None = None  # start from a causal LM checkpoint of the same shape (train_ar)
+    block_size: int | None = None  # block-diffusion families (sdar, llada2): the block size; None: the family's
     task_mix: str = "uniform"  # "uniform": every task of a stage equally; "family": each family equally, then its
     # tasks; "adaptive": like "family", each task weighted by adaptive_floor + (1 - its last periodic eval score)
     adaptive_floor: float = 0.1
@@ -252,7 +257,12 @@ def task_sampler(names: list[str], mix: str, scores: dict[str, float] | None = N
     return lambda rng: rng.choices(flat, weights)[0]
 
 
-def make_batch(pool, idx, *, mask_id, eot_id, eos_id, pad_id, rng: random.Random, eps: float):
+def make_batch(pool, idx, *, mask_id, eot_id, eos_id, pad_id, rng: random.Random, eps: float,
+               block_size: int | None = None):
+    """A left-padded batch of prompts and responses (answer, end-of-turn, EOS padding to one of
+    ``RESPONSE_LENGTHS``) with response tokens masked: each row at its own ratio ``t ~ U(eps, 1)`` (``t``:
+    ``[B]``), or with ``block_size`` each block of each row at its own ratio (``t``: ``[B, R]``, per token;
+    :func:`dllm.tiny.block.block_mask`). Returns ``(noisy, valid, target, masked, t, P)``."""
     items = [pool[i] for i in idx]
     need = max(len(a) + 1 for _, a in items)
     choices = [r for r in RESPONSE_LENGTHS if r >= need] or [need]
@@ -266,8 +276,11 @@ def make_batch(pool, idx, *, mask_id, eot_id, eos_id, pad_id, rng: random.Random
         valid[b, : P - len(p)] = False
         resp = a + [eot_id] + [eos_id] * (R - len(a) - 1)
         x[b, P:] = torch.tensor(resp)
-    t = torch.rand(B) * (1 - eps) + eps
-    masked = torch.rand(B, R) < t[:, None]
+    if block_size is not None:
+        masked, t = block.block_mask(valid, P, block_size, eps)
+    else:
+        t = torch.rand(B) * (1 - eps) + eps
+        masked = torch.rand(B, R) < t[:, None]
     target = x[:, P:].clone()
     noisy = x.clone()
     noisy[:, P:] = torch.where(masked, torch.full_like(target, mask_id), target)
@@ -363,13 +376,21 @@ def train(cfg: TrainConfig, out_dir, *, progress=None) -> dict:
     rng = random.Random(cfg.seed)
     out_dir = Path(out_dir)
     spec = SPECS[cfg.family]
-    tok_dir = build_tokenizer(out_dir, cfg.family, list_items=cfg.list_item_tokens, layout=cfg.tokenizer_layout)
+    blockwise = block.is_block_family(cfg.family)
+    if cfg.block_size is not None and not blockwise:
+        raise ValueError(f"block_size applies to the block-diffusion families ({', '.join(block.BLOCK_FAMILIES)}), "
+                         f"not {cfg.family!r}")
+    # the block-diffusion families use the Qwen-style (Dream) chat template and mask token of the tiny vocabulary
+    tok_dir = build_tokenizer(out_dir, "dream" if blockwise else cfg.family, list_items=cfg.list_item_tokens,
+                              layout=cfg.tokenizer_layout)
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
     ids = {
-        "mask_id": tok.convert_tokens_to_ids(spec.mask_token),
+        "mask_id": tok.mask_token_id if blockwise else tok.convert_tokens_to_ids(spec.mask_token),
         "eot_id": tok.convert_tokens_to_ids(spec.eot_token),
         "eos_id": tok.convert_tokens_to_ids("<|endoftext|>"),
     }
+    if not isinstance(ids["eot_id"], int) or ids["eot_id"] == tok.unk_token_id:
+        ids["eot_id"] = ids["eos_id"]  # LLaDA2's <|role_end|> is not in the tiny vocabulary: EOS ends the answer
     ar_config = _check_init_from_ar(cfg, tok) if cfg.init_from_ar else None
     start = None
     if cfg.init_from:  # read once: its key/value heads (unless given) and, below, its weights
@@ -382,19 +403,28 @@ def train(cfg: TrainConfig, out_dir, *, progress=None) -> dict:
         kv = ar_config.get("num_key_value_heads", cfg.n_heads)
     if cfg.n_kv_heads is None and start is not None:  # a continuation keeps its checkpoint's key/value heads
         kv = start.config.n_kv_heads
-    mcfg = TransformerConfig(
+    dense = TransformerConfig(
         vocab_size=len(tok), d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=kv,
         mlp_hidden=cfg.mlp_hidden, max_seq_len=512, rope_theta=10000.0,
         norm_eps=1e-5 if cfg.family == "llada" else 1e-6, qkv_bias=cfg.family == "dream",
         tie_embeddings=cfg.tie_embeddings,
     )
+    mcfg = dense
+    if blockwise:
+        mcfg = block.model_config(cfg.family, vocab_size=len(tok), d_model=cfg.d_model, n_layers=cfg.n_layers,
+                                  n_heads=cfg.n_heads, n_kv_heads=kv, mlp_hidden=cfg.mlp_hidden,
+                                  tie_embeddings=cfg.tie_embeddings, block_size=cfg.block_size)
     model = Transformer(mcfg, spec)
     init_weights(model)
     if start is not None:
         if start.config != mcfg:
             raise ValueError(f"--init-from {cfg.init_from}: its config {start.config} differs from {mcfg}")
         model.load_state_dict(start.state_dict())
-    if cfg.init_from_ar:
+    if cfg.init_from_ar and blockwise:  # the causal LM's weights through a dense twin, then upcycled
+        twin = Transformer(dense, SPECS["dream"])
+        load_ar_weights(twin, cfg.init_from_ar)
+        block.upcycle_dense(model, twin.state_dict(), seed=cfg.seed)
+    elif cfg.init_from_ar:
         load_ar_weights(model, cfg.init_from_ar)
     model.mask_id, model.eos_id, model.pad_id, model.eot_id = ids["mask_id"], ids["eos_id"], ids["eos_id"], ids["eot_id"]
     if cfg.examples_per_task > 0:
@@ -450,9 +480,14 @@ def train(cfg: TrainConfig, out_dir, *, progress=None) -> dict:
         batch = [draw_example(draw(rng), turn) for _ in range(cfg.batch_size)]
         noisy, valid, target, masked, t, P = make_batch(
             batch, range(len(batch)), mask_id=ids["mask_id"], eot_id=ids["eot_id"], eos_id=ids["eos_id"], pad_id=ids["eos_id"],
-            rng=rng, eps=cfg.eps)
-        cols = torch.arange(P, noisy.shape[1]).expand(noisy.shape[0], -1)
-        logits = model(noisy, attn_mask=None if bool(valid.all()) else valid, logits_idx=cols)
+            rng=rng, eps=cfg.eps, block_size=mcfg.block_size if blockwise else None)
+        if blockwise:  # the noisy and the clean copy in one forward (dllm.tiny.block)
+            clean = noisy.clone()
+            clean[:, P:] = target
+            logits = model(**block.two_copy_inputs(noisy, clean, valid, mcfg.block_size, P, model.shift_logits))
+        else:
+            cols = torch.arange(P, noisy.shape[1]).expand(noisy.shape[0], -1)
+            logits = model(noisy, attn_mask=None if bool(valid.all()) else valid, logits_idx=cols)
         loss = masked_diffusion_loss(logits, target, masked, t, cfg.loss)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -524,7 +559,7 @@ LOSSES = ("weighted", "mean")
 
 def masked_diffusion_loss(logits, target, masked, t, kind: str = "weighted") -> torch.Tensor:
     """Cross-entropy on the masked response tokens. ``weighted``: LLaDA's estimator, each masked token's loss
-    over its row's mask ratio ``t``, summed and divided by the number of response tokens (an upper bound on
+    over its mask ratio ``t`` (``[B]`` per row or ``[B, R]`` per token), summed and divided by the number of response tokens (an upper bound on
     the negative log-likelihood; high variance at small ``t``). ``mean``: the plain mean over masked tokens."""
     if kind not in LOSSES:
         raise ValueError(f"unknown loss {kind!r}; known: {', '.join(LOSSES)}")
@@ -532,4 +567,4 @@ def masked_diffusion_loss(logits, target, masked, t, kind: str = "weighted") -> 
     ce = ce.view_as(target) * masked
     if kind == "mean":
         return ce.sum() / masked.sum().clamp(min=1)
-    return (ce / t[:, None]).sum() / target.numel()
+    return (ce / (t if t.dim() == 2 else t[:, None])).sum() / target.numel()
