@@ -1,4 +1,5 @@
-"""Block-diffusion decoding for SDAR and LLaDA2.x checkpoints, with the exact KV cache of finished blocks.
+"""Block-diffusion decoding for SDAR, LLaDA2.x and Fast-dLLM v2 checkpoints, with the exact KV cache of finished
+blocks.
 
 A block-diffusion model attends bidirectionally inside a block and causally across blocks, so the keys and
 values of a finished block never change: they are computed once, when the block is complete, and appended to
@@ -34,9 +35,22 @@ block's first forward also computes and stores the finished block before it, whe
 whole window), greedy decoding at ``temperature=0`` (argmax, softmax probability), at most ``denoising_steps``
 forwards per block, EOS alone ends a row, the region cut at ``gen_length`` (docs/block-diffusion.md).
 
+``style="fastdllm2"`` is Fast-dLLM v2's ``batch_sample`` (NVlabs/Fast-dLLM ``v2/generation_functions.py``, the
+official evaluation's decoder) and ``"fastdllm2_generate"`` the ``generate`` of its model file: the prompt's whole
+blocks prefilled (a prompt ending on a block boundary gets its next token from the prefill's last row, greedily),
+then each block decoded sub-block by sub-block (``small_block_length``): a sub-block's forwards repeat until it
+holds no mask, each committing the masked positions whose probability (``temperature`` 0: softmax of the
+logits, else top-p sampling) is above ``confidence_threshold`` plus the most probable one; the finished block is
+stored by one more forward whose last row gives the next block's first token. Logits are shifted (position i from
+hidden row i - 1; a forward's first position from its own row, as the reference). ``use_block_cache`` reproduces
+the reference's sub-block cache. ``batch_sample`` finishes the block holding a committed stop token and pads what
+follows it; ``generate`` stops as soon as a stop token has no mask before it and cuts the row after it
+(docs/block-diffusion.md lists the reference quirks reproduced and those that are not).
+
 Rows are decoded one at a time (each with its own generator seeded by ``seed``), so a row's output never depends
-on its batch. Recorded reference runs: ``tests/fixtures/golden/sdar_sdar-tiny.json`` and
-``llada2_llada2-tiny.json`` (``benchmarks/golden/record_sdar.py``, ``record_llada2.py``).
+on its batch. Recorded reference runs: ``tests/fixtures/golden/sdar_sdar-tiny.json``, ``llada2_llada2-tiny.json``
+and ``fastdllm2_fastdllm2-tiny.json`` (``benchmarks/golden/record_sdar.py``, ``record_llada2.py``,
+``record_fastdllm2.py``).
 """
 
 from __future__ import annotations
@@ -49,7 +63,7 @@ from dllm.generate import answer_lengths, prepare_prompts
 from dllm.samplers.dream import top_k_logits, top_p_logits
 
 REMASKING = ("low_confidence_dynamic", "low_confidence_static", "sequential")
-STYLES = ("sdar", "llada2")
+STYLES = ("sdar", "llada2", "fastdllm2", "fastdllm2_generate")
 
 
 @dataclass
@@ -184,39 +198,210 @@ def _decode_row(model, prompt: list[int], gen_length: int, B: int, quota: list[i
     return x[0, P:P + gen_length].tolist(), len(trace), trace
 
 
+class _SubBlockKV(_BlockKV):
+    """:class:`_BlockKV` plus Fast-dLLM v2's block cache (``use_block_cache``): a block-wide forward (``mode
+    "block"``) keeps the current block's keys and values; a sub-block forward (``mode "sub"``, ``at``: the
+    sub-block's offset in the block) writes its own into them in place and attends to the whole block, the other
+    sub-blocks as of the last block-wide forward (the reference's ``replace_position`` update)."""
+
+    def __init__(self, n_layers: int):
+        super().__init__(n_layers)
+        self.bk: list[torch.Tensor | None] = [None] * n_layers
+        self.bv: list[torch.Tensor | None] = [None] * n_layers
+        self.mode: str | None = None
+        self.at = 0
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        if self.mode == "block":
+            self.bk[layer], self.bv[layer] = k, v
+        elif self.mode == "sub":
+            self.bk[layer][:, :, self.at:self.at + k.shape[2]] = k
+            self.bv[layer][:, :, self.at:self.at + v.shape[2]] = v
+            k, v = self.bk[layer], self.bv[layer]
+        return super().update(layer, k, v)
+
+
+# Fast-dLLM v2's denoising forwards do not pass a block size, so its model file builds their attention mask on its
+# default grid of 32 positions (the published bd_size); for decoding blocks that divide 32 that is the block's own.
+_FASTDLLM2_DENOISE_GRID = 32
+
+
+def _sample_top_p(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator):
+    """Fast-dLLM v2's ``sample_with_top_p`` on ``[L, V]`` logits: temperature 0 gives the argmax of the softmax
+    and its probability; otherwise the softmax of ``logits / temperature``, the tail beyond ``top_p`` zeroed
+    (the first token always kept) and renormalised, one multinomial draw per position. Returns tokens and
+    their probabilities."""
+    if temperature == 0:
+        probs = torch.softmax(logits, -1)
+        token = probs.argmax(-1, keepdim=True)
+        return token[:, 0], probs.gather(-1, token)[:, 0]
+    probs = torch.softmax(logits / temperature, -1)
+    sorted_probs, sorted_idx = torch.sort(probs, descending=True)
+    remove = torch.cumsum(sorted_probs, -1) > top_p
+    remove[..., 1:] = remove[..., :-1].clone()
+    remove[..., 0] = False
+    probs[torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, sorted_idx, remove)] = 0
+    probs = probs / probs.sum(-1, keepdim=True)
+    token = torch.multinomial(probs, 1, generator=gen)
+    return token[:, 0], probs.gather(-1, token)[:, 0]
+
+
+def _decode_row_fastdllm2(model, prompt: list[int], gen_length: int, B: int, S: int, threshold: float,
+                          temperature: float, top_p: float, use_block_cache: bool, seed: int, stops: set[int],
+                          pad_id: int, style: str):
+    """One row of Fast-dLLM v2's ``batch_sample`` (``style="fastdllm2"``) or its model file's ``generate``
+    (``"fastdllm2_generate"``): (generated region, forwards, per-forward trace)."""
+    P = len(prompt)
+    n_blocks = gen_length // B
+    first = P // B
+    total = (first + n_blocks) * B + 1  # the last block's storing forward appends one token
+    if total > model.max_seq_len:
+        raise ValueError(f"prompt ({P} tokens) + {n_blocks} blocks of {B} (gen_length {gen_length}) + the token after "
+                         f"them need {total} positions: more than the model's context of {model.max_seq_len}")
+    dev, mask_id = model.device, model.mask_id
+    x = torch.full((1, total), mask_id, dtype=torch.long, device=dev)
+    x[0, :P] = torch.tensor(prompt, device=dev)
+    pos = torch.arange(total, device=dev)[None]
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    cache = _SubBlockKV(len(model.layers))
+    trace: list[dict] = []
+
+    def forward(lo: int, hi: int, kind: str, block: int | None, key_hi: int, grid: int, logits_idx=None):
+        cache.store = kind in ("prefill", "store")
+        cache.mode = {"denoise": "block" if use_block_cache else None, "subblock": "sub"}.get(kind)
+        logits = model(x[:, lo:hi], positions=pos[:, lo:hi], cache=cache, key_positions=pos[:, :key_hi],
+                       block_size=grid, logits_idx=logits_idx)
+        trace.append({"block": block, "kind": kind, "store": cache.store, "committed": []})
+        return logits[0]
+
+    def argmax_after(hi: int, kind: str, block: int | None) -> int:  # the token after a stored prefix: AR
+        lo = 0 if kind == "prefill" else hi - B
+        logits = forward(lo, hi, kind, block, hi, B, logits_idx=torch.tensor([[hi - lo]], device=dev))
+        return int(logits[0].argmax())
+
+    length = P  # the reference's current sequence length (x[length:] are not there yet)
+    if P >= B:  # the prompt's whole blocks, stored; a prompt that ends on a block boundary gets its next token
+        nxt = argmax_after(first * B, "prefill", None)
+        if P % B == 0:
+            x[0, P] = nxt
+            length = P + 1
+    finished = False
+    for blk in range(first, first + n_blocks):
+        if style == "fastdllm2_generate" and stops & set(x[0, P:length].tolist()):
+            break
+        lo, hi = blk * B, (blk + 1) * B
+        region = length  # generate's stop test looks at the tokens after the block's given ones
+        cache.bk = [None] * len(model.layers)  # the sub-block cache lives for one block
+        have_block_cache = False
+
+        def stopped_before_masks(region: int = region, hi: int = hi) -> bool:  # generate: a stop token, no
+            row = x[0, region:hi].tolist()  # mask before it, among the block's tokens after its given ones
+            j = next((i for i, t in enumerate(row) if t in stops), None)
+            return j is not None and mask_id not in row[:j]
+
+        while True:
+            if style == "fastdllm2_generate" and stopped_before_masks():  # the block ends here, not stored
+                length = hi
+                break
+            if not bool((x[0, lo:hi] == mask_id).any()):
+                if finished:  # batch_sample: the tokens after the first stop token become padding; no store
+                    row = x[0, P:hi].tolist()
+                    j = next(i for i, t in enumerate(row) if t in stops)
+                    x[0, P + j + 1:hi] = pad_id
+                    length = hi
+                    break
+                x[0, hi] = argmax_after(hi, "store", blk)
+                length = hi + 1
+                break
+            for s0 in range(lo, hi, S):
+                s1 = s0 + S
+                while bool((x[0, s0:s1] == mask_id).any()):
+                    if style == "fastdllm2_generate" and stopped_before_masks():
+                        break
+                    if use_block_cache and have_block_cache and int(x[0, s0]) != mask_id:
+                        cache.at = s0 - lo
+                        logits = forward(s0, s1, "subblock", blk, hi, B)
+                    else:
+                        logits = forward(lo, hi, "denoise", blk, hi, _FASTDLLM2_DENOISE_GRID)[s0 - lo:s1 - lo]
+                        have_block_cache = use_block_cache
+                    cur = x[0, s0:s1]
+                    masked = cur == mask_id
+                    tok, p = _sample_top_p(logits, temperature, top_p, gen)
+                    conf = torch.where(masked, p, torch.tensor(float("-inf"), dtype=p.dtype, device=dev))
+                    commit = conf > threshold
+                    commit[conf.argmax()] = True
+                    commit &= masked
+                    cur[commit] = tok[commit]  # a proposed mask token leaves its position masked
+                    trace[-1]["committed"] = ((commit & (cur != mask_id)).nonzero()[:, 0] + s0).tolist()
+                    if stops & set(tok[commit].tolist()):
+                        finished = True
+        if style == "fastdllm2" and finished:
+            break
+    out = x[0, P:length].tolist()
+    if style == "fastdllm2_generate":
+        j = next((i for i, t in enumerate(out) if t in stops), None)
+        out = out if j is None else out[:j + 1]
+    return out, len(trace), trace
+
+
 @torch.no_grad()
 def block_diffusion_generate(model, prompts, *, gen_length: int = 128, block_length: int | None = None,
                              denoising_steps: int | None = None, remasking: str = "low_confidence_dynamic",
-                             confidence_threshold: float = 0.85, temperature: float = 1.0, top_k: int | None = 0,
-                             top_p: float | None = 1.0, seed: int = 0, stop_ids: list[int] | None = None,
-                             chat_template: bool = True, style: str = "sdar") -> BlockDiffusionOutput:
+                             confidence_threshold: float | None = None, temperature: float | None = None,
+                             top_k: int | None = 0, top_p: float | None = None, seed: int = 0,
+                             stop_ids: list[int] | None = None, chat_template: bool = True, style: str = "sdar",
+                             small_block_length: int | None = None,
+                             use_block_cache: bool = False) -> BlockDiffusionOutput:
     """Decode ``prompts`` block by block with the exact cache of finished blocks (see the module docstring).
 
     Args:
         model: a block-diffusion checkpoint (``model.config.block_size`` set, e.g. SDAR); other dLLM
             checkpoints are refused.
         prompts: as :func:`dllm.generate` (strings, conversations, token-id lists).
-        gen_length: tokens to generate at least (the canvas ends at the next block boundary).
+        gen_length: tokens to generate at least (the canvas ends at the next block boundary; ``fastdllm2``: the
+            reference's ``max_new_tokens``, ``gen_length // block_length`` blocks are decoded).
         block_length: the decoding block (default: the checkpoint's ``block_size``).
-        denoising_steps: forwards per block at most (default: ``block_length``).
-        remasking: ``low_confidence_dynamic`` (default), ``low_confidence_static`` or ``sequential``.
-        temperature, top_k, top_p: the reference's sampling (``top_k=1``: greedy). ``temperature`` must be > 0.
+        denoising_steps: forwards per block at most (default: ``block_length``; not for ``fastdllm2``).
+        remasking: ``low_confidence_dynamic`` (default), ``low_confidence_static`` or ``sequential`` (not for
+            ``fastdllm2``, whose rule is its own).
+        confidence_threshold: the dynamic rule's threshold (default 0.85; ``fastdllm2``: 0.9, the official
+            evaluation's).
+        temperature, top_k, top_p: the reference's sampling (default 1.0, 0, 1.0; ``top_k=1``: SDAR's greedy
+            decoding, ``temperature`` must be > 0 for SDAR). ``fastdllm2``: ``temperature`` (default 0: greedy)
+            and ``top_p`` (default 0.95) of its ``sample_with_top_p``; no top-k.
         seed: each row's generator seed (the reference's ``torch.manual_seed``).
-        stop_ids: token ids that end a row after the block holding one (default: EOS and EOT; ``llada2``: EOS).
-        style: ``"sdar"`` (SDAR's ``block_diffusion_generate``) or ``"llada2"`` (LLaDA2's ``generate``: no prefill
+        stop_ids: token ids that end a row after the block holding one (default: EOS and EOT; ``llada2``: EOS;
+            ``fastdllm2``: EOT, <|im_end|> as the reference's ``stop_token``, else EOS).
+        style: ``"sdar"`` (SDAR's ``block_diffusion_generate``), ``"llada2"`` (LLaDA2's ``generate``: no prefill
             or storing forwards, greedy at ``temperature=0``, ``denoising_steps`` forwards per block at most, the
-            region cut at ``gen_length``; use ``remasking="low_confidence_dynamic"`` and its ``threshold``).
+            region cut at ``gen_length``; use ``remasking="low_confidence_dynamic"`` and its ``threshold``),
+            ``"fastdllm2"`` (Fast-dLLM v2's ``batch_sample``, its official evaluation's decoder) or
+            ``"fastdllm2_generate"`` (the ``generate`` of its model file); see docs/block-diffusion.md.
+        small_block_length: ``fastdllm2``: the sub-block (the reference's ``small_block_size``, default 8 or
+            the block when smaller); it must divide ``block_length``.
+        use_block_cache: ``fastdllm2``: the reference's sub-block cache (approximate: a sub-block's forward sees
+            the other sub-blocks' keys and values as of the block's last block-wide forward).
     """
     bs_model = getattr(getattr(model, "config", None), "block_size", None)
     if not bs_model:
         raise ValueError("block_diffusion_generate needs a block-diffusion checkpoint (config block_size, e.g. "
                          "SDAR); decode LLaDA / Dream checkpoints with dllm.generate")
+    if style not in STYLES:
+        raise ValueError(f"unknown style {style!r}; known: {', '.join(STYLES)}")
     B = block_length or bs_model
+    fd2 = style.startswith("fastdllm2")
+    if fd2:
+        return _fastdllm2_generate(model, prompts, gen_length, B, small_block_length, use_block_cache,
+                                   confidence_threshold, temperature, top_k, top_p, seed, stop_ids, chat_template,
+                                   style, denoising_steps, remasking)
+    if small_block_length is not None or use_block_cache:
+        raise ValueError(f"small_block_length and use_block_cache are Fast-dLLM v2's (style='fastdllm2'), not "
+                         f"style {style!r}'s")
+    confidence_threshold = 0.85 if confidence_threshold is None else confidence_threshold
+    temperature = 1.0 if temperature is None else temperature
     steps = denoising_steps or B
     if remasking not in REMASKING:
         raise ValueError(f"unknown remasking {remasking!r}; known: {', '.join(REMASKING)}")
-    if style not in STYLES:
-        raise ValueError(f"unknown style {style!r}; known: {', '.join(STYLES)}")
     for name, v in (("gen_length", gen_length), ("block_length", B), ("denoising_steps", steps)):
         if type(v) is not int or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
@@ -244,9 +429,56 @@ def block_diffusion_generate(model, prompts, *, gen_length: int = 128, block_len
         out.sequences.append(seq)
         out.nfe.append(nfe)
         out.trace.append(trace)
+    return _with_texts(model, out)
+
+
+def _with_texts(model, out: BlockDiffusionOutput) -> BlockDiffusionOutput:
     tok = getattr(model, "tokenizer", None)
     if tok is not None:
         lens = answer_lengths(model, out.sequences)
         out.texts = [tok.decode([t for t in s[:n] if t != model.mask_id], skip_special_tokens=True)
                      for s, n in zip(out.sequences, lens)]
     return out
+
+
+def _fastdllm2_generate(model, prompts, gen_length, B, S, use_block_cache, threshold, temperature, top_k, top_p,
+                        seed, stop_ids, chat_template, style, denoising_steps, remasking) -> BlockDiffusionOutput:
+    """Checks and per-row decoding of the two Fast-dLLM v2 styles (:func:`block_diffusion_generate`)."""
+    if denoising_steps is not None or remasking != "low_confidence_dynamic" or top_k not in (None, 0):
+        raise ValueError("Fast-dLLM v2's decoder has no denoising_steps, remasking rule or top_k: each sub-block is "
+                         "denoised until done, committing the positions above confidence_threshold and the most "
+                         "confident one; drop those arguments")
+    S = S if S is not None else min(8, B)  # the reference's small_block_size default
+    threshold = 0.9 if threshold is None else threshold
+    temperature = 0.0 if temperature is None else temperature
+    top_p = 0.95 if top_p is None else top_p
+    for name, v in (("block_length", B), ("small_block_length", S)):
+        if type(v) is not int or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    if type(gen_length) is not int or gen_length < B:
+        raise ValueError(f"gen_length={gen_length!r} must be an integer >= block_length ({B}): Fast-dLLM v2 decodes "
+                         f"gen_length // block_length whole blocks")
+    if B % S:
+        raise ValueError(f"small_block_length ({S}) must divide block_length ({B}); the reference never finishes a "
+                         "block otherwise")
+    if not isinstance(use_block_cache, bool):
+        raise ValueError(f"use_block_cache must be True or False, got {use_block_cache!r}")
+    if isinstance(temperature, bool) or not 0 <= temperature < float("inf"):
+        raise ValueError(f"temperature={temperature!r} must be a number >= 0 (0: greedy)")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p!r} must be in (0, 1]")
+    if not 0 <= threshold <= 1:
+        raise ValueError(f"confidence_threshold={threshold!r} must be in [0, 1]")
+    rows = prepare_prompts(model, prompts, None, chat_template)
+    default = model.eot_id if model.eot_id is not None else model.eos_id
+    stops = set(stop_ids if stop_ids is not None else ([default] if default is not None else []))
+    pad_id = model.pad_id if model.pad_id is not None else model.eos_id
+    out = BlockDiffusionOutput([], None, [len(r) for r in rows], [], [])
+    for prompt in rows:
+        seq, nfe, trace = _decode_row_fastdllm2(model, prompt, gen_length, B, S, float(threshold),
+                                                float(temperature), float(top_p), use_block_cache, int(seed),
+                                                stops, pad_id, style)
+        out.sequences.append(seq)
+        out.nfe.append(nfe)
+        out.trace.append(trace)
+    return _with_texts(model, out)

@@ -174,3 +174,27 @@ def llada2_tiny(seed: int = 0, block_size: int = 4) -> Transformer:
                 layer.moe.expert_bias.copy_(0.05 * torch.randn_like(layer.moe.expert_bias))
 
     return _random_block_model(cfg, LLADA2, seed, expert_bias)
+
+
+FASTDLLM2_STOP_TWIN = 1166  # the id fastdllm2_tiny proposes most often in greedy decoding (head scaled)
+
+
+def fastdllm2_tiny(seed: int = 0, block_size: int = 8) -> Transformer:
+    """A random-weight Fast-dLLM v2-format model (``Fast_dLLM_Qwen``: Qwen2.5 layout with QKV biases, GQA 4/2, head
+    size 16, token shift; :func:`_random_block_model`). Fast-dLLM v2 decodes greedily on softmax confidences, so
+    the head is scaled by 4 (proposals confident enough that a threshold of 0.9 commits several at once), and
+    <|im_end|>, the reference decoders' stop token, takes the head row of :data:`FASTDLLM2_STOP_TWIN` plus noise
+    (it wins at some of the positions where that token would, and ends about half the greedy rows). Save it with
+    ``dllm.save_pretrained`` for a checkpoint in Fast-dLLM v2's published layout."""
+    from dllm.models.spec import FASTDLLM2
+
+    cfg = TransformerConfig(vocab_size=TINY_VOCAB, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                            mlp_hidden=128, max_seq_len=512, rope_theta=10000.0, norm_eps=1e-6, qkv_bias=True,
+                            block_size=block_size)
+    m = _random_block_model(cfg, FASTDLLM2, seed)
+    with torch.no_grad():
+        m.head.weight.mul_(4.0)
+        twin = m.head.weight[FASTDLLM2_STOP_TWIN]
+        noise = torch.randn(twin.shape, generator=torch.Generator().manual_seed(seed + 1))
+        m.head.weight[m.eot_id] = twin + 0.3 * twin.abs().mean() * noise
+    return m

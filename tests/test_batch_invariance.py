@@ -24,20 +24,22 @@ from dllm.samplers import SAMPLERS, get_sampler
 FAMILIES = ("llada", "dream")
 GEN, BLOCK = 16, 8
 # (family, cache): every cache on the bidirectional families; the block-diffusion families (SDAR, LLaDA2's mixture
-# of experts) with no cache and their exact block cache, which only block-diffusion models take
+# of experts, Fast-dLLM v2's token shift) with no cache and their exact block cache, which only block-diffusion
+# models take
+BLOCK_FAMILIES = ("sdar", "llada2", "fastdllm2")
 MATRIX = [(f, c) for f in FAMILIES for c in CACHES if c != "block"] + \
-    [(f, c) for f in ("sdar", "llada2") for c in ("none", "block")]
+    [(f, c) for f in BLOCK_FAMILIES for c in ("none", "block")]
 
 
 def _model(family):
-    return _block_model(family) if family in ("sdar", "llada2") else cached_model(family, 0, eos_heavy=True)
+    return _block_model(family) if family in BLOCK_FAMILIES else cached_model(family, 0, eos_heavy=True)
 
 
 @functools.cache
 def _block_model(family):
     import golden_models as gm
 
-    return gm.sdar_tiny(0) if family == "sdar" else gm.llada2_tiny(0)
+    return {"sdar": gm.sdar_tiny, "llada2": gm.llada2_tiny, "fastdllm2": gm.fastdllm2_tiny}[family](0)
 
 
 def _sampler(name, temperature, model=None):

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def write_checkpoint(build, out: Path, prompts: list[str]) -> None:
     """Save ``build()`` (a tests/golden_models.py builder) to ``out`` with ``dllm_prompts.json``: the prompts'
-    chat-templated ids, the weights' sha256 and the special ids the record phase needs."""
+    chat-templated ids, the weights' sha256 and the special ids the record phase needs (mask, EOS, EOT, pad)."""
     sys.path.insert(0, str(ROOT / "tests"))
     import golden_common as gc
 
@@ -25,7 +25,7 @@ def write_checkpoint(build, out: Path, prompts: list[str]) -> None:
     m = build()
     save_pretrained(m, out)
     meta = {"prompt_ids": prepare_prompts(m, prompts, None, True), "weights_sha256": gc.state_sha256(m),
-            "mask_id": m.mask_id, "eos_id": m.eos_id}
+            "mask_id": m.mask_id, "eos_id": m.eos_id, "eot_id": m.eot_id, "pad_id": m.pad_id}
     (out / "dllm_prompts.json").write_text(json.dumps(meta))
     print(f"wrote {out}")
 

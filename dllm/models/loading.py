@@ -1,4 +1,5 @@
-"""Load and save checkpoints in the published LLaDA / Dream / SDAR formats (a local directory or a bundled name)."""
+"""Load and save checkpoints in the published LLaDA / Dream / SDAR / LLaDA2 / Fast-dLLM v2 formats (a local directory
+or a bundled name)."""
 
 from __future__ import annotations
 
@@ -118,7 +119,8 @@ def load_model(
     device_map=None,
     tokenizer: bool = True,
 ) -> Transformer:
-    """Load a LLaDA-, Dream- or SDAR-format checkpoint from a local directory or by bundled name.
+    """Load a LLaDA-, Dream-, SDAR-, LLaDA2- or Fast-dLLM v2-format checkpoint from a local directory or by bundled
+    name.
 
     The checkpoint is checked before any tensor is read: config.json fields the model does not implement are
     refused, every tensor in the files must be used, none missing, shapes as the config implies; the mask and EOS

@@ -559,7 +559,88 @@ LLADA2 = ModelSpec(
     tie_field="tie_word_embeddings",
 )
 
-SPECS: dict[str, ModelSpec] = {"llada": LLADA, "dream": DREAM, "sdar": SDAR, "llada2": LLADA2}
+# ---------------------------------------------------------------------------------------------- Fast-dLLM v2
+# Fast-dLLM v2 (Efficient-Large-Model/Fast_dLLM_v2_7B, Fast_dLLM_QwenForCausalLM, model_type "Fast_dLLM_Qwen"): a
+# Qwen2.5-architecture block-diffusion model. QKV bias (always, whatever the config says), no output-projection
+# bias, no QK norm, GQA; attention bidirectional inside a block of ``bd_size`` tokens (counted from the first
+# position) and causal across blocks; token shift: the token at position i is predicted from hidden row i - 1.
+_FASTDLLM2_RULES = {
+    "hidden_act": (("silu",), "'silu'"),
+    "rope_scaling": ((None,), "null: plain RoPE"),
+    "use_sliding_window": (_NONE_OR_FALSE, "false: full attention"),
+}
+_FASTDLLM2_USED = frozenset({"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                             "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings",
+                             "rope_theta", "rms_norm_eps", "tie_word_embeddings", "bd_size", "layer_types"})
+_FASTDLLM2_IGNORED = _FASTDLLM2_USED | {
+    "sliding_window", "max_window_layers",  # used only with use_sliding_window=true
+}
+
+
+def _fastdllm2_from_hf(c: dict) -> TransformerConfig:
+    family = "Fast-dLLM v2"
+    _require(c, ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"),
+             family)
+    bad = []
+    layer_types = c.get("layer_types")
+    if layer_types is not None and (not isinstance(layer_types, list) or
+                                    any(t != "full_attention" for t in layer_types)):
+        bad.append(f"layer_types={layer_types!r} is not supported (only 'full_attention' in every layer)")
+    _check_fields(c, family, _FASTDLLM2_RULES, _FASTDLLM2_IGNORED, bad)
+    fields = _qwen_fields(c, family, mlp_default=None, max_default=32768)
+    head = (_positive_int(c, "head_dim", family) if c.get("head_dim") is not None  # the model file honours it
+            else fields["d_model"] // fields["n_heads"])
+    return _config(
+        family, **fields,
+        rope_theta=_positive_float(c, "rope_theta", family, 10000.0),
+        qkv_bias=True,
+        head_size=head if head * fields["n_heads"] != fields["d_model"] else None,
+        block_size=_positive_int(c, "bd_size", family, 32),  # the configuration file's default
+    )
+
+
+def _fastdllm2_to_hf(cfg: TransformerConfig, ids: dict) -> dict:
+    out = {
+        "architectures": ["Fast_dLLM_QwenForCausalLM"],
+        "auto_map": {"AutoConfig": "configuration.Fast_dLLM_QwenConfig", "AutoModel": "modeling.Fast_dLLM_QwenModel",
+                     "AutoModelForCausalLM": "modeling.Fast_dLLM_QwenForCausalLM"},
+        "model_type": "Fast_dLLM_Qwen",
+        **_qwen_hf(cfg, ids),
+        "rope_scaling": None,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": cfg.n_layers,
+        "layer_types": ["full_attention"] * cfg.n_layers,
+        "bd_size": cfg.block_size,
+    }
+    if cfg.head_size is not None:
+        out["head_dim"] = cfg.head_size
+    return out
+
+
+FASTDLLM2 = ModelSpec(
+    family="fastdllm2",
+    model_type="Fast_dLLM_Qwen",
+    architectures=("Fast_dLLM_QwenForCausalLM",),
+    config_from_hf=_fastdllm2_from_hf,
+    config_to_hf=_fastdllm2_to_hf,
+    global_keys=dict(DREAM.global_keys),
+    layer_keys=dict(DREAM.layer_keys),
+    mask_id=151665,
+    eos_id=151645,
+    eot_id=151645,
+    pad_id=151643,
+    eot_token="<|im_end|>",
+    mask_token="|<MASK>|",
+    shift_logits=True,
+    max_context=32768,
+    layers_field="num_hidden_layers",
+    tie_field="tie_word_embeddings",
+)
+
+SPECS: dict[str, ModelSpec] = {"llada": LLADA, "dream": DREAM, "sdar": SDAR, "llada2": LLADA2,
+                               "fastdllm2": FASTDLLM2}
 
 
 def spec_for_model_type(model_type: str | None) -> ModelSpec:
