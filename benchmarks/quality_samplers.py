@@ -37,20 +37,40 @@ CURVES = (
 def main() -> None:
     ap = suite_parser("runs/sampler-quality")
     ap.add_argument("--curves", nargs="*", default=list(CURVES))
+    ap.add_argument("--curves-only", action="store_true", help="skip part 1 (every preset with its defaults)")
     args = ap.parse_args()
     model = load_suite_model(args)
-    family = getattr(model.spec, "family", "llada")
-    presets = [n for n in sorted(SAMPLERS) if n not in SKIP
-               and not (family == "llada" and n.startswith("dream")) and not (family != "llada" and n.startswith("llada"))]
     root = Path(args.out)
     kw = dict(tasks=args.tasks, n=args.n, style="short", gen_length=args.gen_length, batch_size=args.batch_size,
               model_name=args.model)
+    print(f"model {args.model}, tasks {args.tasks}, {args.n} samples per task, gen {args.gen_length}, "
+          f"torch threads {torch.get_num_threads()}")
+    if not args.curves_only:
+        presets_table(model, root, kw)
+    run_sweep(model, root / "curves", args.curves, **kw)
+    report = write_report([root / "curves"], root / "report.md")
+    print()
+    print("| curve | AUP | 95% CI | PB90 | PB80 | PB70 |")
+    print("|---|---|---|---|---|---|")
+    for name, c in report.curves.items():
+        def f(v):
+            return "-" if v is None else f"{v:.2f}"
+
+        ci = fmt_ci(*c.get("AUP_ci", (float("nan"),) * 2), digits=2)
+        print(f"| {name} | {f(c.get('AUP'))} | {ci} | {f(c.get('PB90'))} | {f(c.get('PB80'))} | {f(c.get('PB70'))} |")
+    print("(differences between the curves, with p-values: the report's \"Differences between methods\")")
+    print(f"\nreport: {root / 'report.md'}")
+
+
+def presets_table(model, root: Path, kw: dict) -> None:
+    """Part 1: every registered preset with its defaults, against the family baseline on the same examples."""
+    family = getattr(model.spec, "family", "llada")
+    presets = [n for n in sorted(SAMPLERS) if n not in SKIP
+               and not (family == "llada" and n.startswith("dream")) and not (family != "llada" and n.startswith("llada"))]
     run_sweep(model, root / "presets", presets, **kw)
     by = defaultdict(list)
     for line in load_samples(root / "presets"):
         by[line["setting"]].append(line)
-    print(f"model {args.model}, tasks {args.tasks}, {args.n} samples per task, gen {args.gen_length}, "
-          f"torch threads {torch.get_num_threads()}")
     base = "dream" if family == "dream" else "llada"
     base_scores = {(x["task"], x["index"]): x["score"] for x in by[base]}
     print(f"score: percent, 95% CI (Wilson); vs {base}: the paired difference on the same examples and its p-value "
@@ -65,19 +85,6 @@ def main() -> None:
         print(f"| {name} | {100 * statistics.mean(scores):.1f} | {fmt_ci(*mean_ci(scores), scale=100)} | "
               f"{100 * t['diff']:+.1f} | {t['p']:.3f} | {statistics.mean(x['tokens_per_step'] for x in lines):.2f} | "
               f"{statistics.mean(x['nfe'] for x in lines):.1f} | {statistics.mean(x['time_s'] for x in lines):.3f} |")
-    run_sweep(model, root / "curves", args.curves, **kw)
-    report = write_report([root / "curves"], root / "report.md")
-    print()
-    print("| curve | AUP | 95% CI | PB90 | PB80 | PB70 |")
-    print("|---|---|---|---|---|---|")
-    for name, c in report.curves.items():
-        def f(v):
-            return "-" if v is None else f"{v:.2f}"
-
-        ci = fmt_ci(*c.get("AUP_ci", (float("nan"),) * 2), digits=2)
-        print(f"| {name} | {f(c.get('AUP'))} | {ci} | {f(c.get('PB90'))} | {f(c.get('PB80'))} | {f(c.get('PB70'))} |")
-    print("(differences between the curves, with p-values: the report's \"Differences between methods\")")
-    print(f"\nreport: {root / 'report.md'}")
 
 
 if __name__ == "__main__":

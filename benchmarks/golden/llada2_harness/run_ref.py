@@ -20,14 +20,12 @@ transformers 4.52.4 (wrong logits), so it is refused.
 """
 import os
 import sys
-import types
 
 REF_DIR = os.environ.get("LLADA2_REF_DIR", os.path.dirname(os.path.abspath(__file__)))
 if REF_DIR not in sys.path:
     sys.path.insert(0, REF_DIR)
 
 import torch  # noqa: E402
-
 from llada2_ref.modeling_llada2_moe import LLaDA2MoeModelLM  # noqa: E402
 
 
@@ -49,8 +47,9 @@ def load_ref(ckpt_dir, dtype=torch.float32, attn_implementation="sdpa"):
     if bad:
         raise RuntimeError(f"loading info not clean: {bad}")
     # expert_bias is a persistent buffer: check it really came from the checkpoint (not the zeros init)
-    from safetensors import safe_open
     import glob
+
+    from safetensors import safe_open
 
     files = sorted(glob.glob(os.path.join(ckpt_dir, "*.safetensors")))
     sd = model.state_dict()

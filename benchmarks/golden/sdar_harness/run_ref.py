@@ -60,9 +60,8 @@ def _install_loss_stub():
 
 _install_loss_stub()
 
-from sdar_ref.configuration_sdar import SDARConfig  # noqa: E402
-from sdar_ref.modeling_sdar import SDARForCausalLM  # noqa: E402
 from sdar_ref import generate as sdar_generate  # noqa: E402
+from sdar_ref.modeling_sdar import SDARForCausalLM  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------------- load
