@@ -4,7 +4,6 @@ and decodes with the exact block cache."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -19,22 +18,22 @@ from dllm.tiny import block
 from dllm.tiny.train import TrainConfig, train
 
 
-def _model(family, shift=False, seed=0, block_size=4):
+def _model(family, seed=0, block_size=4):
     cfg = block.model_config(family, vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden=48,
                              tie_embeddings=False, block_size=block_size)
     torch.manual_seed(seed)
     m = Transformer(cfg, SPECS[family])
     init_weights(m, std=0.3)
-    if shift:  # a shifted-logit head on the same layout (Fast-dLLM v2-style token shift)
-        m.spec = dataclasses.replace(m.spec, shift_logits=True)
     return m.eval()
 
 
-@pytest.mark.parametrize("family,shift", [("sdar", False), ("llada2", False), ("sdar", True)])
-def test_two_copy_forward_equals_the_decoding_view_of_every_block(family, shift):
+@pytest.mark.parametrize("family", ["sdar", "llada2", "fastdllm2"])
+def test_two_copy_forward_equals_the_decoding_view_of_every_block(family):
     """Each noisy block's logits in the training forward equal a block-diffusion forward over the clean blocks
     before it followed by that noisy block, which is what the decoder computes for it (left padding included)."""
-    m = _model(family, shift)
+    m = _model(family)
+    shift = m.shift_logits
+    assert shift == (family == "fastdllm2")
     bs = m.config.block_size
     g = torch.Generator().manual_seed(1)
     B, L, P = 2, 15, 5
@@ -105,7 +104,7 @@ def test_upcycled_moe_layer_starts_as_the_dense_mlp():
     assert not torch.equal(e[0].gate.weight, e[1].gate.weight)
 
 
-@pytest.mark.parametrize("family", ["sdar", "llada2"])
+@pytest.mark.parametrize("family", ["sdar", "llada2", "fastdllm2"])
 def test_train_block_family_from_the_ar_model(tmp_path, family):
     torch.set_num_threads(1)
     ar = ASSETS / "ar-tiny"
@@ -117,7 +116,8 @@ def test_train_block_family_from_the_ar_model(tmp_path, family):
     summary = train(cfg, tmp_path / "ckpt")
     assert summary["steps_done"] == 2 and summary["final_loss"] > 0
     hf = json.loads((tmp_path / "ckpt" / "config.json").read_text())
-    assert hf["model_type"] == SPECS[family].model_type and hf["block_size"] == 8
+    assert hf["model_type"] == SPECS[family].model_type
+    assert hf["bd_size" if family == "fastdllm2" else "block_size"] == 8
     model = dllm.load_model(tmp_path / "ckpt", dtype=torch.float32)
     assert model.config.block_size == 8 and model.tokenizer.convert_ids_to_tokens(model.mask_id) == "<|mask|>"
     a = dllm.generate(model, ["Please copy the list exactly: [a, b]"], gen_length=16, steps=16)

@@ -1,4 +1,4 @@
-"""``dllm train-tiny``: train a tiny LLaDA-, Dream-, SDAR-, LLaDA2- or AR-format model on the synthetic tasks."""
+"""``dllm train-tiny``: train a tiny LLaDA-, Dream-, SDAR-, LLaDA2-, Fast-dLLM v2- or AR-format model on the synthetic tasks."""
 
 from __future__ import annotations
 
@@ -59,8 +59,9 @@ def cmd_train_tiny(args) -> int:
 def add_parser(sub) -> None:
     t = sub.add_parser("train-tiny", help="train a tiny LLaDA- or Dream-format model on the synthetic tasks")
     t.add_argument("--block-size", type=int, default=None,
-                   help="block-diffusion families (sdar, llada2): the block size (default: 4 for sdar, 32 for llada2)")
-    t.add_argument("--family", choices=["llada", "dream", "sdar", "llada2", "ar"], required=True,
+                   help="block-diffusion families (sdar, llada2, fastdllm2): the block size (default: 4 for sdar, 32 "
+                        "for llada2 and fastdllm2)")
+    t.add_argument("--family", choices=["llada", "dream", "sdar", "llada2", "fastdllm2", "ar"], required=True,
                    help="ar: the tiny autoregressive guide for --guide (a transformers LlamaForCausalLM)")
     t.add_argument("--out", required=True)
     t.add_argument("--steps", type=int, default=4000)

@@ -1,4 +1,4 @@
-"""Block-diffusion training of the tiny SDAR- and LLaDA2-format checkpoints.
+"""Block-diffusion training of the tiny SDAR-, LLaDA2- and Fast-dLLM v2-format checkpoints.
 
 A block-diffusion model attends bidirectionally inside a block and causally across blocks, and decodes block by
 block with the finished blocks clean. Its training objective (BD3-LM's, used by SDAR and LLaDA2) puts a noisy
@@ -10,11 +10,12 @@ and a clean copy of each sequence in one forward of length ``2L``:
 * every block of the response has its own mask ratio ``t ~ U(eps, 1)``, so one forward trains every block at
   an independent noise level, and the loss is the cross-entropy on the masked tokens.
 
-For a family with shifted logits (token ``i`` predicted from hidden row ``i - 1``), the first token of a block is
-predicted from the clean copy's last row of the block before (next-token prediction across the block boundary).
+For a family with shifted logits (Fast-dLLM v2: token ``i`` predicted from hidden row ``i - 1``), the first token of
+a block is predicted from the clean copy's last row of the block before (next-token prediction across the block
+boundary, which is how Fast-dLLM v2's decoder gets each block's first token).
 
-The checkpoints start from the bundled autoregressive model (``ar-tiny``), as SDAR and LLaDA2 start from
-autoregressive models: dense weights are copied by name, a fused query/key/value projection takes the three
+The checkpoints start from the bundled autoregressive model (``ar-tiny``), as SDAR, LLaDA2 and Fast-dLLM v2 start
+from autoregressive models: dense weights are copied by name, a fused query/key/value projection takes the three
 projections, QK norms start at one, and each mixture-of-experts layer is upcycled: every expert starts as the
 dense MLP (plus a little noise, so that they can specialise), the router at small random weights, the shared
 expert with a zero output projection, and with ``routed_scaling`` 1 the layer starts as the dense MLP exactly.
@@ -33,6 +34,8 @@ BLOCK_FAMILIES = {
     # LLaDA2.x (llada2_moe): fused QKV, QK norms, half the head rotary, a dense first layer, then 8 sigmoid-routed
     # experts in 4 groups (the best 2 groups, 2 experts per token) and one shared expert; blocks of 32
     "llada2": {"block_size": 32},
+    # Fast-dLLM v2 (Qwen2.5 layout): QKV bias, no QK norms, token shift; blocks of 32 (bd_size)
+    "fastdllm2": {"block_size": 32},
 }
 
 
@@ -48,7 +51,10 @@ def model_config(family: str, *, vocab_size: int, d_model: int, n_layers: int, n
     bs = block_size or BLOCK_FAMILIES[family]["block_size"]
     common = dict(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
                   mlp_hidden=mlp_hidden, max_seq_len=512, rope_theta=10000.0, norm_eps=1e-6,
-                  tie_embeddings=tie_embeddings, qk_norm=True, block_size=bs)
+                  tie_embeddings=tie_embeddings, block_size=bs)
+    if family == "fastdllm2":
+        return TransformerConfig(**common, qkv_bias=True)
+    common["qk_norm"] = True
     if family == "sdar":
         return TransformerConfig(**common)
     head = d_model // n_heads

@@ -8,7 +8,8 @@ predict token ``i`` from hidden row ``i - 1``) and writes a checkpoint in the re
 The response is the answer, the end-of-turn token, then EOS padding up to the response length, so decoding
 learns to close the answer with EOT and fill the tail with EOS, as LLaDA's SFT data does.
 
-``--family sdar|llada2`` trains a block-diffusion checkpoint instead (SDAR's or LLaDA2's layout, usually from the
+``--family sdar|llada2|fastdllm2`` trains a block-diffusion checkpoint instead (SDAR's, LLaDA2's or Fast-dLLM v2's
+layout, usually from the
 bundled autoregressive model with ``--init-from-ar``): the objective of :mod:`dllm.tiny.block`.
 """
 
@@ -65,7 +66,7 @@ class TrainConfig:
     shuffle_targets: str = "random"  # training target of waiting_line/shuffle: "random" | "rotation" (rotation_targets)
     edit_targets: str = "random"  # training target of the *_random edits: "random" | "last" (last_edit_targets)
     init_from_ar: str | None = None  # start from a causal LM checkpoint of the same shape (train_ar)
-    block_size: int | None = None  # block-diffusion families (sdar, llada2): the block size; None: the family's
+    block_size: int | None = None  # block-diffusion families (sdar, llada2, fastdllm2): the block size; None: the family's
     task_mix: str = "uniform"  # "uniform": every task of a stage equally; "family": each family equally, then its
     # tasks; "adaptive": like "family", each task weighted by adaptive_floor + (1 - its last periodic eval score)
     adaptive_floor: float = 0.1
