@@ -33,7 +33,10 @@ the prompt's last block).
 ``style="llada2"`` is LLaDA2's ``generate`` (``modeling_llada2_moe.py``) instead: no prefill or storing forwards (a
 block's first forward also computes and stores the finished block before it, where the reference recomputes the
 whole window), greedy decoding at ``temperature=0`` (argmax, softmax probability), at most ``denoising_steps``
-forwards per block, EOS alone ends a row, the region cut at ``gen_length`` (docs/block-diffusion.md).
+forwards per block, EOS alone ends a row, the region cut at ``gen_length`` (docs/block-diffusion.md), and its
+options ``minimal_topk`` (at most ``gen_length // minimal_topk`` forwards per block; default 1) and
+``eos_early_stop`` (a forward that commits a stop token ends the row when no mask is left before the row's first
+stop token; the row then ends with it, past ``gen_length`` when the canvas runs past it there).
 
 ``style="fastdllm2"`` is Fast-dLLM v2's ``batch_sample`` (NVlabs/Fast-dLLM ``v2/generation_functions.py``, the
 official evaluation's decoder) and ``"fastdllm2_generate"`` the ``generate`` of its model file: the prompt's whole
@@ -142,7 +145,8 @@ def _commit(rule: str, masked: torch.Tensor, p: torch.Tensor, quota: int, thresh
 
 
 def _decode_row(model, prompt: list[int], gen_length: int, B: int, quota: list[int], remasking: str,
-                threshold: float, sampling: tuple, seed: int, stops: set[int], style: str):
+                threshold: float, sampling: tuple, seed: int, stops: set[int], style: str,
+                eos_early_stop: bool = False):
     """One row: (generated region, forwards, per-forward trace)."""
     P = len(prompt)
     total = -(-(P + gen_length) // B) * B
@@ -163,12 +167,13 @@ def _decode_row(model, prompt: list[int], gen_length: int, B: int, quota: list[i
         trace.append({"block": block, "store": store is True, "committed": []})
         return logits[0]
 
-    def denoise(logits: torch.Tensor, lo: int, hi: int, step: int) -> None:
+    def denoise(logits: torch.Tensor, lo: int, hi: int, step: int) -> list[int]:
         cur = x[0, lo:hi]
         tok, p = _sample(logits, *sampling, gen)
         commit = _commit(remasking, cur == mask_id, p, quota[step] if step < steps else 0, threshold)
         cur[commit] = tok[commit]
         trace[-1]["committed"] = (commit.nonzero()[:, 0] + lo).tolist()
+        return tok[commit].tolist()
 
     first = P // B
     if style == "sdar":
@@ -192,7 +197,14 @@ def _decode_row(model, prompt: list[int], gen_length: int, B: int, quota: list[i
                 break
             logits = forward(stored, hi, lo - stored, blk)[lo - stored:]
             stored = lo
-            denoise(logits, lo, hi, step)
+            committed = denoise(logits, lo, hi, step)
+            if eos_early_stop and stops & set(committed):
+                # a stop token committed: the row ends here, after the first stop token of the generated
+                # tokens (the canvas tail past gen_length included) when no mask is left before it
+                row = x[0, P:hi].tolist()
+                j = next(i for i, t in enumerate(row) if t in stops)
+                if mask_id not in row[:j]:
+                    return row[:j + 1], len(trace), trace
         if stops & set(x[0, P:hi].tolist()):
             break
     return x[0, P:P + gen_length].tolist(), len(trace), trace
@@ -350,8 +362,8 @@ def block_diffusion_generate(model, prompts, *, gen_length: int = 128, block_len
                              confidence_threshold: float | None = None, temperature: float | None = None,
                              top_k: int | None = 0, top_p: float | None = None, seed: int = 0,
                              stop_ids: list[int] | None = None, chat_template: bool = True, style: str = "sdar",
-                             small_block_length: int | None = None,
-                             use_block_cache: bool = False) -> BlockDiffusionOutput:
+                             small_block_length: int | None = None, use_block_cache: bool = False,
+                             eos_early_stop: bool = False, minimal_topk: int | None = None) -> BlockDiffusionOutput:
     """Decode ``prompts`` block by block with the exact cache of finished blocks (see the module docstring).
 
     Args:
@@ -381,6 +393,11 @@ def block_diffusion_generate(model, prompts, *, gen_length: int = 128, block_len
             the block when smaller); it must divide ``block_length``.
         use_block_cache: ``fastdllm2``: the reference's sub-block cache (approximate: a sub-block's forward sees
             the other sub-blocks' keys and values as of the block's last block-wide forward).
+        eos_early_stop: ``llada2``: LLaDA2's ``eos_early_stop``: a forward that commits a stop token ends the row
+            at once when no mask is left before the row's first stop token; ``sequences`` then end with that
+            token (default ``False``: the row ends after the block holding a stop token).
+        minimal_topk: ``llada2``: LLaDA2's ``minimal_topk`` (default 1): the forwards per block are at most
+            ``gen_length // minimal_topk`` (``denoising_steps`` capped, the quota spread over fewer steps).
     """
     bs_model = getattr(getattr(model, "config", None), "block_size", None)
     if not bs_model:
@@ -388,6 +405,9 @@ def block_diffusion_generate(model, prompts, *, gen_length: int = 128, block_len
                          "SDAR); decode LLaDA / Dream checkpoints with dllm.generate")
     if style not in STYLES:
         raise ValueError(f"unknown style {style!r}; known: {', '.join(STYLES)}")
+    if style != "llada2" and (eos_early_stop is not False or minimal_topk is not None):
+        raise ValueError(f"eos_early_stop and minimal_topk are LLaDA2's generate options (style='llada2'), not style "
+                         f"{style!r}'s: drop them, or use style='llada2'")
     B = block_length or bs_model
     fd2 = style.startswith("fastdllm2")
     if fd2:
@@ -405,6 +425,8 @@ def block_diffusion_generate(model, prompts, *, gen_length: int = 128, block_len
     for name, v in (("gen_length", gen_length), ("block_length", B), ("denoising_steps", steps)):
         if type(v) is not int or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    if style == "llada2":
+        steps = min(steps, gen_length // _check_llada2_options(eos_early_stop, minimal_topk, gen_length))
     if steps > B:
         raise ValueError(f"denoising_steps ({steps}) exceeds block_length ({B}): some steps would commit nothing")
     if not (temperature > 0 or (style == "llada2" and temperature == 0)) or temperature == float("inf"):
@@ -421,15 +443,32 @@ def block_diffusion_generate(model, prompts, *, gen_length: int = 128, block_len
     rows = prepare_prompts(model, prompts, None, chat_template)
     default_stops = (model.eos_id,) if style == "llada2" else (model.eos_id, model.eot_id)
     stops = set(stop_ids if stop_ids is not None else [t for t in default_stops if t is not None])
+    if eos_early_stop and not stops:
+        raise ValueError("eos_early_stop needs a stop token: pass stop_ids (the checkpoint has no EOS id)")
     quota = num_transfer_tokens(B, steps)
     out = BlockDiffusionOutput([], None, [len(r) for r in rows], [], [])
     for prompt in rows:
         seq, nfe, trace = _decode_row(model, prompt, gen_length, B, quota, remasking, confidence_threshold,
-                                      (temperature, top_k, top_p), int(seed), stops, style)
+                                      (temperature, top_k, top_p), int(seed), stops, style, eos_early_stop)
         out.sequences.append(seq)
         out.nfe.append(nfe)
         out.trace.append(trace)
     return _with_texts(model, out)
+
+
+def _check_llada2_options(eos_early_stop, minimal_topk, gen_length: int) -> int:
+    """Checks LLaDA2's ``eos_early_stop`` and ``minimal_topk``; returns ``minimal_topk`` (default 1)."""
+    if not isinstance(eos_early_stop, bool):
+        raise ValueError(f"eos_early_stop must be True or False, got {eos_early_stop!r}")
+    minimal_topk = 1 if minimal_topk is None else minimal_topk
+    if type(minimal_topk) is not int or minimal_topk < 1:
+        raise ValueError(f"minimal_topk must be a positive integer (LLaDA2 divides gen_length by it), got "
+                         f"{minimal_topk!r}")
+    if minimal_topk > gen_length:
+        raise ValueError(f"minimal_topk ({minimal_topk}) exceeds gen_length ({gen_length}): the forwards per block "
+                         f"would be capped at gen_length // minimal_topk = 0 and nothing decoded; use minimal_topk "
+                         f"<= gen_length")
+    return minimal_topk
 
 
 def _with_texts(model, out: BlockDiffusionOutput) -> BlockDiffusionOutput:

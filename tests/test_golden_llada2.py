@@ -2,7 +2,8 @@
 trajectories of its ``generate``, recorded by ``benchmarks/golden/record_llada2.py`` on the random-weight
 LLaDA2-format checkpoint of ``golden_models.llada2_tiny`` (fused QKV, QK norms, partial rotary, a dense layer,
 then routed experts with an expert bias and a shared expert): the same logits within 1e-5 (float32), and the
-same tokens, forward count and positions committed at every forward, greedy and seeded sampling."""
+same tokens, forward count and positions committed at every forward, greedy and seeded sampling, with
+``generate``'s ``eos_early_stop`` and ``minimal_topk``."""
 
 from __future__ import annotations
 
@@ -44,11 +45,26 @@ def test_llada2_style_decoding_matches_llada2s_generate(model, case_id):
                                    gen_length=p["gen_length"], block_length=p["block_length"],
                                    denoising_steps=p["steps"], confidence_threshold=p["threshold"],
                                    temperature=p["temperature"], top_k=p["top_k"], top_p=p["top_p"], seed=p["seed"],
-                                   stop_ids=[p["eos_id"]])
+                                   stop_ids=[p["eos_id"]], eos_early_stop=p.get("eos_early_stop", False),
+                                   minimal_topk=p.get("minimal_topk"))
     P = len(case["prompt_ids"][0])
     assert _cut_after_eos(out.sequences[0], p["eos_id"]) == case["output"][0]
     assert out.nfe[0] == case["nfe"]
     assert [sorted(c - P for c in f["committed"]) for f in out.trace[0]] == case["forwards"]
+
+
+def test_fixture_exercises_eos_early_stop_and_minimal_topk():
+    cases = {c["id"]: c for c in FX["cases"]}
+    early = [c for c in FX["cases"] if c["params"].get("eos_early_stop")]
+    # a row ended by the early return: fewer forwards than the same run without it, same tokens
+    assert any(cases[c["id"].replace("_stop_", "_keep_")]["nfe"] > c["nfe"] for c in early
+               if c["id"].replace("_stop_", "_keep_") in cases)
+    # ... and one ended by a stop token in the canvas past gen_length (more than gen_length tokens)
+    assert any(len(c["output"][0]) > c["params"]["gen_length"] for c in early)
+    # minimal_topk caps the forwards per block below denoising_steps (the default 1 too, when gen_length is short)
+    capped = [c for c in FX["cases"] if "minimal_topk" in c["params"]
+              and c["params"]["gen_length"] // c["params"]["minimal_topk"] < c["params"]["steps"]]
+    assert {c["params"]["minimal_topk"] for c in capped} >= {1, 2, 4}
 
 
 def test_fixture_exercises_routing_eos_and_several_commits_per_forward(model):

@@ -64,3 +64,25 @@ def test_generate_decodes_llada2_on_its_blocks_with_the_exact_block_cache():
         assert torch.equal(out.sequences, base.sequences), name
         assert out.stats.row_nfe == base.stats.row_nfe, name
         assert max(float(f) for rec in out.stats.trace[1:] for f in rec["computed"]) < 0.5, name
+
+
+def test_llada2_decoder_checks_eos_early_stop_and_minimal_topk():
+    from dllm.blockdiff import block_diffusion_generate
+
+    m = gm.llada2_tiny(0)
+    kw = dict(gen_length=8, block_length=4, chat_template=False)
+    for bad, match in (({"minimal_topk": 0}, "minimal_topk must be a positive integer"),
+                       ({"minimal_topk": 2.0}, "minimal_topk must be a positive integer"),
+                       ({"minimal_topk": 9}, "minimal_topk \\(9\\) exceeds gen_length \\(8\\)"),
+                       ({"eos_early_stop": 1}, "eos_early_stop must be True or False"),
+                       ({"eos_early_stop": True, "stop_ids": []}, "eos_early_stop needs a stop token")):
+        with pytest.raises(ValueError, match=match):
+            block_diffusion_generate(m, [[5, 6, 7]], style="llada2", **bad, **kw)
+    for style in ("sdar", "fastdllm2", "fastdllm2_generate"):
+        for bad in ({"eos_early_stop": True}, {"minimal_topk": 2}):
+            with pytest.raises(ValueError, match="LLaDA2's generate options"):
+                block_diffusion_generate(m, [[5, 6, 7]], style=style, **bad, **kw)
+    # minimal_topk caps the forwards per block at gen_length // minimal_topk: with 2 forwards for 4 positions,
+    # denoising_steps may exceed block_length before the cap
+    out = block_diffusion_generate(m, [[5, 6, 7]], style="llada2", denoising_steps=8, minimal_topk=4, **kw)
+    assert max(sum(1 for f in out.trace[0] if f["block"] == b) for b in (0, 1, 2)) <= 2

@@ -17,7 +17,8 @@ Two phases, two environments, as ``record_sdar.py``:
 The fixture holds the reference model's full-canvas logits under the block-causal mask (float32, base64) for a
 few inputs, and for each decoding case the output of the model's own ``generate`` (prompt removed), its forward
 count and the positions committed at every forward (``transfer_index``, commits of the mask token itself
-included).
+included). Cases with options also run ``generate``'s ``eos_early_stop`` and ``minimal_topk``, some with another
+``eos_id`` (recorded in their ``params``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ ROOT = br.ROOT
 FIXTURE = ROOT / "tests" / "fixtures" / "golden" / "llada2_llada2-tiny.json"
 PROMPTS = ["What is 12 + 30?", 'Please copy the list exactly: ["Ann Lee", "Bob Stone"]',
            'Please reverse the order of the list: ["Carol Carter", "David Dixon", "Emma Ellis"]']
-# (id, gen_length, block_length, steps, threshold, temperature, top_k, top_p, seed)
+# (id, gen_length, block_length, steps, threshold, temperature, top_k, top_p, seed[, options]); options: generate's
+# eos_early_stop and minimal_topk, and an eos_id other than the checkpoint's EOS (a token the random-weight model
+# proposes often, so that it ends rows early; none of the prompts holds it)
 CASES = [
     ("greedy_t0.5", 12, 4, 4, 0.5, 0.0, None, None, 0),
     ("greedy_t0.95", 12, 4, 4, 0.95, 0.0, None, None, 0),
@@ -43,6 +46,20 @@ CASES = [
     ("greedy_b8_s8_t0.3", 16, 8, 8, 0.3, 0.0, None, None, 0),
     ("sample_t0.7", 12, 4, 4, 0.5, 0.7, None, None, 1),
     ("sample_topk_topp", 12, 4, 4, 0.5, 1.0, 20, 0.9, 2),
+    ("eos73_keep_t0.5", 12, 4, 4, 0.5, 0.0, None, None, 0, {"eos_id": 73, "eos_early_stop": False}),
+    ("eos73_stop_t0.5", 12, 4, 4, 0.5, 0.0, None, None, 0, {"eos_id": 73, "eos_early_stop": True}),
+    ("eos73_keep_b8_s4", 16, 8, 4, 0.5, 0.0, None, None, 0, {"eos_id": 73, "eos_early_stop": False}),
+    ("eos73_stop_b8_s4", 16, 8, 4, 0.5, 0.0, None, None, 0, {"eos_id": 73, "eos_early_stop": True}),
+    ("eos73_stop_b8_s8_t0.3", 16, 8, 8, 0.3, 0.0, None, None, 0, {"eos_id": 73, "eos_early_stop": True}),
+    ("eos1117_stop_sample_t0.7", 12, 4, 4, 0.5, 0.7, None, None, 1, {"eos_id": 1117, "eos_early_stop": True}),
+    # G=10: the canvas runs past gen_length; an EOS there ends the row with more than gen_length tokens
+    ("eos209_stop_tail_b8_s4", 10, 8, 4, 0.95, 0.0, None, None, 0, {"eos_id": 209, "eos_early_stop": True}),
+    ("minimal_topk4_t0.06", 12, 4, 4, 0.06, 0.0, None, None, 0, {"minimal_topk": 4}),  # 3 steps per block
+    ("minimal_topk2_b8_s8_t0.06", 12, 8, 8, 0.06, 0.0, None, None, 0, {"minimal_topk": 2}),  # 6 steps
+    ("minimal_topk4_b8_s8_t0.95", 16, 8, 8, 0.95, 0.0, None, None, 0, {"minimal_topk": 4}),  # 4 steps
+    ("minimal_topk1_g6_b8_s8", 6, 8, 8, 0.95, 0.0, None, None, 0, {"minimal_topk": 1}),  # the default: 6 steps
+    ("minimal_topk2_eos73_stop_b8_s8_t0.06", 12, 8, 8, 0.06, 0.0, None, None, 0,
+     {"eos_id": 73, "eos_early_stop": True, "minimal_topk": 2}),
 ]
 
 
@@ -75,16 +92,21 @@ def _record(ckpt: Path) -> None:
         fx["logits"].append({"input_ids": ids[0].tolist(), "block_length": bl, "shape": list(lg.shape),
                              "logits_f32_b64": br.b64(lg)})
     for p_i, prompt in enumerate(meta["prompt_ids"]):
-        for cid, G, bl, steps, thr, temp, top_k, top_p, seed in CASES:
+        for cid, G, bl, steps, thr, temp, top_k, top_p, seed, *opts in CASES:
+            params = {"gen_length": G, "block_length": bl, "steps": steps, "threshold": thr, "temperature": temp,
+                      "top_k": top_k, "top_p": top_p, "seed": seed, "eos_id": eos}
+            if opts:  # only the cases with options record them (the others' records stay as they were)
+                params.update({"eos_early_stop": False, "minimal_topk": 1, **opts[0]})
+                if params["eos_id"] in prompt:
+                    raise SystemExit(f"{cid}: the prompt holds eos_id {params['eos_id']}")
+            extra = {k: params[k] for k in ("eos_early_stop", "minimal_topk") if k in params}
             torch.manual_seed(seed)
             res = run_ref.ref_generate(model, torch.tensor([prompt]), temperature=temp, block_length=bl, steps=steps,
-                                       gen_length=G, top_p=top_p, top_k=top_k, threshold=thr, eos_id=eos,
-                                       mask_id=mask_id)
+                                       gen_length=G, top_p=top_p, top_k=top_k, threshold=thr,
+                                       eos_id=params["eos_id"], mask_id=mask_id, **extra)
             P = len(prompt)
             fx["cases"].append({
-                "id": f"p{p_i}_{cid}", "prompt_ids": [prompt],
-                "params": {"gen_length": G, "block_length": bl, "steps": steps, "threshold": thr,
-                           "temperature": temp, "top_k": top_k, "top_p": top_p, "seed": seed, "eos_id": eos},
+                "id": f"p{p_i}_{cid}", "prompt_ids": [prompt], "params": params,
                 "output": [res["output"][0, P:].tolist()], "nfe": res["n_forwards"],
                 "forwards": [sorted(c - P for c in f.get("committed_positions", [])) for f in res["forwards"]]})
     FIXTURE.write_text(json.dumps(fx) + "\n")
