@@ -123,6 +123,13 @@ def test_train_block_family_from_the_ar_model(tmp_path, family):
     a = dllm.generate(model, ["Please copy the list exactly: [a, b]"], gen_length=16, steps=16)
     b = dllm.generate(model, ["Please copy the list exactly: [a, b]"], gen_length=16, steps=16, cache="none")
     assert torch.equal(a.sequences, b.sequences)  # the exact block cache (the default here) changes nothing
+    # continuing from the checkpoint (its loaded config names the head size) starts from its weights
+    cont = train(TrainConfig(**{**cfg.__dict__, "steps": 1, "lr": 0.0, "init_from": str(tmp_path / "ckpt"),
+                                "init_from_ar": None}), tmp_path / "cont")
+    assert cont["steps_done"] == 1
+    again = dllm.load_model(tmp_path / "cont", dtype=torch.float32)
+    for (n, x), (_, y) in zip(model.state_dict().items(), again.state_dict().items()):
+        assert torch.allclose(x, y, atol=1e-6), n
 
 
 def test_block_size_only_for_block_families(tmp_path):

@@ -418,7 +418,10 @@ def train(cfg: TrainConfig, out_dir, *, progress=None) -> dict:
     model = Transformer(mcfg, spec)
     init_weights(model)
     if start is not None:
-        if start.config != mcfg:
+        def explicit(c):  # a loaded config names its head size (SDAR's head_dim); a fresh one may leave it implied
+            return replace(c, head_size=c.head_dim)
+
+        if explicit(start.config) != explicit(mcfg):
             raise ValueError(f"--init-from {cfg.init_from}: its config {start.config} differs from {mcfg}")
         model.load_state_dict(start.state_dict())
     if cfg.init_from_ar and blockwise:  # the causal LM's weights through a dense twin, then upcycled
