@@ -1,4 +1,4 @@
-"""Block-diffusion decoding for SDAR, LLaDA2.x and Fast-dLLM v2 checkpoints, with the exact KV cache of finished
+"""Block-diffusion decoding for SDAR, LLaDA2.0 / 2.1 and Fast-dLLM v2 checkpoints, with the exact KV cache of finished
 blocks.
 
 A block-diffusion model attends bidirectionally inside a block and causally across blocks, so the keys and
@@ -38,6 +38,17 @@ options ``minimal_topk`` (at most ``gen_length // minimal_topk`` forwards per bl
 ``eos_early_stop`` (a forward that commits a stop token ends the row when no mask is left before the row's first
 stop token; the row then ends with it, past ``gen_length`` when the canvas runs past it there).
 
+``style="llada21"`` is LLaDA2.1's ``generate`` (LLaDA2.1-mini's ``modeling_llada2_moe.py``): token editing. Each
+forward covers the current block (finished blocks from the cache, as ``llada2``) and, from the same logits, commits
+the masked positions whose proposal is above ``confidence_threshold`` (default 0.95; at least ``num_to_transfer``
+of them, else the ``num_to_transfer`` most probable) and edits the block's generated tokens (never the prompt or an
+earlier block) whose proposal differs and is above ``editing_threshold`` (default 0.9). A block ends after a forward
+with no mask left and no edit, or before a forward when ``max_post_steps`` (default 16) mask-free forwards have
+run; there is no step budget. ``eos_early_stop`` ends the row after a finished block whose generated tokens hold a
+stop token; otherwise every block is decoded. ``sequences`` are the reference's answer: the first ``gen_length``
+tokens cut after the first stop token. At ``temperature=0`` (the default) a block state that repeats (the reference
+would loop forever: a proposed mask token "commits" the mask again) ends the block with its masks left.
+
 ``style="fastdllm2"`` is Fast-dLLM v2's ``batch_sample`` (NVlabs/Fast-dLLM ``v2/generation_functions.py``, the
 official evaluation's decoder) and ``"fastdllm2_generate"`` the ``generate`` of its model file: the prompt's whole
 blocks prefilled (a prompt ending on a block boundary gets its next token from the prefill's last row, greedily),
@@ -51,9 +62,9 @@ follows it; ``generate`` stops as soon as a stop token has no mask before it and
 (docs/block-diffusion.md lists the reference quirks reproduced and those that are not).
 
 Rows are decoded one at a time (each with its own generator seeded by ``seed``), so a row's output never depends
-on its batch. Recorded reference runs: ``tests/fixtures/golden/sdar_sdar-tiny.json``, ``llada2_llada2-tiny.json``
-and ``fastdllm2_fastdllm2-tiny.json`` (``benchmarks/golden/record_sdar.py``, ``record_llada2.py``,
-``record_fastdllm2.py``).
+on its batch. Recorded reference runs: ``tests/fixtures/golden/sdar_sdar-tiny.json``, ``llada2_llada2-tiny.json``,
+``llada21_llada2-tiny.json`` and ``fastdllm2_fastdllm2-tiny.json`` (``benchmarks/golden/record_sdar.py``,
+``record_llada2.py``, ``record_llada21.py``, ``record_fastdllm2.py``).
 """
 
 from __future__ import annotations
@@ -66,7 +77,7 @@ from dllm.generate import answer_lengths, prepare_prompts
 from dllm.samplers.dream import top_k_logits, top_p_logits
 
 REMASKING = ("low_confidence_dynamic", "low_confidence_static", "sequential")
-STYLES = ("sdar", "llada2", "fastdllm2", "fastdllm2_generate")
+STYLES = ("sdar", "llada2", "llada21", "fastdllm2", "fastdllm2_generate")
 
 
 @dataclass
@@ -76,6 +87,7 @@ class BlockDiffusionOutput:
     prompt_lengths: list[int]
     nfe: list[int]  # forwards per row (prefill and the storing forward of each block included)
     trace: list[list[dict]] = field(default_factory=list)  # per row, per forward: block, store, committed
+    # positions (llada21: and edited positions)
 
 
 class _BlockKV:
@@ -208,6 +220,74 @@ def _decode_row(model, prompt: list[int], gen_length: int, B: int, quota: list[i
         if stops & set(x[0, P:hi].tolist()):
             break
     return x[0, P:P + gen_length].tolist(), len(trace), trace
+
+
+def _decode_row_llada21(model, prompt: list[int], gen_length: int, B: int, threshold: float, editing_threshold: float,
+                        max_post_steps: int, num_to_transfer: int, sampling: tuple, seed: int, stops: set[int],
+                        eos_early_stop: bool):
+    """One row of LLaDA2.1's ``generate`` (``style="llada21"``): (the region cut after its first stop token,
+    forwards, per-forward trace with the mask-to-token commits and the token-to-token edits)."""
+    P = len(prompt)
+    total = -(-(P + gen_length) // B) * B
+    if total > model.max_seq_len:
+        raise ValueError(f"prompt ({P} tokens) + gen_length ({gen_length}), rounded up to whole blocks of {B}, is "
+                         f"{total} tokens: more than the model's context of {model.max_seq_len}")
+    dev, mask_id = model.device, model.mask_id
+    x = torch.full((1, total), mask_id, dtype=torch.long, device=dev)
+    x[0, :P] = torch.tensor(prompt, device=dev)
+    pos = torch.arange(total, device=dev)[None]
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    cache = _BlockKV(len(model.layers))
+    trace: list[dict] = []
+    greedy = sampling[0] == 0
+    minus_inf = torch.tensor(float("-inf"), device=dev)
+    stored = 0  # as the llada2 style: a block's first forward also computes and stores the finished blocks before it
+    for blk in range(P // B, total // B):
+        lo, hi = blk * B, (blk + 1) * B
+        cur = x[0, lo:hi]
+        editable_block = pos[0, lo:hi] >= P  # the prompt is never edited (nor the earlier blocks: not in the block)
+        post_steps = 0
+        seen: set[tuple] = set()
+        while True:
+            old = cur.clone()
+            active = old == mask_id
+            n_active = int(active.sum())
+            if not n_active:  # a mask-free step: at most max_post_steps of them
+                post_steps += 1
+                if post_steps > max_post_steps:
+                    break
+            elif greedy:  # a repeated state repeats forever at temperature 0 (the reference never ends): stop here
+                state = (tuple(old.tolist()), post_steps)
+                if state in seen:
+                    break
+                seen.add(state)
+            cache.store = lo - stored
+            logits = model(x[:, stored:hi], positions=pos[:, stored:hi], cache=cache, key_positions=pos[:, :hi],
+                           block_size=B)[0, lo - stored:]
+            stored = lo
+            tok, p = _sample(logits, *sampling, gen)
+            commit = torch.zeros_like(active)
+            if n_active:  # mask to token: every masked position above threshold, at least num_to_transfer of them
+                conf = torch.where(active, p, minus_inf)
+                high = (conf > threshold) & active
+                if int(high.sum()) >= num_to_transfer:
+                    commit = high
+                else:
+                    commit[torch.topk(conf, min(num_to_transfer, n_active)).indices] = True
+            # token to token: the block's generated tokens whose proposal differs, above editing_threshold
+            edit = (p > editing_threshold) & ~active & editable_block & (tok != old)
+            cur[commit | edit] = tok[commit | edit]  # a proposed mask token masks (or leaves masked) its position
+            trace.append({"block": blk, "store": False, "committed": (commit.nonzero()[:, 0] + lo).tolist(),
+                          "edited": (edit.nonzero()[:, 0] + lo).tolist()})
+            if not n_active and not bool(edit.any()):
+                break
+        if eos_early_stop:
+            row = x[0, P:hi].tolist()
+            if mask_id not in row and stops & set(row):
+                break
+    row = x[0, P:P + gen_length].tolist()
+    j = next((i for i, t in enumerate(row) if t in stops), None)
+    return (row if j is None else row[:j + 1]), len(trace), trace
 
 
 class _SubBlockKV(_BlockKV):
@@ -363,7 +443,9 @@ def block_diffusion_generate(model, prompts, *, gen_length: int = 128, block_len
                              top_k: int | None = 0, top_p: float | None = None, seed: int = 0,
                              stop_ids: list[int] | None = None, chat_template: bool = True, style: str = "sdar",
                              small_block_length: int | None = None, use_block_cache: bool = False,
-                             eos_early_stop: bool = False, minimal_topk: int | None = None) -> BlockDiffusionOutput:
+                             eos_early_stop: bool = False, minimal_topk: int | None = None,
+                             editing_threshold: float | None = None, max_post_steps: int | None = None,
+                             num_to_transfer: int | None = None) -> BlockDiffusionOutput:
     """Decode ``prompts`` block by block with the exact cache of finished blocks (see the module docstring).
 
     Args:
@@ -383,10 +465,13 @@ def block_diffusion_generate(model, prompts, *, gen_length: int = 128, block_len
             and ``top_p`` (default 0.95) of its ``sample_with_top_p``; no top-k.
         seed: each row's generator seed (the reference's ``torch.manual_seed``).
         stop_ids: token ids that end a row after the block holding one (default: EOS and EOT; ``llada2``: EOS;
+            ``llada21``: EOS, which ends a row only with ``eos_early_stop`` and cuts the answer after it;
             ``fastdllm2``: EOT, <|im_end|> as the reference's ``stop_token``, else EOS).
         style: ``"sdar"`` (SDAR's ``block_diffusion_generate``), ``"llada2"`` (LLaDA2's ``generate``: no prefill
             or storing forwards, greedy at ``temperature=0``, ``denoising_steps`` forwards per block at most, the
             region cut at ``gen_length``; use ``remasking="low_confidence_dynamic"`` and its ``threshold``),
+            ``"llada21"`` (LLaDA2.1's ``generate`` with token editing: no ``denoising_steps`` or ``remasking``;
+            ``confidence_threshold`` default 0.95, ``temperature`` default 0, greedy whatever ``top_k`` / ``top_p``),
             ``"fastdllm2"`` (Fast-dLLM v2's ``batch_sample``, its official evaluation's decoder) or
             ``"fastdllm2_generate"`` (the ``generate`` of its model file); see docs/block-diffusion.md.
         small_block_length: ``fastdllm2``: the sub-block (the reference's ``small_block_size``, default 8 or
@@ -395,9 +480,17 @@ def block_diffusion_generate(model, prompts, *, gen_length: int = 128, block_len
             the other sub-blocks' keys and values as of the block's last block-wide forward).
         eos_early_stop: ``llada2``: LLaDA2's ``eos_early_stop``: a forward that commits a stop token ends the row
             at once when no mask is left before the row's first stop token; ``sequences`` then end with that
-            token (default ``False``: the row ends after the block holding a stop token).
+            token (default ``False``: the row ends after the block holding a stop token). ``llada21``: the row
+            ends after a block whose generated tokens (all unmasked) hold a stop token (default ``False``: every
+            block is decoded).
         minimal_topk: ``llada2``: LLaDA2's ``minimal_topk`` (default 1): the forwards per block are at most
             ``gen_length // minimal_topk`` (``denoising_steps`` capped, the quota spread over fewer steps).
+        editing_threshold: ``llada21``: a generated token of the current block is replaced by a different proposal
+            whose probability is above it (default 0.9; the model card's modes: Q 0.5 with threshold 0.7, S 0.0
+            with threshold 0.5).
+        max_post_steps: ``llada21``: mask-free forwards per block at most (default 16; 0: none, edits then only
+            happen alongside mask commits).
+        num_to_transfer: ``llada21``: masks committed per forward at least (default 1).
     """
     bs_model = getattr(getattr(model, "config", None), "block_size", None)
     if not bs_model:
@@ -405,10 +498,23 @@ def block_diffusion_generate(model, prompts, *, gen_length: int = 128, block_len
                          "SDAR); decode LLaDA / Dream checkpoints with dllm.generate")
     if style not in STYLES:
         raise ValueError(f"unknown style {style!r}; known: {', '.join(STYLES)}")
-    if style != "llada2" and (eos_early_stop is not False or minimal_topk is not None):
-        raise ValueError(f"eos_early_stop and minimal_topk are LLaDA2's generate options (style='llada2'), not style "
-                         f"{style!r}'s: drop them, or use style='llada2'")
+    edit_options = (editing_threshold, max_post_steps, num_to_transfer)
+    if style != "llada21" and any(v is not None for v in edit_options):
+        raise ValueError(f"editing_threshold, max_post_steps and num_to_transfer are LLaDA2.1's generate options "
+                         f"(style='llada21'), not style {style!r}'s: drop them, or use style='llada21'")
+    if style not in ("llada2", "llada21") and eos_early_stop is not False:
+        raise ValueError(f"eos_early_stop is one of LLaDA2's generate options (style='llada2' or 'llada21'), not "
+                         f"style {style!r}'s: drop it, or use style='llada2'")
+    if style != "llada2" and minimal_topk is not None:
+        raise ValueError(f"minimal_topk is one of LLaDA2's generate options (style='llada2'), not style {style!r}'s: "
+                         "drop it" + (" (LLaDA2.1's generate takes it but never uses it)" if style == "llada21" else
+                            ", or use style='llada2'"))
     B = block_length or bs_model
+    if style == "llada21":
+        return _llada21_generate(model, prompts, gen_length, B, denoising_steps, remasking, confidence_threshold,
+                                 temperature, top_k, top_p, seed, stop_ids, chat_template, eos_early_stop,
+                                 editing_threshold, max_post_steps, num_to_transfer, small_block_length,
+                                 use_block_cache)
     fd2 = style.startswith("fastdllm2")
     if fd2:
         return _fastdllm2_generate(model, prompts, gen_length, B, small_block_length, use_block_cache,
@@ -469,6 +575,57 @@ def _check_llada2_options(eos_early_stop, minimal_topk, gen_length: int) -> int:
                          f"would be capped at gen_length // minimal_topk = 0 and nothing decoded; use minimal_topk "
                          f"<= gen_length")
     return minimal_topk
+
+
+def _llada21_generate(model, prompts, gen_length, B, denoising_steps, remasking, threshold, temperature, top_k, top_p,
+                      seed, stop_ids, chat_template, eos_early_stop, editing_threshold, max_post_steps,
+                      num_to_transfer, small_block_length, use_block_cache) -> BlockDiffusionOutput:
+    """Checks and per-row decoding of LLaDA2.1's ``generate`` (:func:`block_diffusion_generate`, ``llada21``)."""
+    if denoising_steps is not None or remasking != "low_confidence_dynamic":
+        raise ValueError("LLaDA2.1's decoder has no step budget or remasking rule (its generate's steps is never "
+                         "used): each block runs until it holds no mask and a forward edits nothing (at most "
+                         "max_post_steps mask-free forwards); drop denoising_steps / remasking")
+    if small_block_length is not None or use_block_cache:
+        raise ValueError("small_block_length and use_block_cache are Fast-dLLM v2's (style='fastdllm2'), not "
+                         "LLaDA2.1's")
+    threshold = 0.95 if threshold is None else threshold
+    editing_threshold = 0.9 if editing_threshold is None else editing_threshold
+    max_post_steps = 16 if max_post_steps is None else max_post_steps
+    num_to_transfer = 1 if num_to_transfer is None else num_to_transfer
+    temperature = 0.0 if temperature is None else temperature
+    top_k = 0 if top_k is None else top_k
+    top_p = 1.0 if top_p is None else top_p
+    for name, v in (("gen_length", gen_length), ("block_length", B), ("num_to_transfer", num_to_transfer)):
+        if type(v) is not int or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    if type(max_post_steps) is not int or max_post_steps < 0:
+        raise ValueError(f"max_post_steps must be an integer >= 0 (0: no mask-free forward), got {max_post_steps!r}")
+    for name, v in (("confidence_threshold", threshold), ("editing_threshold", editing_threshold)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+            raise ValueError(f"{name}={v!r} must be a number in [0, 1]")
+    if not isinstance(eos_early_stop, bool):
+        raise ValueError(f"eos_early_stop must be True or False, got {eos_early_stop!r}")
+    if isinstance(temperature, bool) or not 0 <= temperature < float("inf"):
+        raise ValueError(f"temperature={temperature!r} must be a number >= 0 (0: greedy)")
+    if type(top_k) is not int or top_k < 0:
+        raise ValueError(f"top_k={top_k!r} must be an integer >= 0 (0: off)")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p!r} must be in (0, 1]")
+    # temperature 0 is greedy whatever top_k / top_p say, as LLaDA2.1's sampler
+    sampling = (0.0, 0, 1.0) if temperature == 0 else (float(temperature), top_k, float(top_p))
+    rows = prepare_prompts(model, prompts, None, chat_template)
+    stops = set(stop_ids if stop_ids is not None else [t for t in (model.eos_id,) if t is not None])
+    if eos_early_stop and not stops:
+        raise ValueError("eos_early_stop needs a stop token: pass stop_ids (the checkpoint has no EOS id)")
+    out = BlockDiffusionOutput([], None, [len(r) for r in rows], [], [])
+    for prompt in rows:
+        seq, nfe, trace = _decode_row_llada21(model, prompt, gen_length, B, float(threshold), float(editing_threshold),
+                                              max_post_steps, num_to_transfer, sampling, int(seed), stops,
+                                              eos_early_stop)
+        out.sequences.append(seq)
+        out.nfe.append(nfe)
+        out.trace.append(trace)
+    return _with_texts(model, out)
 
 
 def _with_texts(model, out: BlockDiffusionOutput) -> BlockDiffusionOutput:

@@ -176,6 +176,16 @@ def llada2_tiny(seed: int = 0, block_size: int = 4) -> Transformer:
     return _random_block_model(cfg, LLADA2, seed, expert_bias)
 
 
+
+def llada21_tiny(seed: int = 0, block_size: int = 4) -> Transformer:
+    """:func:`llada2_tiny` (LLaDA2.1 has LLaDA2.0's architecture) with the head scaled by 3, so that its greedy
+    proposals are confident enough for LLaDA2.1's thresholds to matter: some above 0.9 (the default thresholds
+    commit several masks and edit tokens), most below. Save it with ``dllm.save_pretrained``."""
+    m = llada2_tiny(seed, block_size)
+    with torch.no_grad():
+        m.head.weight.mul_(3.0)
+    return m
+
 FASTDLLM2_STOP_TWIN = 1166  # the id fastdllm2_tiny proposes most often in greedy decoding (head scaled)
 
 

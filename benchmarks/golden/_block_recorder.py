@@ -1,5 +1,6 @@
-"""What the two-phase recorders of block-diffusion references share (``record_sdar.py``, ``record_llada2.py``):
-the checkpoint phase in this project's environment, the record phase in the reference's, the logits encoding."""
+"""What the two-phase recorders of block-diffusion references share (``record_sdar.py``, ``record_llada2.py``,
+``record_llada21.py``): the checkpoint phase in this project's environment, the record phase in the reference's,
+the logits encoding."""
 
 from __future__ import annotations
 

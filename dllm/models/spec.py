@@ -447,6 +447,7 @@ _LLADA2_RULES = {
     "hidden_act": (("silu",), "'silu'"),
     "rope_scaling": ((None,), "null: plain RoPE"),
     "use_sliding_window": (_NONE_OR_FALSE, "false: full attention"),
+    "use_qk_norm": ((None, True), "true: LLaDA2.x's query / key norms"),
 }
 _LLADA2_USED = frozenset({"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                           "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "rope_theta",
@@ -456,7 +457,6 @@ _LLADA2_USED = frozenset({"hidden_size", "intermediate_size", "num_hidden_layers
                           "partial_rotary_factor", "block_size"})
 _LLADA2_IGNORED = _LLADA2_USED | {
     "sliding_window", "max_window_layers", "embedding_dropout", "output_dropout", "output_router_logits",
-    "use_qk_norm",  # the model code always has the query / key norms
     "norm_head",  # the model code's lm_head is a plain linear layer whatever its value
 }
 
