@@ -74,10 +74,46 @@ from dataclasses import dataclass, field
 import torch
 
 from dllm.generate import answer_lengths, prepare_prompts
+from dllm.models.transformer import default_positions
 from dllm.samplers.dream import top_k_logits, top_p_logits
 
 REMASKING = ("low_confidence_dynamic", "low_confidence_static", "sequential")
 STYLES = ("sdar", "llada2", "llada21", "fastdllm2", "fastdllm2_generate")
+
+
+def two_copy_inputs(noisy: torch.Tensor, clean: torch.Tensor, valid: torch.Tensor, block_size: int, P: int,
+                    shift: bool) -> dict:
+    """Model inputs for one forward over ``[noisy; clean]`` (``[B, 2L]``) in which every noisy block sees what
+    decoding shows it, and ``logits_idx`` reading the noisy copy's columns ``P:``.
+
+    A noisy token of block ``b`` attends to the noisy tokens of block ``b`` and the clean tokens of the blocks
+    before it; a clean token attends to the clean tokens of blocks up to its own (BD3-LM's objective, used by SDAR
+    and LLaDA2). With ``shift`` (token ``i`` predicted from hidden row ``i - 1``, Fast-dLLM v2) a block's first
+    column is read from the clean copy's last row of the block before. One forward thus gives every block's
+    logits given clean earlier blocks: the block-diffusion training loss (:mod:`dllm.tiny.block`) and its
+    likelihood bound (the lm-eval adapter). ``noisy``, ``clean``: ``[B, L]``; ``valid``: ``[B, L]`` real tokens
+    (left padding); blocks by position (``cumsum(valid) - 1``) of ``block_size``."""
+    B, L = clean.shape
+    pos = default_positions(valid, B, L, valid.device)
+    blk = pos // block_size
+    qb, kb = blk[:, :, None], blk[:, None, :]
+    noisy_rows = torch.cat([qb == kb, kb < qb], dim=2)  # noisy keys of the same block, clean keys of earlier ones
+    clean_rows = torch.cat([torch.zeros_like(noisy_rows[..., :L]), kb <= qb], dim=2)
+    cols = torch.arange(P, L, device=clean.device).expand(B, -1)
+    if shift:  # column c from row c - 1: the noisy copy's inside a block, the clean copy's across a boundary
+        prev = (cols - 1).clamp_min(0)
+        same = blk.gather(1, prev) == blk.gather(1, cols)
+        rows = torch.where(same, prev, prev + L)
+        logits_idx = rows + 1  # the forward reads row ``logits_idx - 1`` for shifted families
+    else:
+        logits_idx = cols
+    return {
+        "tokens": torch.cat([noisy, clean], dim=1),
+        "positions": torch.cat([pos, pos], dim=1),
+        "attn_mask": torch.cat([valid, valid], dim=1),
+        "attn_pattern": torch.cat([noisy_rows, clean_rows], dim=1),
+        "logits_idx": logits_idx,
+    }
 
 
 @dataclass

@@ -11,6 +11,7 @@ import torch
 
 import dllm
 from dllm.assets import ASSETS
+from dllm.blockdiff import two_copy_inputs
 from dllm.models.spec import SPECS
 from dllm.models.transformer import Transformer
 from dllm.models.weights import init_weights
@@ -43,7 +44,7 @@ def test_two_copy_forward_equals_the_decoding_view_of_every_block(family):
     noisy = clean.clone()
     noisy[:, P:] = torch.where(torch.rand(B, L - P, generator=g) < 0.5, torch.zeros_like(clean[:, P:]), clean[:, P:])
     with torch.no_grad():
-        logits = m(**block.two_copy_inputs(noisy, clean, valid, bs, P, shift))
+        logits = m(**two_copy_inputs(noisy, clean, valid, bs, P, shift))
         pos = (valid.long().cumsum(1) - 1).clamp_min(0)
         for b in range(B):
             real = valid[b].nonzero().flatten()

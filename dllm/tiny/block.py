@@ -2,7 +2,8 @@
 
 A block-diffusion model attends bidirectionally inside a block and causally across blocks, and decodes block by
 block with the finished blocks clean. Its training objective (BD3-LM's, used by SDAR and LLaDA2) puts a noisy
-and a clean copy of each sequence in one forward of length ``2L``:
+and a clean copy of each sequence in one forward of length ``2L``
+(:func:`dllm.blockdiff.two_copy_inputs`):
 
 * a noisy token of block ``b`` attends to the noisy tokens of block ``b`` and to the clean tokens of blocks
   before ``b``: exactly what it sees when block ``b`` is decoded;
@@ -72,33 +73,6 @@ def block_mask(valid: torch.Tensor, P: int, block_size: int, eps: float, gen: to
     t_blocks = torch.rand(B, int(blk.max()) + 1, generator=gen) * (1 - eps) + eps
     t = t_blocks.gather(1, blk)
     return torch.rand(t.shape, generator=gen) < t, t
-
-
-def two_copy_inputs(noisy: torch.Tensor, clean: torch.Tensor, valid: torch.Tensor, block_size: int, P: int,
-                    shift: bool) -> dict:
-    """Model inputs for one forward over ``[noisy; clean]`` (``[B, 2L]``) with the block-diffusion training
-    pattern, and ``logits_idx`` that reads the response columns ``P:`` of the noisy copy (module docstring)."""
-    B, L = clean.shape
-    pos = default_positions(valid, B, L, valid.device)
-    blk = pos // block_size
-    qb, kb = blk[:, :, None], blk[:, None, :]
-    noisy_rows = torch.cat([qb == kb, kb < qb], dim=2)  # noisy keys of the same block, clean keys of earlier ones
-    clean_rows = torch.cat([torch.zeros_like(noisy_rows[..., :L]), kb <= qb], dim=2)
-    cols = torch.arange(P, L, device=clean.device).expand(B, -1)
-    if shift:  # column c from row c - 1: the noisy copy's inside a block, the clean copy's across a boundary
-        prev = (cols - 1).clamp_min(0)
-        same = blk.gather(1, prev) == blk.gather(1, cols)
-        rows = torch.where(same, prev, prev + L)
-        logits_idx = rows + 1  # the forward reads row ``logits_idx - 1`` for shifted families
-    else:
-        logits_idx = cols
-    return {
-        "tokens": torch.cat([noisy, clean], dim=1),
-        "positions": torch.cat([pos, pos], dim=1),
-        "attn_mask": torch.cat([valid, valid], dim=1),
-        "attn_pattern": torch.cat([noisy_rows, clean_rows], dim=1),
-        "logits_idx": logits_idx,
-    }
 
 
 @torch.no_grad()

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from dllm.blockdiff import two_copy_inputs
 from dllm.evals import tasks as T
 from dllm.models.loading import save_pretrained
 from dllm.models.spec import SPECS
@@ -488,7 +489,7 @@ def train(cfg: TrainConfig, out_dir, *, progress=None) -> dict:
         if blockwise:  # the noisy and the clean copy in one forward (dllm.tiny.block)
             clean = noisy.clone()
             clean[:, P:] = target
-            logits = model(**block.two_copy_inputs(noisy, clean, valid, mcfg.block_size, P, model.shift_logits))
+            logits = model(**two_copy_inputs(noisy, clean, valid, mcfg.block_size, P, model.shift_logits))
         else:
             cols = torch.arange(P, noisy.shape[1]).expand(noisy.shape[0], -1)
             logits = model(noisy, attn_mask=None if bool(valid.all()) else valid, logits_idx=cols)

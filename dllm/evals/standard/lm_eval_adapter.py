@@ -29,6 +29,12 @@ any other key is a parameter of the sampler (``threshold=0.9``).
   The estimate is minus the mean over draws. ``cfg_scale > 0`` uses classifier-free guidance (the context is
   masked for the unconditional pass). ``is_greedy`` is computed only with ``check_greedy=True`` (one-by-one
   most-confident unmasking of the continuation, compared with it); otherwise it is ``False``.
+* Block-diffusion checkpoints (SDAR, LLaDA2.x, Fast-dLLM v2: ``config.block_size``): the bound is the sum over the
+  continuation's blocks of each block's bound given the clean blocks before it, the factorisation these models
+  decode by. Each draw masks, in every block, ``k`` of its ``n`` continuation tokens (``k`` uniform in ``1..n``,
+  weight ``n / k``); one forward over a noisy and a clean copy (:func:`dllm.blockdiff.two_copy_inputs`) scores
+  every block. With blocks of one token this is the exact autoregressive log-likelihood. ``check_greedy``
+  unmasks one token at a time within the first block that still holds masks. No ``cfg_scale``.
 * ``loglikelihood_rolling`` is not supported (no exact perplexity for masked diffusion models).
 
 Multi-process: under ``accelerate launch``/``torchrun`` each process loads the model on its own device and
@@ -44,6 +50,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from dllm.blockdiff import two_copy_inputs
 from dllm.generate import answer_lengths, cfg_forward, generate
 
 try:
@@ -113,6 +120,7 @@ class DLLMLM(LM):
                                      steps=None if steps is None else int(steps), cfg_scale=float(cfg_scale),
                                      eos_early_stop=_bool(eos_early_stop), seed=self.seed, chat_template=False)
         self.cfg_scale = float(cfg_scale)
+        self._block_size = getattr(getattr(self.model, "config", None), "block_size", None)
         self.sampler = get_sampler(sampler, **sampler_params) if sampler else None
         self.stats = {"nfe": 0, "answer_tokens": 0, "gen_seconds": 0.0}
 
@@ -207,6 +215,8 @@ class DLLMLM(LM):
         if P + L > self.model.max_seq_len:
             raise ValueError(f"context ({P}) + continuation ({L}) tokens exceed the model's context of "
                              f"{self.model.max_seq_len}")
+        if self._block_size:
+            return self._block_mc_loglikelihood(prefix, target, generator)
         seq = torch.tensor(prefix + target, device=dev)
         tgt = seq[P:]
         cols = torch.arange(P, P + L, device=dev)[None]
@@ -228,6 +238,40 @@ class DLLMLM(LM):
         return -total / self.mc_num
 
     @torch.no_grad()
+    def _block_mc_loglikelihood(self, prefix: list[int], target: list[int], generator: torch.Generator | None) -> float:
+        """The block-diffusion bound: the sum over the continuation's blocks of each block's masked-diffusion
+        bound given the clean blocks before it (the module docstring), one two-copy forward per batch of draws."""
+        if self.cfg_scale > 0:
+            raise ValueError("cfg_scale > 0: classifier-free guidance of log-likelihoods is not defined for "
+                             "block-diffusion checkpoints; use cfg_scale=0")
+        dev, bs = self._device, self._block_size
+        P, L = len(prefix), len(target)
+        seq = torch.tensor(prefix + target, device=dev)
+        blocks = torch.arange(P, P + L) // bs  # the block of each continuation column
+        total, draws = 0.0, 0
+        while draws < self.mc_num:
+            b = min(self.mc_batch_size, self.mc_num - draws)
+            masked = torch.zeros(b, L, dtype=torch.bool)
+            weight = torch.zeros(b, L)
+            for u in blocks.unique().tolist():
+                cols = (blocks == u).nonzero()[:, 0]
+                n = len(cols)
+                ks = torch.randint(1, n + 1, (b,), generator=generator)  # masked tokens of this block per draw
+                ranks = torch.argsort(torch.rand(b, n, generator=generator), dim=-1).argsort(dim=-1)
+                masked[:, cols] = ranks < ks[:, None]
+                weight[:, cols] = (n / ks.float())[:, None]
+            masked, weight = masked.to(dev), weight.to(dev)
+            clean = seq.expand(b, -1)
+            noisy = clean.clone()
+            noisy[:, P:] = torch.where(masked, torch.full_like(noisy[:, P:], self.model.mask_id), clean[:, P:])
+            valid = torch.ones_like(clean, dtype=torch.bool)
+            logits = self.model(**two_copy_inputs(noisy, clean, valid, bs, P, self.model.shift_logits)).float()
+            ce = F.cross_entropy(logits.reshape(b * L, -1), clean[:, P:].reshape(-1), reduction="none").view(b, L)
+            total += float((ce * masked * weight).sum())
+            draws += b
+        return -total / self.mc_num
+
+    @torch.no_grad()
     def _greedy_matches(self, prefix: list[int], target: list[int]) -> bool:
         dev = self._device
         P, L = len(prefix), len(target)
@@ -238,6 +282,9 @@ class DLLMLM(LM):
             logits[:, self.model.mask_id] = -float("inf")
             conf, pred = logits.softmax(-1).max(-1)
             still = x[0, P:] == self.model.mask_id
+            if self._block_size:  # block by block: only the first block that still holds masks
+                first = (P + int(still.nonzero()[0, 0])) // self._block_size
+                still = still & (torch.arange(P, P + L, device=dev) // self._block_size == first)
             conf = torch.where(still, conf, torch.full_like(conf, -1.0))
             j = int(conf.argmax())
             x[0, P + j] = pred[j]
