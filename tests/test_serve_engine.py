@@ -200,12 +200,14 @@ def test_the_engine_default_sampler_and_params_apply_to_requests_that_name_none(
         Engine(llada, sampler="klass")
 
 
-def test_block_diffusion_requests_join_and_leave_exactly():
-    """An SDAR-format checkpoint: its own blocks and exact block cache by default; requests of mixed samplers,
-    lengths and join times each equal dllm.generate of the request alone."""
+@pytest.mark.parametrize("family", ["sdar", "llada2", "fastdllm2"])
+def test_block_diffusion_requests_join_and_leave_exactly(family):
+    """Block-diffusion checkpoints (SDAR, LLaDA2's mixture of experts, Fast-dLLM v2's token shift): their own
+    blocks and exact block cache by default; requests of mixed samplers, lengths and join times each equal
+    dllm.generate of the request alone."""
     import golden_models as gm
 
-    sdar = gm.sdar_tiny(0)
+    sdar = {"sdar": gm.sdar_tiny, "llada2": gm.llada2_tiny, "fastdllm2": gm.fastdllm2_tiny}[family](0)
     eng = Engine(sdar, max_rows=3)
     reqs = []
     for wave in range(3):
