@@ -192,20 +192,40 @@ def _commit(rule: str, masked: torch.Tensor, p: torch.Tensor, quota: int, thresh
     return out
 
 
+def _whole_blocks(P: int, gen_length: int, B: int) -> str:
+    return f"prompt ({P} tokens) + gen_length ({gen_length}), rounded up to whole blocks of {B}"
+
+
+def _row_canvas(model, prompt: list[int], total: int, seed: int, layout: str):
+    """One row's canvas ``[1, total]`` (the prompt, then masks), its positions and its generator; ``layout``
+    says what the ``total`` positions hold, for the error when they exceed the model's context."""
+    if total > model.max_seq_len:
+        raise ValueError(f"{layout}: {total} positions, more than the model's context of {model.max_seq_len}")
+    dev = model.device
+    x = torch.full((1, total), model.mask_id, dtype=torch.long, device=dev)
+    x[0, :len(prompt)] = torch.tensor(prompt, device=dev)
+    return x, torch.arange(total, device=dev)[None], torch.Generator(device=dev).manual_seed(seed)
+
+
+def _decode_rows(model, rows: list[list[int]], decode_row) -> BlockDiffusionOutput:
+    """``decode_row(prompt) -> (sequence, forwards, trace)`` for each row, one at a time, with texts."""
+    out = BlockDiffusionOutput([], None, [len(r) for r in rows], [], [])
+    for prompt in rows:
+        seq, nfe, trace = decode_row(prompt)
+        out.sequences.append(seq)
+        out.nfe.append(nfe)
+        out.trace.append(trace)
+    return _with_texts(model, out)
+
+
 def _decode_row(model, prompt: list[int], gen_length: int, B: int, quota: list[int], remasking: str,
                 threshold: float, sampling: tuple, seed: int, stops: set[int], style: str,
                 eos_early_stop: bool = False):
     """One row: (generated region, forwards, per-forward trace)."""
     P = len(prompt)
     total = -(-(P + gen_length) // B) * B
-    if total > model.max_seq_len:
-        raise ValueError(f"prompt ({P} tokens) + gen_length ({gen_length}), rounded up to whole blocks of {B}, is "
-                         f"{total} tokens: more than the model's context of {model.max_seq_len}")
-    dev, mask_id, steps = model.device, model.mask_id, len(quota)
-    x = torch.full((1, total), mask_id, dtype=torch.long, device=dev)
-    x[0, :P] = torch.tensor(prompt, device=dev)
-    pos = torch.arange(total, device=dev)[None]
-    gen = torch.Generator(device=dev).manual_seed(seed)
+    x, pos, gen = _row_canvas(model, prompt, total, seed, _whole_blocks(P, gen_length, B))
+    mask_id, steps = model.mask_id, len(quota)
     cache = _BlockKV(len(model.layers))
     trace: list[dict] = []
 
@@ -265,14 +285,8 @@ def _decode_row_llada21(model, prompt: list[int], gen_length: int, B: int, thres
     forwards, per-forward trace with the mask-to-token commits and the token-to-token edits)."""
     P = len(prompt)
     total = -(-(P + gen_length) // B) * B
-    if total > model.max_seq_len:
-        raise ValueError(f"prompt ({P} tokens) + gen_length ({gen_length}), rounded up to whole blocks of {B}, is "
-                         f"{total} tokens: more than the model's context of {model.max_seq_len}")
+    x, pos, gen = _row_canvas(model, prompt, total, seed, _whole_blocks(P, gen_length, B))
     dev, mask_id = model.device, model.mask_id
-    x = torch.full((1, total), mask_id, dtype=torch.long, device=dev)
-    x[0, :P] = torch.tensor(prompt, device=dev)
-    pos = torch.arange(total, device=dev)[None]
-    gen = torch.Generator(device=dev).manual_seed(seed)
     cache = _BlockKV(len(model.layers))
     trace: list[dict] = []
     greedy = sampling[0] == 0
@@ -383,14 +397,9 @@ def _decode_row_fastdllm2(model, prompt: list[int], gen_length: int, B: int, S: 
     n_blocks = gen_length // B
     first = P // B
     total = (first + n_blocks) * B + 1  # the last block's storing forward appends one token
-    if total > model.max_seq_len:
-        raise ValueError(f"prompt ({P} tokens) + {n_blocks} blocks of {B} (gen_length {gen_length}) + the token after "
-                         f"them need {total} positions: more than the model's context of {model.max_seq_len}")
+    x, pos, gen = _row_canvas(model, prompt, total, seed, f"prompt ({P} tokens) + {n_blocks} blocks of {B} (gen_length "
+                              f"{gen_length}) + the token after them")
     dev, mask_id = model.device, model.mask_id
-    x = torch.full((1, total), mask_id, dtype=torch.long, device=dev)
-    x[0, :P] = torch.tensor(prompt, device=dev)
-    pos = torch.arange(total, device=dev)[None]
-    gen = torch.Generator(device=dev).manual_seed(seed)
     cache = _SubBlockKV(len(model.layers))
     trace: list[dict] = []
 
@@ -588,14 +597,9 @@ def block_diffusion_generate(model, prompts, *, gen_length: int = 128, block_len
     if eos_early_stop and not stops:
         raise ValueError("eos_early_stop needs a stop token: pass stop_ids (the checkpoint has no EOS id)")
     quota = num_transfer_tokens(B, steps)
-    out = BlockDiffusionOutput([], None, [len(r) for r in rows], [], [])
-    for prompt in rows:
-        seq, nfe, trace = _decode_row(model, prompt, gen_length, B, quota, remasking, confidence_threshold,
-                                      (temperature, top_k, top_p), int(seed), stops, style, eos_early_stop)
-        out.sequences.append(seq)
-        out.nfe.append(nfe)
-        out.trace.append(trace)
-    return _with_texts(model, out)
+    return _decode_rows(model, rows, lambda prompt: _decode_row(
+        model, prompt, gen_length, B, quota, remasking, confidence_threshold, (temperature, top_k, top_p), int(seed),
+        stops, style, eos_early_stop))
 
 
 def _check_llada2_options(eos_early_stop, minimal_topk, gen_length: int) -> int:
@@ -653,15 +657,9 @@ def _llada21_generate(model, prompts, gen_length, B, denoising_steps, remasking,
     stops = set(stop_ids if stop_ids is not None else [t for t in (model.eos_id,) if t is not None])
     if eos_early_stop and not stops:
         raise ValueError("eos_early_stop needs a stop token: pass stop_ids (the checkpoint has no EOS id)")
-    out = BlockDiffusionOutput([], None, [len(r) for r in rows], [], [])
-    for prompt in rows:
-        seq, nfe, trace = _decode_row_llada21(model, prompt, gen_length, B, float(threshold), float(editing_threshold),
-                                              max_post_steps, num_to_transfer, sampling, int(seed), stops,
-                                              eos_early_stop)
-        out.sequences.append(seq)
-        out.nfe.append(nfe)
-        out.trace.append(trace)
-    return _with_texts(model, out)
+    return _decode_rows(model, rows, lambda prompt: _decode_row_llada21(
+        model, prompt, gen_length, B, float(threshold), float(editing_threshold), max_post_steps, num_to_transfer,
+        sampling, int(seed), stops, eos_early_stop))
 
 
 def _with_texts(model, out: BlockDiffusionOutput) -> BlockDiffusionOutput:
@@ -705,12 +703,6 @@ def _fastdllm2_generate(model, prompts, gen_length, B, S, use_block_cache, thres
     default = model.eot_id if model.eot_id is not None else model.eos_id
     stops = set(stop_ids if stop_ids is not None else ([default] if default is not None else []))
     pad_id = model.pad_id if model.pad_id is not None else model.eos_id
-    out = BlockDiffusionOutput([], None, [len(r) for r in rows], [], [])
-    for prompt in rows:
-        seq, nfe, trace = _decode_row_fastdllm2(model, prompt, gen_length, B, S, float(threshold),
-                                                float(temperature), float(top_p), use_block_cache, int(seed),
-                                                stops, pad_id, style)
-        out.sequences.append(seq)
-        out.nfe.append(nfe)
-        out.trace.append(trace)
-    return _with_texts(model, out)
+    return _decode_rows(model, rows, lambda prompt: _decode_row_fastdllm2(
+        model, prompt, gen_length, B, S, float(threshold), float(temperature), float(top_p), use_block_cache,
+        int(seed), stops, pad_id, style))

@@ -11,6 +11,7 @@ import golden_models as gm
 import pytest
 import torch
 
+from dllm.blockdiff import block_diffusion_generate
 from dllm.models.loading import load_model, save_pretrained
 
 
@@ -205,3 +206,11 @@ def test_the_callers_block_length_sets_the_multi_block_size():
     assert int(out.stats.trace[0]["hi"][0]) - out.prompt_lengths[0] == 4  # the first region: one block of 4
     with pytest.raises(ValueError, match="multiple of the multi-block block_length \\(32\\)"):
         dllm.generate(m, ["What is 12 + 30?"], gen_length=16, steps=16, sampler="multiblock")
+
+
+@pytest.mark.parametrize("style", ["sdar", "llada2", "llada21", "fastdllm2"])
+def test_block_decoders_refuse_a_canvas_longer_than_the_context(style):
+    model = gm.sdar_tiny(0)
+    with pytest.raises(ValueError, match=r"more than the model's context of 512"):
+        block_diffusion_generate(model, ["Copy: [a, b]"], gen_length=600, style=style,
+                                 **({"temperature": 0.0} if style == "llada2" else {}))
