@@ -585,12 +585,7 @@ def block_diffusion_generate(model, prompts, *, gen_length: int = 128, block_len
                          "(style='llada2' takes temperature=0)")
     top_k = 0 if top_k is None else top_k
     top_p = 1.0 if top_p is None else top_p
-    if type(top_k) is not int or top_k < 0:
-        raise ValueError(f"top_k={top_k!r} must be an integer >= 0 (0: off)")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p={top_p!r} must be in (0, 1]")
-    if not 0 <= confidence_threshold <= 1:
-        raise ValueError(f"confidence_threshold={confidence_threshold!r} must be in [0, 1]")
+    _check_sampling(top_p, {"confidence_threshold": confidence_threshold}, top_k)
     rows = prepare_prompts(model, prompts, None, chat_template)
     default_stops = (model.eos_id,) if style == "llada2" else (model.eos_id, model.eot_id)
     stops = set(stop_ids if stop_ids is not None else [t for t in default_stops if t is not None])
@@ -640,17 +635,11 @@ def _llada21_generate(model, prompts, gen_length, B, denoising_steps, remasking,
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
     if type(max_post_steps) is not int or max_post_steps < 0:
         raise ValueError(f"max_post_steps must be an integer >= 0 (0: no mask-free forward), got {max_post_steps!r}")
-    for name, v in (("confidence_threshold", threshold), ("editing_threshold", editing_threshold)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
-            raise ValueError(f"{name}={v!r} must be a number in [0, 1]")
+    _check_sampling(top_p, {"confidence_threshold": threshold, "editing_threshold": editing_threshold}, top_k)
     if not isinstance(eos_early_stop, bool):
         raise ValueError(f"eos_early_stop must be True or False, got {eos_early_stop!r}")
     if isinstance(temperature, bool) or not 0 <= temperature < float("inf"):
         raise ValueError(f"temperature={temperature!r} must be a number >= 0 (0: greedy)")
-    if type(top_k) is not int or top_k < 0:
-        raise ValueError(f"top_k={top_k!r} must be an integer >= 0 (0: off)")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p={top_p!r} must be in (0, 1]")
     # temperature 0 is greedy whatever top_k / top_p say, as LLaDA2.1's sampler
     sampling = (0.0, 0, 1.0) if temperature == 0 else (float(temperature), top_k, float(top_p))
     rows = prepare_prompts(model, prompts, None, chat_template)
@@ -660,6 +649,18 @@ def _llada21_generate(model, prompts, gen_length, B, denoising_steps, remasking,
     return _decode_rows(model, rows, lambda prompt: _decode_row_llada21(
         model, prompt, gen_length, B, float(threshold), float(editing_threshold), max_post_steps, num_to_transfer,
         sampling, int(seed), stops, eos_early_stop))
+
+
+def _check_sampling(top_p, thresholds: dict, top_k=None) -> None:
+    """The checks every style shares: ``top_k`` an integer >= 0 (0: off; None: the style has none), ``top_p`` in
+    (0, 1], each of ``thresholds`` (name -> value) a number in [0, 1]."""
+    if top_k is not None and (type(top_k) is not int or top_k < 0):
+        raise ValueError(f"top_k={top_k!r} must be an integer >= 0 (0: off)")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p!r} must be a number in (0, 1]")
+    for name, v in thresholds.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+            raise ValueError(f"{name}={v!r} must be a number in [0, 1]")
 
 
 def _with_texts(model, out: BlockDiffusionOutput) -> BlockDiffusionOutput:
@@ -695,10 +696,7 @@ def _fastdllm2_generate(model, prompts, gen_length, B, S, use_block_cache, thres
         raise ValueError(f"use_block_cache must be True or False, got {use_block_cache!r}")
     if isinstance(temperature, bool) or not 0 <= temperature < float("inf"):
         raise ValueError(f"temperature={temperature!r} must be a number >= 0 (0: greedy)")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p={top_p!r} must be in (0, 1]")
-    if not 0 <= threshold <= 1:
-        raise ValueError(f"confidence_threshold={threshold!r} must be in [0, 1]")
+    _check_sampling(top_p, {"confidence_threshold": threshold})
     rows = prepare_prompts(model, prompts, None, chat_template)
     default = model.eot_id if model.eot_id is not None else model.eos_id
     stops = set(stop_ids if stop_ids is not None else ([default] if default is not None else []))

@@ -214,3 +214,14 @@ def test_block_decoders_refuse_a_canvas_longer_than_the_context(style):
     with pytest.raises(ValueError, match=r"more than the model's context of 512"):
         block_diffusion_generate(model, ["Copy: [a, b]"], gen_length=600, style=style,
                                  **({"temperature": 0.0} if style == "llada2" else {}))
+
+
+@pytest.mark.parametrize("style", ["sdar", "llada2", "llada21", "fastdllm2"])
+@pytest.mark.parametrize("bad,match", [({"top_p": 1.5}, r"top_p=1.5 must be a number in \(0, 1\]"),
+                                       ({"top_p": True}, r"top_p=True"),
+                                       ({"confidence_threshold": -0.1}, r"confidence_threshold=-0.1 must be a number"),
+                                       ({"confidence_threshold": "0.9"}, r"confidence_threshold='0.9'")])
+def test_block_decoders_check_sampling_arguments(style, bad, match):
+    kw = {"temperature": 0.0} if style == "llada2" else {}
+    with pytest.raises(ValueError, match=match):
+        block_diffusion_generate(gm.sdar_tiny(0), ["Copy: [a, b]"], gen_length=8, style=style, **{**kw, **bad})
