@@ -6,6 +6,7 @@ serving paths unchanged."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,7 +71,7 @@ def test_copies_lists_with_its_own_decoder_and_with_every_cache(bundled):
         assert right_surnames >= 0.8 * surnames, texts
 
 
-def test_cli_eval_parallelbench_and_lm_eval_take_it(bundled, tmp_path):
+def test_cli_evals_parallelbench_and_lm_eval_take_it(bundled, tmp_path):
     name, model = bundled
     from dllm.cli import main
 
@@ -79,6 +80,10 @@ def test_cli_eval_parallelbench_and_lm_eval_take_it(bundled, tmp_path):
     assert main(["parallelbench", "run", "--model", name, "--tasks", "waiting_line/copy", "--n", "2",
                  "--method", "threshold", "--gen-length", "16", "--out", str(tmp_path / "pb")]) == 0
     assert (tmp_path / "pb" / "samples.jsonl").read_text().count("\n") == 2
+    gsm8k = Path(__file__).parent / "fixtures" / "eval" / "gsm8k.jsonl"  # `dllm eval`: the standard evaluations
+    assert main(["eval", "gsm8k", "--data", str(gsm8k), "--out", str(tmp_path / "gsm"), "--model", name, "--shots",
+                 "0", "--limit", "2", "--gen-length", "32", "--no-progress", "--dtype", "float32"]) == 0
+    assert (tmp_path / "gsm" / "samples.jsonl").read_text().count("\n") == 2
     pytest.importorskip("lm_eval")
     from dllm.evals.standard.lm_eval_adapter import DLLMLM
 
