@@ -192,6 +192,11 @@ def _commit(rule: str, masked: torch.Tensor, p: torch.Tensor, quota: int, thresh
     return out
 
 
+def _first_stop(row: list[int], stops: set[int]) -> int | None:
+    """Index of the first stop token in ``row`` (None: there is none)."""
+    return next((i for i, t in enumerate(row) if t in stops), None)
+
+
 def _whole_blocks(P: int, gen_length: int, B: int) -> str:
     return f"prompt ({P} tokens) + gen_length ({gen_length}), rounded up to whole blocks of {B}"
 
@@ -270,7 +275,7 @@ def _decode_row(model, prompt: list[int], gen_length: int, B: int, quota: list[i
                 # a stop token committed: the row ends here, after the first stop token of the generated
                 # tokens (the canvas tail past gen_length included) when no mask is left before it
                 row = x[0, P:hi].tolist()
-                j = next(i for i, t in enumerate(row) if t in stops)
+                j = _first_stop(row, stops)
                 if mask_id not in row[:j]:
                     return row[:j + 1], len(trace), trace
         if stops & set(x[0, P:hi].tolist()):
@@ -286,11 +291,10 @@ def _decode_row_llada21(model, prompt: list[int], gen_length: int, B: int, thres
     P = len(prompt)
     total = -(-(P + gen_length) // B) * B
     x, pos, gen = _row_canvas(model, prompt, total, seed, _whole_blocks(P, gen_length, B))
-    dev, mask_id = model.device, model.mask_id
+    mask_id = model.mask_id
     cache = _BlockKV(len(model.layers))
     trace: list[dict] = []
     greedy = sampling[0] == 0
-    minus_inf = torch.tensor(float("-inf"), device=dev)
     stored = 0  # as the llada2 style: a block's first forward also computes and stores the finished blocks before it
     for blk in range(P // B, total // B):
         lo, hi = blk * B, (blk + 1) * B
@@ -316,14 +320,9 @@ def _decode_row_llada21(model, prompt: list[int], gen_length: int, B: int, thres
                            block_size=B)[0, lo - stored:]
             stored = lo
             tok, p = _sample(logits, *sampling, gen)
-            commit = torch.zeros_like(active)
-            if n_active:  # mask to token: every masked position above threshold, at least num_to_transfer of them
-                conf = torch.where(active, p, minus_inf)
-                high = (conf > threshold) & active
-                if int(high.sum()) >= num_to_transfer:
-                    commit = high
-                else:
-                    commit[torch.topk(conf, min(num_to_transfer, n_active)).indices] = True
+            # mask to token: every masked position above threshold, at least num_to_transfer of them (none left:
+            # nothing), the dynamic rule with the quota num_to_transfer
+            commit = _commit("low_confidence_dynamic", active, p, num_to_transfer, threshold)
             # token to token: the block's generated tokens whose proposal differs, above editing_threshold
             edit = (p > editing_threshold) & ~active & editable_block & (tok != old)
             cur[commit | edit] = tok[commit | edit]  # a proposed mask token masks (or leaves masked) its position
@@ -336,7 +335,7 @@ def _decode_row_llada21(model, prompt: list[int], gen_length: int, B: int, thres
             if mask_id not in row and stops & set(row):
                 break
     row = x[0, P:P + gen_length].tolist()
-    j = next((i for i, t in enumerate(row) if t in stops), None)
+    j = _first_stop(row, stops)
     return (row if j is None else row[:j + 1]), len(trace), trace
 
 
@@ -433,7 +432,7 @@ def _decode_row_fastdllm2(model, prompt: list[int], gen_length: int, B: int, S: 
 
         def stopped_before_masks(region: int = region, hi: int = hi) -> bool:  # generate: a stop token, no
             row = x[0, region:hi].tolist()  # mask before it, among the block's tokens after its given ones
-            j = next((i for i, t in enumerate(row) if t in stops), None)
+            j = _first_stop(row, stops)
             return j is not None and mask_id not in row[:j]
 
         while True:
@@ -443,7 +442,7 @@ def _decode_row_fastdllm2(model, prompt: list[int], gen_length: int, B: int, S: 
             if not bool((x[0, lo:hi] == mask_id).any()):
                 if finished:  # batch_sample: the tokens after the first stop token become padding; no store
                     row = x[0, P:hi].tolist()
-                    j = next(i for i, t in enumerate(row) if t in stops)
+                    j = _first_stop(row, stops)
                     x[0, P + j + 1:hi] = pad_id
                     length = hi
                     break
@@ -476,7 +475,7 @@ def _decode_row_fastdllm2(model, prompt: list[int], gen_length: int, B: int, S: 
             break
     out = x[0, P:length].tolist()
     if style == "fastdllm2_generate":
-        j = next((i for i, t in enumerate(out) if t in stops), None)
+        j = _first_stop(out, stops)
         out = out if j is None else out[:j + 1]
     return out, len(trace), trace
 
