@@ -100,12 +100,12 @@ def test_served_requests_equal_generate(bundled):
 
     name, model = bundled
     prompts = [chat_text(model.tokenizer, ex.messages) for ex in _copy_examples(3)]
+    settings = [("threshold", {"tau": 0.9}), ("eb", {}), (None, {})]
     eng = Engine(model, max_rows=2)
     hs = [eng.submit(p, gen_length=16, steps=16, sampler=s, params=pr, request_id=f"r{k}", chat_template=False)
-          for k, (p, (s, pr)) in enumerate(zip(prompts, [("threshold", {"tau": 0.9}), ("eb", {}), (None, {})]))]
+          for k, (p, (s, pr)) in enumerate(zip(prompts, settings))]
     eng.run_until_idle()
-    for k, (h, p) in enumerate(zip(hs, prompts)):
-        s, pr = [("threshold", {"tau": 0.9}), ("eb", {}), (None, {})][k]
+    for k, (h, p, (s, pr)) in enumerate(zip(hs, prompts, settings)):
         out = dllm.generate(model, [p], gen_length=16, steps=16, chat_template=False, row_ids=[f"r{k}"],
                             sampler=dllm.get_sampler(s, **pr) if s else None)
         assert h.result(timeout=0).tokens == out.sequences[0].tolist()

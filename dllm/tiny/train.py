@@ -9,8 +9,8 @@ The response is the answer, the end-of-turn token, then EOS padding up to the re
 learns to close the answer with EOT and fill the tail with EOS, as LLaDA's SFT data does.
 
 ``--family sdar|llada2|fastdllm2`` trains a block-diffusion checkpoint instead (SDAR's, LLaDA2's or Fast-dLLM v2's
-layout, usually from the
-bundled autoregressive model with ``--init-from-ar``): the objective of :mod:`dllm.tiny.block`.
+layout, usually from the bundled autoregressive model with ``--init-from-ar``): the objective of
+:mod:`dllm.tiny.block`.
 """
 
 from __future__ import annotations
