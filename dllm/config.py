@@ -6,6 +6,10 @@ import math
 import numbers
 from dataclasses import dataclass
 
+#: ``GenerateConfig.graphs``: CUDA graphs for the cached steps (``auto``: on CUDA devices, ``on``: also the
+#: static-buffer path without capture off CUDA, ``off``: eager forwards only); see :mod:`dllm.graphs`
+GRAPH_MODES = ("auto", "on", "off")
+
 
 @dataclass(frozen=True)
 class GenerateConfig:
@@ -27,6 +31,10 @@ class GenerateConfig:
         chat_template: apply the tokenizer's chat template to string prompts.
         record_confidence: record in ``stats.commit_conf`` each committed token's probability (one extra
             log-sum-exp over the window's logits per step; for trajectory pictures).
+        graphs: run the cached steps (partial forwards) as replayed CUDA graphs: ``"auto"`` (default) on CUDA
+            devices, ``"off"`` never, ``"on"`` also off CUDA, where the same static-buffer path runs without
+            capture (the CPU twin of the graph path). Full forwards, Elastic-Cache's hooked forwards and
+            classifier-free guidance always run eagerly (:mod:`dllm.graphs`).
     """
 
     gen_length: int = 128
@@ -37,6 +45,7 @@ class GenerateConfig:
     seed: int | None = 0
     chat_template: bool = True
     record_confidence: bool = False
+    graphs: str = "auto"
 
     def __post_init__(self):
         # bool is an int subclass but never a length; numpy integers are stored as plain ints
@@ -51,6 +60,8 @@ class GenerateConfig:
         if isinstance(c, bool) or not isinstance(c, numbers.Real) or not math.isfinite(c) or c < 0:
             raise ValueError(f"cfg_scale must be >= 0 and finite (0: no guidance), got {c!r}")
         object.__setattr__(self, "cfg_scale", float(c))
+        if self.graphs not in GRAPH_MODES:
+            raise ValueError(f"graphs must be one of {', '.join(map(repr, GRAPH_MODES))}, got {self.graphs!r}")
         if self.seed is not None:
             if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):
                 raise ValueError(f"seed must be an integer (Python or numpy) or None, got {self.seed!r}")

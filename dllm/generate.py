@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from dllm.caches.base import CacheState
+from dllm.caches.base import CacheState, KVCache
+from dllm.graphs import GraphRunner
 from dllm.config import GenerateConfig
 from dllm.models.spec import vocab_size
 from dllm.recipes import resolve
@@ -55,6 +56,9 @@ class GenerateStats:
     # [B][gen_length]: probability of the committed token under that step's logits (full-vocabulary softmax),
     # recorded with GenerateConfig(record_confidence=True); empty otherwise
     commit_conf: list[list[float]] = field(default_factory=list)
+    # how the cached steps ran (GenerateConfig.graphs): {"replays": n, "captures": n, "eager:<reason>": n, ...};
+    # empty when graphs are off
+    graphs: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -257,6 +261,9 @@ class DecodeState:
     row_key: torch.Tensor  # [B, 2] per-row random stream keys
     generator: torch.Generator | None  # the run's generator (reference random streams)
     window: tuple[int, int]  # host copy of the next step's window (the union of the active rows' regions)
+    # the cache's plan for the next step, read in the previous step's host sync: (canvas it was computed for, its
+    # version, active-row mask, partial?, largest active set); used only while the canvas is that same tensor
+    plan_hint: tuple | None = None
     state: dict = field(default_factory=dict)  # sampler scratch space
     trace: list = field(default_factory=list)
     nfe: int = 0
@@ -279,6 +286,8 @@ class Decoder:
         self.device = model.device
         self.stop_ids = torch.tensor([i for i in (model.eos_id, model.eot_id) if i is not None], device=self.device)
         self.clock = _Clock(self.device)
+        self.graphs = GraphRunner.for_model(model, config.graphs) if isinstance(cache, KVCache) else None
+        self._graph_stats0 = dict(self.graphs.stats) if self.graphs is not None else {}
 
     def start(self, rows: list[list[int]], row_ids=None) -> DecodeState:
         model, config, device = self.model, self.config, self.device
@@ -349,11 +358,22 @@ class Decoder:
         cols = self.cols_all[w_lo:w_hi]
         tc = clock.mark()
         r_lo, r_hi = self.widen(lo, hi, P, T) if self.widen is not None else (lo, hi)  # each row's own window
-        query_idx, _ = cache.plan(CacheState(x, lo, hi, st.active, st.step_in, (w_lo, w_hi), P, mask_id, self.shift,
-                                             st.committed, st.nfe, st.key_mask, st.row_nfe, r_lo,
-                                             torch.as_tensor(r_hi).expand(B)))
+        cstate = CacheState(x, lo, hi, st.active, st.step_in, (w_lo, w_hi), P, mask_id, self.shift, st.committed,
+                            st.nfe, st.key_mask, st.row_nfe, r_lo, torch.as_tensor(r_hi).expand(B))
+        hint = st.plan_hint
+        if hint is not None and hint[0] is x and hint[1] == x._version:  # the plan read in the last step's sync
+            query_idx, _ = cache.plan(cstate, hint=hint[2:])
+        else:
+            query_idx, _ = cache.plan(cstate)
+        st.plan_hint = None
         t0 = clock.mark()
-        logits = _forward(model, x, st.positions, st.key_mask, cols.expand(B, -1), config, cache, query_idx)
+        runner = self.graphs
+        if runner is not None and runner.eager_reason(cache, query_idx, config.cfg_scale > 0) is None:
+            logits = runner(x, st.positions, st.key_mask, cols.expand(B, -1), cache, query_idx)
+        else:
+            if runner is not None:
+                runner.stats["eager:" + runner.eager_reason(cache, query_idx, config.cfg_scale > 0)] += 1
+            logits = _forward(model, x, st.positions, st.key_mask, cols.expand(B, -1), config, cache, query_idx)
         t1 = clock.mark()
         cstats = self.step_stats(self.n_layers) if self.step_stats is not None else {}
         xw = x[:, w_lo:w_hi]
@@ -404,14 +424,32 @@ class Decoder:
         st.x, st.committed = x, committed
         if self.slide is not None:
             st.lo, st.hi = self.slide(x == mask_id, st.lo)
-        running, nonfinite, n_lo, n_hi = torch.cat([torch.stack([st.active.any(), bad.any()]).long(),
-                                                    self._window(st)]).tolist()  # the step's host sync
+        # the next step's cache plan (active rows, partial or full, largest active set), read in this sync
+        nxt = self._plan_next(st)
+        synced = torch.cat([torch.stack([st.active.any(), bad.any()]).long(), self._window(st)]
+                           + ([nxt[2]] if nxt is not None else [])).tolist()  # the step's host sync
+        running, nonfinite, n_lo, n_hi = synced[:4]
         st.window = (n_lo, n_hi)
+        if nxt is not None:
+            st.plan_hint = (st.x, st.x._version, nxt[0], nxt[1], synced[4], synced[5])
         if nonfinite:
             raise NonFiniteLogitsError.at(bad, st.nfe - 1, w_lo - P)
         if running and st.nfe >= self.max_iters:
             raise RuntimeError(f"decoding made no progress after {st.nfe} steps; sampler {sampler!r} commits nothing")
         return bool(running)
+
+    def _plan_next(self, st: DecodeState):
+        """The cache's plan for the next step computed now (``KVCache.plan_mask``: no host sync), so that its two
+        numbers travel in this step's one host synchronisation; None for caches without it (or not yet filled)."""
+        cache = self.cache
+        if not isinstance(cache, KVCache) or not cache.filled or not cache.hint_ok or type(cache).plan is not KVCache.plan:
+            return None
+        lo, hi, B = st.lo, st.hi, st.x.shape[0]
+        T = st.x.shape[1]
+        r_lo, r_hi = self.widen(lo, hi, st.P, T) if self.widen is not None else (lo, hi)
+        cstate = CacheState(st.x, lo, hi, st.active, st.step_in, (0, T), st.P, self.model.mask_id, self.shift,
+                            st.committed, st.nfe, st.key_mask, st.row_nfe, r_lo, torch.as_tensor(r_hi).expand(B))
+        return cache.plan_mask(cstate)
 
     def _advance(self, st: DecodeState, x, lo, hi, committed):
         """Region bookkeeping after a step's commits, vectorised over rows: finished regions, EOS early stop,
@@ -473,6 +511,8 @@ class Decoder:
             trace=[{k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in rec.items()} for rec in st.trace],
             commit_step=st.commit_step[:, st.P :].tolist(),
             commit_conf=st.commit_conf[:, st.P :].tolist() if st.commit_conf is not None else [],
+            graphs={k: v - self._graph_stats0.get(k, 0) for k, v in self.graphs.stats.items()
+                    if v != self._graph_stats0.get(k, 0)} if self.graphs is not None else {},
         )
         return GenerateOutput(seqs, decode_texts(self.model, seqs), [len(r) for r in st.rows], stats)
 

@@ -155,6 +155,9 @@ class KVCache(CacheBase):
     """
 
     name = "kv"
+    #: whether :meth:`plan_mask` may run one step ahead (its ``select`` / ``refresh_rows`` / ``read_rows`` read only
+    #: the state and what the previous plan and forward left)
+    hint_ok = True
     #: True for a policy whose partial forwards compute only the rows of the columns the sampler reads (the
     #: candidates), not every window column: the model then returns zero logits for the other columns.
     sparse_logits = False
@@ -179,7 +182,9 @@ class KVCache(CacheBase):
 
     # -- protocol -----------------------------------------------------------------------------------------
     def reset(self, batch: int, canvas_len: int) -> None:
-        self.k, self.v, self.filled = [], [], False
+        # the K/V buffers are kept (not cleared): the next first full forward writes them in place when the shapes
+        # agree, so their addresses (and the CUDA graphs captured on them) stay valid from one generate to the next
+        self.filled = False
         self.batch, self.canvas_len = batch, canvas_len
         self.last_stats = {}
         self.on_reset()
@@ -187,23 +192,20 @@ class KVCache(CacheBase):
     def on_reset(self) -> None:
         pass
 
-    def plan(self, state: CacheState) -> tuple[torch.Tensor | None, int | None]:
-        B, T = state.x.shape
+    def plan(self, state: CacheState, hint=None) -> tuple[torch.Tensor | None, int | None]:
+        """The active rows of this step's forward (``[B, Q]``) or a full forward. ``hint``: ``(mask, full_rows,
+        partial, Q)`` from :meth:`plan_mask` on this same state, its two numbers already on the host (the decode
+        loop reads them in the previous step's synchronisation); without it, one host sync here."""
         if not self.filled:
             return self._full(state)
-        full_rows = self.refresh_rows(state)  # [B] bool: rows recomputed in full this step
-        if self.refresh_every is not None:
-            n = state.row_nfe if state.row_nfe is not None else torch.full((B,), state.nfe, device=state.x.device)
-            full_rows = full_rows | (n % self.refresh_every == 0)
         self.read_cols = read_cols(state)
-        mask = self.select(state) | self.read_rows(state) | full_rows[:, None]
-        mask = mask & state.active[:, None]  # finished rows compute nothing they need (row 0 as a placeholder)
-        if state.valid is not None:
-            mask = mask & state.valid
-        mask[:, 0] |= ~mask.any(-1)  # a row needs at least one active position
-        # one host sync: whether some unfinished row keeps a partial forward (else a full forward: the cheaper shape
-        # for the same rows) and the size of the largest active set
-        partial, Q = torch.stack([(state.active & ~full_rows).any().long(), mask.sum(-1).max()]).tolist()
+        if hint is None:
+            mask, _, counts = self.plan_mask(state)
+            # one host sync: whether some unfinished row keeps a partial forward (else a full forward: the cheaper
+            # shape for the same rows) and the size of the largest active set
+            partial, Q = counts.tolist()
+        else:
+            mask, _, partial, Q = hint
         if not partial:
             return self._full(state)
         self._rows = rows_from_mask(mask, Q)
@@ -211,6 +213,23 @@ class KVCache(CacheBase):
         self._refresh_layer = -1
         self.after_plan(state, self._rows)
         return self._rows, None
+
+    def plan_mask(self, state: CacheState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(mask [B, T] bool, full_rows [B] bool, counts [2] int64)`` of a partial forward on ``state``: the rows
+        to compute, the rows refreshed in full, and on the device (partial forward or not, largest active set).
+        No host synchronisation and no side effect: the decode loop may call it one step ahead."""
+        B, T = state.x.shape
+        full_rows = self.refresh_rows(state)  # [B] bool: rows recomputed in full this step
+        if self.refresh_every is not None:
+            n = state.row_nfe if state.row_nfe is not None else torch.full((B,), state.nfe, device=state.x.device)
+            full_rows = full_rows | (n % self.refresh_every == 0)
+        mask = self.select(state) | self.read_rows(state) | full_rows[:, None]
+        mask = mask & state.active[:, None]  # finished rows compute nothing they need (row 0 as a placeholder)
+        if state.valid is not None:
+            mask = mask & state.valid
+        mask[:, 0] |= ~mask.any(-1)  # a row needs at least one active position
+        counts = torch.stack([(state.active & ~full_rows).any().long(), mask.sum(-1).max()])
+        return mask, full_rows, counts
 
     def _full(self, state: CacheState):
         B, T = state.x.shape
@@ -241,7 +260,8 @@ class KVCache(CacheBase):
             while len(self.k) <= layer:
                 self.k.append(None)
                 self.v.append(None)
-            if self.k[layer] is None or self.k[layer].shape != k.shape or self.k[layer].dtype != k.dtype:
+            kb = self.k[layer]
+            if kb is None or kb.shape != k.shape or kb.dtype != k.dtype or kb.device != k.device:
                 self.k[layer], self.v[layer] = torch.empty_like(k), torch.empty_like(v)
             self.k[layer].copy_(k)
             self.v[layer].copy_(v)

@@ -1,0 +1,204 @@
+"""CUDA graphs for the cached decode step.
+
+A cached step is a *partial forward*: the active rows of the canvas (``query_idx``) are recomputed against the
+K/V buffers of a :class:`~dllm.caches.base.KVCache`. Its shapes repeat from step to step (the dual cache's
+window has the block's width for a whole generation; the prefix cache's for a whole block), so the step can run
+the way vLLM and SGLang run decode: capture the forward once per shape into a CUDA graph that reads static
+input buffers and writes the cache's K/V buffers in place, then replay it, paying one graph launch instead of a
+few hundred kernel launches.
+
+:class:`GraphRunner` does this for one model:
+
+* a graph is keyed by ``(B, T, Q, W, dtype, key mask present, sparse logits, the addresses of the cache's
+  K/V buffers)``: batch, canvas length, active rows, logits columns (the batch, active-width and canvas-length
+  buckets). A key is captured the second time it is seen (a shape seen once, e.g. the last block of a prefix
+  cache, runs eagerly), at most ``max_graphs`` graphs are kept (least recently used dropped);
+* the static inputs are the canvas, RoPE positions, key mask, active rows, logits columns and the cache's
+  ``read_cols``; each step copies the live tensors into them (device-to-device, no host synchronisation),
+  replays, and returns a copy of the static logits;
+* full forwards (refreshes), caches with per-layer hooks (Elastic-Cache's ``layer_input`` / ``observe``),
+  classifier-free guidance and models other than dllm's own Transformer run eagerly; :attr:`GraphRunner.stats`
+  counts replays, captures and each eager reason, and the decode loop's trace records what each step did.
+
+The eager forward is the readable path and the oracle: with ``capture=False`` the runner keeps the same static
+buffers and key bookkeeping but "replays" by running the forward on them (what the CPU tests exercise); on CUDA
+the captured graph gives the same logits as that forward (the same kernels, replayed).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+from dllm.config import GRAPH_MODES
+
+
+@dataclass
+class _Graph:
+    x: torch.Tensor
+    positions: torch.Tensor
+    key_mask: torch.Tensor | None
+    logits_idx: torch.Tensor
+    query_idx: torch.Tensor
+    read_cols: torch.Tensor | None
+    out: torch.Tensor | None = None
+    graph: Any = None  # torch.cuda.CUDAGraph, or None (not captured: replay runs the forward)
+    seen: int = 0
+    failed: bool = False  # the capture raised: this shape stays eager
+
+
+class GraphRunner:
+    """Runs a model's cached partial forwards through CUDA graphs (see the module docstring).
+
+    ``capture``: capture CUDA graphs (default: whether the model is on a CUDA device); ``False`` runs the same
+    static-buffer path without capturing (the CPU twin). ``capture_after``: how many times a shape must be seen
+    before it is captured (2: the second time). ``max_graphs``: graphs kept per runner."""
+
+    def __init__(self, model, capture: bool | None = None, capture_after: int = 2, max_graphs: int = 32):
+        if capture_after < 1 or max_graphs < 1:
+            raise ValueError(f"capture_after ({capture_after}) and max_graphs ({max_graphs}) must be >= 1")
+        self.model = model
+        self.capture = (model.device.type == "cuda") if capture is None else bool(capture)
+        if self.capture and model.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a model on a CUDA device, this one is on {model.device}; "
+                             "use capture=False (the static-buffer path without capture) or graphs='off'")
+        self.capture_after, self.max_graphs = capture_after, max_graphs
+        self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self.stats: Counter = Counter()
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+
+    @classmethod
+    def for_model(cls, model, mode: str) -> GraphRunner | None:
+        """The model's runner for ``GenerateConfig.graphs`` (created once per model and kept on it), or None
+        when the mode is ``off`` (or ``auto`` off CUDA)."""
+        if mode not in GRAPH_MODES:
+            raise ValueError(f"graphs={mode!r}: expected one of {', '.join(GRAPH_MODES)}")
+        if mode == "off" or (mode == "auto" and getattr(model, "device", torch.device("cpu")).type != "cuda"):
+            return None
+        runner = model.__dict__.get("_dllm_graphs")
+        if runner is None:
+            runner = cls(model)
+            model.__dict__["_dllm_graphs"] = runner
+        return runner
+
+    # -- eligibility ------------------------------------------------------------------------------------------
+    def eager_reason(self, cache, query_idx, cfg: bool) -> str | None:
+        """Why this forward runs eagerly (None: it goes through a graph)."""
+        from dllm.caches.base import KVCache
+        from dllm.models.transformer import Transformer
+
+        if query_idx is None:
+            return "full forward"
+        if cfg:
+            return "classifier-free guidance"
+        if not isinstance(self.model, Transformer):
+            return "not a dllm Transformer"
+        if not isinstance(cache, KVCache):
+            return "cache without K/V buffers"
+        if cache.layer_input is not None or cache.observe is not None:
+            return "cache with per-layer hooks"
+        return None
+
+    # -- the step ---------------------------------------------------------------------------------------------
+    def __call__(self, x, positions, key_mask, logits_idx, cache, query_idx) -> torch.Tensor:
+        """Logits of a partial forward ``model(x, positions=..., attn_mask=key_mask, logits_idx=...,
+        cache=cache, query_idx=query_idx)``, through a graph."""
+        bufs = [t for t in cache.k + cache.v if t is not None]
+        key = (tuple(x.shape), query_idx.shape[1], logits_idx.shape[1], key_mask is None, cache.read_cols is None,
+               bool(cache.sparse_logits), x.device, self.model.dtype, id(cache),
+               tuple(t.data_ptr() for t in bufs))
+        g = self.graphs.get(key)
+        if g is None:
+            g = self.graphs[key] = self._static(x, positions, key_mask, logits_idx, query_idx, cache.read_cols)
+            self._evict()
+        else:
+            self.graphs.move_to_end(key)
+        g.seen += 1
+        self._load(g, x, positions, key_mask, logits_idx, query_idx, cache.read_cols)
+        if g.failed:
+            self.stats["eager:capture failed"] += 1
+            return self._forward(g, cache)
+        if g.out is None and g.seen < self.capture_after:  # not seen often enough yet: eager on the static buffers
+            self.stats["eager:first sight"] += 1
+            return self._forward(g, cache)
+        if g.out is None:
+            out = self._capture(g, cache)
+            self.stats["captures"] += 1
+            return out
+        self.stats["replays"] += 1
+        if g.graph is None:  # capture=False: the same forward on the same static buffers
+            return self._forward(g, cache)
+        g.graph.replay()
+        return g.out.clone()
+
+    def _static(self, x, positions, key_mask, logits_idx, query_idx, read_cols) -> _Graph:
+        return _Graph(x=torch.empty_like(x), positions=torch.empty_like(positions),
+                      key_mask=None if key_mask is None else torch.empty_like(key_mask),
+                      logits_idx=torch.empty(logits_idx.shape, dtype=logits_idx.dtype, device=logits_idx.device),
+                      query_idx=torch.empty_like(query_idx),
+                      read_cols=None if read_cols is None else torch.empty(read_cols.shape, dtype=read_cols.dtype,
+                                                                             device=read_cols.device))
+
+    @staticmethod
+    def _load(g: _Graph, x, positions, key_mask, logits_idx, query_idx, read_cols) -> None:
+        g.x.copy_(x)
+        g.positions.copy_(positions)
+        if key_mask is not None:
+            g.key_mask.copy_(key_mask)
+        g.logits_idx.copy_(logits_idx)
+        g.query_idx.copy_(query_idx)
+        if read_cols is not None:
+            g.read_cols.copy_(read_cols)
+
+    def _forward(self, g: _Graph, cache) -> torch.Tensor:
+        live = cache.read_cols
+        cache.read_cols = g.read_cols  # the forward reads the static copy (captured by address)
+        try:
+            return self.model(g.x, positions=g.positions, attn_mask=g.key_mask, logits_idx=g.logits_idx,
+                              cache=cache, query_idx=g.query_idx)
+        finally:
+            cache.read_cols = live
+
+    def _capture(self, g: _Graph, cache) -> torch.Tensor:
+        if not self.capture:
+            g.out = self._forward(g, cache)
+            return g.out.clone()
+        # warm-up on a side stream (lazy initialisations, autotuning, kernel choices happen here, never during
+        # capture); it is this step's forward: its logits are returned and its K/V writes are the step's writes
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            out = self._forward(g, cache)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                g.out = self._forward(g, cache)
+        except Exception as exc:  # an operation that cannot be captured: this shape stays eager
+            log.warning("CUDA graph capture failed for batch %d, canvas %d, %d active rows (%s: %s); running "
+                        "that shape eagerly", g.x.shape[0], g.x.shape[1], g.query_idx.shape[1],
+                        type(exc).__name__, exc)
+            g.out, g.graph, g.failed = None, None, True
+            return out
+        g.graph = graph
+        log.info("captured a CUDA graph: batch %d, canvas %d, %d active rows, %d logits columns",
+                 g.x.shape[0], g.x.shape[1], g.query_idx.shape[1], g.logits_idx.shape[1])
+        return out
+
+    def _evict(self) -> None:
+        while len(self.graphs) > self.max_graphs:
+            self.graphs.popitem(last=False)
+            self.stats["evicted"] += 1
+
+    def clear(self) -> None:
+        """Drop every graph (and its memory)."""
+        self.graphs.clear()
+
+
+__all__ = ["GRAPH_MODES", "GraphRunner"]

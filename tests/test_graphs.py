@@ -1,0 +1,127 @@
+"""The graph path of the cached decode step (dllm.graphs).
+
+On CPU the runner's static-buffer path runs without capture (``graphs="on"``): the same static inputs, keys,
+captures, replays and eager fallbacks as on CUDA, with the forward run on the static buffers instead of a graph
+replay. It must decode exactly what the eager path decodes. The ``gpu`` tests capture real CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ragged_prompts
+from helpers_parity import cached_model
+
+import dllm
+from dllm.caches import get_cache
+from dllm.graphs import GraphRunner
+
+CACHED = ["prefix", "dual", "dkv-decode", "dkv-greedy", "freecache"]
+
+
+def _gen(model, cache, graphs, sampler="threshold", prompts=None, **kw):
+    prompts = prompts if prompts is not None else ragged_prompts(3, 1)
+    opts = dict(gen_length=16, block_length=8, steps=16, seed=1)
+    opts.update(kw)
+    return dllm.generate(model, prompts, sampler=sampler, cache=cache, graphs=graphs, **opts)
+
+
+@pytest.mark.parametrize("cache", CACHED)
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_static_buffer_path_decodes_what_the_eager_path_decodes(family, cache):
+    model = cached_model(family, 0)
+    for sampler in ("threshold", "llada"):
+        eager = _gen(model, cache, "off", sampler)
+        graph = _gen(model, cache, "on", sampler)
+        assert torch.equal(eager.sequences, graph.sequences), (family, cache, sampler)
+        assert eager.stats.nfe == graph.stats.nfe
+        assert eager.stats.commit_step == graph.stats.commit_step
+        assert eager.stats.graphs == {}
+        g = graph.stats.graphs
+        assert g.get("eager:full forward", 0) >= 1  # the first forward (and every refresh) is eager
+        assert g.get("replays", 0) + g.get("captures", 0) + g.get("eager:first sight", 0) \
+            == graph.stats.nfe - g.get("eager:full forward", 0)
+
+
+def test_dual_cache_replays_one_graph_for_the_whole_generation():
+    model = cached_model("llada", 0)
+    cache = get_cache("dual")  # one cache object: its buffers (and so the graphs' keys) persist across calls
+    runner = GraphRunner(model, capture=False)
+    model.__dict__["_dllm_graphs"], saved = runner, model.__dict__.get("_dllm_graphs")
+    try:
+        prompts = [ragged_prompts(3, 1)[0]]
+        first = _gen(model, cache, "on", "llada", prompts=prompts, gen_length=32, block_length=8, steps=32)
+        # 4 blocks of 8 steps: each block starts with a full forward, then 7 partial forwards of one shape
+        assert first.stats.graphs == {"eager:full forward": 4, "eager:first sight": 1, "captures": 1, "replays": 26}
+        assert len(runner.graphs) == 1
+        second = _gen(model, cache, "on", "llada", prompts=prompts, gen_length=32, block_length=8, steps=32)
+        assert second.stats.graphs == {"eager:full forward": 4, "replays": 28}  # the same buffers: no capture
+        assert torch.equal(first.sequences, second.sequences)
+    finally:
+        model.__dict__["_dllm_graphs"] = saved
+
+
+def test_graph_keys_follow_the_cache_buffers_and_the_lru_bound():
+    model = cached_model("llada", 0)
+    runner = GraphRunner(model, capture=False, max_graphs=1)
+    saved = model.__dict__.get("_dllm_graphs")
+    model.__dict__["_dllm_graphs"] = runner
+    try:
+        a = _gen(model, "prefix", "on", "llada")  # the prefix cache's active width changes with each block
+        assert a.stats.graphs.get("evicted", 0) >= 1 and len(runner.graphs) == 1
+        b = _gen(model, get_cache("dual"), "on", "llada", prompts=ragged_prompts(2, 3))
+        assert torch.equal(b.sequences, _gen(model, "dual", "off", "llada", prompts=ragged_prompts(2, 3)).sequences)
+    finally:
+        model.__dict__["_dllm_graphs"] = saved
+
+
+def test_eager_fallbacks_are_named():
+    model = cached_model("llada", 0)
+    el = _gen(model, "elastic", "on")
+    assert el.stats.graphs.get("eager:cache with per-layer hooks", 0) >= 1
+    assert "replays" not in el.stats.graphs and "captures" not in el.stats.graphs
+    assert torch.equal(el.sequences, _gen(model, "elastic", "off").sequences)
+    cfg = _gen(model, "dual", "on", "llada", cfg_scale=1.0)
+    assert cfg.stats.graphs.get("eager:classifier-free guidance", 0) >= 1
+    assert "replays" not in cfg.stats.graphs
+    none = _gen(model, "none", "on")
+    assert none.stats.graphs == {}  # no K/V buffers: the runner is not used at all
+
+
+def test_graph_options_are_checked():
+    model = cached_model("llada", 0)
+    with pytest.raises(ValueError, match="graphs must be one of"):
+        dllm.GenerateConfig(graphs="yes")
+    with pytest.raises(ValueError, match="CUDA graphs need a model on a CUDA device"):
+        GraphRunner(model, capture=True)
+    with pytest.raises(ValueError, match="capture_after"):
+        GraphRunner(model, capture=False, capture_after=0)
+    assert GraphRunner.for_model(model, "auto") is None  # CPU: off
+    assert GraphRunner.for_model(model, "off") is None
+
+
+def test_cache_buffers_are_reused_across_resets():
+    model = cached_model("llada", 0)
+    cache = get_cache("dual")
+    _gen(model, cache, "off", "llada")
+    ptrs = [t.data_ptr() for t in cache.k + cache.v]
+    _gen(model, cache, "off", "llada")
+    assert [t.data_ptr() for t in cache.k + cache.v] == ptrs
+    _gen(model, cache, "off", "llada", prompts=ragged_prompts(2, 0))  # another batch: new buffers
+    assert cache.k[0].shape[0] == 2
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("cache", ["dual", "prefix"])
+def test_cuda_graphs_decode_what_the_eager_path_decodes(cache):
+    model = dllm.load_model("llada-tiny", device="cuda", dtype="bfloat16")
+    prompts = ["What is 12 + 30?", "Please reverse the order of the list:\n[\"Alice Adams\", \"Brian Baker\"]"]
+    kw = dict(gen_length=32, block_length=8, steps=32, sampler="llada", cache=cache)
+    eager = dllm.generate(model, prompts, graphs="off", **kw)
+    graph = dllm.generate(model, prompts, graphs="auto", **kw)
+    assert graph.stats.graphs.get("captures", 0) >= 1 and graph.stats.graphs.get("replays", 0) >= 1
+    assert torch.equal(eager.sequences, graph.sequences)
