@@ -1,0 +1,286 @@
+"""Milliseconds per decode step at LLaDA-8B's layer shape, against the weight-read floor.
+
+Random weights with LLaDA-8B's shape (d 4096, 32 heads of 128, MLP 12,288, vocabulary 126,464; ``--layers``
+default 32: 8.0B parameters), bf16, prompt 512 + generation 256 in blocks of 32 (LLaDA's even quota: one token per
+step). For each cache (none / prefix / dual), batch (1, 4, 16) and execution mode (eager forwards; ``graph``: the
+cached steps replayed as CUDA graphs; ``compile``: ``torch.compile`` of the model) it prints:
+
+* ms per step over whole blocks (a block's first, full, forward included) and ms per partial (cached) step;
+* the weight-read floor: the bytes of the weights divided by the bytes per second a device-to-device copy moves
+  (reads and writes counted), measured in the same run; the step's multiple of it;
+* kernels launched per step and per layer, and host synchronisations per step (from the profiler on CUDA; on
+  CPU the aten operators dispatched and the calls that would synchronise on CUDA).
+
+``--e2e`` adds whole generations (prompt 512, gen 256, batch 1) with no cache, prefix and dual cache and the
+speed-up of each cache over none; ``--fastdllm DIR`` (a checkout of NVlabs/Fast-dLLM, its ``llada`` folder with
+``generate.py`` and ``model/``) times Fast-dLLM's own ``generate_with_dual_cache`` on the same weights and steps.
+
+    python benchmarks/bench_step.py                              # GPU: 32 layers, the shape above
+    python benchmarks/bench_step.py --layers 8 --e2e --json out.json
+    python benchmarks/bench_step.py                              # CPU: a small shape (the figures are counts)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import dllm  # noqa: E402
+from dllm.config import GenerateConfig  # noqa: E402
+from dllm.generate import Decoder  # noqa: E402
+from dllm.models import LLADA, Transformer, TransformerConfig  # noqa: E402
+from dllm.models.weights import init_weights  # noqa: E402
+from dllm.recipes import resolve  # noqa: E402
+
+GPU_SHAPE = dict(d=4096, heads=32, kv=32, mlp=12288, vocab=126464)
+CPU_SHAPE = dict(d=128, heads=4, kv=4, mlp=352, vocab=512)
+
+
+def build(layers: int, shape: dict, max_len: int, device: str, dtype) -> Transformer:
+    cfg = TransformerConfig(vocab_size=shape["vocab"], d_model=shape["d"], n_layers=layers, n_heads=shape["heads"],
+                            n_kv_heads=shape["kv"], mlp_hidden=shape["mlp"], max_seq_len=max(max_len, 4096))
+    torch.manual_seed(0)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):  # built where it runs: an 8B model never passes through host memory
+            model = Transformer(cfg, LLADA)
+            init_weights(model, std=0.02)
+    finally:
+        torch.set_default_dtype(prev)
+    model.mask_id, model.eos_id, model.eot_id, model.pad_id = shape["vocab"] - 1, 1, 2, 1
+    return model.eval().requires_grad_(False)
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes per second a device-to-device copy moves (read + write counted)."""
+    n = 1 << 30 if device == "cuda" else 1 << 26
+    a = torch.empty(n, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    sync(device)
+    reps = 10
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        b.copy_(a)
+    sync(device)
+    return 2 * n * reps / (time.perf_counter() - t0)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def decoder(model, B: int, a, cache: str, graphs: str):
+    config = GenerateConfig(gen_length=a.gen, block_length=a.block, steps=a.gen, graphs=graphs)
+    sampler, cache_obj, policy, config = resolve(model, "llada", cache, None, config)
+    g = torch.Generator().manual_seed(B)
+    rows = torch.randint(3, model.config.vocab_size - 1, (B, a.prompt), generator=g).tolist()
+    return Decoder(model, sampler, cache_obj, policy, config), rows
+
+
+def time_steps(model, B: int, a, cache: str, graphs: str):
+    """(ms per step over ``a.blocks`` whole blocks, ms per partial step) after one warm-up block."""
+    dec, rows = decoder(model, B, a, cache, graphs)
+    st = dec.start(rows)
+    for _ in range(a.block if cache != "none" else 2):  # warm-up: the first block (autotuning, graph capture)
+        dec.step(st)
+    times, partial = [], []
+    n = a.block * a.blocks if cache != "none" else a.none_steps
+    for _ in range(n):
+        sync(a.device)
+        t0 = time.perf_counter()
+        dec.step(st)
+        dt = (time.perf_counter() - t0) * 1e3  # the step ends with its host sync: the wall time is the step's
+        times.append(dt)
+        if st.trace[-1].get("refresh_layer", 0) != 0:
+            partial.append(dt)
+    return statistics.mean(times), (statistics.median(partial) if partial else float("nan")), (dec, st)
+
+
+def count_step(a, dec, st):
+    """(kernels launched, host syncs) of one more step."""
+    if a.device != "cuda":
+        from sync_counter import SyncCounter
+        from torch.profiler import ProfilerActivity, profile
+
+        with SyncCounter() as c, profile(activities=[ProfilerActivity.CPU]) as prof:
+            dec.step(st)
+        ops = sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None)
+        return ops, c.count
+    from torch.profiler import ProfilerActivity, profile
+
+    sync("cuda")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        dec.step(st)
+        sync("cuda")
+    kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                  and not e.name.startswith(("Memcpy", "Memset")))
+    syncs = sum(1 for e in prof.events() if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
+                                                          "cudaEventSynchronize")
+                or (e.name == "cudaMemcpyAsync" and False))
+    dtoh = sum(1 for e in prof.events() if e.name.startswith("Memcpy DtoH"))
+    return kernels, max(syncs - 1, 0) + dtoh  # minus the benchmark's own final synchronize
+
+
+def e2e(model, a, B: int = 1):
+    rows = []
+    g = torch.Generator().manual_seed(7)
+    prompts = torch.randint(3, model.config.vocab_size - 1, (B, a.prompt), generator=g)
+    base = None
+    for cache in ("none", "prefix", "dual"):
+        kw = dict(gen_length=a.gen, block_length=a.block, steps=a.gen, sampler="llada", cache=cache)
+        dllm.generate(model, prompts[:, :64], **{**kw, "gen_length": a.block, "steps": a.block})  # warm-up
+        sync(a.device)
+        t0 = time.perf_counter()
+        out = dllm.generate(model, prompts, **kw)
+        sync(a.device)
+        dt = time.perf_counter() - t0
+        base = base or dt
+        rows.append({"what": "e2e", "cache": cache, "batch": B, "s": round(dt, 3), "nfe": out.stats.nfe,
+                     "ms_per_forward": round(dt * 1e3 / out.stats.nfe, 2), "speedup_vs_none": round(base / dt, 2),
+                     "graphs": out.stats.graphs})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def fastdllm(model, a, B: int = 1):
+    """Fast-dLLM's generate_with_dual_cache on the same weights (their modeling file), against dllm's dual cache."""
+    llada = Path(a.fastdllm) / "llada"
+    sys.path.insert(0, str(llada))
+    import importlib
+
+    fd = importlib.import_module("generate")
+    conf = importlib.import_module("model.configuration_llada")
+    modeling = importlib.import_module("model.modeling_llada")
+    hf = LLADA.config_to_hf(model.config, {"mask_id": model.mask_id, "eos_id": model.eos_id, "pad_id": model.pad_id})
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(model.dtype)
+    try:
+        with torch.device(a.device):
+            ref = modeling.LLaDAModelLM(conf.LLaDAConfig(**hf), init_params=False)
+    finally:
+        torch.set_default_dtype(prev)
+    km = LLADA.key_map(model.config)
+    ref.load_state_dict({km[k]: v for k, v in model.state_dict().items() if k in km}, strict=False)
+    ref = ref.eval().requires_grad_(False)
+    g = torch.Generator().manual_seed(7)
+    prompt = torch.randint(3, model.config.vocab_size - 1, (B, a.prompt), generator=g).to(a.device)
+    out, seqs = [], []
+    for name, run in (
+        ("fast-dllm generate_with_dual_cache", lambda: fd.generate_with_dual_cache(
+            ref, prompt, steps=a.gen, gen_length=a.gen, block_length=a.block, temperature=0.0,
+            remasking="low_confidence", mask_id=model.mask_id)),
+        ("dllm dual cache", lambda: dllm.generate(model, prompt, gen_length=a.gen, block_length=a.block,
+                                                  steps=a.gen, sampler="llada", cache="dual")),
+    ):
+        run()  # warm-up
+        sync(a.device)
+        t0 = time.perf_counter()
+        res = run()
+        sync(a.device)
+        dt = time.perf_counter() - t0
+        seqs.append(res[0][:, -a.gen:] if isinstance(res, tuple) else res.sequences)
+        out.append({"what": "fastdllm", "impl": name, "batch": B, "s": round(dt, 3),
+                    "ms_per_forward": round(dt * 1e3 / a.gen, 2)})
+        print(json.dumps(out[-1]), flush=True)
+    same = float((seqs[0].to(seqs[1].device) == seqs[1]).float().mean())
+    out.append({"what": "fastdllm", "impl": "speed-up of dllm", "ratio": round(out[0]["s"] / out[1]["s"], 2),
+                "same_tokens": round(same, 3)})
+    print(json.dumps(out[-1]), flush=True)
+    del ref
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--layers", type=int, default=None, help="default 32 on GPU, 2 on CPU")
+    p.add_argument("--batch", type=int, nargs="+", default=None, help="default 1 4 16 on GPU, 1 4 on CPU")
+    p.add_argument("--caches", nargs="+", default=["none", "prefix", "dual"])
+    p.add_argument("--modes", nargs="+", default=None, help="eager graph compile (default eager graph)")
+    p.add_argument("--prompt", type=int, default=None, help="default 512 on GPU, 32 on CPU")
+    p.add_argument("--gen", type=int, default=None, help="default 256 on GPU, 32 on CPU")
+    p.add_argument("--block", type=int, default=None, help="default 32 on GPU, 8 on CPU")
+    p.add_argument("--blocks", type=int, default=2, help="blocks timed per cached setting (after one warm-up)")
+    p.add_argument("--none-steps", type=int, default=4, help="steps timed without a cache")
+    p.add_argument("--e2e", action="store_true", help="whole generations: none / prefix / dual, batch 1")
+    p.add_argument("--fastdllm", default=None, help="a Fast-dLLM checkout: time its generate_with_dual_cache")
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    gpu = a.device == "cuda"
+    a.layers = a.layers or (32 if gpu else 2)
+    a.batch = a.batch or ([1, 4, 16] if gpu else [1, 4])
+    a.modes = a.modes or (["eager", "graph"])
+    a.prompt, a.gen, a.block = a.prompt or (512 if gpu else 32), a.gen or (256 if gpu else 32), a.block or (32 if gpu else 8)
+    dtype = torch.bfloat16 if gpu else torch.float32
+    shape = GPU_SHAPE if gpu else CPU_SHAPE
+    model = build(a.layers, shape, a.prompt + a.gen, a.device, dtype)
+    wb = weight_bytes(model)
+    bw = copy_bandwidth(a.device)
+    floor_ms = wb / bw * 1e3
+    dev = torch.cuda.get_device_name() if gpu else "CPU"
+    print(f"device: {dev}; torch {torch.__version__}; kernels: {dllm.kernels.get_backend()}")
+    print(f"model: {a.layers} layers, d {shape['d']}, {shape['heads']} heads, MLP {shape['mlp']}, vocabulary "
+          f"{shape['vocab']}: {wb / 1e9:.2f} GB of weights ({dtype}); device copy {bw / 1e12:.2f} TB/s; "
+          f"weight-read floor {floor_ms:.2f} ms")
+    print(f"prompt {a.prompt}, gen {a.gen}, block {a.block}; LLaDA even quota (one token per step)")
+    rows = [{"what": "floor", "device": dev, "layers": a.layers, "weight_gb": round(wb / 1e9, 3),
+             "copy_tb_s": round(bw / 1e12, 3), "floor_ms": round(floor_ms, 3)}]
+    compiled = None
+    for mode in a.modes:
+        if mode == "compile":
+            compiled = compiled or torch.compile(model)
+        m = compiled if mode == "compile" else model
+        for cache in a.caches:
+            for B in a.batch:
+                graphs = "auto" if mode == "graph" else "off"
+                if mode == "graph" and not gpu:
+                    graphs = "on"  # the static-buffer path without capture: counts only
+                step_ms, partial_ms, (dec, st) = time_steps(m, B, a, cache, graphs)
+                launches, syncs = count_step(a, dec, st)
+                r = {"what": "step", "mode": mode, "cache": cache, "batch": B, "ms_per_step": round(step_ms, 3),
+                     "ms_partial_step": round(partial_ms, 3), "x_floor": round(step_ms / floor_ms, 2),
+                     "x_floor_partial": round(partial_ms / floor_ms, 2) if partial_ms == partial_ms else None,
+                     "launches_per_step": launches, "launches_per_layer": round(launches / a.layers, 1),
+                     "syncs_per_step": syncs}
+                if dec.graphs is not None:
+                    r["graphs"] = {k: v - dec._graph_stats0.get(k, 0) for k, v in dec.graphs.stats.items()}
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+                del dec, st
+    if a.e2e:
+        rows += e2e(model, a)
+    if a.fastdllm:
+        rows += fastdllm(model, a)
+    print()
+    print(f"| mode | cache | batch | ms / step | ms / cached step | x floor ({floor_ms:.2f} ms) | launches / step | "
+          "per layer | host syncs / step |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if r["what"] == "step":
+            print(f"| {r['mode']} | {r['cache']} | {r['batch']} | {r['ms_per_step']} | {r['ms_partial_step']} | "
+                  f"{r['x_floor_partial'] if r['x_floor_partial'] is not None else r['x_floor']} | "
+                  f"{r['launches_per_step']} | {r['launches_per_layer']} | {r['syncs_per_step']} |")
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
