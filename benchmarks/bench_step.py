@@ -253,8 +253,13 @@ def main(argv=None):
                 graphs = "auto" if mode == "graph" else "off"
                 if mode == "graph" and not gpu:
                     graphs = "on"  # the static-buffer path without capture: counts only
-                step_ms, partial_ms, (dec, st) = time_steps(m, B, a, cache, graphs)
-                launches, syncs = count_step(a, dec, st)
+                try:
+                    step_ms, partial_ms, (dec, st) = time_steps(m, B, a, cache, graphs)
+                    launches, syncs = count_step(a, dec, st)
+                except Exception as exc:  # one failing setting does not lose the others' figures
+                    print(json.dumps({"what": "step", "mode": mode, "cache": cache, "batch": B,
+                                      "error": f"{type(exc).__name__}: {exc}"[:400]}), flush=True)
+                    continue
                 r = {"what": "step", "mode": mode, "cache": cache, "batch": B, "ms_per_step": round(step_ms, 3),
                      "ms_partial_step": round(partial_ms, 3), "x_floor": round(step_ms / floor_ms, 2),
                      "x_floor_partial": round(partial_ms / floor_ms, 2) if partial_ms == partial_ms else None,
@@ -265,10 +270,12 @@ def main(argv=None):
                 rows.append(r)
                 print(json.dumps(r), flush=True)
                 del dec, st
-    if a.e2e:
-        rows += e2e(model, a)
-    if a.fastdllm:
-        rows += fastdllm(model, a)
+    for flag, fn in ((a.e2e, e2e), (a.fastdllm, fastdllm)):
+        if flag:
+            try:
+                rows += fn(model, a)
+            except Exception as exc:
+                print(json.dumps({"what": fn.__name__, "error": f"{type(exc).__name__}: {exc}"[:400]}), flush=True)
     print()
     print(f"| mode | cache | batch | ms / step | ms / cached step | x floor ({floor_ms:.2f} ms) | launches / step | "
           "per layer | host syncs / step |")
