@@ -312,6 +312,25 @@ def test_torch_compile_matches_eager(fast):
     torch.testing.assert_close(compiled(tokens), ref, atol=1e-5, rtol=1e-5)
 
 
+def test_inductor_compiles_the_fast_model():
+    model = enable_fast_path(_tiny("llada2"))
+    tokens = torch.randint(3, 95, (2, 8), generator=torch.Generator().manual_seed(6))
+    ref = model(tokens)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(model)(tokens), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_a_compiled_fast_model_decodes_with_the_dual_cache():
+    """Cached partial forwards through the compiled model (the cache hooks are traced or run between graphs)."""
+    model = dllm.load_model("llada-tiny", fast=True)
+    prompts = ["List three fruits.", "Name two colours, comma separated."]
+    kw = dict(gen_length=32, block_length=16, sampler="fast-dllm", cache="dual")
+    ref = dllm.generate(model, prompts, **kw)
+    torch._dynamo.reset()
+    out = dllm.generate(torch.compile(model, backend="aot_eager"), prompts, **kw)
+    assert out.sequences.tolist() == ref.sequences.tolist()
+
+
 # ------------------------------------------------------------------------------------------------ GPU
 
 

@@ -21,7 +21,9 @@ value and the activation are cast to the model dtype before their multiplication
 
 The Triton launches are registered as custom operators (``torch.library.triton_op``, the launch wrapped in
 ``wrap_triton``), so ``torch.compile`` traces them with their shapes instead of breaking the graph. Triton is
-imported, and the operators registered, only when a Triton kernel is first needed. Under ``TRITON_INTERPRET=1`` (CPU tests) bf16 inputs are
+imported, and the operators registered, when a Triton kernel is first needed (:func:`prepare`, called when the
+fast path is enabled). Under ``torch.compile`` CPU tensors take the twins even with the interpreter, whose kernels
+the compiler cannot trace. Under ``TRITON_INTERPRET=1`` (CPU tests) bf16 inputs are
 computed in fp32 and cast back, as :mod:`dllm.kernels.triton_kernels` does (the interpreter has no bf16
 arithmetic).
 """
@@ -82,7 +84,17 @@ def silu_mul_ref(gu: torch.Tensor) -> torch.Tensor:
 def _use_triton(t: torch.Tensor) -> bool:
     from dllm import kernels
 
-    return kernels.uses_triton(t)
+    if not kernels.uses_triton(t):
+        return False
+    # torch.compile traces the Triton operators on CUDA; the interpreter's kernels (CPU tensors) it cannot trace
+    return t.is_cuda or not torch.compiler.is_compiling()
+
+
+def prepare(t: torch.Tensor) -> None:
+    """Build the Triton operators now if tensors like ``t`` will use them, so that a later ``torch.compile`` does
+    not trace their construction."""
+    if _use_triton(t):
+        _ops()
 
 
 def _check_norm(x: torch.Tensor, w: torch.Tensor, what: str) -> None:

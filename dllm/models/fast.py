@@ -53,6 +53,9 @@ def enable_fast_path(model: nn.Module) -> nn.Module:
     for layer in layers:
         fuse_block(layer)
         layer.fast = True
+    params = list(model.parameters())
+    if params:
+        fused.prepare(params[0])
     return model
 
 
