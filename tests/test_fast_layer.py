@@ -14,7 +14,7 @@ import dllm
 from dllm import kernels
 from dllm.kernels import fused
 from dllm.models import spec as specs
-from dllm.models.fast import enable_fast_path
+from dllm.models.fast import disable_fast_path, enable_fast_path
 from dllm.models.transformer import RMSNorm, Transformer, TransformerConfig, apply_rope, rope_tables
 from dllm.models.weights import init_weights
 
@@ -277,6 +277,9 @@ def test_fast_model_equals_the_eager_model_full_and_partial(family):
     rows = torch.tensor([[4, 5, 9, 10], [6, 7, 7, 10]])  # a repeated row, as ragged active sets are padded
     # the twins: the eager layer's operations in the eager order (the fused products may round differently)
     _compare_runs(eager, fast, tokens, mask, rows)
+    disable_fast_path(fast)  # back to the eager layer over the fused storage
+    assert not fast.fast_path
+    assert torch.equal(fast(tokens, attn_mask=mask), eager(tokens, attn_mask=mask))
 
 
 @pytest.mark.parametrize("family", ["dream", "llada2"])
