@@ -282,6 +282,24 @@ def test_fast_model_equals_the_eager_model_full_and_partial(family):
     assert torch.equal(fast(tokens, attn_mask=mask), eager(tokens, attn_mask=mask))
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_fast_forward_has_no_host_synchronisation_outside_the_moe(family):
+    """Counted on the twins' path (the calls that would synchronise on CUDA); a mixture-of-experts layer keeps its
+    eager routing, whose ``nonzero`` is the only synchronisation left."""
+    from sync_counter import SyncCounter
+
+    model = enable_fast_path(_tiny(family))
+    tokens = torch.randint(3, 95, (2, 12), generator=torch.Generator().manual_seed(7))
+    rows = torch.tensor([[4, 5], [6, 7]])
+    cache = RowCache()
+    with SyncCounter() as counter:
+        model(tokens, cache=cache)
+        model(tokens, cache=cache, query_idx=rows, logits_idx=rows + int(model.shift_logits))
+    outside_moe = {k: n for k, n in counter.where.items() if k[0] != "nonzero"}
+    assert not outside_moe
+    assert (counter.count > 0) == (family == "llada2")
+
+
 @pytest.mark.parametrize("family", ["dream", "llada2"])
 def test_fast_model_with_the_triton_kernels(family, triton_backend):
     eager = _tiny(family)
