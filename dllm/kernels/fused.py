@@ -191,7 +191,7 @@ def _build_triton_ops():
             tl.store(RES + row * sr + offs, x, mask=m)
             x = x.to(tl.float32)
         r = tl.math.rsqrt(tl.sum(x * x, axis=0) / N + eps)
-        xn = (x * r).to(OUT.dtype.element_ty).to(tl.float32)  # cast to the input dtype, then scale
+        xn = (x * r).to(X.dtype.element_ty).to(tl.float32)  # cast to the input dtype, then scale
         w = tl.load(W + offs, mask=m, other=0.0).to(tl.float32)
         tl.store(OUT + row * so + offs, (w * xn).to(OUT.dtype.element_ty), mask=m)
 
@@ -243,11 +243,11 @@ def _build_triton_ops():
         (x, w), back = widen(x, w)
         x2 = rows(x)
         N = x2.shape[1]
-        out = torch.empty(x2.shape, dtype=torch.float32 if back else out_dtype, device=x.device)
+        out = torch.empty(x.shape, dtype=torch.float32 if back else out_dtype, device=x.device)  # rows of N
         if x2.shape[0]:
-            wrap_triton(_norm_kernel)[(x2.shape[0],)](x2, x2, w, out, out, x2.stride(0), 0, 0, out.stride(0), N,
+            wrap_triton(_norm_kernel)[(x2.shape[0],)](x2, x2, w, out, out, x2.stride(0), 0, 0, N, N,
                                                       eps, HAS_Y=False, BLOCK=triton.next_power_of_2(N))
-        return out.to(out_dtype).view(x.shape)
+        return out.to(out_dtype) if back else out
 
     @triton_op("dllm::fused_add_rms_norm", mutates_args={})
     def add_rms_norm_op(h: torch.Tensor, y: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor,
@@ -256,13 +256,12 @@ def _build_triton_ops():
         (h, y, w), back = widen(h, y, w)
         h2, y2 = rows(h), rows(y)
         N = h2.shape[1]
-        res = torch.empty(h2.shape, dtype=h2.dtype, device=h.device)
-        out = torch.empty(h2.shape, dtype=torch.float32 if back else out_dtype, device=h.device)
+        res = torch.empty(h.shape, dtype=h.dtype, device=h.device)  # contiguous: rows of N
+        out = torch.empty(h.shape, dtype=torch.float32 if back else out_dtype, device=h.device)
         if h2.shape[0]:
-            wrap_triton(_norm_kernel)[(h2.shape[0],)](h2, y2, w, res, out, h2.stride(0), y2.stride(0), res.stride(0),
-                                                      out.stride(0), N, eps, HAS_Y=True,
-                                                      BLOCK=triton.next_power_of_2(N))
-        return res.to(dt).view(h.shape), out.to(out_dtype).view(h.shape)
+            wrap_triton(_norm_kernel)[(h2.shape[0],)](h2, y2, w, res, out, h2.stride(0), y2.stride(0), N, N, N, eps,
+                                                      HAS_Y=True, BLOCK=triton.next_power_of_2(N))
+        return (res.to(dt), out.to(out_dtype)) if back else (res, out)
 
     @triton_op("dllm::fused_rope_qk", mutates_args={})
     def rope_qk_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv_heads: int,
@@ -293,12 +292,12 @@ def _build_triton_ops():
         (gu,), back = widen(gu)
         g2 = rows(gu)
         H = g2.shape[1] // 2
-        out = torch.empty((g2.shape[0], H), dtype=g2.dtype, device=gu.device)
+        out = torch.empty((*gu.shape[:-1], H), dtype=g2.dtype, device=gu.device)  # contiguous: rows of H
         BLOCK = min(1024, triton.next_power_of_2(H))
         if g2.shape[0]:
-            wrap_triton(_silu_mul_kernel)[(g2.shape[0], triton.cdiv(H, BLOCK))](g2, out, g2.stride(0), out.stride(0),
-                                                                               H, BLOCK=BLOCK)
-        return out.to(dt).view(*gu.shape[:-1], H)
+            wrap_triton(_silu_mul_kernel)[(g2.shape[0], triton.cdiv(H, BLOCK))](g2, out, g2.stride(0), H, H,
+                                                                               BLOCK=BLOCK)
+        return out.to(dt) if back else out
 
     def rope_qk_call(qkv, cos, sin, n_heads, n_kv_heads, norm_w, eps):
         return rope_qk_op(qkv, cos, sin, n_heads, n_kv_heads, norm_w, float(eps))
