@@ -5,6 +5,7 @@ partial forwards, every checkpoint family), the published layout after fusion, t
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
@@ -192,6 +193,13 @@ def test_moving_or_assigning_weights_fuses_again():
     assert not model.layers[1].gate_up_weight[48:].any()
     model.load_state_dict({k: v for k, v in _tiny("sdar").state_dict().items()})
     torch.testing.assert_close(model(tokens), ref, atol=1e-5, rtol=1e-5)
+    buf = io.BytesIO()  # a pickled fast model comes back fused (its hooks are module-level functions)
+    torch.save(model, buf)
+    buf.seek(0)
+    again = torch.load(buf, weights_only=False)
+    assert again.fast_path and torch.equal(again(tokens), model(tokens))
+    assert again.layers[0].v.weight.untyped_storage().data_ptr() == \
+        again.layers[0].qkv_weight.untyped_storage().data_ptr()
 
 
 @pytest.mark.parametrize("family", ["dream", "llada2"])

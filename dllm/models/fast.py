@@ -107,6 +107,11 @@ def refuse_block(block: nn.Module) -> None:
         fuse_block(block)
 
 
+def refuse_after_load(block: nn.Module, incompatible_keys=None) -> None:
+    """``load_state_dict`` post-hook of every layer (a module-level function, so a model still pickles)."""
+    refuse_block(block)
+
+
 def _still_views(block: nn.Module) -> bool:
     pairs = []
     if hasattr(block, "q"):

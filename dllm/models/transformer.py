@@ -176,7 +176,7 @@ class Block(nn.Module):
 
     def __init__(self, cfg: TransformerConfig, layer: int = 0):
         super().__init__()
-        self.register_load_state_dict_post_hook(lambda module, _keys: fast_path.refuse_block(module))
+        self.register_load_state_dict_post_hook(fast_path.refuse_after_load)
         d, hd = cfg.d_model, cfg.head_dim
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, hd
         self.attn_norm = RMSNorm(d, cfg.norm_eps)
