@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from dllm.models.fast import check_fast, enable_fast_path, wants_fast
 from dllm.models.spec import ModelSpec, spec_for_model_type
 from dllm.models.transformer import Transformer
 from dllm.models.weights import check_device, inspect_files, read_tensors
@@ -118,6 +119,7 @@ def load_model(
     device=None,
     device_map=None,
     tokenizer: bool = True,
+    fast="auto",
 ) -> Transformer:
     """Load a LLaDA-, Dream-, SDAR-, LLaDA2- or Fast-dLLM v2-format checkpoint from a local directory or by bundled
     name.
@@ -138,7 +140,12 @@ def load_model(
         device_map: ``"auto"`` or a dict module name -> device (accelerate's format); layers are placed over
             several devices and dispatched through accelerate (for checkpoints larger than one device).
         tokenizer: load the tokenizer (``model.tokenizer``); required for string prompts.
+        fast: the fast layer path (:mod:`dllm.models.fast`: projections fused at load time, fused Triton kernels):
+            ``"auto"`` turns it on when every weight is on a CUDA device, ``True`` / ``False`` force it on / off
+            (on the CPU the fused kernels run as their PyTorch twins). The published parameter names and
+            ``save_pretrained`` are the same either way.
     """
+    check_fast(fast)
     if isinstance(path, str):
         from dllm.assets import model_path
 
@@ -167,6 +174,8 @@ def load_model(
     if cfg.tie_embeddings:
         model.head.weight = model.embed.weight
     model.eval().requires_grad_(False)
+    if wants_fast(fast, model):
+        enable_fast_path(model)
     model.tokenizer = tok
     for name, value in ids.items():
         setattr(model, name, value)
@@ -266,6 +275,12 @@ def _check_against_tokenizer(hf_cfg: dict, tok, tok_mask: int | None) -> None:
             )
 
 
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t``, copied when it views part of a larger storage (the fast path's fused projections): safetensors
+    refuses tensors that share memory."""
+    return t.clone() if t.untyped_storage().nbytes() != t.numel() * t.element_size() else t
+
+
 def save_pretrained(model: Transformer, path, *, dtype=None, max_shard_bytes: int | str | None = None) -> Path:
     """Write ``model`` in its family's published format (config.json, safetensors, tokenizer).
 
@@ -286,7 +301,8 @@ def save_pretrained(model: Transformer, path, *, dtype=None, max_shard_bytes: in
     hf_cfg = spec.config_to_hf(model.config, ids)
     hf_cfg["torch_dtype"] = str(dt).removeprefix("torch.")
     own = dict(model.state_dict())
-    tensors = {theirs: own[ours].detach().to("cpu", dt).contiguous() for ours, theirs in spec.key_map(model.config).items()}
+    tensors = {theirs: _own_storage(own[ours].detach().to("cpu", dt).contiguous())
+               for ours, theirs in spec.key_map(model.config).items()}
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     (path / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
     save_torch_state_dict(tensors, path, max_shard_size=max(total, 1) if max_shard_bytes is None else max_shard_bytes)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dllm import kernels
+from dllm.models import fast as fast_path
 
 
 @dataclass(frozen=True)
@@ -170,8 +171,12 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
+    fast = False  # run :func:`dllm.models.fast.block_forward` (set by :func:`dllm.models.fast.enable_fast_path`)
+    fused = False  # q/k/v and gate/up parameters are views of fused buffers (:func:`dllm.models.fast.fuse_block`)
+
     def __init__(self, cfg: TransformerConfig, layer: int = 0):
         super().__init__()
+        self.register_load_state_dict_post_hook(fast_path.refuse_after_load)
         d, hd = cfg.d_model, cfg.head_dim
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, hd
         self.attn_norm = RMSNorm(d, cfg.norm_eps)
@@ -199,6 +204,8 @@ class Block(nn.Module):
         values of the rows not computed come from ``cache.update``. ``blocks``: ``(query blocks [B, Q], key
         blocks [B, T])`` for block-diffusion attention (a query attends to keys of its block and earlier ones), or
         an explicit ``[B, Q, T]`` bool pattern of which keys each query attends to."""
+        if self.fast:
+            return fast_path.block_forward(self, h, cos, sin, key_mask, layer_idx, cache, rows, blocks)
         B, T, _ = h.shape
         x = self.attn_norm(h)
         if hasattr(self, "qkv"):  # one projection: queries, then keys, then values, per head
@@ -229,6 +236,12 @@ class Block(nn.Module):
             return h + self.moe(x)
         return h + self.down(F.silu(self.gate(x)) * self.up(x))
 
+    def _apply(self, fn, recurse=True):
+        # moving or casting gives each published parameter its own storage again: rebuild the fused tensors
+        out = super()._apply(fn, recurse)
+        fast_path.refuse_block(self)
+        return out
+
 
 class Transformer(nn.Module):
     """Bidirectional decoder. ``spec`` (a ModelSpec) and ``tokenizer`` are attached by the loader."""
@@ -256,6 +269,15 @@ class Transformer(nn.Module):
         with torch.device("meta"):
             m = Transformer(cfg)
         return {k: tuple(v.shape) for k, v in m.state_dict().items()}
+
+    def enable_fast_path(self) -> Transformer:
+        """Fused projections and kernels for every layer (:func:`dllm.models.fast.enable_fast_path`)."""
+        return fast_path.enable_fast_path(self)
+
+    @property
+    def fast_path(self) -> bool:
+        """Whether the layers run the fast path."""
+        return any(layer.fast for layer in self.layers)
 
     # -- facts the decode loop asks for -------------------------------------------------------------------
     @property
