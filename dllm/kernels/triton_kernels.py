@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Optional
 
 import torch
 import triton
@@ -76,10 +77,11 @@ def _attn_fwd(
     sob, soh, som, sod,
     slb, slh, slm,
     smb, smn,
-    Hq, Lq, Lk, D, GROUP, qk_scale,
-    HAS_MASK: tl.constexpr, WRITE_OUT: tl.constexpr, IEEE: tl.constexpr,
+    Hq, Lq, Lk, D, GROUP, LK_BUCKET,
+    QK_SCALE: tl.constexpr, HAS_MASK: tl.constexpr, WRITE_OUT: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    # LK_BUCKET (Lk rounded up to a power of two) is only an autotune key
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // Hq
@@ -109,12 +111,12 @@ def _attn_fwd(
             s = tl.dot(q, kt, input_precision="ieee")
         else:
             s = tl.dot(q, kt)
-        s = tl.where(n_ok[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        s = tl.where(n_ok[None, :], s.to(tl.float32) * QK_SCALE, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1)).to(tl.float32)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = (l_i * alpha + tl.sum(p, 1)).to(tl.float32)
         if WRITE_OUT:
             v = tl.load(v_base + n[:, None] * svn + offs_d[None, :] * svd,
                         mask=(n < Lk)[:, None] & d_ok[None, :], other=0.0)
@@ -162,6 +164,27 @@ def _blocks(D: int, Lq: int):
     return block_m, block_n, block_d
 
 
+def _configs(shapes):
+    """Autotune configs ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``; one config under the interpreter."""
+    if _interpreting():
+        shapes = shapes[:1]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st) for m, n, w, st in shapes]
+
+
+# Hopper (H100) candidates: 64-row tiles feed a warpgroup MMA, 16/32-row tiles suit a few packed query rows,
+# 2-3 stages of K/V prefetch. The first entry is the interpreter's single config.
+_FLASH_CONFIGS = _configs([(32, 32, 4, 2), (32, 64, 4, 2), (64, 64, 4, 3), (64, 128, 8, 3), (128, 64, 8, 3),
+                           (16, 128, 4, 3)])
+_SPLITK_CONFIGS = _configs([(32, 32, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 8, 3), (32, 64, 4, 3),
+                            (16, 64, 4, 2), (128, 64, 8, 3)])
+_attn_fwd_tuned = triton.autotune(_FLASH_CONFIGS, key=["Lq", "GROUP", "LK_BUCKET", "D"])(_attn_fwd)
+
+
+def _launch(kernel):
+    """``kernel`` wrapped for ``torch.compile`` (the custom ops below trace through it; eager calls launch it)."""
+    return torch.library.wrap_triton(kernel)
+
+
 def _attention_lse(q, k, v, key_padding_mask, write_out: bool):
     B, Hq, Lq, D = q.shape
     Lk = k.shape[2]
@@ -174,16 +197,24 @@ def _attention_lse(q, k, v, key_padding_mask, write_out: bool):
     vv = v if write_out else k
     mask, smb, smn, has_mask = _mask_arg(key_padding_mask, q)
     block_m, block_n, block_d = _blocks(D, Lq)
-    grid = (triton.cdiv(Lq, block_m), B * Hq)
-    _attn_fwd[grid](
-        q, k, vv, out, lse, mask,
-        *q.stride(), *k.stride(), *vv.stride(), *out.stride(), *lse.stride(), smb, smn,
-        Hq, Lq, Lk, D, Hq // k.shape[1], _LOG2E / math.sqrt(D),
-        HAS_MASK=has_mask, WRITE_OUT=write_out, IEEE=q.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        num_warps=4 if block_d <= 64 else 8, num_stages=2,
-    )
+    args = (q, k, vv, out, lse, mask,
+            *q.stride(), *k.stride(), *vv.stride(), *out.stride(), *lse.stride(), smb, smn,
+            Hq, Lq, Lk, D, Hq // k.shape[1], triton.next_power_of_2(Lk))
+    meta = dict(QK_SCALE=_LOG2E / math.sqrt(D), HAS_MASK=has_mask, WRITE_OUT=write_out,
+                IEEE=q.dtype == torch.float32, BLOCK_D=block_d)
+    if q.dtype == torch.float32 or not write_out or _interpreting():
+        # fixed tiles: fp32 results must not depend on an autotuner's timing
+        grid = (triton.cdiv(Lq, block_m), B * Hq)
+        _launch(_attn_fwd)[grid](*args, **meta, BLOCK_M=block_m, BLOCK_N=block_n,
+                                 num_warps=4 if block_d <= 64 else 8, num_stages=2)
+    else:
+        grid = lambda META: (triton.cdiv(Lq, META["BLOCK_M"]), B * Hq)  # noqa: E731
+        _launch(_attn_fwd_tuned)[grid](*args, **meta)
     return out, lse
+
+
+def _flash_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None):
+    return _attention_lse(q, k, v, key_padding_mask, write_out=True)
 
 
 def attention(q, k, v, key_padding_mask=None, return_lse=False):
@@ -205,7 +236,216 @@ def attention(q, k, v, key_padding_mask=None, return_lse=False):
         return reference.attention(q, k, v, key_padding_mask=key_padding_mask, return_lse=return_lse)
     _check(q, k, v, key_padding_mask)
     (q, k, v), back = _widen(q, k, v)
-    out, lse = _attention_lse(q, k, v, key_padding_mask, write_out=True)
+    if torch.compiler.is_compiling() and not _interpreting():
+        out, lse = torch.ops.dllm.flash_attention(q, k, v, key_padding_mask)
+    else:
+        out, lse = _flash_impl(q, k, v, key_padding_mask)
+    if back is not None:
+        out = out.to(back)
+    return (out, lse) if return_lse else out
+
+
+# ------------------------------------------------------------------------------- split-K (flash-decoding)
+
+
+@triton.jit
+def _attn_splitk(
+    Q, K, V, Out, Lse, Mask,
+    sqb, sqh, sqm, sqd,
+    skb, skh, skn, skd,
+    svb, svh, svn, svd,
+    sos, sob, soh, som, sod,
+    sls, slb, slh, slm,
+    smb, smn,
+    Hkv, Lq, Lk, D, GROUP, CHUNK, LK_BUCKET, NSPLIT,
+    QK_SCALE: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # one program per (tile of GROUP x Lq packed query rows, batch x KV head, key split); the rows of all query
+    # heads sharing a KV head share one tile, so each K/V tile is read once per group. LK_BUCKET and NSPLIT are
+    # autotune keys only. Out/Lse are the fp32 partials [S, B, Hq, Lq, (D)] (or the final output when S == 1).
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    split = tl.program_id(2)
+    b = pid_bh // Hkv
+    hk = pid_bh % Hkv
+    r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    r_ok = r < GROUP * Lq
+    head = hk * GROUP + r // Lq
+    row = r % Lq
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    q = tl.load(Q + b * sqb + head[:, None] * sqh + row[:, None] * sqm + offs_d[None, :] * sqd,
+                mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+    lo = split * CHUNK
+    hi = tl.minimum(lo + CHUNK, Lk)
+    for start in range(lo, hi, BLOCK_N):
+        n = start + offs_n
+        in_range = n < hi
+        n_ok = in_range
+        if HAS_MASK:
+            keep = tl.load(Mask + b * smb + n * smn, mask=in_range, other=0) != 0
+            n_ok = n_ok & keep
+        kt = tl.load(k_base + n[None, :] * skn + offs_d[:, None] * skd,
+                     mask=in_range[None, :] & d_ok[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, kt, input_precision="ieee")
+        else:
+            s = tl.dot(q, kt)
+        s = tl.where(n_ok[None, :], s.to(tl.float32) * QK_SCALE, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1)).to(tl.float32)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = (l_i * alpha + tl.sum(p, 1)).to(tl.float32)
+        v = tl.load(v_base + n[:, None] * svn + offs_d[None, :] * svd,
+                    mask=in_range[:, None] & d_ok[None, :], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    empty = l_i == 0.0
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    tl.store(Lse + split * sls + b * slb + head * slh + row * slm, lse, mask=r_ok)
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    tl.store(Out + split * sos + b * sob + head[:, None] * soh + row[:, None] * som + offs_d[None, :] * sod,
+             out.to(Out.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
+
+
+_attn_splitk_tuned = triton.autotune(_SPLITK_CONFIGS, key=["Lq", "GROUP", "LK_BUCKET", "NSPLIT", "D"])(_attn_splitk)
+
+
+@triton.jit
+def _attn_combine(
+    Part, PLse, Out, Lse,
+    sps, spb, sph, spm, spd,
+    sls, slb, slh, slm,
+    sob, soh, som, sod,
+    sob2, soh2, som2,
+    S, Hq, Lq, D,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # one program per (batch, head, query row): out = sum_s exp(lse_s - lse) o_s, lse = logsumexp_s lse_s
+    pid = tl.program_id(0)
+    b = pid // (Hq * Lq)
+    h = (pid // Lq) % Hq
+    m = pid % Lq
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < S
+    d_ok = offs_d < D
+    ls = tl.load(PLse + offs_s * sls + b * slb + h * slh + m * slm, mask=s_ok, other=float("-inf"))
+    mx = tl.max(ls, 0)
+    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.exp2((ls - mx_safe) * 1.4426950408889634)
+    total = tl.sum(w, 0)
+    o = tl.load(Part + offs_s[:, None] * sps + b * spb + h * sph + m * spm + offs_d[None, :] * spd,
+                mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    empty = total == 0.0
+    out = tl.sum(w[:, None] * o, 0) / tl.where(empty, 1.0, total)
+    lse = tl.where(empty, float("-inf"), mx_safe + tl.log(tl.where(empty, 1.0, total)))
+    tl.store(Out + b * sob + h * soh + m * som + offs_d * sod, out.to(Out.dtype.element_ty), mask=d_ok)
+    tl.store(Lse + b * sob2 + h * soh2 + m * som2, lse)
+
+
+_MAX_SPLITS = 64
+
+
+def _num_sms() -> int:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return 132  # an H100 SXM
+
+
+def splitk_num_splits(B: int, Hq: int, Hkv: int, Lq: int, Lk: int, dtype: torch.dtype) -> int:
+    """Key splits for :func:`attention_splitk`: enough (batch x KV head x packed query tile) programs to fill the
+    GPU's SMs once, at least 128 keys per split, at most 64 splits. In float32 the batch size is left out (a row's
+    fp32 output then never depends on the batch it was computed in)."""
+    rows = Lq * (Hq // max(Hkv, 1))
+    base = triton.cdiv(max(rows, 1), 64) * Hkv * (1 if dtype == torch.float32 else max(B, 1))
+    return max(1, min(triton.cdiv(_num_sms(), base), triton.cdiv(max(Lk, 1), 128), _MAX_SPLITS))
+
+
+def _splitk_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
+                 num_splits: int):
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
+    if q.numel() == 0:
+        return out, lse
+    if Lk == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    align = 1 if _interpreting() else 128  # GPU splits hold whole 128-key tiles
+    chunk = triton.cdiv(triton.cdiv(Lk, num_splits), align) * align
+    nsplit = triton.cdiv(Lk, chunk)
+    if nsplit == 1:
+        part, plse = out, lse
+        po, pl = (0, *out.stride()), (0, *lse.stride())
+    else:
+        part = torch.empty((nsplit, B, Hq, Lq, D), dtype=torch.float32, device=q.device)
+        plse = torch.empty((nsplit, B, Hq, Lq), dtype=torch.float32, device=q.device)
+        po, pl = part.stride(), plse.stride()
+    mask, smb, smn, has_mask = _mask_arg(key_padding_mask, q)
+    group = Hq // Hkv
+    block_d = max(16, triton.next_power_of_2(D))
+    args = (q, k, v, part, plse, mask, *q.stride(), *k.stride(), *v.stride(), *po, *pl, smb, smn,
+            Hkv, Lq, Lk, D, group, chunk, triton.next_power_of_2(Lk), nsplit)
+    meta = dict(QK_SCALE=_LOG2E / math.sqrt(D), HAS_MASK=has_mask, IEEE=q.dtype == torch.float32, BLOCK_D=block_d)
+    rows = group * Lq
+    if q.dtype == torch.float32 or _interpreting():
+        # fixed tiles: fp32 results must not depend on an autotuner's timing
+        block_m = 16 if rows <= 16 else (32 if rows <= 32 or _interpreting() else 64)
+        block_n = 32 if _interpreting() else 64
+        grid = (triton.cdiv(rows, block_m), B * Hkv, nsplit)
+        _launch(_attn_splitk)[grid](*args, **meta, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=2)
+    else:
+        grid = lambda META: (triton.cdiv(rows, META["BLOCK_M"]), B * Hkv, nsplit)  # noqa: E731
+        _launch(_attn_splitk_tuned)[grid](*args, **meta)
+    if nsplit > 1:
+        _launch(_attn_combine)[(B * Hq * Lq,)](
+            part, plse, out, lse, *part.stride(), *plse.stride(), *out.stride(), *lse.stride(),
+            nsplit, Hq, Lq, D, BLOCK_S=max(2, triton.next_power_of_2(nsplit)), BLOCK_D=block_d,
+            num_warps=4 if block_d <= 64 else 8,
+        )
+    return out, lse
+
+
+def attention_splitk(q, k, v, key_padding_mask=None, return_lse=False, num_splits=None):
+    """Split-K (flash-decoding) attention: the same contract as :func:`attention`, for few query rows over many keys.
+
+    The keys are cut into ``num_splits`` contiguous ranges; one program per (packed query tile, batch x KV head,
+    key range) writes a partial output and its LSE in float32, and a second kernel merges the ranges
+    (``lse = logsumexp_s lse_s``, ``out = sum_s exp(lse_s - lse) out_s``). The query rows of all heads that share a
+    KV head are packed into one tile, so K/V are read once per GQA group.
+
+    Args:
+        q, k, v, key_padding_mask, return_lse: as :func:`attention`.
+        num_splits: key ranges (at most ``Lk`` and 64; on a GPU each range holds whole 128-key tiles, so fewer may
+            run); None: :func:`splitk_num_splits` of the shape.
+
+    Returns:
+        ``out`` ``[B, Hq, Lq, D]`` in ``q.dtype``, and ``lse`` ``[B, Hq, Lq]`` float32 when asked.
+    """
+    if not _usable(q):
+        return reference.attention(q, k, v, key_padding_mask=key_padding_mask, return_lse=return_lse)
+    _check(q, k, v, key_padding_mask)
+    if num_splits is None:
+        num_splits = splitk_num_splits(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.dtype)
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or not 1 <= num_splits <= _MAX_SPLITS:
+        raise ValueError(f"num_splits must be an int in [1, {_MAX_SPLITS}], got {num_splits!r}")
+    (q, k, v), back = _widen(q, k, v)
+    if torch.compiler.is_compiling() and not _interpreting():
+        out, lse = torch.ops.dllm.splitk_attention(q, k, v, key_padding_mask, num_splits)
+    else:
+        out, lse = _splitk_impl(q, k, v, key_padding_mask, num_splits)
     if back is not None:
         out = out.to(back)
     return (out, lse) if return_lse else out
@@ -222,8 +462,8 @@ def _attn_mass(
     slb, slh, slm,
     smb, smn,
     spb, sph, spn,
-    Hq, Lq, Lk, D, GROUP, qk_scale,
-    HAS_MASK: tl.constexpr, IEEE: tl.constexpr,
+    Hq, Lq, Lk, D, GROUP,
+    QK_SCALE: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -253,7 +493,7 @@ def _attn_mass(
             s = tl.dot(q, kt, input_precision="ieee")
         else:
             s = tl.dot(q, kt)
-        p = tl.exp2(s * qk_scale - lse2[:, None])
+        p = tl.exp2(s.to(tl.float32) * QK_SCALE - lse2[:, None])
         p = tl.where(row_ok[:, None] & n_ok[None, :], p, 0.0)
         mass += tl.sum(p, 0)
     tl.store(Part + b * spb + h * sph + n * spn, mass, mask=n < Lk)
@@ -292,8 +532,8 @@ def attention_mass(q, k, key_padding_mask=None, lse=None):
     _attn_mass[grid](
         q, k, lse, mask, part,
         *q.stride(), *k.stride(), *lse.stride(), smb, smn, *part.stride(),
-        Hq, Lq, Lk, D, Hq // k.shape[1], _LOG2E / math.sqrt(D),
-        HAS_MASK=has_mask, IEEE=q.dtype == torch.float32,
+        Hq, Lq, Lk, D, Hq // k.shape[1],
+        QK_SCALE=_LOG2E / math.sqrt(D), HAS_MASK=has_mask, IEEE=q.dtype == torch.float32,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=4, num_stages=2,
     )
@@ -304,106 +544,132 @@ def attention_mass(q, k, key_padding_mask=None, lse=None):
 
 
 @triton.jit
+def _conf_lanes(m, z, s, t1, i1, t2, best, bidx, blog, HAS_NOISE: tl.constexpr):
+    """Merge per-lane (or per-split) partial statistics along axis 0 into scalars; ties go to the smallest index."""
+    NEG = float("-inf")
+    mx = tl.max(m, 0)
+    mx_safe = tl.where(mx == NEG, 0.0, mx)
+    dead = m == NEG
+    alpha = tl.where(dead, 0.0, tl.exp2((m - mx_safe) * 1.4426950408889634))
+    zt = tl.sum(alpha * z, 0)
+    st = tl.sum(alpha * (s - tl.where(dead, 0.0, mx_safe - m) * z), 0)
+    top1 = tl.max(t1, 0)
+    big = 2147483647
+    tok1 = tl.min(tl.where(t1 == top1, i1, big), 0)
+    top2 = tl.maximum(tl.max(t2, 0), tl.max(tl.where(i1 == tok1, NEG, t1), 0))
+    if HAS_NOISE:
+        bmax = tl.max(best, 0)
+        btok = tl.min(tl.where(best == bmax, bidx, big), 0)
+        blg = tl.max(tl.where(bidx == btok, blog, NEG), 0)
+    else:
+        bmax = top1
+        btok = tok1
+        blg = top1
+    return mx, zt, st, top1, tok1, top2, bmax, btok, blg
+
+
+@triton.jit
 def _conf_partial(
     L, U, Stats, Idx,
     slr, slv, sur, suv,
     V, CHUNK, temperature,
     HAS_NOISE: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
+    # grid (rows, vocabulary splits). Every statistic is kept per lane (BLOCK_V lanes, lane j sees the indices
+    # = j mod BLOCK_V of the split) with elementwise updates only; the lanes are merged once at the end.
     row = tl.program_id(0)
     split = tl.program_id(1)
     nsplit = tl.num_programs(1)
     offs = tl.arange(0, BLOCK_V)
     NEG = float("-inf")
-    m = tl.full([1], NEG, tl.float32)
-    z = tl.zeros([1], tl.float32)
-    s = tl.zeros([1], tl.float32)
-    t1 = tl.full([1], NEG, tl.float32)
-    t2 = tl.full([1], NEG, tl.float32)
-    i1 = tl.zeros([1], tl.int32)
-    best = tl.full([1], NEG, tl.float32)
-    bidx = tl.zeros([1], tl.int32)
-    blog = tl.full([1], NEG, tl.float32)
+    LOG2E = 1.4426950408889634
+    m = tl.full([BLOCK_V], NEG, tl.float32)  # running max
+    z = tl.zeros([BLOCK_V], tl.float32)  # sum e^(x - m)
+    s = tl.zeros([BLOCK_V], tl.float32)  # sum e^(x - m) (x - m)
+    t1 = tl.full([BLOCK_V], NEG, tl.float32)
+    i1 = tl.full([BLOCK_V], 2147483647, tl.int32)
+    t2 = tl.full([BLOCK_V], NEG, tl.float32)
+    best = tl.full([BLOCK_V], NEG, tl.float32)
+    bidx = tl.full([BLOCK_V], 2147483647, tl.int32)
+    blog = tl.full([BLOCK_V], NEG, tl.float32)
     lo = split * CHUNK
     hi = tl.minimum(lo + CHUNK, V)
     for start in range(lo, hi, BLOCK_V):
         v = start + offs
         ok = v < hi
         x = tl.load(L + row * slr + v * slv, mask=ok, other=NEG).to(tl.float32)
-        # online softmax with the entropy accumulator s = sum e^(x - m) (x - m)
-        cm = tl.max(x, 0)
-        m_new = tl.maximum(m, cm)
-        m_safe = tl.where(m_new == NEG, 0.0, m_new)
-        alpha = tl.exp2((m - m_safe) * 1.4426950408889634)
-        shift = tl.where(m == NEG, 0.0, m_safe - m)
-        e = tl.exp2((x - m_safe) * 1.4426950408889634)
-        xs = tl.where(x == NEG, 0.0, x - m_safe)
-        s = alpha * (s - shift * z) + tl.sum(e * xs, 0)
-        z = alpha * z + tl.sum(e, 0)
+        # online softmax, one exp per element: d = e^(min(x, m) - max(x, m))
+        gt = x > m
+        m_new = tl.where(gt, x, m)
+        low = tl.where(gt, m, x)
+        dead = low == NEG
+        diff = tl.where(dead, 0.0, low - m_new)
+        d = tl.where(dead, 0.0, tl.exp2(diff * LOG2E))
+        t = d * diff
+        s = tl.where(gt, d * s + t * z, s + t).to(tl.float32)
+        z = tl.where(gt, z * d + 1.0, z + d).to(tl.float32)
         m = m_new
-        # top-2 of the clean logits (first index wins ties)
-        ci = tl.argmax(x, 0, tie_break_left=True)
-        c2 = tl.max(tl.where(v == start + ci, NEG, x), 0)
-        take = cm > t1
-        t2 = tl.where(take, tl.maximum(t1, c2), tl.maximum(t2, cm))
-        i1 = tl.where(take, start + ci, i1)
-        t1 = tl.where(take, cm, t1)
-        # proposal: Gumbel-perturbed argmax l - T log(-log u)
+        # top-2 of the clean logits (strictly greater: the first index of a lane wins its ties)
+        t2 = tl.where(gt, tl.maximum(t1, t2), tl.where(x > t1, t1, tl.maximum(t2, x)))
+        up = x > t1
+        i1 = tl.where(up, v, i1)
+        t1 = tl.where(up, x, t1)
+        # proposal: Gumbel-perturbed argmax x - T log(-log u)
         if HAS_NOISE:
             u = tl.load(U + row * sur + v * suv, mask=ok, other=0.5).to(tl.float32)
-            g = x - temperature * tl.log(-tl.log(u))
+            g = (x - temperature * tl.log(-tl.log(u))).to(tl.float32)
             g = tl.where(ok, g, NEG)
-            gi = tl.argmax(g, 0, tie_break_left=True)
-            gm = tl.max(g, 0)
-            gl = tl.max(tl.where(v == start + gi, x, NEG), 0)
-            tk = gm > best
-            bidx = tl.where(tk, start + gi, bidx)
-            blog = tl.where(tk, gl, blog)
-            best = tl.where(tk, gm, best)
+            tk = g > best
+            bidx = tl.where(tk, v, bidx)
+            blog = tl.where(tk, x, blog)
+            best = tl.where(tk, g, best)
+    mx, zt, st, top1, tok1, top2, bmax, btok, blg = _conf_lanes(m, z, s, t1, i1, t2, best, bidx, blog, HAS_NOISE)
     base = Stats + (row * nsplit + split) * 7
-    tl.store(base + 0, tl.max(m, 0))  # the accumulators are [1] tensors: store them as scalars
-    tl.store(base + 1, tl.max(z, 0))
-    tl.store(base + 2, tl.max(s, 0))
-    tl.store(base + 3, tl.max(t1, 0))
-    tl.store(base + 4, tl.max(t2, 0))
-    tl.store(base + 5, tl.max(best, 0))
-    tl.store(base + 6, tl.max(blog, 0))
+    tl.store(base + 0, mx)
+    tl.store(base + 1, zt)
+    tl.store(base + 2, st)
+    tl.store(base + 3, top1)
+    tl.store(base + 4, top2)
+    tl.store(base + 5, bmax)
+    tl.store(base + 6, blg)
     ib = Idx + (row * nsplit + split) * 2
-    tl.store(ib + 0, tl.max(i1, 0))
-    tl.store(ib + 1, tl.max(bidx, 0))
+    tl.store(ib + 0, tok1)
+    tl.store(ib + 1, btok)
 
 
-def _merge_splits(stats: torch.Tensor, idx: torch.Tensor, noised: bool):
-    """Merge per-split partials ``stats [N, S, 7]`` / ``idx [N, S, 2]`` (splits in vocabulary order)."""
-    m, z, s, t1, t2, best, blog = stats.unbind(-1)
-    i1, bidx = idx.long().unbind(-1)
-    M = m.amax(-1, keepdim=True)
-    Ms = torch.where(M == float("-inf"), torch.zeros_like(M), M)
-    alpha = torch.exp(m - Ms)
-    shift = torch.where(m == float("-inf"), torch.zeros_like(m), Ms - m)
-    Z = (alpha * z).sum(-1)
-    S = (alpha * (s - shift * z)).sum(-1)
-    lse = torch.log(Z) + Ms.squeeze(-1)
-    entropy = torch.log(Z) - S / Z
-    # top-1: first split holding the maximum (argmax returns the first maximal index)
-    j = t1.argmax(-1, keepdim=True)
-    top1 = t1.gather(-1, j).squeeze(-1)
-    tok1 = i1.gather(-1, j).squeeze(-1)
-    others = t1.scatter(-1, j, float("-inf"))
-    top2 = torch.maximum(others.amax(-1), t2.amax(-1))
-    if noised:
-        jb = best.argmax(-1, keepdim=True)
-        token = bidx.gather(-1, jb).squeeze(-1)
-        tok_logit = blog.gather(-1, jb).squeeze(-1)
-    else:
-        token, tok_logit = tok1, top1
-    return ConfidenceStats(
-        token=token,
-        p_token=torch.exp(tok_logit - lse),
-        p_max=torch.exp(top1 - lse),
-        p_second=torch.exp(top2 - lse),
-        entropy=entropy,
-    )
+@triton.jit
+def _conf_merge(
+    Stats, Idx, Token, Out, N, S,
+    HAS_NOISE: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    # second stage, one program per row: merge the S split partials and write the outputs
+    # (Token [N] int64; Out [4, N] float32: p_token, p_max, p_second, entropy)
+    row = tl.program_id(0)
+    sp = tl.arange(0, BLOCK_S)
+    ok = sp < S
+    NEG = float("-inf")
+    base = Stats + (row * S + sp) * 7
+    m = tl.load(base + 0, mask=ok, other=NEG)
+    z = tl.load(base + 1, mask=ok, other=0.0)
+    s = tl.load(base + 2, mask=ok, other=0.0)
+    t1 = tl.load(base + 3, mask=ok, other=NEG)
+    t2 = tl.load(base + 4, mask=ok, other=NEG)
+    best = tl.load(base + 5, mask=ok, other=NEG)
+    blog = tl.load(base + 6, mask=ok, other=NEG)
+    i1 = tl.load(Idx + (row * S + sp) * 2, mask=ok, other=2147483647)
+    bidx = tl.load(Idx + (row * S + sp) * 2 + 1, mask=ok, other=2147483647)
+    mx, zt, st, top1, tok1, top2, bmax, btok, blg = _conf_lanes(m, z, s, t1, i1, t2, best, bidx, blog, HAS_NOISE)
+    lz = tl.log(zt)
+    lse = mx + lz
+    token = tl.where(btok == 2147483647, 0, btok)  # a row without a finite logit: index 0, as torch.argmax
+    tl.store(Token + row, token.to(tl.int64))
+    tl.store(Out + row, tl.exp(blg - lse))
+    tl.store(Out + N + row, tl.exp(top1 - lse))
+    tl.store(Out + 2 * N + row, tl.exp(top2 - lse))
+    tl.store(Out + 3 * N + row, lz - st / zt)
+
+
+_CONF_MAX_SPLITS = 64
 
 
 def confidence_stats(logits, temperature=0.0, noise=None):
@@ -425,28 +691,83 @@ def confidence_stats(logits, temperature=0.0, noise=None):
     noise = reference.confidence_noise(logits, temperature, noise)
     (logits,), _ = _widen(logits)
     V, N = logits.shape[-1], logits.numel() // max(logits.shape[-1], 1)
-    block_v = 256 if _interpreting() else 2048
-    # enough programs to fill the GPU at a few rows: split the vocabulary, merge on the host
-    splits = 1 if _interpreting() else max(1, min(triton.cdiv(V, 8 * block_v), triton.cdiv(264, max(N, 1))))
+    block_v = 256 if _interpreting() else 1024
+    # enough programs to fill the GPU a few times over at a few rows, each with >= 4 tiles of the vocabulary
+    splits = 1 if _interpreting() else max(1, min(triton.cdiv(V, 4 * block_v), triton.cdiv(4 * _num_sms(), max(N, 1)),
+                                                  _CONF_MAX_SPLITS))
     return _confidence_stats(logits, temperature, noise, block_v, splits)
+
+
+def _confidence_impl(x: torch.Tensor, u: torch.Tensor | None, temperature: float, block_v: int, splits: int):
+    N, V = x.shape
+    noised = u is not None
+    chunk = triton.cdiv(triton.cdiv(V, splits), block_v) * block_v
+    nsplit = triton.cdiv(V, chunk)
+    token = torch.empty((N,), dtype=torch.int64, device=x.device)
+    out = torch.empty((4, N), dtype=torch.float32, device=x.device)
+    if N == 0:
+        return token, out
+    stats = torch.empty((N, nsplit, 7), dtype=torch.float32, device=x.device)
+    idx = torch.empty((N, nsplit, 2), dtype=torch.int32, device=x.device)
+    uu = u if noised else x
+    _launch(_conf_partial)[(N, nsplit)](
+        x, uu, stats, idx, x.stride(0), x.stride(1), uu.stride(0), uu.stride(1),
+        V, chunk, float(temperature),
+        HAS_NOISE=noised, BLOCK_V=block_v, num_warps=4,
+    )
+    _launch(_conf_merge)[(N,)](stats, idx, token, out, N, nsplit, HAS_NOISE=noised,
+                               BLOCK_S=max(2, triton.next_power_of_2(nsplit)), num_warps=1)
+    return token, out
 
 
 def _confidence_stats(logits, temperature, noise, block_v: int, splits: int):
     noised = noise is not None
     lead, V = logits.shape[:-1], logits.shape[-1]
+    if not 1 <= splits <= _CONF_MAX_SPLITS:
+        raise ValueError(f"splits must be in [1, {_CONF_MAX_SPLITS}], got {splits}")
     x = logits.reshape(-1, V)
-    N = x.shape[0]
-    u = noise.expand(logits.shape).reshape(-1, V) if noised else x
-    want = splits
-    chunk = triton.cdiv(triton.cdiv(V, want), block_v) * block_v
-    nsplit = triton.cdiv(V, chunk)
-    stats = torch.empty((N, nsplit, 7), dtype=torch.float32, device=x.device)
-    idx = torch.empty((N, nsplit, 2), dtype=torch.int32, device=x.device)
-    if N:
-        _conf_partial[(N, nsplit)](
-            x, u, stats, idx, x.stride(0), x.stride(1), u.stride(0), u.stride(1),
-            V, chunk, float(temperature),
-            HAS_NOISE=noised, BLOCK_V=block_v, num_warps=8,
-        )
-    out = _merge_splits(stats, idx, noised)
-    return ConfidenceStats(*(t.reshape(lead) for t in out))
+    u = noise.expand(logits.shape).reshape(-1, V) if noised else None
+    if torch.compiler.is_compiling() and not _interpreting():
+        token, out = torch.ops.dllm.confidence_stats(x, u, float(temperature), block_v, splits)
+    else:
+        token, out = _confidence_impl(x, u, float(temperature), block_v, splits)
+    return ConfidenceStats(token.reshape(lead), *(t.reshape(lead) for t in out.unbind(0)))
+
+
+# ------------------------------------------------------------------------------------------ custom ops
+# torch.compile traces through these (the kernels inside are wrapped with torch.library.wrap_triton); eager calls
+# skip the op dispatch and run the same implementations directly.
+
+
+@torch.library.triton_op("dllm::flash_attention", mutates_args=())
+def _flash_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              key_padding_mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    return _flash_impl(q, k, v, key_padding_mask)
+
+
+@_flash_op.register_fake
+def _flash_fake(q, k, v, key_padding_mask):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.triton_op("dllm::splitk_attention", mutates_args=())
+def _splitk_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: Optional[torch.Tensor],
+               num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _splitk_impl(q, k, v, key_padding_mask, num_splits)
+
+
+@_splitk_op.register_fake
+def _splitk_fake(q, k, v, key_padding_mask, num_splits):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.triton_op("dllm::confidence_stats", mutates_args=())
+def _confidence_op(logits: torch.Tensor, noise: Optional[torch.Tensor], temperature: float, block_v: int,
+                   splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _confidence_impl(logits, noise, temperature, block_v, splits)
+
+
+@_confidence_op.register_fake
+def _confidence_fake(logits, noise, temperature, block_v, splits):
+    n = logits.shape[0]
+    return logits.new_empty((n,), dtype=torch.int64), logits.new_empty((4, n), dtype=torch.float32)
