@@ -39,6 +39,7 @@ import dllm  # noqa: E402
 from dllm.config import GenerateConfig  # noqa: E402
 from dllm.generate import Decoder  # noqa: E402
 from dllm.models import LLADA, Transformer, TransformerConfig  # noqa: E402
+from dllm.models.fast import disable_fast_path, enable_fast_path  # noqa: E402
 from dllm.models.weights import init_weights  # noqa: E402
 from dllm.recipes import resolve  # noqa: E402
 
@@ -214,11 +215,11 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=None, help="default 32 on GPU, 2 on CPU")
     p.add_argument("--batch", type=int, nargs="+", default=None, help="default 1 4 16 on GPU, 1 4 on CPU")
     p.add_argument("--caches", nargs="+", default=["none", "prefix", "dual"])
-    p.add_argument("--modes", nargs="+", default=None, help="eager graph compile (default eager graph)")
+    p.add_argument("--modes", nargs="+", default=None, help="base eager graph compile (default base eager graph)")
     p.add_argument("--prompt", type=int, default=None, help="default 512 on GPU, 32 on CPU")
     p.add_argument("--gen", type=int, default=None, help="default 256 on GPU, 32 on CPU")
     p.add_argument("--block", type=int, default=None, help="default 32 on GPU, 8 on CPU")
-    p.add_argument("--blocks", type=int, default=2, help="blocks timed per cached setting (after one warm-up)")
+    p.add_argument("--blocks", type=int, default=1, help="blocks timed per cached setting (after one warm-up)")
     p.add_argument("--none-steps", type=int, default=4, help="steps timed without a cache")
     p.add_argument("--e2e", action="store_true", help="whole generations: none / prefix / dual, batch 1")
     p.add_argument("--fastdllm", default=None, help="a Fast-dLLM checkout: time its generate_with_dual_cache")
@@ -227,7 +228,7 @@ def main(argv=None):
     gpu = a.device == "cuda"
     a.layers = a.layers or (32 if gpu else 2)
     a.batch = a.batch or ([1, 4, 16] if gpu else [1, 4])
-    a.modes = a.modes or (["eager", "graph"])
+    a.modes = a.modes or ["base", "eager", "graph"]
     a.prompt, a.gen, a.block = a.prompt or (512 if gpu else 32), a.gen or (256 if gpu else 32), a.block or (32 if gpu else 8)
     dtype = torch.bfloat16 if gpu else torch.float32
     shape = GPU_SHAPE if gpu else CPU_SHAPE
@@ -245,6 +246,10 @@ def main(argv=None):
              "copy_tb_s": round(bw / 1e12, 3), "floor_ms": round(floor_ms, 3)}]
     compiled = None
     for mode in a.modes:
+        # base: the layer as published (separate projections, eager norms and RoPE), eager forwards; eager: the
+        # fast layer (fused projections and kernels), eager forwards; graph: the fast layer, cached steps as CUDA
+        # graphs; compile: torch.compile of the fast model
+        (disable_fast_path if mode == "base" else enable_fast_path)(model)
         if mode == "compile":
             compiled = compiled or torch.compile(model)
         m = compiled if mode == "compile" else model

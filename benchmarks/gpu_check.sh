@@ -18,16 +18,16 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/env.txt"
 
 log gpu tests
-timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py tests/test_graphs.py \
+timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py tests/test_graphs.py \
     tests/test_fast_layer.py 2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
 
 log bench_kernels
-timeout 150 python3 benchmarks/bench_kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/bench_kernels.log"
+timeout 75 python3 benchmarks/bench_kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/bench_kernels.log"
 
 log bench_step
 extra=()
 [ -n "$FASTDLLM" ] && extra=(--fastdllm "$FASTDLLM")
-timeout 330 python3 benchmarks/bench_step.py --e2e "${extra[@]}" --json "$OUT/step.json" 2>&1 \
+timeout 240 python3 benchmarks/bench_step.py --e2e "${extra[@]}" --json "$OUT/step.json" 2>&1 \
     | grep -v USDT | tee "$OUT/bench_step.log"
 
 log done
