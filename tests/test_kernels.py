@@ -786,6 +786,81 @@ def test_gpu_confidence_stats(dtype):
         _check_stats(T.confidence_stats(x, temperature, noise), R.confidence_stats(x, temperature, noise), 1e-4)
 
 
+BENCH_SHAPES = [(1, 32, 32, 32, 1024, 128), (1, 32, 32, 32, 4096, 128), (1, 28, 4, 32, 2048, 128),
+                (4, 28, 4, 32, 4096, 128)]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("shape", BENCH_SHAPES, ids=lambda s: "B{}H{}x{}Lq{}Lk{}D{}".format(*s))
+def test_gpu_splitk_bf16_matches_sdpa_and_oracle(shape):
+    import torch.nn.functional as F
+
+    B, Hq, Hkv, Lq, Lk, D = shape
+    q, k, v = _inputs(B, Hq, Hkv, Lq, Lk, D, torch.bfloat16, device="cuda")
+    sdpa = F.scaled_dot_product_attention(q, k, v, enable_gqa=Hq != Hkv)
+    out, lse = T.attention_splitk(q, k, v, return_lse=True)
+    torch.testing.assert_close(out, sdpa, atol=1e-2, rtol=1e-2)
+    ref_out, ref_lse = R.attention(q.float(), k.float(), v.float(), return_lse=True)
+    base_out, base_lse = _naive(q, k, v, None)
+    _assert_close_rule(out, ref_out, base_out, torch.float16, "out")
+    _assert_close_rule(lse, ref_lse, base_lse, torch.float16, "lse")
+    mask = _padding(B, Lk, full_row=B - 1 if B > 1 else None).cuda()
+    out_m = T.attention_splitk(q, k, v, key_padding_mask=mask)
+    _assert_close_rule(out_m, R.attention(q.float(), k.float(), v.float(), key_padding_mask=mask),
+                       _naive(q, k, v, mask)[0], torch.float16, "masked out")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("shape", BENCH_SHAPES[:3], ids=lambda s: "B{}H{}x{}Lq{}Lk{}D{}".format(*s))
+def test_gpu_dispatch_picks_the_fastest(shape):
+    import triton.testing
+
+    from dllm.kernels import dispatch as D
+
+    K.set_backend("triton")
+    K.set_attention_backend("auto")
+    try:
+        B, Hq, Hkv, Lq, Lk, Dh = shape
+        q, k, v = _inputs(B, Hq, Hkv, Lq, Lk, Dh, torch.bfloat16, device="cuda")
+        K.reset_attention_choices()
+        out = K.attention(q, k, v)
+        got = K.attention_choices()[D.bucket(q, k, None, False)]
+        assert set(got["ms"]) == {"sdpa", "triton", "splitk"}
+        ms = {c: triton.testing.do_bench(lambda: D.run(c, T, q, k, v, None, False), rep=50)  # noqa: B023
+              for c in got["ms"]}
+        assert ms[got["choice"]] <= 1.3 * min(ms.values()), (got, ms)
+        torch.testing.assert_close(out, D.run("sdpa", T, q, k, v, None, False), atol=1e-2, rtol=1e-2)
+    finally:
+        K.set_attention_backend(None)
+
+
+@gpu
+@needs_cuda
+def test_gpu_torch_compile_through_custom_ops():
+    K.set_backend("triton")
+    q, k, v = _inputs(2, 28, 4, 32, 1000, 128, torch.bfloat16, device="cuda")
+    mask = _padding(2, 1000).cuda()
+    logits = _logits((32, 126464), torch.bfloat16).cuda()
+
+    def step(q, k, v, mask, logits):
+        a, lse = K.attention(q, k, v, key_padding_mask=mask, return_lse=True)
+        st = K.confidence_stats(logits)
+        return a * 2, lse, st.token, st.p_max, st.entropy
+
+    try:
+        for name in ("splitk", "triton"):
+            K.set_attention_backend(name)
+            torch._dynamo.reset()
+            got = torch.compile(step, fullgraph=True)(q, k, v, mask, logits)
+            want = step(q, k, v, mask, logits)
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    finally:
+        K.set_attention_backend(None)
+
+
 def test_empty_shapes():
     q, k, v = _inputs(1, 2, 1, 0, 9, 16, torch.float32)
     out, lse = T.attention(q, k, v, return_lse=True)

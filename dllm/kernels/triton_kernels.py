@@ -27,6 +27,7 @@ Design notes:
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Optional
@@ -358,6 +359,7 @@ def _attn_combine(
 _MAX_SPLITS = 64
 
 
+@functools.lru_cache(maxsize=None)
 def _num_sms() -> int:
     if torch.cuda.is_available():
         return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
