@@ -58,6 +58,21 @@ def _time_ms(fn, repeats: int, device: torch.device) -> float:
     return statistics.median(times) * 1e3
 
 
+def _graphed(fn):
+    """``fn`` captured in a CUDA graph (after two eager warm-up calls): the replay measures GPU time without the
+    host's launch overhead, as a graph-captured decode step would see it."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def _torch_confidence(logits):
     p = torch.softmax(logits.float(), -1)
     top2 = torch.topk(p, 2, -1)
@@ -81,7 +96,8 @@ def bench_attention(cfg, device, dtype, repeats, tk, rows):
 
     print(f"\n## attention (Lq={cfg['lq']}, D={cfg['d']}, {dtype}): ms, and t_sdpa / t")
     head = f"{'B':>2} {'Hq:Hkv':>7} {'Lk':>5} " + " ".join(f"{c:>15}" for c in ("sdpa", "triton", "splitk", "auto"))
-    print(head + "  auto's choice")
+    print(head + "  auto's choice" + ("  (second line: the same call replayed from a CUDA graph)"
+                                      if device.type == "cuda" else ""))
     for B in cfg["batches"]:
         for hq, hkv in cfg["heads"]:
             for lk in cfg["lks"]:
@@ -99,8 +115,15 @@ def bench_attention(cfg, device, dtype, repeats, tk, rows):
                 cells = " ".join(f"{ms[c]:8.4f} {ms['sdpa'] / ms[c]:5.2f}x" if c in ms else f"{'-':>15}"
                                  for c in ("sdpa", "triton", "splitk", "auto"))
                 print(f"{B:>2} {hq:>3}:{hkv:<3} {lk:>5} {cells}  {choice}")
-                rows.append({"kernel": "attention", "B": B, "Hq": hq, "Hkv": hkv, "Lq": cfg["lq"], "Lk": lk,
-                             "D": cfg["d"], "dtype": str(dtype), "ms": ms, "auto_choice": choice})
+                row = {"kernel": "attention", "B": B, "Hq": hq, "Hkv": hkv, "Lq": cfg["lq"], "Lk": lk, "D": cfg["d"],
+                       "dtype": str(dtype), "ms": ms, "auto_choice": choice}
+                if device.type == "cuda":
+                    g = {name: _time_ms(_graphed(fn), repeats, device) for name, fn in methods.items()}
+                    cells = " ".join(f"{g[c]:8.4f} {g['sdpa'] / g[c]:5.2f}x" if c in g else f"{'-':>15}"
+                                     for c in ("sdpa", "triton", "splitk", "auto"))
+                    print(f"{'':>2} {'graph':>7} {lk:>5} {cells}")
+                    row["graph_ms"] = g
+                rows.append(row)
 
 
 def bench_mass(cfg, device, dtype, repeats, tk, rows):
@@ -129,7 +152,12 @@ def bench_confidence(cfg, device, dtypes, repeats, tk, rows):
             methods["triton"] = lambda: tk.confidence_stats(logits)  # noqa: B023
         ms = {name: _time_ms(fn, repeats, device) for name, fn in methods.items()}
         print(f"{str(dtype):>15} " + " ".join(f"{c} {t:8.4f} {ms['torch'] / t:5.2f}x" for c, t in ms.items()))
-        rows.append({"kernel": "confidence_stats", "N": n, "V": vocab, "dtype": str(dtype), "ms": ms})
+        row = {"kernel": "confidence_stats", "N": n, "V": vocab, "dtype": str(dtype), "ms": ms}
+        if device.type == "cuda":
+            g = {name: _time_ms(_graphed(fn), repeats, device) for name, fn in methods.items()}
+            print(f"{'graph':>15} " + " ".join(f"{c} {t:8.4f} {g['torch'] / t:5.2f}x" for c, t in g.items()))
+            row["graph_ms"] = g
+        rows.append(row)
 
 
 def main(argv=None) -> None:
