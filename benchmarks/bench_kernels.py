@@ -1,63 +1,76 @@
-"""Kernel throughput: attention, attention mass and confidence statistics at dLLM shapes.
+"""Kernel throughput: attention (SDPA, flash, split-K and the dispatcher's choice), attention mass and confidence
+statistics at dLLM shapes.
 
-Attention: batch 1, Lq = 32 active query rows over Lk = 1024 / 4096 keys, head dim 128, GQA 32:32 (LLaDA) and
-28:4 (Dream), a key-padding mask with every key valid. Reported as achieved TFLOP/s (``4 * Hq * Lq * Lk * D``
-flops) and GB/s (Q, K, V read once, O written once), for
+Attention on a GPU: Lq = 32 active query rows over Lk = 1024 / 2048 / 4096 keys, head dim 128, heads 32:32 (LLaDA)
+and 28:4 (Dream), batch 1 and 4, no key mask (so SDPA's flash / cuDNN backends are eligible). Columns, in ms, and
+each one's ratio ``t_sdpa / t`` (above 1: faster than SDPA):
 
-* ``sdpa``: ``F.scaled_dot_product_attention`` (``enable_gqa``, no mask, so the flash backend is eligible on GPU);
-* ``reference``: :func:`dllm.kernels.reference.attention` (SDPA with a mask) and ``reference+lse`` (its LSE path,
-  which materialises the scores);
-* ``triton``: :func:`dllm.kernels.triton_kernels.attention` (CUDA only; on CPU Triton runs only under the
-  interpreter, which says nothing about speed, so it is reported as not measured).
+* ``sdpa``: ``F.scaled_dot_product_attention(q, k, v, enable_gqa=...)``;
+* ``triton``: :func:`dllm.kernels.triton_kernels.attention` (FlashAttention-2 forward);
+* ``splitk``: :func:`dllm.kernels.triton_kernels.attention_splitk` (flash-decoding, packed GQA groups);
+* ``auto``: :func:`dllm.kernels.attention` on the Triton backend (the per-bucket measured choice, shown).
 
-Attention mass (Lq = 32 selected rows, LSE given): reference against Triton, in GB/s (Q and K read once).
-Confidence statistics at V = 126,464 and 32 positions, in GB/s of logits read: PyTorch ``softmax + top-2 +
-entropy`` (``torch``), :func:`~dllm.kernels.reference.confidence_stats` and the Triton kernel.
+Attention mass (batch 1, LSE given): reference against Triton. Confidence statistics at 32 positions x V = 126,464
+in bf16 and fp32: the PyTorch composition ``softmax + top-2 + entropy`` (``torch``), the reference twin and the
+Triton kernel, with ``t_torch / t``.
 
-Each figure is the median of ``--repeats`` timed calls after warm-up (CUDA events on GPU). Speed-up columns read the
-goals directly: ``vs sdpa`` = ``t_sdpa / t_method`` for attention (goal: Triton >= 1x) and ``vs torch`` =
-``t_torch / t_method`` for confidence (goal: Triton >= 3x); a ratio above 1 means faster than the baseline. On a CUDA
-machine without Triton the Triton rows are reported as unavailable and the rest still runs.
+GPU timings use ``triton.testing.do_bench`` (median ms, CUDA events). On a machine without CUDA the script runs tiny
+shapes with the Triton kernels under the interpreter (it sets ``TRITON_INTERPRET=1`` before Triton is imported): a
+smoke test whose timings and ratios say nothing about speed.
 
-    python benchmarks/bench_kernels.py [--device cpu|cuda] [--dtype bf16|fp16|fp32] [--repeats 20] [--threads N]
-
-Smallest run (a smoke test, timings meaningless): ``--device cpu --repeats 1 --threads 1``.
+    python benchmarks/bench_kernels.py [--device cpu|cuda] [--repeats 20] [--threads N] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
-from dllm.kernels import reference
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
-ATTN_SHAPES = [(32, 32, 1024), (32, 32, 4096), (28, 4, 1024), (28, 4, 4096)]  # (Hq, Hkv, Lk)
-LQ, D, V, POSITIONS = 32, 128, 126_464, 32
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+import torch.nn.functional as F  # noqa: E402
+
+import dllm.kernels as kernels  # noqa: E402
+from dllm.kernels import reference  # noqa: E402
+
+GPU = dict(lq=32, d=128, lks=(1024, 2048, 4096), heads=((32, 32), (28, 4)), batches=(1, 4), positions=32, vocab=126_464)
+CPU = dict(lq=4, d=16, lks=(64, 128), heads=((4, 4), (4, 1)), batches=(1,), positions=4, vocab=2048)
 
 
-def _time(fn, repeats: int, device: torch.device) -> float:
-    """Median seconds per call."""
-    for _ in range(2):
-        fn()
+def _time_ms(fn, repeats: int, device: torch.device) -> float:
+    """Median milliseconds per call."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=10, rep=max(repeats, 20), return_mode="median")
+    fn()
     times = []
     for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def _graphed(fn):
+    """``fn`` captured in a CUDA graph (after two eager warm-up calls): the replay measures GPU time without the
+    host's launch overhead, as a graph-captured decode step would see it."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def _torch_confidence(logits):
@@ -68,88 +81,113 @@ def _torch_confidence(logits):
 
 
 def _load_triton(device: torch.device):
-    """``(module or None, why not)``: the Triton kernels on CUDA when Triton imports; on CPU Triton runs only under
-    the interpreter, which says nothing about speed."""
-    if device.type != "cuda":
-        return None, "CPU: interpreter only"
+    """``(module or None, why not)``."""
     try:
         from dllm.kernels import triton_kernels
     except ImportError as exc:
         return None, f"Triton unavailable: {exc}"
+    if device.type != "cuda" and not triton_kernels._interpreting():
+        return None, "CPU without the Triton interpreter"
     return triton_kernels, ""
 
 
-def _bench_attention(hq, hkv, lk, device, dtype, elem, repeats, tk, why) -> None:
-    g = torch.Generator(device=device).manual_seed(0)
-    q = torch.randn(1, hq, LQ, D, device=device, dtype=dtype, generator=g)
-    k = torch.randn(1, hkv, lk, D, device=device, dtype=dtype, generator=g)
-    v = torch.randn(1, hkv, lk, D, device=device, dtype=dtype, generator=g)
-    mask = torch.ones(1, lk, dtype=torch.bool, device=device)
-    flops = 4 * hq * LQ * lk * D
-    nbytes = (2 * hq * LQ * D + 2 * hkv * lk * D) * elem
-    methods = {
-        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=hq != hkv),
-        "reference": lambda: reference.attention(q, k, v, key_padding_mask=mask),
-        "reference+lse": lambda: reference.attention(q, k, v, key_padding_mask=mask, return_lse=True),
-    }
-    if tk is not None:
-        methods["triton"] = lambda: tk.attention(q, k, v, key_padding_mask=mask)
-        methods["triton+lse"] = lambda: tk.attention(q, k, v, key_padding_mask=mask, return_lse=True)
-    t_sdpa = None
-    for name, fn in methods.items():
-        s = _time(fn, repeats, device)
-        t_sdpa = s if name == "sdpa" else t_sdpa
-        print(f"{hq}:{hkv:<4} {lk:>5} {name:>14} {s * 1e3:9.3f} {flops / s / 1e12:8.3f} {nbytes / s / 1e9:7.1f} "
-              f"{t_sdpa / s:8.2f}x")
-    if tk is None:
-        print(f"{hq}:{hkv:<4} {lk:>5} {'triton':>14}  not measured ({why})")
-    _, lse = reference.attention(q, k, v, key_padding_mask=mask, return_lse=True)
-    mass_bytes = (hq * LQ * D + hkv * lk * D) * elem
-    mass = {"mass-reference": lambda: reference.attention_mass(q, k, key_padding_mask=mask, lse=lse)}
-    if tk is not None:
-        mass["mass-triton"] = lambda: tk.attention_mass(q, k, key_padding_mask=mask, lse=lse)
-    for name, fn in mass.items():
-        s = _time(fn, repeats, device)
-        print(f"{hq}:{hkv:<4} {lk:>5} {name:>14} {s * 1e3:9.3f} {flops / 2 / s / 1e12:8.3f} {mass_bytes / s / 1e9:7.1f} "
-              f"{'-':>9}")
+def bench_attention(cfg, device, dtype, repeats, tk, rows):
+    from dllm.kernels import dispatch
+
+    print(f"\n## attention (Lq={cfg['lq']}, D={cfg['d']}, {dtype}): ms, and t_sdpa / t")
+    head = f"{'B':>2} {'Hq:Hkv':>7} {'Lk':>5} " + " ".join(f"{c:>15}" for c in ("sdpa", "triton", "splitk", "auto"))
+    print(head + "  auto's choice" + ("  (second line: the same call replayed from a CUDA graph)"
+                                      if device.type == "cuda" else ""))
+    for B in cfg["batches"]:
+        for hq, hkv in cfg["heads"]:
+            for lk in cfg["lks"]:
+                g = torch.Generator(device=device).manual_seed(0)
+                q = torch.randn(B, hq, cfg["lq"], cfg["d"], device=device, dtype=dtype, generator=g)
+                k = torch.randn(B, hkv, lk, cfg["d"], device=device, dtype=dtype, generator=g)
+                v = torch.randn(B, hkv, lk, cfg["d"], device=device, dtype=dtype, generator=g)
+                methods = {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=hq != hkv)}
+                if tk is not None:
+                    methods["triton"] = lambda: tk.attention(q, k, v)
+                    methods["splitk"] = lambda: tk.attention_splitk(q, k, v)
+                    methods["auto"] = lambda: kernels.attention(q, k, v)
+                ms = {name: _time_ms(fn, repeats, device) for name, fn in methods.items()}
+                choice = dispatch.choose(tk, q, k, v) if tk is not None else "-"
+                cells = " ".join(f"{ms[c]:8.4f} {ms['sdpa'] / ms[c]:5.2f}x" if c in ms else f"{'-':>15}"
+                                 for c in ("sdpa", "triton", "splitk", "auto"))
+                print(f"{B:>2} {hq:>3}:{hkv:<3} {lk:>5} {cells}  {choice}")
+                row = {"kernel": "attention", "B": B, "Hq": hq, "Hkv": hkv, "Lq": cfg["lq"], "Lk": lk, "D": cfg["d"],
+                       "dtype": str(dtype), "ms": ms, "auto_choice": choice}
+                if device.type == "cuda":
+                    g = {name: _time_ms(_graphed(fn), repeats, device) for name, fn in methods.items()}
+                    cells = " ".join(f"{g[c]:8.4f} {g['sdpa'] / g[c]:5.2f}x" if c in g else f"{'-':>15}"
+                                     for c in ("sdpa", "triton", "splitk", "auto"))
+                    print(f"{'':>2} {'graph':>7} {lk:>5} {cells}")
+                    row["graph_ms"] = g
+                rows.append(row)
+
+
+def bench_mass(cfg, device, dtype, repeats, tk, rows):
+    print(f"\n## attention mass (B=1, Lq={cfg['lq']}, LSE given, {dtype}): ms")
+    for hq, hkv in cfg["heads"]:
+        for lk in cfg["lks"]:
+            q = torch.randn(1, hq, cfg["lq"], cfg["d"], device=device, dtype=dtype)
+            k = torch.randn(1, hkv, lk, cfg["d"], device=device, dtype=dtype)
+            _, lse = reference.attention(q, k, k, return_lse=True)
+            ms = {"reference": _time_ms(lambda: reference.attention_mass(q, k, lse=lse), repeats, device)}  # noqa: B023
+            if tk is not None:
+                ms["triton"] = _time_ms(lambda: tk.attention_mass(q, k, lse=lse), repeats, device)  # noqa: B023
+            print(f"{hq:>3}:{hkv:<3} {lk:>5} " + " ".join(f"{n} {t:8.4f}" for n, t in ms.items()))
+            rows.append({"kernel": "attention_mass", "Hq": hq, "Hkv": hkv, "Lq": cfg["lq"], "Lk": lk, "D": cfg["d"],
+                         "dtype": str(dtype), "ms": ms})
+
+
+def bench_confidence(cfg, device, dtypes, repeats, tk, rows):
+    n, vocab = cfg["positions"], cfg["vocab"]
+    print(f"\n## confidence_stats ({n} positions, V={vocab}): ms, and t_torch / t (torch = softmax + top-2 + entropy)")
+    for dtype in dtypes:
+        logits = torch.randn(n, vocab, device=device, dtype=dtype) * 3
+        methods = {"torch": lambda: _torch_confidence(logits),  # noqa: B023
+                   "reference": lambda: reference.confidence_stats(logits)}  # noqa: B023
+        if tk is not None:
+            methods["triton"] = lambda: tk.confidence_stats(logits)  # noqa: B023
+        ms = {name: _time_ms(fn, repeats, device) for name, fn in methods.items()}
+        print(f"{str(dtype):>15} " + " ".join(f"{c} {t:8.4f} {ms['torch'] / t:5.2f}x" for c, t in ms.items()))
+        row = {"kernel": "confidence_stats", "N": n, "V": vocab, "dtype": str(dtype), "ms": ms}
+        if device.type == "cuda":
+            g = {name: _time_ms(_graphed(fn), repeats, device) for name, fn in methods.items()}
+            print(f"{'graph':>15} " + " ".join(f"{c} {t:8.4f} {g['torch'] / t:5.2f}x" for c, t in g.items()))
+            row["graph_ms"] = g
+        rows.append(row)
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bf16 on CUDA, fp32 on CPU")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--json", default=None, help="write the figures to this file")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    on_gpu = device.type == "cuda"
+    cfg = GPU if on_gpu else CPU
+    dtype = torch.bfloat16 if on_gpu else torch.float32
     tk, why = _load_triton(device)
-    elem = torch.finfo(dtype).bits // 8
-    print(f"device={device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}) dtype={dtype} "
-          f"threads={torch.get_num_threads()} repeats={args.repeats}")
-    print("\n## attention (B=1, Lq=32, D=128)")
-    print("goal: triton >= 1x sdpa (mass rows have no SDPA counterpart)")
-    print(f"{'Hq:Hkv':>7} {'Lk':>5} {'method':>14} {'ms':>9} {'TFLOP/s':>8} {'GB/s':>7} {'vs sdpa':>9}")
-    for hq, hkv, lk in ATTN_SHAPES:
-        _bench_attention(hq, hkv, lk, device, dtype, elem, args.repeats, tk, why)
-
-    print(f"\n## confidence_stats ({POSITIONS} positions, V={V})")
-    print("goal: triton >= 3x torch (torch = softmax + top-2 + entropy)")
-    print(f"{'method':>14} {'ms':>9} {'GB/s':>7} {'vs torch':>9}")
-    logits = torch.randn(1, POSITIONS, V, device=device, dtype=dtype) * 3
-    nbytes = logits.numel() * elem
-    conf = {"torch": lambda: _torch_confidence(logits), "reference": lambda: reference.confidence_stats(logits)}
-    if tk is not None:
-        conf["triton"] = lambda: tk.confidence_stats(logits)
-    t_torch = None
-    for name, fn in conf.items():
-        s = _time(fn, args.repeats, device)
-        t_torch = s if name == "torch" else t_torch
-        print(f"{name:>14} {s * 1e3:9.3f} {nbytes / s / 1e9:7.1f} {t_torch / s:8.2f}x")
-    if tk is None:
-        print(f"{'triton':>14}  not measured ({why})")
+    kernels.set_backend("triton" if tk is not None else "reference")
+    name = torch.cuda.get_device_name() if on_gpu else "cpu (Triton interpreter: timings say nothing about speed)"
+    print(f"device={device} ({name}) torch={torch.__version__} threads={torch.get_num_threads()} "
+          f"repeats={args.repeats}" + (f"; Triton rows not measured: {why}" if tk is None else ""))
+    rows: list[dict] = []
+    bench_attention(cfg, device, dtype, args.repeats, tk, rows)
+    bench_mass(cfg, device, dtype, args.repeats, tk, rows)
+    bench_confidence(cfg, device, (torch.bfloat16, torch.float32) if on_gpu else (torch.float32,), args.repeats,
+                     tk, rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": name, "torch": torch.__version__, "rows": rows,
+                       "attention_choices": {str(k): v for k, v in kernels.attention_choices().items()}}, f, indent=1)
+        print(f"\nwrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ if DEV == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"  # before triton's decorators run (see the module docstring)
 
 import math  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
@@ -185,6 +186,230 @@ def test_key_padding_mask_must_be_batch_by_keys_bool(twin):
     assert (mass[:, 2:5] == 0).all() and (mass[:, :2] > 0).all()
 
 
+# ------------------------------------------------------------------------------------- split-K attention
+
+# (B, Hq, Hkv, Lq, Lk, D, fully masked batch row, key splits)
+SPLITK_CASES = [
+    ((1, 4, 1, 1, 129, 16, None), (1, 2, 3, 7)),  # GQA 4:1, one query row, Lk not a multiple of the tile
+    ((2, 7, 1, 7, 33, 16, 1), (3,)),  # GQA 7:1 (7 x 7 = 49 packed rows: two tiles), padded keys, a masked row
+    ((1, 2, 2, 33, 70, 16, None), (2, 7)),  # MHA, 33 query rows (two tiles)
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", SPLITK_CASES, ids=lambda c: "B{}H{}x{}Lq{}Lk{}D{}".format(*c[0][:6]))
+def test_splitk_attention_matches_oracle(case, dtype):
+    (B, Hq, Hkv, Lq, Lk, D, full), splits = case
+    q, k, v = _inputs(B, Hq, Hkv, Lq, Lk, D, dtype, seed=12)
+    mask = _padding(B, Lk, seed=12, full_row=full)
+    ref_out, ref_lse = _naive(q.double(), k.double(), v.double(), mask)  # float64 oracle
+    base_out, base_lse = _naive(q, k, v, mask)
+    for S in splits:
+        out, lse = T.attention_splitk(q, k, v, key_padding_mask=mask, return_lse=True, num_splits=S)
+        assert out.shape == q.shape and out.dtype == dtype and lse.shape == (B, Hq, Lq) and lse.dtype == torch.float32
+        _assert_close_rule(out, ref_out, base_out, dtype, f"out, {S} splits")
+        _assert_close_rule(lse, ref_lse, base_lse, dtype, f"lse, {S} splits")
+        assert not out.isnan().any()
+        if full is not None:
+            assert (out[full] == 0).all() and (lse[full] == float("-inf")).all()
+        assert torch.equal(T.attention_splitk(q, k, v, key_padding_mask=mask, num_splits=S), out)
+
+
+def test_splitk_combine_of_splits_with_a_fully_masked_split():
+    """Three key ranges of 11 keys; the middle one is fully masked for batch row 0 and the first for row 1: the
+    combine gives those ranges zero weight, and equals the LSE-weighted merge of per-range attention."""
+    q, k, v = _inputs(2, 4, 2, 5, 33, 16, torch.float32, seed=13)
+    mask = torch.ones(2, 33, dtype=torch.bool, device=DEV)
+    mask[0, 11:22] = False
+    mask[1, :11] = False
+    out, lse = T.attention_splitk(q, k, v, key_padding_mask=mask, return_lse=True, num_splits=3)
+    parts = [T.attention(q, k[:, :, r], v[:, :, r], key_padding_mask=mask[:, r].contiguous(), return_lse=True)
+             for r in (slice(0, 11), slice(11, 22), slice(22, 33))]
+    total = torch.logsumexp(torch.stack([p[1] for p in parts]), 0)
+    merged = sum(torch.exp(l - total)[..., None] * o for o, l in parts)
+    torch.testing.assert_close(lse, total, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, merged, atol=1e-5, rtol=1e-5)
+    whole, whole_lse = T.attention(q, k, v, key_padding_mask=mask, return_lse=True)
+    torch.testing.assert_close(out, whole, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, whole_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_splitk_non_contiguous_and_empty():
+    B, Hq, Hkv, L, D = 2, 4, 2, 9, 16
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(B, L, Hq, D, generator=g).to(DEV).transpose(1, 2)
+    kv = torch.randn(B, L, 2, Hkv, 2 * D, generator=g).to(DEV)
+    k, v = kv[:, :, 0, :, ::2].transpose(1, 2), kv[:, :, 1, :, D:].transpose(1, 2)
+    mask = torch.ones(B, 2 * L, dtype=torch.bool, device=DEV)[:, ::2]
+    mask[0, 3] = False
+    out, lse = T.attention_splitk(q, k, v, key_padding_mask=mask, return_lse=True, num_splits=2)
+    ref, ref_lse = R.attention(q.contiguous(), k.contiguous(), v.contiguous(), mask.contiguous(), return_lse=True)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    q, k, v = _inputs(1, 2, 1, 3, 0, 16, torch.float32)
+    out, lse = T.attention_splitk(q, k, v, return_lse=True)
+    assert (out == 0).all() and (lse == float("-inf")).all()
+    for bad in (0, 65, 2.0, True):
+        with pytest.raises(ValueError, match="num_splits"):
+            T.attention_splitk(*_inputs(1, 2, 1, 3, 9, 16, torch.float32), num_splits=bad)
+
+
+def test_splitk_fp32_split_count_and_rows_do_not_depend_on_batch():
+    for B in (1, 2, 8, 64):
+        assert T.splitk_num_splits(B, 32, 32, 32, 4096, torch.float32) == T.splitk_num_splits(
+            1, 32, 32, 32, 4096, torch.float32)
+    assert T.splitk_num_splits(8, 32, 32, 32, 4096, torch.bfloat16) < T.splitk_num_splits(
+        1, 32, 32, 32, 4096, torch.bfloat16)  # in half precision the batch fills the GPU too
+    assert T.splitk_num_splits(1, 28, 4, 32, 100, torch.bfloat16) == 1  # at least 128 keys per split
+    q, k, v = _inputs(3, 4, 1, 2, 300, 16, torch.float32, seed=14)
+    mask = _padding(3, 300, seed=14)
+    whole = T.attention_splitk(q, k, v, key_padding_mask=mask)
+    for b in range(3):
+        one = T.attention_splitk(q[b:b + 1], k[b:b + 1], v[b:b + 1], key_padding_mask=mask[b:b + 1])
+        assert torch.equal(one[0], whole[b])
+
+
+# ----------------------------------------------------------------------------------- attention dispatch
+
+
+@pytest.fixture
+def attn_dispatch(monkeypatch):
+    """The Triton backend with a clean dispatch state; timings come from the test (``measured``), not CUDA."""
+    from dllm.kernels import dispatch as D
+
+    K.set_backend("triton")
+    monkeypatch.delenv("DLLM_ATTENTION", raising=False)
+    monkeypatch.setattr(D, "_forced", None)
+    monkeypatch.setattr(D, "_choices", {})
+    monkeypatch.setattr(D, "_timings", {})
+    monkeypatch.setattr(D, "_on_gpu", lambda t: True)  # pretend the tensors are on a GPU
+    monkeypatch.setattr(D, "_capturing", lambda: False)
+    fake = {"sdpa": 3.0, "triton": 2.0, "splitk": 1.0}
+    measured = []
+
+    def measure(fn):
+        fn()  # the candidate really runs (under the interpreter)
+        name = D._running
+        measured.append(name)
+        return fake[name]
+
+    real_run = D.run
+
+    def run(name, *a):
+        D._running = name
+        return real_run(name, *a)
+
+    monkeypatch.setattr(D, "_measure", measure)
+    monkeypatch.setattr(D, "run", run)
+    return SimpleNamespace(D=D, fake=fake, measured=measured)
+
+
+def test_dispatch_times_each_bucket_once_and_keeps_the_fastest(attn_dispatch):
+    D, fake, measured = attn_dispatch.D, attn_dispatch.fake, attn_dispatch.measured
+    q, k, v = _inputs(1, 4, 1, 3, 40, 16, torch.bfloat16, seed=15)
+    out = K.attention(q, k, v)
+    assert measured == ["sdpa", "triton", "splitk"]
+    torch.testing.assert_close(out, R.attention(q, k, v), atol=2e-2, rtol=2e-2)
+    key = D.bucket(q, k, None, False)
+    assert key == (1, 4, 1, 3, 64, 16, "bfloat16", False, False)
+    assert K.attention_choices()[key] == {"choice": "splitk", "ms": fake}
+    _, k2, v2 = _inputs(1, 4, 1, 3, 50, 16, torch.bfloat16, seed=16)  # Lk 50: the same power-of-two bucket
+    K.attention(q, k2, v2)
+    assert len(measured) == 3
+    fake.update(sdpa=0.5)  # a new bucket (a mask) measures again; SDPA is now the fastest
+    mask = torch.ones(1, 40, dtype=torch.bool, device=DEV)
+    mask[0, :7] = False
+    out = K.attention(q, k, v, key_padding_mask=mask)
+    assert len(measured) == 6 and K.attention_choices()[D.bucket(q, k, mask, False)]["choice"] == "sdpa"
+    torch.testing.assert_close(out, R.attention(q, k, v, key_padding_mask=mask), atol=2e-2, rtol=2e-2)
+    # SDPA has no LSE: return_lse measures the two Triton kernels only
+    out, lse = K.attention(q, k, v, return_lse=True)
+    assert measured[6:] == ["triton", "splitk"] and lse.shape == (1, 4, 3)
+    K.reset_attention_choices()
+    assert K.attention_choices() == {}
+
+
+def test_dispatch_fp32_is_a_fixed_choice_and_capture_never_times(attn_dispatch, monkeypatch):
+    D, measured = attn_dispatch.D, attn_dispatch.measured
+    for B in (1, 4):
+        q, k, v = _inputs(B, 4, 1, 3, 40, 16, torch.float32)
+        assert D.choose(T, q, k, v) == "splitk" and D.choose(T, q, k, v, return_lse=True) == "splitk"
+    assert measured == []
+    q, k, v = _inputs(1, 4, 1, 3, 40, 16, torch.bfloat16)
+    monkeypatch.setattr(D, "_capturing", lambda: True)
+    assert D.choose(T, q, k, v) == "sdpa" and D.choose(T, q, k, v, return_lse=True) == "triton"
+    assert measured == [] and K.attention_choices() == {}
+    D._choices[D.bucket(q, k, None, False)] = "splitk"  # measured before the capture: used during it
+    assert D.choose(T, q, k, v) == "splitk" and measured == []
+    monkeypatch.setattr(D, "_on_gpu", lambda t: False)  # the interpreter: the flash kernel, as before
+    assert D.choose(T, q, k, v) == "triton"
+
+
+def test_dispatch_overrides(attn_dispatch, monkeypatch):
+    D, measured = attn_dispatch.D, attn_dispatch.measured
+    q, k, v = _inputs(1, 4, 1, 3, 40, 16, torch.bfloat16)
+    for name in ("sdpa", "triton", "splitk"):
+        monkeypatch.setenv("DLLM_ATTENTION", name)
+        assert D.choose(T, q, k, v) == name
+    assert D.choose(T, q, k, v, return_lse=True) == "splitk"
+    monkeypatch.setenv("DLLM_ATTENTION", "sdpa")
+    assert D.choose(T, q, k, v, return_lse=True) == "triton"  # SDPA has no LSE
+    K.set_attention_backend("splitk")  # beats the environment
+    assert D.choose(T, q, k, v) == "splitk"
+    calls = []
+    monkeypatch.setattr(T, "attention_splitk", lambda *a, **kw: calls.append(1) or "splitk ran")
+    assert K.attention(q, k, v) == "splitk ran" and calls == [1]
+    K.set_attention_backend(None)
+    monkeypatch.setenv("DLLM_ATTENTION", "flash")
+    with pytest.raises(ValueError, match="DLLM_ATTENTION='flash'"):
+        D.choose(T, q, k, v)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        K.set_attention_backend("cudnn")
+    assert measured == []
+    K.set_backend("reference")  # the reference backend never consults the attention dispatch
+    K.set_attention_backend("splitk")
+    assert torch.equal(K.attention(q, k, v), R.attention(q, k, v))
+
+
+# ------------------------------------------------------------------------------------------ torch.compile
+
+
+def test_compile_through_dispatcher_on_reference_backend_matches_eager():
+    K.set_backend("reference")
+    q, k, v = _inputs(2, 4, 2, 3, 9, 16, torch.float32, seed=17, device="cpu")
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[1, :4] = False
+
+    def step(q, k, v, mask):
+        out, lse = K.attention(q, k, v, key_padding_mask=mask, return_lse=True)
+        return K.attention(q, k, v, key_padding_mask=mask) * 2 + out, lse
+
+    torch._dynamo.reset()
+    got = torch.compile(step, backend="aot_eager", fullgraph=True)(q, k, v, mask)
+    want = step(q, k, v, mask)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("op", ["flash_attention", "splitk_attention", "confidence_stats"])
+def test_custom_ops_schema_and_fake(op):
+    q, k, v = _inputs(1, 4, 1, 3, 40, 16, torch.float32)
+    mask = _padding(1, 40)
+    args = {"flash_attention": (q, k, v, mask), "splitk_attention": (q, k, v, mask, 3),
+            "confidence_stats": (_logits((3, 300), torch.float32), None, 0.0, 64, 2)}[op]
+    # under the interpreter the kernels cannot run on the fake tensors of the dispatch tests; schema and fake run
+    utils = ("test_schema", "test_faketensor") if DEV == "cpu" else None
+    kw = {} if utils is None else {"test_utils": utils}
+    torch.library.opcheck(getattr(torch.ops.dllm, op).default, args, **kw)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        outs = getattr(torch.ops.dllm, op)(*fake)
+    real = getattr(torch.ops.dllm, op)(*args)
+    for f, r in zip(outs, real):
+        assert f.shape == r.shape and f.dtype == r.dtype
+
+
 # ------------------------------------------------------------------------------------------- attention mass
 
 
@@ -293,6 +518,23 @@ def test_confidence_stats_split_merge_ties_and_tiny_vocab():
     one = torch.randn(3, 1, device=DEV)
     _check_stats(T.confidence_stats(one), R.confidence_stats(one), 1e-6)
     assert (R.confidence_stats(one).p_second == 0).all() and (R.confidence_stats(one).p_max == 1).all()
+
+
+def test_confidence_stats_second_stage_lane_and_split_ties():
+    """Ties inside one split across lanes and tiles (lane 10 and lane 11 of a 256-wide tile, and lane 10 of the next
+    tile) and across splits resolve to the first index; the on-device merge handles up to 64 splits."""
+    x = _logits((3, 2000), torch.float32, seed=4)
+    x[0, 10] = x[0, 11] = x[0, 266] = 30.0
+    x[1, 1999] = x[1, 700] = 30.0
+    x[2, 300] = 25.0
+    x[2, 301] = 25.0 - 1e-3  # the second-largest in the neighbouring lane
+    ref = R.confidence_stats(x)
+    for splits in (1, 2, 5, 64):
+        got = T._confidence_stats(x, 0.0, None, 256 if splits < 64 else 16, splits)
+        _check_stats(got, ref, 1e-5)
+    assert got.token.tolist()[:2] == [10, 700]
+    with pytest.raises(ValueError, match="splits"):
+        T._confidence_stats(x, 0.0, None, 16, 65)
 
 
 def test_confidence_stats_reference_semantics():
@@ -542,6 +784,81 @@ def test_gpu_confidence_stats(dtype):
     u = torch.rand(32, 126464, device="cuda")
     for temperature, noise in ((0.0, None), (0.7, u)):
         _check_stats(T.confidence_stats(x, temperature, noise), R.confidence_stats(x, temperature, noise), 1e-4)
+
+
+BENCH_SHAPES = [(1, 32, 32, 32, 1024, 128), (1, 32, 32, 32, 4096, 128), (1, 28, 4, 32, 2048, 128),
+                (4, 28, 4, 32, 4096, 128)]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("shape", BENCH_SHAPES, ids=lambda s: "B{}H{}x{}Lq{}Lk{}D{}".format(*s))
+def test_gpu_splitk_bf16_matches_sdpa_and_oracle(shape):
+    import torch.nn.functional as F
+
+    B, Hq, Hkv, Lq, Lk, D = shape
+    q, k, v = _inputs(B, Hq, Hkv, Lq, Lk, D, torch.bfloat16, device="cuda")
+    sdpa = F.scaled_dot_product_attention(q, k, v, enable_gqa=Hq != Hkv)
+    out, lse = T.attention_splitk(q, k, v, return_lse=True)
+    torch.testing.assert_close(out, sdpa, atol=1e-2, rtol=1e-2)
+    ref_out, ref_lse = R.attention(q.float(), k.float(), v.float(), return_lse=True)
+    base_out, base_lse = _naive(q, k, v, None)
+    _assert_close_rule(out, ref_out, base_out, torch.float16, "out")
+    _assert_close_rule(lse, ref_lse, base_lse, torch.float16, "lse")
+    mask = _padding(B, Lk, full_row=B - 1 if B > 1 else None).cuda()
+    out_m = T.attention_splitk(q, k, v, key_padding_mask=mask)
+    _assert_close_rule(out_m, R.attention(q.float(), k.float(), v.float(), key_padding_mask=mask),
+                       _naive(q, k, v, mask)[0], torch.float16, "masked out")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("shape", BENCH_SHAPES[:3], ids=lambda s: "B{}H{}x{}Lq{}Lk{}D{}".format(*s))
+def test_gpu_dispatch_picks_the_fastest(shape):
+    import triton.testing
+
+    from dllm.kernels import dispatch as D
+
+    K.set_backend("triton")
+    K.set_attention_backend("auto")
+    try:
+        B, Hq, Hkv, Lq, Lk, Dh = shape
+        q, k, v = _inputs(B, Hq, Hkv, Lq, Lk, Dh, torch.bfloat16, device="cuda")
+        K.reset_attention_choices()
+        out = K.attention(q, k, v)
+        got = K.attention_choices()[D.bucket(q, k, None, False)]
+        assert set(got["ms"]) == {"sdpa", "triton", "splitk"}
+        ms = {c: triton.testing.do_bench(lambda: D.run(c, T, q, k, v, None, False), rep=50)  # noqa: B023
+              for c in got["ms"]}
+        assert ms[got["choice"]] <= 1.3 * min(ms.values()), (got, ms)
+        torch.testing.assert_close(out, D.run("sdpa", T, q, k, v, None, False), atol=1e-2, rtol=1e-2)
+    finally:
+        K.set_attention_backend(None)
+
+
+@gpu
+@needs_cuda
+def test_gpu_torch_compile_through_custom_ops():
+    K.set_backend("triton")
+    q, k, v = _inputs(2, 28, 4, 32, 1000, 128, torch.bfloat16, device="cuda")
+    mask = _padding(2, 1000).cuda()
+    logits = _logits((32, 126464), torch.bfloat16).cuda()
+
+    def step(q, k, v, mask, logits):
+        a, lse = K.attention(q, k, v, key_padding_mask=mask, return_lse=True)
+        st = K.confidence_stats(logits)
+        return a * 2, lse, st.token, st.p_max, st.entropy
+
+    try:
+        for name in ("splitk", "triton"):
+            K.set_attention_backend(name)
+            torch._dynamo.reset()
+            got = torch.compile(step, fullgraph=True)(q, k, v, mask, logits)
+            want = step(q, k, v, mask, logits)
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    finally:
+        K.set_attention_backend(None)
 
 
 def test_empty_shapes():

@@ -7,6 +7,10 @@ selected. The Triton functions run CUDA tensors, and CPU tensors under ``TRITON_
 go to the reference functions, so a CUDA process can still run CPU models. The environment variable
 ``DLLM_KERNELS=reference|triton`` replaces the automatic choice (not an explicit :func:`set_backend`).
 
+On the Triton backend :func:`attention` runs one of SDPA, the flash kernel and the split-K kernel, chosen per shape
+bucket by :mod:`dllm.kernels.dispatch` (``DLLM_ATTENTION=sdpa|triton|splitk|auto``, :func:`set_attention_backend`;
+:func:`attention_choices` reports the choices). The reference backend always runs the reference twin.
+
 Callers: the model's attention (:func:`attention`), Elastic-Cache (:func:`attention_mass`), and the samplers' greedy
 confidence (:func:`confidence_stats`: ``ComposedSampler``, ``LLaDASampler`` and ``DreamSampler`` with their
 ``fused`` option, by default only where :func:`uses_triton` is true, so the reference backend keeps their bit-exact
@@ -17,7 +21,8 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from dllm.kernels import reference
+from dllm.kernels import dispatch, reference
+from dllm.kernels.dispatch import attention_choices, reset_attention_choices, set_attention_backend
 from dllm.kernels.reference import ConfidenceStats
 
 _BACKENDS = ("reference", "triton")
@@ -80,7 +85,9 @@ def attention(q, k, v, key_padding_mask=None, return_lse=False):
     """Dispatching wrapper; see :func:`dllm.kernels.reference.attention` for shapes and dtypes."""
     if _module is None:
         get_backend()
-    return _module.attention(q, k, v, key_padding_mask=key_padding_mask, return_lse=return_lse)
+    if _module is reference:
+        return reference.attention(q, k, v, key_padding_mask=key_padding_mask, return_lse=return_lse)
+    return dispatch.attention(_module, q, k, v, key_padding_mask=key_padding_mask, return_lse=return_lse)
 
 
 def attention_mass(q, k, key_padding_mask=None, lse=None):
@@ -97,4 +104,6 @@ def confidence_stats(logits, temperature=0.0, noise=None):
     return _module.confidence_stats(logits, temperature=temperature, noise=noise)
 
 
-__all__ = ["ConfidenceStats", "attention", "attention_mass", "confidence_stats", "get_backend", "reference", "set_backend", "uses_triton"]
+__all__ = ["ConfidenceStats", "attention", "attention_choices", "attention_mass", "confidence_stats", "dispatch",
+           "get_backend", "reference", "reset_attention_choices", "set_attention_backend", "set_backend",
+           "uses_triton"]

@@ -27,6 +27,7 @@ Design notes:
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Optional
@@ -149,11 +150,12 @@ def _check(q, k, v=None, key_padding_mask=None):
     reference.check_key_padding_mask(key_padding_mask, q, k)
 
 
-def _mask_arg(key_padding_mask, q):
-    """Kernel arguments for a ``[B, Lk]`` bool mask already checked by :func:`_check` (read as uint8)."""
+def _mask_arg(key_padding_mask, q, traced: bool = False):
+    """Kernel arguments for a ``[B, Lk]`` bool mask already checked by :func:`_check` (read as uint8: a view in eager
+    calls, a small copy when traced, as Inductor cannot lower a bool-to-uint8 view)."""
     if key_padding_mask is None:
         return q, 0, 0, False  # dummy pointer, never read
-    m = key_padding_mask.view(torch.uint8)
+    m = key_padding_mask.to(torch.uint8) if traced else key_padding_mask.view(torch.uint8)
     return m, m.stride(0), m.stride(1), True
 
 
@@ -180,12 +182,13 @@ _SPLITK_CONFIGS = _configs([(32, 32, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3), (64,
 _attn_fwd_tuned = triton.autotune(_FLASH_CONFIGS, key=["Lq", "GROUP", "LK_BUCKET", "D"])(_attn_fwd)
 
 
-def _launch(kernel):
-    """``kernel`` wrapped for ``torch.compile`` (the custom ops below trace through it; eager calls launch it)."""
-    return torch.library.wrap_triton(kernel)
+def _launch(kernel, traced: bool):
+    """``kernel`` itself for eager calls; wrapped with ``torch.library.wrap_triton`` inside the custom ops that
+    ``torch.compile`` traces (the wrapper costs host time on every eager launch)."""
+    return torch.library.wrap_triton(kernel) if traced else kernel
 
 
-def _attention_lse(q, k, v, key_padding_mask, write_out: bool):
+def _attention_lse(q, k, v, key_padding_mask, write_out: bool, traced: bool = False):
     B, Hq, Lq, D = q.shape
     Lk = k.shape[2]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if write_out else q
@@ -195,7 +198,7 @@ def _attention_lse(q, k, v, key_padding_mask, write_out: bool):
     if Lk == 0:
         return out.zero_() if write_out else out, lse.fill_(float("-inf"))
     vv = v if write_out else k
-    mask, smb, smn, has_mask = _mask_arg(key_padding_mask, q)
+    mask, smb, smn, has_mask = _mask_arg(key_padding_mask, q, traced)
     block_m, block_n, block_d = _blocks(D, Lq)
     args = (q, k, vv, out, lse, mask,
             *q.stride(), *k.stride(), *vv.stride(), *out.stride(), *lse.stride(), smb, smn,
@@ -205,16 +208,17 @@ def _attention_lse(q, k, v, key_padding_mask, write_out: bool):
     if q.dtype == torch.float32 or not write_out or _interpreting():
         # fixed tiles: fp32 results must not depend on an autotuner's timing
         grid = (triton.cdiv(Lq, block_m), B * Hq)
-        _launch(_attn_fwd)[grid](*args, **meta, BLOCK_M=block_m, BLOCK_N=block_n,
+        _launch(_attn_fwd, traced)[grid](*args, **meta, BLOCK_M=block_m, BLOCK_N=block_n,
                                  num_warps=4 if block_d <= 64 else 8, num_stages=2)
     else:
         grid = lambda META: (triton.cdiv(Lq, META["BLOCK_M"]), B * Hq)  # noqa: E731
-        _launch(_attn_fwd_tuned)[grid](*args, **meta)
+        _launch(_attn_fwd_tuned, traced)[grid](*args, **meta)
     return out, lse
 
 
-def _flash_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None):
-    return _attention_lse(q, k, v, key_padding_mask, write_out=True)
+def _flash_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
+                traced: bool = False):
+    return _attention_lse(q, k, v, key_padding_mask, write_out=True, traced=traced)
 
 
 def attention(q, k, v, key_padding_mask=None, return_lse=False):
@@ -358,6 +362,7 @@ def _attn_combine(
 _MAX_SPLITS = 64
 
 
+@functools.lru_cache(maxsize=None)
 def _num_sms() -> int:
     if torch.cuda.is_available():
         return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
@@ -374,7 +379,7 @@ def splitk_num_splits(B: int, Hq: int, Hkv: int, Lq: int, Lk: int, dtype: torch.
 
 
 def _splitk_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
-                 num_splits: int):
+                 num_splits: int, traced: bool = False):
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -393,7 +398,7 @@ def _splitk_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_
         part = torch.empty((nsplit, B, Hq, Lq, D), dtype=torch.float32, device=q.device)
         plse = torch.empty((nsplit, B, Hq, Lq), dtype=torch.float32, device=q.device)
         po, pl = part.stride(), plse.stride()
-    mask, smb, smn, has_mask = _mask_arg(key_padding_mask, q)
+    mask, smb, smn, has_mask = _mask_arg(key_padding_mask, q, traced)
     group = Hq // Hkv
     block_d = max(16, triton.next_power_of_2(D))
     args = (q, k, v, part, plse, mask, *q.stride(), *k.stride(), *v.stride(), *po, *pl, smb, smn,
@@ -405,12 +410,12 @@ def _splitk_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_
         block_m = 16 if rows <= 16 else (32 if rows <= 32 or _interpreting() else 64)
         block_n = 32 if _interpreting() else 64
         grid = (triton.cdiv(rows, block_m), B * Hkv, nsplit)
-        _launch(_attn_splitk)[grid](*args, **meta, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=2)
+        _launch(_attn_splitk, traced)[grid](*args, **meta, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=2)
     else:
         grid = lambda META: (triton.cdiv(rows, META["BLOCK_M"]), B * Hkv, nsplit)  # noqa: E731
-        _launch(_attn_splitk_tuned)[grid](*args, **meta)
+        _launch(_attn_splitk_tuned, traced)[grid](*args, **meta)
     if nsplit > 1:
-        _launch(_attn_combine)[(B * Hq * Lq,)](
+        _launch(_attn_combine, traced)[(B * Hq * Lq,)](
             part, plse, out, lse, *part.stride(), *plse.stride(), *out.stride(), *lse.stride(),
             nsplit, Hq, Lq, D, BLOCK_S=max(2, triton.next_power_of_2(nsplit)), BLOCK_D=block_d,
             num_warps=4 if block_d <= 64 else 8,
@@ -698,7 +703,8 @@ def confidence_stats(logits, temperature=0.0, noise=None):
     return _confidence_stats(logits, temperature, noise, block_v, splits)
 
 
-def _confidence_impl(x: torch.Tensor, u: torch.Tensor | None, temperature: float, block_v: int, splits: int):
+def _confidence_impl(x: torch.Tensor, u: torch.Tensor | None, temperature: float, block_v: int, splits: int,
+                     traced: bool = False):
     N, V = x.shape
     noised = u is not None
     chunk = triton.cdiv(triton.cdiv(V, splits), block_v) * block_v
@@ -710,12 +716,12 @@ def _confidence_impl(x: torch.Tensor, u: torch.Tensor | None, temperature: float
     stats = torch.empty((N, nsplit, 7), dtype=torch.float32, device=x.device)
     idx = torch.empty((N, nsplit, 2), dtype=torch.int32, device=x.device)
     uu = u if noised else x
-    _launch(_conf_partial)[(N, nsplit)](
+    _launch(_conf_partial, traced)[(N, nsplit)](
         x, uu, stats, idx, x.stride(0), x.stride(1), uu.stride(0), uu.stride(1),
         V, chunk, float(temperature),
         HAS_NOISE=noised, BLOCK_V=block_v, num_warps=4,
     )
-    _launch(_conf_merge)[(N,)](stats, idx, token, out, N, nsplit, HAS_NOISE=noised,
+    _launch(_conf_merge, traced)[(N,)](stats, idx, token, out, N, nsplit, HAS_NOISE=noised,
                                BLOCK_S=max(2, triton.next_power_of_2(nsplit)), num_warps=1)
     return token, out
 
@@ -742,7 +748,7 @@ def _confidence_stats(logits, temperature, noise, block_v: int, splits: int):
 @torch.library.triton_op("dllm::flash_attention", mutates_args=())
 def _flash_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               key_padding_mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    return _flash_impl(q, k, v, key_padding_mask)
+    return _flash_impl(q, k, v, key_padding_mask, traced=True)
 
 
 @_flash_op.register_fake
@@ -753,7 +759,7 @@ def _flash_fake(q, k, v, key_padding_mask):
 @torch.library.triton_op("dllm::splitk_attention", mutates_args=())
 def _splitk_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: Optional[torch.Tensor],
                num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return _splitk_impl(q, k, v, key_padding_mask, num_splits)
+    return _splitk_impl(q, k, v, key_padding_mask, num_splits, traced=True)
 
 
 @_splitk_op.register_fake
@@ -764,7 +770,7 @@ def _splitk_fake(q, k, v, key_padding_mask, num_splits):
 @torch.library.triton_op("dllm::confidence_stats", mutates_args=())
 def _confidence_op(logits: torch.Tensor, noise: Optional[torch.Tensor], temperature: float, block_v: int,
                    splits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return _confidence_impl(logits, noise, temperature, block_v, splits)
+    return _confidence_impl(logits, noise, temperature, block_v, splits, traced=True)
 
 
 @_confidence_op.register_fake

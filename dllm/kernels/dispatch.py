@@ -1,0 +1,155 @@
+"""Which attention implementation runs on the Triton backend: SDPA, the flash kernel or the split-K kernel.
+
+:func:`dllm.kernels.attention` on the ``triton`` backend asks :func:`choose` for one of
+
+* ``"sdpa"``: ``F.scaled_dot_product_attention`` through :func:`dllm.kernels.reference.attention` (no mask: the
+  flash / cuDNN backends are eligible; a key padding mask goes in as a ``[B, 1, 1, Lk]`` bool mask and fully
+  masked rows are zeroed). It has no LSE, so ``return_lse=True`` never goes to it;
+* ``"triton"``: :func:`dllm.kernels.triton_kernels.attention` (FlashAttention-2 forward, one program per query tile
+  and head);
+* ``"splitk"``: :func:`dllm.kernels.triton_kernels.attention_splitk` (flash-decoding: key splits plus a combine).
+
+The rule (``"auto"``, the default):
+
+* tensors that are not on a GPU (the Triton interpreter): ``"triton"``;
+* float32: ``"splitk"`` always, with a split count that does not depend on the batch size, so a row's fp32 output
+  does not depend on the batch it is computed in;
+* float16 / bfloat16: measured once per shape bucket ``(B, Hq, Hkv, Lq, Lk rounded up to a power of two, D, dtype,
+  has mask, return_lse)``: the first call of a bucket runs every candidate once (compilation, autotuning), then
+  times each a few times with CUDA events and keeps the fastest (median); later calls reuse the cached choice.
+  Nothing is timed while a CUDA graph is being captured or ``torch.compile`` traces: the cached choice is used,
+  else SDPA (the flash kernel when the LSE is asked for).
+
+``DLLM_ATTENTION=sdpa|triton|splitk|auto`` overrides the rule, :func:`set_attention_backend` overrides both; a
+forced ``"sdpa"`` with ``return_lse=True`` runs the flash kernel. :func:`attention_choices` reports the decisions and
+their timings (benchmarks and logs).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+
+import torch
+
+from dllm.kernels import reference
+
+log = logging.getLogger(__name__)
+
+ATTENTION_BACKENDS = ("auto", "sdpa", "triton", "splitk")
+TIMED_CALLS = 5
+
+_forced: str | None = None
+_choices: dict[tuple, str] = {}
+_timings: dict[tuple, dict[str, float]] = {}
+
+
+def set_attention_backend(name: str | None) -> None:
+    """Force the attention implementation on the Triton backend: ``"auto"`` (the measured rule), ``"sdpa"``,
+    ``"triton"`` or ``"splitk"``; None returns to ``DLLM_ATTENTION`` / ``"auto"``."""
+    global _forced
+    if name is not None and name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(ATTENTION_BACKENDS)}")
+    _forced = name
+
+
+def attention_backend() -> str:
+    """The requested attention implementation: :func:`set_attention_backend`, else ``DLLM_ATTENTION``, else auto."""
+    if _forced is not None:
+        return _forced
+    env = os.environ.get("DLLM_ATTENTION", "").strip().lower() or "auto"
+    if env not in ATTENTION_BACKENDS:
+        raise ValueError(f"DLLM_ATTENTION={env!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
+    return env
+
+
+def attention_choices() -> dict[tuple, dict]:
+    """The measured choices so far: ``{bucket: {"choice": name, "ms": {candidate: median ms}}}``, bucket =
+    ``(B, Hq, Hkv, Lq, Lk bucket, D, dtype, has_mask, return_lse)``."""
+    return {key: {"choice": name, "ms": dict(_timings.get(key, {}))} for key, name in _choices.items()}
+
+
+def reset_attention_choices() -> None:
+    """Forget the measured choices (the next call of each bucket measures again)."""
+    _choices.clear()
+    _timings.clear()
+
+
+def bucket(q: torch.Tensor, k: torch.Tensor, key_padding_mask: torch.Tensor | None, return_lse: bool) -> tuple:
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    lk = 1 << max(Lk - 1, 0).bit_length()
+    return (B, Hq, Hkv, Lq, lk, D, str(q.dtype).removeprefix("torch."), key_padding_mask is not None, bool(return_lse))
+
+
+def _on_gpu(t: torch.Tensor) -> bool:
+    return t.is_cuda
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _tracing() -> bool:
+    return torch.compiler.is_compiling() or _capturing()
+
+
+def run(name: str, tk, q, k, v, key_padding_mask, return_lse):
+    """Run candidate ``name`` (``tk``: the Triton kernel module)."""
+    if name == "sdpa" and not return_lse:
+        return reference.attention(q, k, v, key_padding_mask=key_padding_mask)
+    if name == "splitk":
+        return tk.attention_splitk(q, k, v, key_padding_mask=key_padding_mask, return_lse=return_lse)
+    return tk.attention(q, k, v, key_padding_mask=key_padding_mask, return_lse=return_lse)
+
+
+def _measure(fn) -> float:
+    """Median milliseconds of ``TIMED_CALLS`` calls of ``fn`` (CUDA events), after one untimed call."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(TIMED_CALLS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def choose(tk, q, k, v, key_padding_mask=None, return_lse=False) -> str:
+    """The implementation :func:`attention` runs for these inputs (may time the candidates; see the module doc)."""
+    name = attention_backend()
+    if name != "auto":
+        return "triton" if name == "sdpa" and return_lse else name
+    if not _on_gpu(q) or q.numel() == 0 or k.shape[2] == 0:
+        return "triton"
+    if q.dtype == torch.float32:
+        return "splitk"
+    key = bucket(q, k, key_padding_mask, return_lse)
+    cached = _choices.get(key)
+    if cached is not None:
+        return cached
+    fallback = "triton" if return_lse else "sdpa"
+    if _tracing():
+        return fallback
+    candidates = ("triton", "splitk") if return_lse else ("sdpa", "triton", "splitk")
+    ms = {}
+    for cand in candidates:
+        try:
+            ms[cand] = _measure(lambda: run(cand, tk, q, k, v, key_padding_mask, return_lse))  # noqa: B023
+        except Exception as exc:  # a candidate that cannot run this shape (e.g. out of resources) is skipped
+            log.warning("attention candidate %s failed on %s: %s", cand, key, exc)
+    best = min(ms, key=ms.get) if ms else fallback
+    _choices[key], _timings[key] = best, ms
+    log.info("attention bucket %s: %s (%s)", key, best, ", ".join(f"{c} {t:.4f} ms" for c, t in ms.items()))
+    return best
+
+
+def attention(tk, q, k, v, key_padding_mask=None, return_lse=False):
+    """Attention on the Triton backend (``tk``: the Triton kernel module): the implementation :func:`choose` picks."""
+    if not tk._usable(q):
+        return reference.attention(q, k, v, key_padding_mask=key_padding_mask, return_lse=return_lse)
+    return run(choose(tk, q, k, v, key_padding_mask, return_lse), tk, q, k, v, key_padding_mask, return_lse)
