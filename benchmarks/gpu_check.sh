@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The GPU check, as one short script: the gpu-marked tests, then the kernel, step and cache benchmarks, each
-# bounded in time, every log written under $OUT (or ./gpu-out). Run from the repository root on a CUDA machine:
+# The GPU check, as one short script: the decode-step benchmark first (the figures that matter most), then the
+# gpu-marked tests and the kernel benchmark, each bounded in time; every log is written under $OUT (or ./gpu-out)
+# as it goes, so a run cut short still returns what it measured. From the repository root on a CUDA machine:
 #
 #     bash benchmarks/gpu_check.sh [FASTDLLM_DIR]     # FASTDLLM_DIR: a Fast-dLLM checkout (optional)
+#     QUICK=1 bash benchmarks/gpu_check.sh ...        # batch 1 and 16, fewer modes: for a short lease
 #
 # The figures go into docs/performance.md with the card, the command and the date.
 set -uo pipefail
@@ -17,17 +19,20 @@ log env
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/env.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/env.txt"
 
-log gpu tests
-timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py tests/test_graphs.py \
-    tests/test_fast_layer.py 2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
-
-log bench_kernels
-timeout 75 python3 benchmarks/bench_kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/bench_kernels.log"
-
 log bench_step
 extra=()
 [ -n "$FASTDLLM" ] && extra=(--fastdllm "$FASTDLLM")
+if [ "${QUICK:-0}" = "1" ]; then
+    extra+=(--batch 1 16 --modes base graph)
+fi
 timeout 240 python3 benchmarks/bench_step.py --e2e "${extra[@]}" --json "$OUT/step.json" 2>&1 \
-    | grep -v USDT | tee "$OUT/bench_step.log"
+    | grep --line-buffered -v USDT | tee "$OUT/bench_step.log"
+
+log gpu tests
+timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_graphs.py tests/test_fast_layer.py \
+    tests/test_kernels.py 2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
+
+log bench_kernels
+timeout 75 python3 benchmarks/bench_kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/bench_kernels.log"
 
 log done
