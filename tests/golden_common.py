@@ -74,6 +74,26 @@ def decode_logits(rec: dict) -> torch.Tensor:
     return torch.from_numpy(flat).view(*rec["shape"])
 
 
+# Block-diffusion logits are compared relative to the largest |logit| at the same position: float32 sums taken in
+# another order (the reference's code against ours, one CPU's SIMD kernels against another's: ATEN_CPU_CAPABILITY
+# default / avx2 / avx512) differ by a few units in the last place of the values summed, so the error grows with the
+# logits' size, and an absolute limit fails on large logits. Measured on the LLaDA2.0, LLaDA2.1 and Fast-dLLM v2
+# fixtures (logits up to 26 in magnitude): at most 1.3e-6 of the position's largest |logit| (1.9e-5 absolute) under
+# default and avx2 kernels, 0 under the AVX-512 kernels they were recorded with. The limit leaves a margin of ~8;
+# a misplaced norm, bias or mask moves logits by far more.
+LOGITS_RTOL = 1e-5
+
+
+def assert_logits_close(got: torch.Tensor, want: torch.Tensor, rtol: float = LOGITS_RTOL) -> None:
+    """Each position's logits (last dimension) within ``rtol`` times that position's largest |logit| in ``want``
+    (see :data:`LOGITS_RTOL` for why relative)."""
+    assert got.shape == want.shape, f"logits of shape {tuple(got.shape)}, the reference's {tuple(want.shape)}"
+    err = (got - want).abs().amax(-1)
+    limit = rtol * want.abs().amax(-1)
+    assert bool((err <= limit).all()), (f"logits differ by up to {(err / limit).max().item():.2f} times the limit "
+                                        f"(rtol {rtol} of each position's largest |logit|; max abs {err.max():.3g})")
+
+
 def state_sha256(module: torch.nn.Module) -> str:
     """A digest of a model's weights (names, shapes, fp32 bytes), to check both sides used the same ones."""
     h = hashlib.sha256()

@@ -155,10 +155,72 @@ def sdar_tiny(seed: int = 0, block_size: int = 4, bias: bool = False) -> Transfo
     return _random_block_model(cfg, SDAR, seed)
 
 
+# ------------------------------------------------------------------ block models without float-dependent steps
+# The builders below make their weights from integers and single float multiplications only, so that the same
+# seed gives the same bits on every CPU: torch.randn's kernels differ with the CPU's SIMD width (its AVX2 kernel and
+# its scalar one give other bits), a mean is a reduction whose summation order differs with it, and a float
+# forward's argmax may flip between the two.
+_INT_NORMAL_SPREAD = (4 * (255**2 - 1) / 12) ** 0.5  # the standard deviation of a sum of 4 uniform ints in [-127, 127]
+
+
+def _int_normal(g: torch.Generator, shape, std: float) -> torch.Tensor:
+    """Normal-like float32 values (mean 0, standard deviation ``std``) from integers alone: the sum of four uniform
+    integers in [-127, 127] (exact), times one constant (one correctly rounded multiplication per value)."""
+    ints = torch.randint(-127, 128, (4, *shape), generator=g).sum(0)
+    return ints.to(torch.float32) * (std / _INT_NORMAL_SPREAD)
+
+
+def _integer_block_model(cfg: TransformerConfig, spec, seed: int, eos_like: int, mask_like: int,
+                         expert_bias: bool = False) -> Transformer:
+    """A random-weight model of ``spec`` on the bundled Qwen-style tokenizer of ``dream-tiny``, built without
+    float-dependent steps (:func:`_int_normal`): the layout of ``init_weights(std=0.2)`` (residual projections
+    scaled by ``1/sqrt(2 n_layers)``), norm weights ``1 + 0.1 N`` and biases ``0.1 N`` so that a misplaced norm or
+    bias shows, an expert bias ``0.05 N`` (``expert_bias``); then EOS and the mask token made real contenders by an
+    integer rule: EOS takes the head row of ``eos_like`` scaled by 1.02 (it wins where that token won), the mask token
+    the row of ``mask_like`` scaled by 0.97. The builders pass ids that the model proposes often when it decodes the
+    recording scripts' prompts (found once by decoding, then fixed here: choosing them from a float forward at build
+    time would make the weights depend on the CPU's kernels)."""
+    import dllm
+
+    tok_model = dllm.load_model("dream-tiny", dtype="float32")
+    assert cfg.vocab_size == tok_model.config.vocab_size, "TINY_VOCAB is the bundled tokenizer's vocabulary size"
+    g = torch.Generator().manual_seed(seed)
+    m = Transformer(cfg, spec)
+    std, n = 0.2, cfg.n_layers
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + _int_normal(g, p.shape, 0.1))
+            elif name.endswith(".bias"):
+                p.copy_(_int_normal(g, p.shape, 0.1))
+            elif name.endswith(("o.weight", "down.weight")):
+                p.copy_(_int_normal(g, p.shape, std / (2 * n) ** 0.5))
+            else:
+                p.copy_(_int_normal(g, p.shape, std))
+        if expert_bias:
+            for layer in m.layers:
+                if hasattr(layer, "moe"):
+                    layer.moe.expert_bias.copy_(_int_normal(g, layer.moe.expert_bias.shape, 0.05))
+        for like in (eos_like, mask_like):
+            if like in (tok_model.eos_id, tok_model.mask_id):
+                raise ValueError(f"{like} is a special id; EOS and the mask token take the rows of regular ids")
+        m.head.weight[tok_model.eos_id] = 1.02 * m.head.weight[eos_like]
+        m.head.weight[tok_model.mask_id] = 0.97 * m.head.weight[mask_like]
+    m.tokenizer = tok_model.tokenizer
+    m.mask_id, m.eos_id, m.pad_id, m.eot_id = tok_model.mask_id, tok_model.eos_id, tok_model.pad_id, tok_model.eot_id
+    return m.eval().requires_grad_(False)
+
+
+# the rows EOS and the mask token take (:func:`_integer_block_model`): ids that the greedy decoding of the recording
+# prompts proposed most often before EOS and the mask token took them
+LLADA2_EOS_LIKE, LLADA2_MASK_LIKE = 377, 1103
+FASTDLLM2_EOS_LIKE, FASTDLLM2_MASK_LIKE = 936, 610
+
+
 def llada2_tiny(seed: int = 0, block_size: int = 4) -> Transformer:
     """A random-weight LLaDA2-format model (``llada2_moe``: fused QKV, QK norms, half the head rotary, one dense
     layer then 8 sigmoid-routed experts in 4 groups, 2 per token, one shared expert, a random expert bias;
-    :func:`_random_block_model`). Save it with ``dllm.save_pretrained`` for a checkpoint in LLaDA2's published
+    :func:`_integer_block_model`). Save it with ``dllm.save_pretrained`` for a checkpoint in LLaDA2's published
     layout."""
     from dllm.models.spec import LLADA2
 
@@ -167,14 +229,7 @@ def llada2_tiny(seed: int = 0, block_size: int = 4) -> Transformer:
                             qk_norm=True, fused_qkv=True, rope_dim=8, block_size=block_size, n_experts=8,
                             experts_per_token=2, n_shared_experts=1, moe_hidden=32, dense_layers=1, n_groups=4,
                             topk_groups=2, routed_scaling=2.5)
-
-    def expert_bias(m):
-        for layer in m.layers:
-            if hasattr(layer, "moe"):
-                layer.moe.expert_bias.copy_(0.05 * torch.randn_like(layer.moe.expert_bias))
-
-    return _random_block_model(cfg, LLADA2, seed, expert_bias)
-
+    return _integer_block_model(cfg, LLADA2, seed, LLADA2_EOS_LIKE, LLADA2_MASK_LIKE, expert_bias=True)
 
 
 def llada21_tiny(seed: int = 0, block_size: int = 4) -> Transformer:
@@ -186,25 +241,26 @@ def llada21_tiny(seed: int = 0, block_size: int = 4) -> Transformer:
         m.head.weight.mul_(3.0)
     return m
 
-FASTDLLM2_STOP_TWIN = 1166  # the id fastdllm2_tiny proposes most often in greedy decoding (head scaled)
+
+FASTDLLM2_STOP_TWIN = 406  # an id fastdllm2_tiny proposes often in greedy decoding (head scaled)
 
 
 def fastdllm2_tiny(seed: int = 0, block_size: int = 8) -> Transformer:
     """A random-weight Fast-dLLM v2-format model (``Fast_dLLM_Qwen``: Qwen2.5 layout with QKV biases, GQA 4/2, head
-    size 16, token shift; :func:`_random_block_model`). Fast-dLLM v2 decodes greedily on softmax confidences, so
+    size 16, token shift; :func:`_integer_block_model`). Fast-dLLM v2 decodes greedily on softmax confidences, so
     the head is scaled by 4 (proposals confident enough that a threshold of 0.9 commits several at once), and
     <|im_end|>, the reference decoders' stop token, takes the head row of :data:`FASTDLLM2_STOP_TWIN` plus noise
-    (it wins at some of the positions where that token would, and ends about half the greedy rows). Save it with
+    (:func:`_int_normal` with a standard deviation of 0.2, about 0.3 times the mean magnitude of a scaled head entry:
+    it wins at some of the positions where that token would, and ends about half the greedy rows). Save it with
     ``dllm.save_pretrained`` for a checkpoint in Fast-dLLM v2's published layout."""
     from dllm.models.spec import FASTDLLM2
 
     cfg = TransformerConfig(vocab_size=TINY_VOCAB, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
                             mlp_hidden=128, max_seq_len=512, rope_theta=10000.0, norm_eps=1e-6, qkv_bias=True,
                             block_size=block_size)
-    m = _random_block_model(cfg, FASTDLLM2, seed)
+    m = _integer_block_model(cfg, FASTDLLM2, seed, FASTDLLM2_EOS_LIKE, FASTDLLM2_MASK_LIKE)
     with torch.no_grad():
         m.head.weight.mul_(4.0)
         twin = m.head.weight[FASTDLLM2_STOP_TWIN]
-        noise = torch.randn(twin.shape, generator=torch.Generator().manual_seed(seed + 1))
-        m.head.weight[m.eot_id] = twin + 0.3 * twin.abs().mean() * noise
+        m.head.weight[m.eot_id] = twin + _int_normal(torch.Generator().manual_seed(seed + 1), twin.shape, 0.2)
     return m

@@ -1,9 +1,9 @@
 """LLaDA2.x against its own code: logits of LLaDA2MoeModelLM (the Hugging Face ``modeling_llada2_moe.py``) and
 trajectories of its ``generate``, recorded by ``benchmarks/golden/record_llada2.py`` on the random-weight
 LLaDA2-format checkpoint of ``golden_models.llada2_tiny`` (fused QKV, QK norms, partial rotary, a dense layer,
-then routed experts with an expert bias and a shared expert): the same logits within 1e-5 (float32), and the
-same tokens, forward count and positions committed at every forward, greedy and seeded sampling, with
-``generate``'s ``eos_early_stop`` and ``minimal_topk``."""
+then routed experts with an expert bias and a shared expert): the same logits (float32, within 1e-5 of each
+position's largest |logit|, ``golden_common.LOGITS_RTOL``), and the same tokens, forward count and positions committed
+at every forward, greedy and seeded sampling, with ``generate``'s ``eos_early_stop`` and ``minimal_topk``."""
 
 from __future__ import annotations
 
@@ -29,8 +29,7 @@ def test_logits_equal_llada2s_model_code(model, i):
     rec = FX["logits"][i]
     want = gc.decode_logits(rec)
     got = model(torch.tensor([rec["input_ids"]]), block_size=rec["block_length"])[0]
-    assert got.shape == want.shape
-    assert (got - want).abs().max().item() < 1e-5
+    gc.assert_logits_close(got, want)
 
 
 def _cut_after_eos(seq: list[int], eos: int) -> list[int]:

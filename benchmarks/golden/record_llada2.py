@@ -46,20 +46,20 @@ CASES = [
     ("greedy_b8_s8_t0.3", 16, 8, 8, 0.3, 0.0, None, None, 0),
     ("sample_t0.7", 12, 4, 4, 0.5, 0.7, None, None, 1),
     ("sample_topk_topp", 12, 4, 4, 0.5, 1.0, 20, 0.9, 2),
-    ("eos73_keep_t0.5", 12, 4, 4, 0.5, 0.0, None, None, 0, {"eos_id": 73, "eos_early_stop": False}),
-    ("eos73_stop_t0.5", 12, 4, 4, 0.5, 0.0, None, None, 0, {"eos_id": 73, "eos_early_stop": True}),
-    ("eos73_keep_b8_s4", 16, 8, 4, 0.5, 0.0, None, None, 0, {"eos_id": 73, "eos_early_stop": False}),
-    ("eos73_stop_b8_s4", 16, 8, 4, 0.5, 0.0, None, None, 0, {"eos_id": 73, "eos_early_stop": True}),
-    ("eos73_stop_b8_s8_t0.3", 16, 8, 8, 0.3, 0.0, None, None, 0, {"eos_id": 73, "eos_early_stop": True}),
-    ("eos1117_stop_sample_t0.7", 12, 4, 4, 0.5, 0.7, None, None, 1, {"eos_id": 1117, "eos_early_stop": True}),
+    ("eos80_keep_t0.5", 12, 4, 4, 0.5, 0.0, None, None, 0, {"eos_id": 80, "eos_early_stop": False}),
+    ("eos80_stop_t0.5", 12, 4, 4, 0.5, 0.0, None, None, 0, {"eos_id": 80, "eos_early_stop": True}),
+    ("eos80_keep_b8_s4", 16, 8, 4, 0.5, 0.0, None, None, 0, {"eos_id": 80, "eos_early_stop": False}),
+    ("eos80_stop_b8_s4", 16, 8, 4, 0.5, 0.0, None, None, 0, {"eos_id": 80, "eos_early_stop": True}),
+    ("eos80_stop_b8_s8_t0.3", 16, 8, 8, 0.3, 0.0, None, None, 0, {"eos_id": 80, "eos_early_stop": True}),
+    ("eos1131_stop_sample_t0.7", 12, 4, 4, 0.5, 0.7, None, None, 1, {"eos_id": 1131, "eos_early_stop": True}),
     # G=10: the canvas runs past gen_length; an EOS there ends the row with more than gen_length tokens
-    ("eos209_stop_tail_b8_s4", 10, 8, 4, 0.95, 0.0, None, None, 0, {"eos_id": 209, "eos_early_stop": True}),
+    ("eos1034_stop_tail_b8_s4", 10, 8, 4, 0.95, 0.0, None, None, 0, {"eos_id": 1034, "eos_early_stop": True}),
     ("minimal_topk4_t0.06", 12, 4, 4, 0.06, 0.0, None, None, 0, {"minimal_topk": 4}),  # 3 steps per block
     ("minimal_topk2_b8_s8_t0.06", 12, 8, 8, 0.06, 0.0, None, None, 0, {"minimal_topk": 2}),  # 6 steps
     ("minimal_topk4_b8_s8_t0.95", 16, 8, 8, 0.95, 0.0, None, None, 0, {"minimal_topk": 4}),  # 4 steps
     ("minimal_topk1_g6_b8_s8", 6, 8, 8, 0.95, 0.0, None, None, 0, {"minimal_topk": 1}),  # the default: 6 steps
-    ("minimal_topk2_eos73_stop_b8_s8_t0.06", 12, 8, 8, 0.06, 0.0, None, None, 0,
-     {"eos_id": 73, "eos_early_stop": True, "minimal_topk": 2}),
+    ("minimal_topk2_eos80_stop_b8_s8_t0.06", 12, 8, 8, 0.06, 0.0, None, None, 0,
+     {"eos_id": 80, "eos_early_stop": True, "minimal_topk": 2}),
 ]
 
 
