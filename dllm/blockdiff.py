@@ -192,6 +192,50 @@ def _commit(rule: str, masked: torch.Tensor, p: torch.Tensor, quota: int, thresh
     return out
 
 
+def _commit_sdar(rule: str, masked: torch.Tensor, p: torch.Tensor, quota: int, threshold: float) -> torch.Tensor:
+    """Positions of the block SDAR's ``block_diffusion_generate`` writes at a step (``[L]`` bool), as its code
+    selects them: ``sequential`` the ``quota`` positions from the first masked one on, the other rules
+    ``torch.topk`` of the confidences with ``-inf`` at unmasked positions. When fewer masks are left than the
+    quota (the dynamic rule committed more than the quota earlier, a prompt's tail in the block, a committed mask
+    token), the selection includes unmasked positions, whose tokens the step then overwrites."""
+    out = torch.zeros_like(masked)
+    if rule == "sequential":
+        first = int(masked.nonzero()[0, 0])
+        out[first:first + quota] = True
+        return out
+    conf = torch.where(masked, p, torch.tensor(float("-inf"), dtype=p.dtype))
+    if rule == "low_confidence_dynamic":
+        high = conf > threshold
+        if int(high.sum()) >= quota:
+            return high
+    out[torch.topk(conf, quota).indices] = True
+    return out
+
+
+class UnfinishedBlockError(RuntimeError):
+    """SDAR's decoder (``style="sdar"``): a block still holds masks after its ``denoising_steps`` steps, because a
+    step committed the mask token itself (a proposal equal to the mask id leaves its position masked, or re-masks
+    a generated token it overwrites). SDAR's ``block_diffusion_generate`` runs one more denoising forward there
+    and then fails (``IndexError``: the quota of step ``denoising_steps`` does not exist), so there is no
+    reference continuation. Attributes: ``row`` (index in the batch), ``block``, ``masks`` (positions still
+    masked, from the first prompt token), ``sequence`` (the row's generated region so far), ``nfe`` and
+    ``trace`` (the forwards run so far)."""
+
+    def __init__(self, block: int, masks: list[int], steps: int, sequence: list[int], trace: list[dict]):
+        self.row: int | None = None
+        self.block, self.masks, self.steps, self.sequence, self.trace = block, masks, steps, sequence, trace
+        self.nfe = len(trace)
+        super().__init__()
+
+    def __str__(self) -> str:
+        row = "" if self.row is None else f"row {self.row}: "
+        return (f"{row}block {self.block} still holds {len(self.masks)} mask(s) (positions {self.masks}) after its "
+                f"{self.steps} denoising steps: a step committed the mask token itself (the model proposed the mask "
+                f"id), which leaves its position masked. SDAR's block_diffusion_generate cannot go on either (it "
+                f"runs one more forward, then raises IndexError: there is no quota for step {self.steps}). Decode "
+                f"this row with another seed or other sampling settings, or with dllm.generate's samplers")
+
+
 def _first_stop(row: list[int], stops: set[int]) -> int | None:
     """Index of the first stop token in ``row`` (None: there is none)."""
     return next((i for i, t in enumerate(row) if t in stops), None)
@@ -215,8 +259,12 @@ def _row_canvas(model, prompt: list[int], total: int, seed: int, layout: str):
 def _decode_rows(model, rows: list[list[int]], decode_row) -> BlockDiffusionOutput:
     """``decode_row(prompt) -> (sequence, forwards, trace)`` for each row, one at a time, with texts."""
     out = BlockDiffusionOutput([], None, [len(r) for r in rows], [], [])
-    for prompt in rows:
-        seq, nfe, trace = decode_row(prompt)
+    for i, prompt in enumerate(rows):
+        try:
+            seq, nfe, trace = decode_row(prompt)
+        except UnfinishedBlockError as e:
+            e.row = i
+            raise
         out.sequences.append(seq)
         out.nfe.append(nfe)
         out.trace.append(trace)
@@ -254,11 +302,22 @@ def _decode_row(model, prompt: list[int], gen_length: int, B: int, quota: list[i
             forward(0, first * B, True, None)
         for blk in range(first, total // B):
             lo, hi = blk * B, (blk + 1) * B
+            cur = x[0, lo:hi]
             for step in range(steps + 1):
-                if not bool((x[0, lo:hi] == mask_id).any()):
+                masked = cur == mask_id
+                if not bool(masked.any()):
                     forward(lo, hi, True, blk)  # the finished block's keys and values, appended once
                     break
-                denoise(forward(lo, hi, False, blk), lo, hi, step)
+                if step == steps:  # masks left by committed mask tokens: the reference has no quota here
+                    raise UnfinishedBlockError(blk, (masked.nonzero()[:, 0] + lo).tolist(), steps,
+                                               x[0, P:].tolist(), trace)
+                logits = forward(lo, hi, False, blk)
+                tok, p = _sample(logits, *sampling, gen)
+                write = _commit_sdar(remasking, masked, p, quota[step], threshold)
+                old = cur.clone()
+                cur[write] = tok[write]  # the selected positions, masked or not, take this step's sample
+                trace[-1]["committed"] = (masked & (cur != mask_id)).nonzero()[:, 0].add(lo).tolist()
+                trace[-1]["overwritten"] = (~masked & (cur != old)).nonzero()[:, 0].add(lo).tolist()
             if stops & set(x[0, P:hi].tolist()):
                 break
         return x[0, P:].tolist(), len(trace), trace
