@@ -149,3 +149,14 @@ def test_integer_fixture_covers_overwrites_in_later_blocks_and_unfinished_blocks
     assert len(later_overwrites(8)) >= 2 and len(later_overwrites(16)) >= 2
     assert any(p < 0 for c in cases for f in c["forwards"] for p in f["overwritten"])  # prompt tokens
     assert sum("error" in c for c in cases) >= 2
+
+
+def test_an_unfinished_block_names_its_row_in_a_batch():
+    """The error names the row of the batch that ran into it; the rows before it decode as alone."""
+    cases = {c["id"]: c for c in FIXTURES["integer"]["cases"]}
+    bad, good = cases["p1_static_b4_s1"], cases["p2_static_b4_s1"]
+    assert "error" in bad and "error" not in good and bad["params"] == good["params"]
+    with pytest.raises(UnfinishedBlockError) as err:
+        block_diffusion_generate(_model("integer"), good["prompt_ids"] + bad["prompt_ids"], chat_template=False,
+                                 **bad["params"])
+    assert err.value.row == 1 and str(err.value).startswith(f"row 1: block {err.value.block} still holds")
