@@ -231,9 +231,10 @@ def test_generate_never_overwrites_a_committed_token_on_sdar():
     """dllm.generate's samplers commit masked positions only, also where SDAR's own decoder overwrites (fewer steps
     than the block, several commits per step): every non-mask token of the canvas stays as it is at every later
     forward, and in the output."""
+    from test_golden_sdar import sdar_integer
+
     import dllm
     from dllm.samplers import SAMPLERS
-    from test_golden_sdar import sdar_integer
 
     m = sdar_integer(0)
     prompts = ["What is 12 + 30?", 'Please copy the list exactly: ["Ann Lee", "Bob Stone"]']
