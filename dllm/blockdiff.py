@@ -14,21 +14,28 @@ the cache (never refreshed). :func:`block_diffusion_generate` reproduces SDAR's 
   one more forward over the finished block that stores its keys and values: ``NFE = (prefill) + per block
   (steps used + 1)``, as the reference counts.
 * A step samples every position of the block (``temperature``, ``top_k``, ``top_p``, then one multinomial draw
-  per position from the row's generator, as the reference draws from the global one) and commits by the
-  ``remasking`` rule, with the even quota ``get_num_transfer_tokens(block_length, denoising_steps)``:
-  ``low_confidence_static`` (the quota's most probable masked positions), ``low_confidence_dynamic`` (every
-  masked position above ``confidence_threshold`` when they are at least the quota, else the quota's most
-  probable), ``sequential`` (the quota's leftmost masked positions).
+  per position from the row's generator, as the reference draws from the global one) and writes the sample at the
+  positions the ``remasking`` rule selects, with the even quota ``get_num_transfer_tokens(block_length,
+  denoising_steps)``: ``low_confidence_static`` (``torch.topk`` of the quota over the probabilities, ``-inf`` at
+  unmasked positions), ``low_confidence_dynamic`` (every masked position above ``confidence_threshold`` when they
+  are at least the quota, else that top-k), ``sequential`` (the quota's positions from the first masked one on).
+  As in the reference, the quota is not capped at the masks left: when a step has fewer masks than its quota
+  (earlier steps of the dynamic rule committed more than theirs, the prompt's tail fills part of the first block),
+  the selection includes unmasked positions, and the step's sample overwrites those generated (or prompt) tokens,
+  in any block. ``out.trace`` lists each forward's ``committed`` (masked before, a token after) and
+  ``overwritten`` (a token before, a different one after) positions.
 * After each block, a row whose generated tokens hold a stop id (EOS by default) stops; its later blocks stay
   masks.
+* A proposal equal to the mask id leaves its position masked (or re-masks the token it overwrites). A block still
+  holding masks after its ``denoising_steps`` steps has no quota left: the reference runs one more denoising
+  forward and raises ``IndexError``; here :class:`UnfinishedBlockError` is raised instead (before that forward),
+  naming the row and block and carrying the forwards so far.
 
 Greedy decoding is the reference's ``top_k=1`` (every sampled probability is then 1.0, so ``dynamic`` commits
-the whole block at once and ``static`` commits the quota's leftmost masked positions). The reference's
+the whole block at once and ``static`` takes the quota in the order ``torch.topk`` breaks the ties). The reference's
 ``entropy_bounded`` branch cannot run (it reads ``transfer_index`` before assigning it and sums the entropy over
-the block); it is not offered. Where the first block holds fewer masks than a step's quota, the reference's
-top-k also picks prompt positions of that block and overwrites them with predictions; here only masked positions
-are committed (the only difference; it needs ``block_length / denoising_steps`` larger than the masks left in
-the prompt's last block).
+the block); it is not offered. The reference decodes one prompt per call; here each row of a batch is decoded
+alone (docs/block-diffusion.md lists every difference from each reference).
 
 ``style="llada2"`` is LLaDA2's ``generate`` (``modeling_llada2_moe.py``) instead: no prefill or storing forwards (a
 block's first forward also computes and stores the finished block before it, where the reference recomputes the
@@ -62,9 +69,9 @@ follows it; ``generate`` stops as soon as a stop token has no mask before it and
 (docs/block-diffusion.md lists the reference quirks reproduced and those that are not).
 
 Rows are decoded one at a time (each with its own generator seeded by ``seed``), so a row's output never depends
-on its batch. Recorded reference runs: ``tests/fixtures/golden/sdar_sdar-tiny.json``, ``llada2_llada2-tiny.json``,
-``llada21_llada2-tiny.json`` and ``fastdllm2_fastdllm2-tiny.json`` (``benchmarks/golden/record_sdar.py``,
-``record_llada2.py``, ``record_llada21.py``, ``record_fastdllm2.py``).
+on its batch. Recorded reference runs: ``tests/fixtures/golden/sdar_sdar-tiny.json``, ``sdar_sdar-integer.json``,
+``llada2_llada2-tiny.json``, ``llada21_llada2-tiny.json`` and ``fastdllm2_fastdllm2-tiny.json``
+(``benchmarks/golden/record_sdar.py``, ``record_llada2.py``, ``record_llada21.py``, ``record_fastdllm2.py``).
 """
 
 from __future__ import annotations
@@ -123,7 +130,7 @@ class BlockDiffusionOutput:
     prompt_lengths: list[int]
     nfe: list[int]  # forwards per row (prefill and the storing forward of each block included)
     trace: list[list[dict]] = field(default_factory=list)  # per row, per forward: block, store, committed
-    # positions (llada21: and edited positions)
+    # positions (sdar: and overwritten positions; llada21: and edited positions)
 
 
 class _BlockKV:
@@ -192,6 +199,50 @@ def _commit(rule: str, masked: torch.Tensor, p: torch.Tensor, quota: int, thresh
     return out
 
 
+def _commit_sdar(rule: str, masked: torch.Tensor, p: torch.Tensor, quota: int, threshold: float) -> torch.Tensor:
+    """Positions of the block SDAR's ``block_diffusion_generate`` writes at a step (``[L]`` bool), as its code
+    selects them: ``sequential`` the ``quota`` positions from the first masked one on, the other rules
+    ``torch.topk`` of the confidences with ``-inf`` at unmasked positions. When fewer masks are left than the
+    quota (the dynamic rule committed more than the quota earlier, a prompt's tail in the block, a committed mask
+    token), the selection includes unmasked positions, whose tokens the step then overwrites."""
+    out = torch.zeros_like(masked)
+    if rule == "sequential":
+        first = int(masked.nonzero()[0, 0])
+        out[first:first + quota] = True
+        return out
+    conf = torch.where(masked, p, torch.tensor(float("-inf"), dtype=p.dtype))
+    if rule == "low_confidence_dynamic":
+        high = conf > threshold
+        if int(high.sum()) >= quota:
+            return high
+    out[torch.topk(conf, quota).indices] = True
+    return out
+
+
+class UnfinishedBlockError(RuntimeError):
+    """SDAR's decoder (``style="sdar"``): a block still holds masks after its ``denoising_steps`` steps, because a
+    step committed the mask token itself (a proposal equal to the mask id leaves its position masked, or re-masks
+    a generated token it overwrites). SDAR's ``block_diffusion_generate`` runs one more denoising forward there
+    and then fails (``IndexError``: the quota of step ``denoising_steps`` does not exist), so there is no
+    reference continuation. Attributes: ``row`` (index in the batch), ``block``, ``masks`` (positions still
+    masked, from the first prompt token), ``sequence`` (the row's generated region so far), ``nfe`` and
+    ``trace`` (the forwards run so far)."""
+
+    def __init__(self, block: int, masks: list[int], steps: int, sequence: list[int], trace: list[dict]):
+        self.row: int | None = None
+        self.block, self.masks, self.steps, self.sequence, self.trace = block, masks, steps, sequence, trace
+        self.nfe = len(trace)
+        super().__init__()
+
+    def __str__(self) -> str:
+        row = "" if self.row is None else f"row {self.row}: "
+        return (f"{row}block {self.block} still holds {len(self.masks)} mask(s) (positions {self.masks}) after its "
+                f"{self.steps} denoising steps: a step committed the mask token itself (the model proposed the mask "
+                f"id), which leaves its position masked. SDAR's block_diffusion_generate cannot go on either (it "
+                f"runs one more forward, then raises IndexError: there is no quota for step {self.steps}). Decode "
+                f"this row with another seed or other sampling settings, or with dllm.generate's samplers")
+
+
 def _first_stop(row: list[int], stops: set[int]) -> int | None:
     """Index of the first stop token in ``row`` (None: there is none)."""
     return next((i for i, t in enumerate(row) if t in stops), None)
@@ -215,8 +266,12 @@ def _row_canvas(model, prompt: list[int], total: int, seed: int, layout: str):
 def _decode_rows(model, rows: list[list[int]], decode_row) -> BlockDiffusionOutput:
     """``decode_row(prompt) -> (sequence, forwards, trace)`` for each row, one at a time, with texts."""
     out = BlockDiffusionOutput([], None, [len(r) for r in rows], [], [])
-    for prompt in rows:
-        seq, nfe, trace = decode_row(prompt)
+    for i, prompt in enumerate(rows):
+        try:
+            seq, nfe, trace = decode_row(prompt)
+        except UnfinishedBlockError as e:
+            e.row = i
+            raise
         out.sequences.append(seq)
         out.nfe.append(nfe)
         out.trace.append(trace)
@@ -254,11 +309,22 @@ def _decode_row(model, prompt: list[int], gen_length: int, B: int, quota: list[i
             forward(0, first * B, True, None)
         for blk in range(first, total // B):
             lo, hi = blk * B, (blk + 1) * B
+            cur = x[0, lo:hi]
             for step in range(steps + 1):
-                if not bool((x[0, lo:hi] == mask_id).any()):
+                masked = cur == mask_id
+                if not bool(masked.any()):
                     forward(lo, hi, True, blk)  # the finished block's keys and values, appended once
                     break
-                denoise(forward(lo, hi, False, blk), lo, hi, step)
+                if step == steps:  # masks left by committed mask tokens: the reference has no quota here
+                    raise UnfinishedBlockError(blk, (masked.nonzero()[:, 0] + lo).tolist(), steps,
+                                               x[0, P:].tolist(), trace)
+                logits = forward(lo, hi, False, blk)
+                tok, p = _sample(logits, *sampling, gen)
+                write = _commit_sdar(remasking, masked, p, quota[step], threshold)
+                old = cur.clone()
+                cur[write] = tok[write]  # the selected positions, masked or not, take this step's sample
+                trace[-1]["committed"] = (masked & (cur != mask_id)).nonzero()[:, 0].add(lo).tolist()
+                trace[-1]["overwritten"] = (~masked & (cur != old)).nonzero()[:, 0].add(lo).tolist()
             if stops & set(x[0, P:hi].tolist()):
                 break
         return x[0, P:].tolist(), len(trace), trace
@@ -495,13 +561,17 @@ def block_diffusion_generate(model, prompts, *, gen_length: int = 128, block_len
     Args:
         model: a block-diffusion checkpoint (``model.config.block_size`` set, e.g. SDAR); other dLLM
             checkpoints are refused.
-        prompts: as :func:`dllm.generate` (strings, conversations, token-id lists).
+        prompts: as :func:`dllm.generate` (strings, conversations, token-id lists); each row is decoded alone (the
+            references decode one prompt per call).
         gen_length: tokens to generate at least (the canvas ends at the next block boundary; ``fastdllm2``: the
             reference's ``max_new_tokens``, ``gen_length // block_length`` blocks are decoded).
         block_length: the decoding block (default: the checkpoint's ``block_size``).
         denoising_steps: forwards per block at most (default: ``block_length``; not for ``fastdllm2``).
         remasking: ``low_confidence_dynamic`` (default), ``low_confidence_static`` or ``sequential`` (not for
-            ``fastdllm2``, whose rule is its own).
+            ``fastdllm2``, whose rule is its own). ``sdar``: selected as SDAR's code selects, the quota not capped
+            at the masks left, so a step with fewer masks than its quota overwrites generated (or prompt) tokens;
+            a block still masked after its last step (a committed mask token) raises
+            :class:`UnfinishedBlockError`, where the reference raises ``IndexError``.
         confidence_threshold: the dynamic rule's threshold (default 0.85; ``fastdllm2``: 0.9, the official
             evaluation's).
         temperature, top_k, top_p: the reference's sampling (default 1.0, 0, 1.0; ``top_k=1``: SDAR's greedy

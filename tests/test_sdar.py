@@ -225,3 +225,32 @@ def test_block_decoders_check_sampling_arguments(style, bad, match):
     kw = {"temperature": 0.0} if style == "llada2" else {}
     with pytest.raises(ValueError, match=match):
         block_diffusion_generate(gm.sdar_tiny(0), ["Copy: [a, b]"], gen_length=8, style=style, **{**kw, **bad})
+
+
+def test_generate_never_overwrites_a_committed_token_on_sdar():
+    """dllm.generate's samplers commit masked positions only, also where SDAR's own decoder overwrites (fewer steps
+    than the block, several commits per step): every non-mask token of the canvas stays as it is at every later
+    forward, and in the output."""
+    from test_golden_sdar import sdar_integer
+
+    import dllm
+    from dllm.samplers import SAMPLERS
+
+    m = sdar_integer(0)
+    prompts = ["What is 12 + 30?", 'Please copy the list exactly: ["Ann Lee", "Bob Stone"]']
+    canvases: list[torch.Tensor] = []
+    handle = m.register_forward_pre_hook(lambda _m, args, kw: canvases.append((args[0] if args else kw["tokens"])
+                                                                                .detach().clone()), with_kwargs=True)
+    try:
+        for name in SAMPLERS:
+            if name in ("guided", "adablock"):  # the AR guide's tokenizer; delimiter ids of trained models
+                continue
+            canvases.clear()
+            out = dllm.generate(m, prompts, gen_length=32, steps=8, sampler=name, cache="none", seed=2)
+            final = torch.cat([canvases[0][:, :canvases[0].shape[1] - out.sequences.shape[1]], out.sequences], 1)
+            seen = [c[:len(prompts)] for c in canvases] + [final]
+            for a, b in zip(seen, seen[1:]):
+                kept = a != m.mask_id
+                assert torch.equal(a[kept], b[kept]), name
+    finally:
+        handle.remove()

@@ -139,7 +139,9 @@ def ref_generate(model, input_ids, mask_id, seed=None, **kw):
     seed: if not None, torch.manual_seed(seed) right before the call (torch.multinomial is always used).
 
     Returns dict:
-      output    LongTensor [1, total_length] (the reference's return value; may still contain mask_id)
+      output    LongTensor [1, total_length] (the reference's return value; may still contain mask_id), or None
+                when the reference raised IndexError (a block still holding masks after its last step)
+      error     None, or the IndexError's "type: message" (the forwards up to it are recorded)
       forwards  list of dicts, in call order, each with
         kind            'prefill' | 'denoise' | 'store'
         block           block index (prefill: None)
@@ -151,7 +153,8 @@ def ref_generate(model, input_ids, mask_id, seed=None, **kw):
         committed       (denoise only) absolute positions that were mask before and non-mask after this step
         committed_tokens  tokens written there
         overwritten     (denoise only) positions that were NOT mask but whose token changed in this step
-                        (reference quirk, see NOTES.md; a rewrite with the same token is invisible)
+                        (the reference's top-k selects unmasked positions when fewer masks than the step's
+                        quota are left; a rewrite with the same token is invisible)
     """
     if not torch.is_tensor(input_ids):
         input_ids = torch.tensor(input_ids, dtype=torch.long)
@@ -166,11 +169,14 @@ def ref_generate(model, input_ids, mask_id, seed=None, **kw):
         return x0, x0_p
 
     sdar_generate.sample_with_temperature_topk_topp = rec_sample
+    error = None
     try:
         if seed is not None:
             torch.manual_seed(seed)
         out = sdar_generate.block_diffusion_generate(
             _RecordingModel(model, log), prompt={"input_ids": input_ids}, mask_id=mask_id, **kw)
+    except IndexError as e:  # a block still masked after its last step: the reference reads a quota past the end
+        out, error = None, f"{type(e).__name__}: {e}"
     finally:
         sdar_generate.sample_with_temperature_topk_topp = orig_sample
 
@@ -194,6 +200,8 @@ def ref_generate(model, input_ids, mask_id, seed=None, **kw):
             # state after this step = input of the next forward on the same block, else the final canvas
             if i + 1 < len(log) and log[i + 1]["position_ids"][0, 0].item() == pos[0]:
                 after = log[i + 1]["input_ids"][0]
+            elif out is None:  # the forward after which the reference raised: nothing was written
+                after = before
             else:
                 after = out[0, pos[0]:pos[0] + len(pos)]
             newly = (before == mask_id) & (after != mask_id)
@@ -203,7 +211,7 @@ def ref_generate(model, input_ids, mask_id, seed=None, **kw):
             f["overwritten"] = [pos[j] for j in changed.nonzero().flatten().tolist()]
         forwards.append(f)
     assert si == len(samples)
-    return dict(output=out, forwards=forwards)
+    return dict(output=out, forwards=forwards, error=error)
 
 
 def summarize(res, mask_id=None):
