@@ -362,7 +362,7 @@ def _attn_combine(
 _MAX_SPLITS = 64
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms() -> int:
     if torch.cuda.is_available():
         return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
@@ -742,12 +742,13 @@ def _confidence_stats(logits, temperature, noise, block_v: int, splits: int):
 
 # ------------------------------------------------------------------------------------------ custom ops
 # torch.compile traces through these (the kernels inside are wrapped with torch.library.wrap_triton); eager calls
-# skip the op dispatch and run the same implementations directly.
+# skip the op dispatch and run the same implementations directly. The schemas are inferred from the annotations,
+# spelled with typing.Optional for the torch versions whose inference does not read ``X | None`` strings.
 
 
 @torch.library.triton_op("dllm::flash_attention", mutates_args=())
 def _flash_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              key_padding_mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+              key_padding_mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: UP045
     return _flash_impl(q, k, v, key_padding_mask, traced=True)
 
 
@@ -757,7 +758,7 @@ def _flash_fake(q, k, v, key_padding_mask):
 
 
 @torch.library.triton_op("dllm::splitk_attention", mutates_args=())
-def _splitk_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: Optional[torch.Tensor],
+def _splitk_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: Optional[torch.Tensor],  # noqa: UP045
                num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
     return _splitk_impl(q, k, v, key_padding_mask, num_splits, traced=True)
 
@@ -768,7 +769,7 @@ def _splitk_fake(q, k, v, key_padding_mask, num_splits):
 
 
 @torch.library.triton_op("dllm::confidence_stats", mutates_args=())
-def _confidence_op(logits: torch.Tensor, noise: Optional[torch.Tensor], temperature: float, block_v: int,
+def _confidence_op(logits: torch.Tensor, noise: Optional[torch.Tensor], temperature: float, block_v: int,  # noqa: UP045
                    splits: int) -> tuple[torch.Tensor, torch.Tensor]:
     return _confidence_impl(logits, noise, temperature, block_v, splits, traced=True)
 
