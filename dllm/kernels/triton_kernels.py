@@ -15,13 +15,22 @@ Design notes:
   V's dtype before ``P @ V``; a key-padding mask ``[B, Lk]`` is read per tile; rows whose keys are all masked give
   zeros and ``lse = -inf`` (the running max is replaced by 0 while it is still ``-inf``, so no ``-inf - -inf``).
   Any strides are accepted (e.g. ``[B, L, H, D]`` storage viewed as ``[B, H, L, D]``).
+* ``attention_splitk``: flash-decoding for few query rows over many keys: grid (packed query tile, B x Hkv, key
+  split). The query rows of the ``Hq // Hkv`` heads sharing a KV head are packed into one tile's M dimension, so K/V
+  are read once per GQA group; each program writes a partial output and its LSE in fp32, and ``_attn_combine`` (one
+  program per output row) merges the splits. The split count fills the GPU's SMs once; in fp32 it ignores the batch
+  size (a row's fp32 output does not depend on its batch).
 * ``attention_mass``: second pass, grid (Lk tiles, B x Hq); each program loops over all query rows of its head,
   recomputes ``p = exp2(s * scale - lse * log2(e))`` and column-sums it into ``partial[b, h, n]``; the host sums
   over heads. Deterministic, no atomics.
-* ``confidence_stats``: grid (rows, vocabulary splits); each program runs an online softmax over its vocabulary
-  tiles, keeping (max, normaliser, sum of ``e^(l - m) (l - m)``, top-1 value and index, top-2 value, best noised
-  score with its index and logit); the host merges the splits (a few ``[N, S]`` tensors). The softmax is never
-  materialised.
+* ``confidence_stats``: grid (rows, vocabulary splits); each program keeps every statistic per lane of its tile
+  (max, normaliser, sum of ``e^(l - m) (l - m)``, top-1 value and index, top-2 value, best noised score with its
+  index and logit) with elementwise updates, one ``exp2`` per element, and merges its lanes at the end; a second
+  kernel (``_conf_merge``, one program per row) merges the splits on the device and writes the outputs. The softmax
+  is never materialised; ties go to the smallest index.
+* Loop-carried values start as explicit fp32 and the softmax scale is a ``tl.constexpr``, so nothing turns fp64 when
+  ``torch.compile`` traces the kernels (through the custom ops at the end of this module).
+* bf16/fp16 attention on a GPU is autotuned (Hopper configs); fp32 and the interpreter use one fixed config.
 * bf16 under the interpreter is computed in fp32 (the interpreter has no bf16 arithmetic) and cast back.
 """
 
