@@ -91,6 +91,16 @@ def _load_triton(device: torch.device):
     return triton_kernels, ""
 
 
+def _attention_methods(tk, q, k, v):
+    gqa = q.shape[1] != k.shape[1]
+    methods = {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)}
+    if tk is not None:
+        methods["triton"] = lambda: tk.attention(q, k, v)
+        methods["splitk"] = lambda: tk.attention_splitk(q, k, v)
+        methods["auto"] = lambda: kernels.attention(q, k, v)
+    return methods
+
+
 def bench_attention(cfg, device, dtype, repeats, tk, rows):
     from dllm.kernels import dispatch
 
@@ -105,11 +115,7 @@ def bench_attention(cfg, device, dtype, repeats, tk, rows):
                 q = torch.randn(B, hq, cfg["lq"], cfg["d"], device=device, dtype=dtype, generator=g)
                 k = torch.randn(B, hkv, lk, cfg["d"], device=device, dtype=dtype, generator=g)
                 v = torch.randn(B, hkv, lk, cfg["d"], device=device, dtype=dtype, generator=g)
-                methods = {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=hq != hkv)}
-                if tk is not None:
-                    methods["triton"] = lambda: tk.attention(q, k, v)
-                    methods["splitk"] = lambda: tk.attention_splitk(q, k, v)
-                    methods["auto"] = lambda: kernels.attention(q, k, v)
+                methods = _attention_methods(tk, q, k, v)
                 ms = {name: _time_ms(fn, repeats, device) for name, fn in methods.items()}
                 choice = dispatch.choose(tk, q, k, v) if tk is not None else "-"
                 cells = " ".join(f"{ms[c]:8.4f} {ms['sdpa'] / ms[c]:5.2f}x" if c in ms else f"{'-':>15}"

@@ -18,9 +18,9 @@ if DEV == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"  # before triton's decorators run (see the module docstring)
 
 import math  # noqa: E402
-from types import SimpleNamespace  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
 

@@ -16,7 +16,8 @@ The rule (``"auto"``, the default):
   does not depend on the batch it is computed in;
 * float16 / bfloat16: measured once per shape bucket ``(B, Hq, Hkv, Lq, Lk rounded up to a power of two, D, dtype,
   has mask, return_lse)``: the first call of a bucket runs every candidate once (compilation, autotuning), then
-  times each a few times with CUDA events and keeps the fastest (median); later calls reuse the cached choice.
+  times three rounds of ten back-to-back calls of each with CUDA events and keeps the fastest (median round);
+  later calls reuse the cached choice.
   Nothing is timed while a CUDA graph is being captured or ``torch.compile`` traces: the cached choice is used,
   else SDPA (the flash kernel when the LSE is asked for).
 
@@ -38,7 +39,8 @@ from dllm.kernels import reference
 log = logging.getLogger(__name__)
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "triton", "splitk")
-TIMED_CALLS = 5
+TIMED_CALLS = 10
+TIMED_ROUNDS = 3
 
 _forced: str | None = None
 _choices: dict[tuple, str] = {}
@@ -105,17 +107,19 @@ def run(name: str, tk, q, k, v, key_padding_mask, return_lse):
 
 
 def _measure(fn) -> float:
-    """Median milliseconds of ``TIMED_CALLS`` calls of ``fn`` (CUDA events), after one untimed call."""
+    """Milliseconds per call of ``fn``: after one untimed call, the median over ``TIMED_ROUNDS`` rounds of
+    ``TIMED_CALLS`` back-to-back calls between two CUDA events (steady state, as the benchmark measures)."""
     fn()
     torch.cuda.synchronize()
     times = []
-    for _ in range(TIMED_CALLS):
+    for _ in range(TIMED_ROUNDS):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(TIMED_CALLS):
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / TIMED_CALLS)
     return statistics.median(times)
 
 

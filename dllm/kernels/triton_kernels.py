@@ -15,13 +15,22 @@ Design notes:
   V's dtype before ``P @ V``; a key-padding mask ``[B, Lk]`` is read per tile; rows whose keys are all masked give
   zeros and ``lse = -inf`` (the running max is replaced by 0 while it is still ``-inf``, so no ``-inf - -inf``).
   Any strides are accepted (e.g. ``[B, L, H, D]`` storage viewed as ``[B, H, L, D]``).
+* ``attention_splitk``: flash-decoding for few query rows over many keys: grid (packed query tile, B x Hkv, key
+  split). The query rows of the ``Hq // Hkv`` heads sharing a KV head are packed into one tile's M dimension, so K/V
+  are read once per GQA group; each program writes a partial output and its LSE in fp32, and ``_attn_combine`` (one
+  program per output row) merges the splits. The split count fills the GPU's SMs once; in fp32 it ignores the batch
+  size (a row's fp32 output does not depend on its batch).
 * ``attention_mass``: second pass, grid (Lk tiles, B x Hq); each program loops over all query rows of its head,
   recomputes ``p = exp2(s * scale - lse * log2(e))`` and column-sums it into ``partial[b, h, n]``; the host sums
   over heads. Deterministic, no atomics.
-* ``confidence_stats``: grid (rows, vocabulary splits); each program runs an online softmax over its vocabulary
-  tiles, keeping (max, normaliser, sum of ``e^(l - m) (l - m)``, top-1 value and index, top-2 value, best noised
-  score with its index and logit); the host merges the splits (a few ``[N, S]`` tensors). The softmax is never
-  materialised.
+* ``confidence_stats``: grid (rows, vocabulary splits); each program keeps every statistic per lane of its tile
+  (max, normaliser, sum of ``e^(l - m) (l - m)``, top-1 value and index, top-2 value, best noised score with its
+  index and logit) with elementwise updates, one ``exp2`` per element, and merges its lanes at the end; a second
+  kernel (``_conf_merge``, one program per row) merges the splits on the device and writes the outputs. The softmax
+  is never materialised; ties go to the smallest index.
+* Loop-carried values start as explicit fp32 and the softmax scale is a ``tl.constexpr``, so nothing turns fp64 when
+  ``torch.compile`` traces the kernels (through the custom ops at the end of this module).
+* bf16/fp16 attention on a GPU is autotuned (Hopper configs); fp32 and the interpreter use one fixed config.
 * bf16 under the interpreter is computed in fp32 (the interpreter has no bf16 arithmetic) and cast back.
 """
 
@@ -49,6 +58,16 @@ if _INTERPRET and type(tl.max).__name__ != "InterpretedFunction":
         "TRITON_INTERPRET=1 was set after triton had been imported (triton.language was compiled for the GPU); "
         "set it before anything imports triton"
     )
+
+
+def _cdiv(a: int, b: int) -> int:
+    """Ceiling division on the host (``triton.cdiv`` is a jit function: a few microseconds per host call)."""
+    return -(-a // b)
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``), on the host without a jit call."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def _interpreting() -> bool:
@@ -160,7 +179,7 @@ def _mask_arg(key_padding_mask, q, traced: bool = False):
 
 
 def _blocks(D: int, Lq: int):
-    block_d = max(16, triton.next_power_of_2(D))
+    block_d = max(16, _pow2(D))
     block_m = 16 if Lq <= 16 else (32 if Lq <= 32 or _interpreting() else 64)
     block_n = 32 if _interpreting() else (64 if block_d > 64 else 128)
     return block_m, block_n, block_d
@@ -202,16 +221,16 @@ def _attention_lse(q, k, v, key_padding_mask, write_out: bool, traced: bool = Fa
     block_m, block_n, block_d = _blocks(D, Lq)
     args = (q, k, vv, out, lse, mask,
             *q.stride(), *k.stride(), *vv.stride(), *out.stride(), *lse.stride(), smb, smn,
-            Hq, Lq, Lk, D, Hq // k.shape[1], triton.next_power_of_2(Lk))
+            Hq, Lq, Lk, D, Hq // k.shape[1], _pow2(Lk))
     meta = dict(QK_SCALE=_LOG2E / math.sqrt(D), HAS_MASK=has_mask, WRITE_OUT=write_out,
                 IEEE=q.dtype == torch.float32, BLOCK_D=block_d)
     if q.dtype == torch.float32 or not write_out or _interpreting():
         # fixed tiles: fp32 results must not depend on an autotuner's timing
-        grid = (triton.cdiv(Lq, block_m), B * Hq)
+        grid = (_cdiv(Lq, block_m), B * Hq)
         _launch(_attn_fwd, traced)[grid](*args, **meta, BLOCK_M=block_m, BLOCK_N=block_n,
                                  num_warps=4 if block_d <= 64 else 8, num_stages=2)
     else:
-        grid = lambda META: (triton.cdiv(Lq, META["BLOCK_M"]), B * Hq)  # noqa: E731
+        grid = lambda META: (_cdiv(Lq, META["BLOCK_M"]), B * Hq)  # noqa: E731
         _launch(_attn_fwd_tuned, traced)[grid](*args, **meta)
     return out, lse
 
@@ -362,7 +381,7 @@ def _attn_combine(
 _MAX_SPLITS = 64
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms() -> int:
     if torch.cuda.is_available():
         return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
@@ -374,8 +393,8 @@ def splitk_num_splits(B: int, Hq: int, Hkv: int, Lq: int, Lk: int, dtype: torch.
     GPU's SMs once, at least 128 keys per split, at most 64 splits. In float32 the batch size is left out (a row's
     fp32 output then never depends on the batch it was computed in)."""
     rows = Lq * (Hq // max(Hkv, 1))
-    base = triton.cdiv(max(rows, 1), 64) * Hkv * (1 if dtype == torch.float32 else max(B, 1))
-    return max(1, min(triton.cdiv(_num_sms(), base), triton.cdiv(max(Lk, 1), 128), _MAX_SPLITS))
+    base = _cdiv(max(rows, 1), 64) * Hkv * (1 if dtype == torch.float32 else max(B, 1))
+    return max(1, min(_cdiv(_num_sms(), base), _cdiv(max(Lk, 1), 128), _MAX_SPLITS))
 
 
 def _splitk_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
@@ -389,8 +408,8 @@ def _splitk_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_
     if Lk == 0:
         return out.zero_(), lse.fill_(float("-inf"))
     align = 1 if _interpreting() else 128  # GPU splits hold whole 128-key tiles
-    chunk = triton.cdiv(triton.cdiv(Lk, num_splits), align) * align
-    nsplit = triton.cdiv(Lk, chunk)
+    chunk = _cdiv(_cdiv(Lk, num_splits), align) * align
+    nsplit = _cdiv(Lk, chunk)
     if nsplit == 1:
         part, plse = out, lse
         po, pl = (0, *out.stride()), (0, *lse.stride())
@@ -400,24 +419,24 @@ def _splitk_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_
         po, pl = part.stride(), plse.stride()
     mask, smb, smn, has_mask = _mask_arg(key_padding_mask, q, traced)
     group = Hq // Hkv
-    block_d = max(16, triton.next_power_of_2(D))
+    block_d = max(16, _pow2(D))
     args = (q, k, v, part, plse, mask, *q.stride(), *k.stride(), *v.stride(), *po, *pl, smb, smn,
-            Hkv, Lq, Lk, D, group, chunk, triton.next_power_of_2(Lk), nsplit)
+            Hkv, Lq, Lk, D, group, chunk, _pow2(Lk), nsplit)
     meta = dict(QK_SCALE=_LOG2E / math.sqrt(D), HAS_MASK=has_mask, IEEE=q.dtype == torch.float32, BLOCK_D=block_d)
     rows = group * Lq
     if q.dtype == torch.float32 or _interpreting():
         # fixed tiles: fp32 results must not depend on an autotuner's timing
         block_m = 16 if rows <= 16 else (32 if rows <= 32 or _interpreting() else 64)
         block_n = 32 if _interpreting() else 64
-        grid = (triton.cdiv(rows, block_m), B * Hkv, nsplit)
+        grid = (_cdiv(rows, block_m), B * Hkv, nsplit)
         _launch(_attn_splitk, traced)[grid](*args, **meta, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=2)
     else:
-        grid = lambda META: (triton.cdiv(rows, META["BLOCK_M"]), B * Hkv, nsplit)  # noqa: E731
+        grid = lambda META: (_cdiv(rows, META["BLOCK_M"]), B * Hkv, nsplit)  # noqa: E731
         _launch(_attn_splitk_tuned, traced)[grid](*args, **meta)
     if nsplit > 1:
         _launch(_attn_combine, traced)[(B * Hq * Lq,)](
             part, plse, out, lse, *part.stride(), *plse.stride(), *out.stride(), *lse.stride(),
-            nsplit, Hq, Lq, D, BLOCK_S=max(2, triton.next_power_of_2(nsplit)), BLOCK_D=block_d,
+            nsplit, Hq, Lq, D, BLOCK_S=max(2, _pow2(nsplit)), BLOCK_D=block_d,
             num_warps=4 if block_d <= 64 else 8,
         )
     return out, lse
@@ -533,7 +552,7 @@ def attention_mass(q, k, key_padding_mask=None, lse=None):
         return part.sum(1)
     mask, smb, smn, has_mask = _mask_arg(key_padding_mask, q)
     block_m, block_n, block_d = _blocks(D, Lq)
-    grid = (triton.cdiv(Lk, block_n), B * Hq)
+    grid = (_cdiv(Lk, block_n), B * Hq)
     _attn_mass[grid](
         q, k, lse, mask, part,
         *q.stride(), *k.stride(), *lse.stride(), smb, smn, *part.stride(),
@@ -698,7 +717,7 @@ def confidence_stats(logits, temperature=0.0, noise=None):
     V, N = logits.shape[-1], logits.numel() // max(logits.shape[-1], 1)
     block_v = 256 if _interpreting() else 1024
     # enough programs to fill the GPU a few times over at a few rows, each with >= 4 tiles of the vocabulary
-    splits = 1 if _interpreting() else max(1, min(triton.cdiv(V, 4 * block_v), triton.cdiv(4 * _num_sms(), max(N, 1)),
+    splits = 1 if _interpreting() else max(1, min(_cdiv(V, 4 * block_v), _cdiv(4 * _num_sms(), max(N, 1)),
                                                   _CONF_MAX_SPLITS))
     return _confidence_stats(logits, temperature, noise, block_v, splits)
 
@@ -707,8 +726,8 @@ def _confidence_impl(x: torch.Tensor, u: torch.Tensor | None, temperature: float
                      traced: bool = False):
     N, V = x.shape
     noised = u is not None
-    chunk = triton.cdiv(triton.cdiv(V, splits), block_v) * block_v
-    nsplit = triton.cdiv(V, chunk)
+    chunk = _cdiv(_cdiv(V, splits), block_v) * block_v
+    nsplit = _cdiv(V, chunk)
     token = torch.empty((N,), dtype=torch.int64, device=x.device)
     out = torch.empty((4, N), dtype=torch.float32, device=x.device)
     if N == 0:
@@ -722,7 +741,7 @@ def _confidence_impl(x: torch.Tensor, u: torch.Tensor | None, temperature: float
         HAS_NOISE=noised, BLOCK_V=block_v, num_warps=4,
     )
     _launch(_conf_merge, traced)[(N,)](stats, idx, token, out, N, nsplit, HAS_NOISE=noised,
-                               BLOCK_S=max(2, triton.next_power_of_2(nsplit)), num_warps=1)
+                               BLOCK_S=max(2, _pow2(nsplit)), num_warps=1)
     return token, out
 
 
@@ -742,12 +761,13 @@ def _confidence_stats(logits, temperature, noise, block_v: int, splits: int):
 
 # ------------------------------------------------------------------------------------------ custom ops
 # torch.compile traces through these (the kernels inside are wrapped with torch.library.wrap_triton); eager calls
-# skip the op dispatch and run the same implementations directly.
+# skip the op dispatch and run the same implementations directly. The schemas are inferred from the annotations,
+# spelled with typing.Optional for the torch versions whose inference does not read ``X | None`` strings.
 
 
 @torch.library.triton_op("dllm::flash_attention", mutates_args=())
 def _flash_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              key_padding_mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+              key_padding_mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: UP045
     return _flash_impl(q, k, v, key_padding_mask, traced=True)
 
 
@@ -757,7 +777,7 @@ def _flash_fake(q, k, v, key_padding_mask):
 
 
 @torch.library.triton_op("dllm::splitk_attention", mutates_args=())
-def _splitk_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: Optional[torch.Tensor],
+def _splitk_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: Optional[torch.Tensor],  # noqa: UP045
                num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
     return _splitk_impl(q, k, v, key_padding_mask, num_splits, traced=True)
 
@@ -768,7 +788,7 @@ def _splitk_fake(q, k, v, key_padding_mask, num_splits):
 
 
 @torch.library.triton_op("dllm::confidence_stats", mutates_args=())
-def _confidence_op(logits: torch.Tensor, noise: Optional[torch.Tensor], temperature: float, block_v: int,
+def _confidence_op(logits: torch.Tensor, noise: Optional[torch.Tensor], temperature: float, block_v: int,  # noqa: UP045
                    splits: int) -> tuple[torch.Tensor, torch.Tensor]:
     return _confidence_impl(logits, noise, temperature, block_v, splits, traced=True)
 
