@@ -311,10 +311,13 @@ def test_dispatch_times_each_bucket_once_and_keeps_the_fastest(attn_dispatch):
     assert measured == ["sdpa", "triton", "splitk"]
     torch.testing.assert_close(out, R.attention(q, k, v), atol=2e-2, rtol=2e-2)
     key = D.bucket(q, k, None, False)
-    assert key == (1, 4, 1, 3, 64, 16, "bfloat16", False, False)
+    assert key == (1, 4, 1, 4, 64, 16, "bfloat16", False, False)
     assert K.attention_choices()[key] == {"choice": "splitk", "ms": fake}
     _, k2, v2 = _inputs(1, 4, 1, 3, 50, 16, torch.bfloat16, seed=16)  # Lk 50: the same power-of-two bucket
     K.attention(q, k2, v2)
+    assert len(measured) == 3
+    q4, k4, v4 = _inputs(1, 4, 1, 4, 40, 16, torch.bfloat16, seed=17)  # 4 queries: the same Lq bucket as 3
+    K.attention(q4, k4, v4)
     assert len(measured) == 3
     fake.update(sdpa=0.5)  # a new bucket (a mask) measures again; SDPA is now the fastest
     mask = torch.ones(1, 40, dtype=torch.bool, device=DEV)

@@ -14,7 +14,7 @@ The rule (``"auto"``, the default):
 * tensors that are not on a GPU (the Triton interpreter): ``"triton"``;
 * float32: ``"splitk"`` always, with a split count that does not depend on the batch size, so a row's fp32 output
   does not depend on the batch it is computed in;
-* float16 / bfloat16: measured once per shape bucket ``(B, Hq, Hkv, Lq, Lk rounded up to a power of two, D, dtype,
+* float16 / bfloat16: measured once per shape bucket ``(B, Hq, Hkv, Lq and Lk rounded up to powers of two, D, dtype,
   has mask, return_lse)``: the first call of a bucket runs every candidate once (compilation, autotuning), then
   times three rounds of ten back-to-back calls of each with CUDA events and keeps the fastest (median round);
   later calls reuse the cached choice.
@@ -68,7 +68,7 @@ def attention_backend() -> str:
 
 def attention_choices() -> dict[tuple, dict]:
     """The measured choices so far: ``{bucket: {"choice": name, "ms": {candidate: median ms}}}``, bucket =
-    ``(B, Hq, Hkv, Lq, Lk bucket, D, dtype, has_mask, return_lse)``."""
+    ``(B, Hq, Hkv, Lq bucket, Lk bucket, D, dtype, has_mask, return_lse)``."""
     return {key: {"choice": name, "ms": dict(_timings.get(key, {}))} for key, name in _choices.items()}
 
 
@@ -82,7 +82,8 @@ def bucket(q: torch.Tensor, k: torch.Tensor, key_padding_mask: torch.Tensor | No
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     lk = 1 << max(Lk - 1, 0).bit_length()
-    return (B, Hq, Hkv, Lq, lk, D, str(q.dtype).removeprefix("torch."), key_padding_mask is not None, bool(return_lse))
+    lq = 1 << max(Lq - 1, 0).bit_length()  # the prefix cache's active set shrinks block by block: few buckets
+    return (B, Hq, Hkv, lq, lk, D, str(q.dtype).removeprefix("torch."), key_padding_mask is not None, bool(return_lse))
 
 
 def _on_gpu(t: torch.Tensor) -> bool:

@@ -97,11 +97,12 @@ def _attn_fwd(
     sob, soh, som, sod,
     slb, slh, slm,
     smb, smn,
-    Hq, Lq, Lk, D, GROUP, LK_BUCKET,
+    Hq, Lq, Lk, D, GROUP, LK_BUCKET, LQ_BUCKET,
     QK_SCALE: tl.constexpr, HAS_MASK: tl.constexpr, WRITE_OUT: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # LK_BUCKET (Lk rounded up to a power of two) is only an autotune key
+    # LK_BUCKET and LQ_BUCKET (Lk and Lq rounded up to powers of two) are only autotune keys: a new query count
+    # in the same bucket (the prefix cache's shrinking active set) reuses the tuned configuration
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // Hq
@@ -198,7 +199,7 @@ _FLASH_CONFIGS = _configs([(32, 32, 4, 2), (32, 64, 4, 2), (64, 64, 4, 3), (64, 
                            (16, 128, 4, 3)])
 _SPLITK_CONFIGS = _configs([(32, 32, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 8, 3), (32, 64, 4, 3),
                             (16, 64, 4, 2), (128, 64, 8, 3)])
-_attn_fwd_tuned = triton.autotune(_FLASH_CONFIGS, key=["Lq", "GROUP", "LK_BUCKET", "D"])(_attn_fwd)
+_attn_fwd_tuned = triton.autotune(_FLASH_CONFIGS, key=["LQ_BUCKET", "GROUP", "LK_BUCKET", "D"])(_attn_fwd)
 
 
 def _launch(kernel, traced: bool):
@@ -221,7 +222,7 @@ def _attention_lse(q, k, v, key_padding_mask, write_out: bool, traced: bool = Fa
     block_m, block_n, block_d = _blocks(D, Lq)
     args = (q, k, vv, out, lse, mask,
             *q.stride(), *k.stride(), *vv.stride(), *out.stride(), *lse.stride(), smb, smn,
-            Hq, Lq, Lk, D, Hq // k.shape[1], _pow2(Lk))
+            Hq, Lq, Lk, D, Hq // k.shape[1], _pow2(Lk), _pow2(Lq))
     meta = dict(QK_SCALE=_LOG2E / math.sqrt(D), HAS_MASK=has_mask, WRITE_OUT=write_out,
                 IEEE=q.dtype == torch.float32, BLOCK_D=block_d)
     if q.dtype == torch.float32 or not write_out or _interpreting():
@@ -280,13 +281,13 @@ def _attn_splitk(
     sos, sob, soh, som, sod,
     sls, slb, slh, slm,
     smb, smn,
-    Hkv, Lq, Lk, D, GROUP, CHUNK, LK_BUCKET, NSPLIT,
+    Hkv, Lq, Lk, D, GROUP, CHUNK, LK_BUCKET, NSPLIT, LQ_BUCKET,
     QK_SCALE: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # one program per (tile of GROUP x Lq packed query rows, batch x KV head, key split); the rows of all query
-    # heads sharing a KV head share one tile, so each K/V tile is read once per group. LK_BUCKET and NSPLIT are
-    # autotune keys only. Out/Lse are the fp32 partials [S, B, Hq, Lq, (D)] (or the final output when S == 1).
+    # heads sharing a KV head share one tile, so each K/V tile is read once per group. LK_BUCKET, LQ_BUCKET and
+    # NSPLIT are autotune keys only. Out/Lse are the fp32 partials [S, B, Hq, Lq, (D)] (or the final output when S == 1).
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     split = tl.program_id(2)
@@ -342,7 +343,8 @@ def _attn_splitk(
              out.to(Out.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
 
 
-_attn_splitk_tuned = triton.autotune(_SPLITK_CONFIGS, key=["Lq", "GROUP", "LK_BUCKET", "NSPLIT", "D"])(_attn_splitk)
+_attn_splitk_tuned = triton.autotune(_SPLITK_CONFIGS, key=["LQ_BUCKET", "GROUP", "LK_BUCKET", "NSPLIT", "D"])(
+    _attn_splitk)
 
 
 @triton.jit
@@ -421,7 +423,7 @@ def _splitk_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_
     group = Hq // Hkv
     block_d = max(16, _pow2(D))
     args = (q, k, v, part, plse, mask, *q.stride(), *k.stride(), *v.stride(), *po, *pl, smb, smn,
-            Hkv, Lq, Lk, D, group, chunk, _pow2(Lk), nsplit)
+            Hkv, Lq, Lk, D, group, chunk, _pow2(Lk), nsplit, _pow2(Lq))
     meta = dict(QK_SCALE=_LOG2E / math.sqrt(D), HAS_MASK=has_mask, IEEE=q.dtype == torch.float32, BLOCK_D=block_d)
     rows = group * Lq
     if q.dtype == torch.float32 or _interpreting():
