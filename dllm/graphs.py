@@ -99,6 +99,8 @@ class GraphRunner:
             return "classifier-free guidance"
         if not isinstance(self.model, Transformer):
             return "not a dllm Transformer"
+        if self.model.config.n_experts:
+            return "mixture-of-experts routing (data-dependent shapes)"
         if not isinstance(cache, KVCache):
             return "cache without K/V buffers"
         if cache.layer_input is not None or cache.observe is not None:
@@ -181,6 +183,7 @@ class GraphRunner:
             with torch.cuda.graph(graph, pool=self.pool):
                 g.out = self._forward(g, cache)
         except Exception as exc:  # an operation that cannot be captured: this shape stays eager
+            _reset_rng_capture_state()
             log.warning("CUDA graph capture failed for batch %d, canvas %d, %d active rows (%s: %s); running "
                         "that shape eagerly", g.x.shape[0], g.x.shape[1], g.query_idx.shape[1],
                         type(exc).__name__, exc)
@@ -199,6 +202,18 @@ class GraphRunner:
     def clear(self) -> None:
         """Drop every graph (and its memory)."""
         self.graphs.clear()
+
+
+def _reset_rng_capture_state() -> None:
+    """After a capture that raised, CUDA's default generator can be left in its capturing state (the capture's
+    epilogue never ran), and every later random draw on the device then fails ("Offset increment outside graph
+    capture"). Capturing an empty graph runs a prologue and an epilogue again, which clears that state."""
+    try:
+        torch.cuda.synchronize()
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            pass
+    except Exception as exc:  # pragma: no cover - depends on the CUDA state
+        log.warning("could not reset the CUDA generator after a failed capture: %s", exc)
 
 
 __all__ = ["GRAPH_MODES", "GraphRunner"]

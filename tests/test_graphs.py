@@ -88,6 +88,15 @@ def test_eager_fallbacks_are_named():
     assert none.stats.graphs == {}  # no K/V buffers: the runner is not used at all
 
 
+def test_mixture_of_experts_models_run_eagerly():
+    """MoE routing gathers each expert's tokens with data-dependent shapes (nonzero): never captured."""
+    model = dllm.load_model("llada2-tiny")
+    assert model.config.n_experts
+    out = dllm.generate(model, ["What is 12 + 30?"], gen_length=8, sampler="threshold", cache="block", graphs="on")
+    assert out.stats.graphs.get("eager:mixture-of-experts routing (data-dependent shapes)", 0) >= 1
+    assert "captures" not in out.stats.graphs
+
+
 def test_graph_options_are_checked():
     model = cached_model("llada", 0)
     with pytest.raises(ValueError, match="graphs must be one of"):
@@ -124,4 +133,31 @@ def test_cuda_graphs_decode_what_the_eager_path_decodes(cache):
     eager = dllm.generate(model, prompts, graphs="off", **kw)
     graph = dllm.generate(model, prompts, graphs="auto", **kw)
     assert graph.stats.graphs.get("captures", 0) >= 1 and graph.stats.graphs.get("replays", 0) >= 1
+    assert "eager:capture failed" not in graph.stats.graphs, graph.stats.graphs
     assert torch.equal(eager.sequences, graph.sequences)
+    torch.rand(4, device="cuda")  # the device's random generator is usable after the captures
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("name", ["sdar-tiny", "fastdllm2-tiny"])
+def test_cuda_graphs_on_block_diffusion_checkpoints(name):
+    model = dllm.load_model(name, device="cuda", dtype="bfloat16")
+    prompts = ["What is 12 + 30?", "Please reverse the order of the list:\n[\"Alice Adams\", \"Brian Baker\"]"]
+    kw = dict(gen_length=32, sampler="threshold", cache="block")
+    eager = dllm.generate(model, prompts, graphs="off", **kw)
+    graph = dllm.generate(model, prompts, graphs="auto", **kw)
+    assert "eager:capture failed" not in graph.stats.graphs, graph.stats.graphs
+    assert torch.equal(eager.sequences, graph.sequences)
+    torch.rand(4, device="cuda")
+
+
+@pytest.mark.parametrize("name", ["sdar-tiny", "fastdllm2-tiny"])
+def test_block_cache_static_buffer_path_on_block_diffusion_checkpoints(name):
+    model = dllm.load_model(name)
+    prompts = ["What is 12 + 30?", "Please reverse the order of the list:\n[\"Alice Adams\", \"Brian Baker\"]"]
+    kw = dict(gen_length=32, sampler="threshold", cache="block")
+    eager = dllm.generate(model, prompts, graphs="off", **kw)
+    graph = dllm.generate(model, prompts, graphs="on", **kw)
+    assert torch.equal(eager.sequences, graph.sequences) and eager.stats.nfe == graph.stats.nfe
+    assert graph.stats.graphs.get("replays", 0) + graph.stats.graphs.get("captures", 0) >= 1, graph.stats.graphs
