@@ -55,7 +55,7 @@ def _solo(model, prompt, rid, chat=True, cache="none", **kw):
     sampler = kw.pop("sampler", None)
     params = kw.pop("params", {})
     out = dllm.generate(model, [prompt], sampler=dllm.get_sampler(sampler, **params) if sampler else None,
-                        cache=cache, row_ids=[rid], chat_template=chat, **kw)
+                        cache=cache, chat_template=chat, **kw)
     return out.texts[0], out.stats.row_nfe[0]
 
 
@@ -185,7 +185,7 @@ def test_the_per_step_canvas_is_streamed_on_request(server):
             assert pos not in committed  # each position committed once
             committed[pos] = tok
     out = dllm.generate(model, [[{"role": "user", "content": PROMPT}]], gen_length=16, block_length=8,
-                        sampler="threshold", row_ids=[rid])
+                        sampler="threshold")
     assert [committed[str(j)] for j in range(16)] == out.sequences[0].tolist()
     assert [ev["step"] for ev in events] == list(range(1, usage["nfe"] + 1))
 

@@ -1,0 +1,204 @@
+"""No request can stop the serving engine: random schedules of submits, cancellations, client timeouts,
+steps and failing batches, over mixed samplers, caches and lengths; every request is answered exactly once,
+the ones not cancelled with their solo ``dllm.generate`` output, and no row is left behind."""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+
+import pytest
+import torch
+
+import dllm
+from dllm.serve import Engine
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+PROMPTS = ["What is 12 + 30?", 'Please copy the list exactly: ["Ann Lee", "Bob Stone"]',
+           'Reverse the list: ["Kevin Irving", "Ann Lee", "Paula Parker"]', "What is 407 + 2185?"]
+# (sampler, params, gen_length, block_length, cache, seed)
+SETTINGS = [
+    ("llada", {}, 2, None, "none", 0),
+    ("llada", {"temperature": 0.8}, 4, None, "prefix", 3),
+    ("threshold", {}, 8, 4, "dual", 0),
+    ("threshold", {"temperature": 0.8}, 8, 4, "none", 7),
+    ("credit", {}, 8, 4, "none", 0),
+    ("fast-dllm", {}, 8, 4, None, 0),  # its own cache (dual)
+    ("eb", {"gamma": 0.1}, 4, None, "dkv-decode", 0),
+]
+
+
+@functools.lru_cache(maxsize=None)
+def _model():
+    return dllm.load_model("llada-tiny", dtype="float32")
+
+
+@functools.lru_cache(maxsize=None)
+def _solo(k: int, p: int) -> tuple[tuple[int, ...], int]:
+    sampler, params, G, B, cache, seed = SETTINGS[k]
+    out = dllm.generate(_model(), [PROMPTS[p]], sampler=dllm.get_sampler(sampler, **params), gen_length=G,
+                        block_length=B, cache=cache, seed=seed)
+    return tuple(out.sequences[0].tolist()), out.stats.row_nfe[0]
+
+
+def _submit(eng: Engine, k: int, p: int):
+    sampler, params, G, B, cache, seed = SETTINGS[k]
+    return eng.submit(PROMPTS[p], gen_length=G, block_length=B, sampler=sampler, params=params, cache=cache,
+                      seed=seed)
+
+
+def test_a_cancelled_request_alone_in_its_batch_one_step_from_done_leaves_the_engine_serving():
+    """The disconnect that killed the engine: the dropped batch must not be stepped again."""
+    e = Engine(_model())
+    h = e.submit("What is 12 + 30?", gen_length=2)
+    e.step()
+    h.cancel()
+    e.step()
+    assert h.result(timeout=0).finish_reason == "cancelled"
+    assert not e.groups and e.stats()["running"] == 0 and e.stats()["engine_errors"] == 0
+    h2 = e.submit("What is 12 + 30?", gen_length=2)
+    e.run_until_idle()
+    out = dllm.generate(_model(), ["What is 12 + 30?"], gen_length=2)
+    assert h2.result(timeout=0).tokens == out.sequences[0].tolist()
+    assert h.finishes == 1 and h2.finishes == 1
+
+
+ACTIONS = st.one_of(
+    st.tuples(st.just("submit"), st.integers(0, len(SETTINGS) - 1), st.integers(0, len(PROMPTS) - 1)),
+    st.tuples(st.just("step")),
+    st.tuples(st.just("cancel"), st.integers(0, 63)),
+    st.tuples(st.just("timeout"), st.integers(0, 63)),
+    st.tuples(st.just("fail"), st.integers(0, 63)),
+)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.lists(ACTIONS, min_size=1, max_size=30), st.integers(1, 3))
+def test_random_schedules_answer_every_request_once_exactly_and_free_every_row(schedule, max_rows):
+    eng = Engine(_model(), max_rows=max_rows)
+    reqs = []  # (handle, setting, prompt)
+    cancelled, failed = set(), set()
+    for action in schedule:
+        if action[0] == "submit":
+            reqs.append((_submit(eng, action[1], action[2]), action[1], action[2]))
+        elif action[0] == "step":
+            eng.step()
+        elif action[0] in ("cancel", "timeout") and reqs:
+            h = reqs[action[1] % len(reqs)][0]
+            if action[0] == "timeout":  # a client that stops waiting cancels its request
+                try:
+                    h.result(timeout=0)
+                    continue
+                except TimeoutError:
+                    pass
+            h.cancel()
+            cancelled.add(h.request_id)
+        elif action[0] == "fail" and eng.groups:  # the batch's next forward raises
+            group = list(eng.groups.values())[action[1] % len(eng.groups)]
+
+            def boom(state, group=group):
+                failed.update(r.request_id for r in group.requests)  # the batch as it is when the fault fires
+                raise RuntimeError("device lost")
+
+            group.decoder.step = boom
+    for _ in range(1000):
+        if not eng.step():
+            break
+    assert not eng.groups and not eng.waiting
+    s = eng.stats()
+    assert s["running"] == 0 and s["waiting"] == 0 and s["engine_errors"] == 0
+    for h, k, p in reqs:
+        assert h.finishes == 1, h.request_id
+        r = h.result(timeout=0)
+        tokens, nfe = _solo(k, p)
+        if r.finish_reason == "cancelled":
+            assert h.request_id in cancelled
+            assert tuple(r.tokens) == tokens[:len(r.tokens)]  # what was final so far
+        elif r.finish_reason == "error":
+            assert h.request_id in failed and "device lost" in r.error
+        else:
+            assert tuple(r.tokens) == tokens and r.nfe == nfe, (h.request_id, SETTINGS[k])
+            assert r.finish_reason in ("stop", "length")
+
+
+def test_a_failing_tick_fails_its_requests_and_the_background_loop_keeps_serving(monkeypatch):
+    eng = Engine(_model())
+    real = eng._admit
+    calls = {"n": 0}
+
+    def flaky():
+        calls["n"] += 1
+        if calls["n"] == 1:
+            with eng._lock:
+                held = list(eng.waiting)
+            if held:
+                raise RuntimeError("bookkeeping bug")
+        return real()
+
+    monkeypatch.setattr(eng, "_admit", flaky)
+    h = eng.submit(PROMPTS[0], gen_length=4)
+    eng.start()
+    try:
+        r = h.result(timeout=30)
+        assert r.finish_reason == "error" and "internal error" in r.error
+        assert eng.alive() and eng.stats()["engine_errors"] == 1
+        h2 = eng.submit(PROMPTS[0], gen_length=4)
+        assert h2.result(timeout=30).tokens == dllm.generate(_model(), [PROMPTS[0]], gen_length=4).sequences[0].tolist()
+    finally:
+        eng.stop()
+    assert not eng.alive()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_stop_never_waits_on_a_dead_engine_and_its_requests_are_answered(monkeypatch):
+    eng = Engine(_model())
+
+    def die():
+        raise SystemExit("thread killed")  # not an Exception: the loop ends
+
+    monkeypatch.setattr(eng, "step", die)
+    h = eng.submit(PROMPTS[0], gen_length=4)
+    eng.start()
+    r = h.result(timeout=30)  # answered, not left waiting
+    assert r.finish_reason == "error"
+    for _ in range(100):
+        if not eng.alive():
+            break
+        time.sleep(0.01)
+    assert not eng.alive()
+    eng.submit(PROMPTS[1], gen_length=4)  # queued after the loop died: stop() must not wait for it
+    t0 = time.monotonic()
+    eng.stop(drain=True)
+    assert time.monotonic() - t0 < 5
+
+
+def test_async_waiters_hold_no_thread_and_see_every_event():
+    """Thousands of awaiting clients cost no worker threads: they are woken through their event loop."""
+    import asyncio
+
+    eng = Engine(_model(), max_rows=4)
+    eng.start()
+    try:
+        async def main():
+            before = threading.active_count()
+            handles = [eng.submit(PROMPTS[i % 4], gen_length=8, block_length=4, sampler="threshold")
+                       for i in range(8)]
+            tasks = [asyncio.ensure_future(h.aresult()) for h in handles]
+            await asyncio.sleep(0.05)
+            during = threading.active_count()
+            results = await asyncio.gather(*tasks)
+            return handles, results, before, during
+
+        handles, results, before, during = asyncio.run(main())
+        assert during <= before + 1
+        for i, r in enumerate(results):
+            out = dllm.generate(_model(), [PROMPTS[i % 4]], gen_length=8, block_length=4, sampler="threshold")
+            assert r.tokens == out.sequences[0].tolist()
+    finally:
+        eng.stop()
+    assert torch.is_grad_enabled()
