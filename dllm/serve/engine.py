@@ -60,7 +60,12 @@ class QueueFull(RuntimeError):
 
 
 class RequestError(ValueError):
-    """A request the engine cannot run (the message names the field and the fix)."""
+    """A request the engine cannot run (the message names the field and the fix; ``param``: that field, an
+    argument of :meth:`Engine.submit`, where one is to blame)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -376,14 +381,14 @@ class Engine:
                 raise QueueFull(f"the engine holds {self.max_queue} requests; retry later")
         rid = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
-            raise RequestError(f"seed={seed!r} is out of range; use an integer from 0 to 2**63 - 1")
+            raise RequestError(f"seed={seed!r} is out of range; use an integer from 0 to 2**63 - 1", "seed")
         if isinstance(sample, bool) or not isinstance(sample, int) or not 0 <= sample < 1024:
-            raise RequestError(f"sample={sample!r} must be an integer from 0 to 1023")
+            raise RequestError(f"sample={sample!r} must be an integer from 0 to 1023", "sample")
         name = sampler or self.sampler
         if not isinstance(name, str):
-            raise RequestError(f"sampler={name!r} must be a sampler name (a string)")
+            raise RequestError(f"sampler={name!r} must be a sampler name (a string)", "sampler")
         if not isinstance(params or {}, dict):
-            raise RequestError(f"params={params!r} must be a dict of the sampler's parameters")
+            raise RequestError(f"params={params!r} must be a dict of the sampler's parameters", "params")
         params = {**(self.params if name == self.sampler else {}), **(params or {})}
         self._check_sampler(name, params)
         try:
@@ -395,27 +400,31 @@ class Engine:
         if least + gen_length > self.model.max_seq_len:
             raise RequestError(f"prompt (at least {least} tokens) + gen_length ({gen_length}) exceeds the model's "
                                f"context of {self.model.max_seq_len} tokens; shorten the prompt or lower "
-                               f"gen_length (max_tokens)")
+                               f"gen_length (max_tokens)", "prompt")
         try:
             recipe = get_sampler(name, **params)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise RequestError(str(exc), "sampler" if "unknown sampler" in str(exc) else "params") from None
+        try:
             rows = prepare_prompts(self.model, [prompt], None, chat_template)
         except (ValueError, TypeError, KeyError) as exc:
-            raise RequestError(str(exc)) from None
+            raise RequestError(str(exc), "prompt") from None
         if cache is None:  # the preset's own cache (fast-dllm: dual), where the engine can move it; block-diffusion
             # checkpoints: their exact block cache, as in generate
             cache = "block" if model_block_size(self.model) else (getattr(recipe, "cache", None) or "none")
             cache = cache if isinstance(cache, str) else cache[0]
         if cache not in SERVED_CACHES:
-            raise RequestError(f"cache {cache!r} is not served; served caches: {', '.join(SERVED_CACHES)}")
+            raise RequestError(f"cache {cache!r} is not served; served caches: {', '.join(SERVED_CACHES)}", "cache")
         spec = (name, tuple(sorted(params.items())), cache)
         try:  # lengths, block layout and context checked before queueing
             resolve(self.model, recipe, cache, None, config)
-            if len(rows[0]) + gen_length > self.model.max_seq_len:
-                raise ValueError(f"prompt ({len(rows[0])} tokens) + gen_length ({gen_length}) exceeds the model's "
-                                 f"context of {self.model.max_seq_len} tokens")
             hash(spec)
         except (ValueError, TypeError) as exc:
             raise RequestError(str(exc)) from None
+        if len(rows[0]) + gen_length > self.model.max_seq_len:
+            raise RequestError(f"prompt ({len(rows[0])} tokens) + gen_length ({gen_length}) exceeds the model's "
+                               f"context of {self.model.max_seq_len} tokens; shorten the prompt or lower gen_length "
+                               f"(max_tokens)", "prompt")
         handle = RequestHandle(rid, canvas)
         req = _Request(rid, rows[0], config, spec, handle, time.perf_counter(), recipe, sample=sample)
         with self._lock:
@@ -450,9 +459,9 @@ class Engine:
     def _check_sampler(name: str, params: dict) -> None:
         if name in BATCH_STATEFUL:
             raise RequestError(f"sampler {name!r} reads state shared by a batch and is not served; served: every "
-                               f"registered sampler but {', '.join(BATCH_STATEFUL)}")
+                               f"registered sampler but {', '.join(BATCH_STATEFUL)}", "sampler")
         if params.get("noise_scope", "row") != "row":
-            raise RequestError("noise_scope must be 'row' when serving (per-request random streams)")
+            raise RequestError("noise_scope must be 'row' when serving (per-request random streams)", "params")
 
     # ------------------------------------------------------------------------------------------ the loop
     def step(self) -> bool:

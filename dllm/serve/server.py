@@ -245,7 +245,11 @@ def create_app(engine: Engine, model_name: str = "dllm", api_key: str | None = N
                 raise BadRequest(str(exc), None, 429) from None
             if isinstance(exc, RequestError):
                 msg = str(exc)
-                param = msg.split(":")[0].split("=")[0].split(" ")[0] if msg[:1].isalpha() else None
+                param = {"gen_length": "max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens",
+                         "prompt": "messages" if chat else "prompt"}.get(exc.param, exc.param)
+                if param is None:  # the settings' own checks name the field first
+                    first = msg.split(":")[0].split("=")[0].split(" ")[0]
+                    param = {"gen_length": "max_tokens"}.get(first, first)
                 raise BadRequest(msg, param if param in type(req).model_fields else None) from None
             if isinstance(exc, Exception):  # e.g. a sampler's own checks raising something unexpected
                 log.warning("request refused: %s: %s", type(exc).__name__, exc)
