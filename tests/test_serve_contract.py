@@ -278,3 +278,32 @@ def test_health_is_503_and_requests_are_refused_when_the_engine_is_not_running(s
         engine.start()
     assert httpx.get(f"{url}/health").status_code == 200
     assert _post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4}).status_code == 200
+
+
+def test_the_readme_serving_example_answers_correctly(server):
+    """The README's curl body, sent as is: the bundled model reverses the list."""
+    import pathlib
+    import re
+
+    model, engine, url = server
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Serving"):]
+    body = json.loads(re.search(r"-d '(\{.*?\})'", section, re.S).group(1))
+    r = _post(url, "/v1/chat/completions", body)
+    assert r.status_code == 200
+    assert json.loads(r.json()["choices"][0]["message"]["content"]) == ["Carol Carter", "Brian Baker", "Alice Adams"]
+
+
+def test_serve_checks_its_port_before_loading_the_model(monkeypatch):
+    import dllm.cli.serve as cli_serve
+    from dllm.cli import main
+
+    def no_loading(args):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(cli_serve, "load_model_arg", no_loading)
+    for port in ("99999", "0", "-1", "65536"):
+        with pytest.raises(SystemExit, match="--port.*from 1 to 65535"):
+            main(["serve", "--port", port])
+    with pytest.raises(SystemExit, match="--max-body-bytes must be >= 1"):
+        main(["serve", "--max-body-bytes", "0"])
