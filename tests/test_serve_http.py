@@ -168,14 +168,13 @@ def test_the_per_step_canvas_is_streamed_on_request(server):
     model, engine, url = server
     body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 16, "stream": True,
             "block_length": 8, "sampler": "threshold", "dllm_canvas": True}
-    events, usage, rid = [], None, None
+    events, usage = [], None
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
                       timeout=30) as r:
         for line in r.iter_lines():
             if not line.startswith("data: {"):
                 continue
             ev = json.loads(line[6:])
-            rid = ev["id"]
             if "dllm" in ev:
                 events.append(ev["dllm"])
             usage = ev.get("usage") or usage

@@ -32,12 +32,12 @@ SETTINGS = [
 ]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _model():
     return dllm.load_model("llada-tiny", dtype="float32")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _solo(k: int, p: int) -> tuple[tuple[int, ...], int]:
     sampler, params, G, B, cache, seed = SETTINGS[k]
     out = dllm.generate(_model(), [PROMPTS[p]], sampler=dllm.get_sampler(sampler, **params), gen_length=G,

@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import queue
 import threading
 import time
 from collections import deque
@@ -543,15 +542,18 @@ class Engine:
         for req in group.requests:
             self._answer(req, None, "error", message)
         group.requests = []
-        if self.groups.get(group.key) is group:
-            del self.groups[group.key]
+        with self._lock:  # other threads read the groups (stats, submit)
+            if self.groups.get(group.key) is group:
+                del self.groups[group.key]
 
     def _fail_all(self, message: str) -> None:
         with self._lock:
             waiting, self.waiting = list(self.waiting), deque()
         for req in waiting:
             self._answer(req, None, "error", message)
-        for group in list(self.groups.values()):
+        with self._lock:
+            groups = list(self.groups.values())
+        for group in groups:
             self._fail_group(group, message)
 
     def _key(self, req: _Request) -> tuple:
@@ -596,7 +598,8 @@ class Engine:
         st.row_key = torch.cat([_row_keys([r.rows] * (r.sample + 1), None, r.config.seed)[r.sample:]
                                 for r in reqs]).to(st.row_key.device)
         if group is None:
-            self.groups[key] = _Group(key, dec, st, list(reqs))
+            with self._lock:
+                self.groups[key] = _Group(key, dec, st, list(reqs))
             return
         self.metrics["joins"] += len(reqs)
         old = group.state
@@ -665,8 +668,9 @@ class Engine:
     def _remove(self, group: _Group, keep: list[int]) -> None:
         if not keep:  # the batch is empty: it is dropped (nothing of it is stepped again)
             group.requests = []
-            if self.groups.get(group.key) is group:
-                del self.groups[group.key]
+            with self._lock:
+                if self.groups.get(group.key) is group:
+                    del self.groups[group.key]
             return
         st = _select(group.state, keep)
         group.requests = [group.requests[i] for i in keep]
@@ -747,7 +751,7 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             waiting = len(self.waiting)
-        groups = list(self.groups.values())
+            groups = list(self.groups.values())
         running = sum(len(g.requests) for g in groups)
         return {**self.metrics, "waiting": waiting, "running": running, "groups": len(groups),
                 "alive": self.alive(),

@@ -24,7 +24,7 @@ import uuid
 from typing import Any
 
 from dllm.serve.engine import Engine, QueueFull, RequestError
-from dllm.serve.protocol import BadRequest, ChatRequest, CompletionRequest, parse
+from dllm.serve.protocol import BadRequest, parse
 
 try:
     from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -36,6 +36,7 @@ try:
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+    from starlette.background import BackgroundTask
     from starlette.exceptions import HTTPException as StarletteHTTPException
 except ImportError as exc:  # pragma: no cover - exercised only without the serve extra
     raise ImportError("the server needs FastAPI and uvicorn: pip install 'dllm[serve]'") from exc
@@ -335,9 +336,9 @@ def create_app(engine: Engine, model_name: str = "dllm", api_key: str | None = N
             for t in tasks:
                 t.cancel()
 
-        if req.stream:
+        if req.stream:  # release() also as a background task: it runs even if the stream never starts
             return StreamingResponse(_events(req, chat, rid, created, handles, texts, echo, out, release),
-                                     media_type="text/event-stream")
+                                     media_type="text/event-stream", background=BackgroundTask(release))
         results: dict[int, Any] = {}
         pieces = [[] for _ in handles]
         failed = None
