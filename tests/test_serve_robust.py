@@ -15,7 +15,7 @@ import dllm
 from dllm.serve import Engine
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 PROMPTS = ["What is 12 + 30?", 'Please copy the list exactly: ["Ann Lee", "Bob Stone"]',
@@ -67,22 +67,35 @@ def test_a_cancelled_request_alone_in_its_batch_one_step_from_done_leaves_the_en
     assert h.finishes == 1 and h2.finishes == 1
 
 
-ACTIONS = st.one_of(
-    st.tuples(st.just("submit"), st.integers(0, len(SETTINGS) - 1), st.integers(0, len(PROMPTS) - 1)),
-    st.tuples(st.just("step")),
+_SUBMIT = st.tuples(st.just("submit"), st.integers(0, len(SETTINGS) - 1), st.integers(0, len(PROMPTS) - 1))
+_STEP = st.tuples(st.just("step"))
+ACTIONS = st.one_of(  # submits and steps weighted up, so batches form, join, fill and drain
+    _SUBMIT, _SUBMIT, _SUBMIT, _STEP, _STEP, _STEP,
     st.tuples(st.just("cancel"), st.integers(0, 63)),
     st.tuples(st.just("timeout"), st.integers(0, 63)),
     st.tuples(st.just("fail"), st.integers(0, 63)),
+    st.tuples(st.just("fail_join")),
 )
 
 
-@settings(max_examples=150, deadline=None, derandomize=True,
+@settings(max_examples=300, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(st.lists(ACTIONS, min_size=1, max_size=30), st.integers(1, 3))
+@given(st.lists(ACTIONS, min_size=6, max_size=40), st.integers(1, 3))
 def test_random_schedules_answer_every_request_once_exactly_and_free_every_row(schedule, max_rows):
     eng = Engine(_model(), max_rows=max_rows)
     reqs = []  # (handle, setting, prompt)
     cancelled, failed = set(), set()
+    join_faults, fired = [], []
+    real_join = eng._join
+
+    def join(key, group, newcomers, dec, state):  # the next merge into a running batch raises, when armed
+        if group is not None and join_faults:
+            fired.append(join_faults.pop())
+            failed.update(r.request_id for r in group.requests + newcomers)
+            raise RuntimeError("device lost")
+        return real_join(key, group, newcomers, dec, state)
+
+    eng._join = join
     for action in schedule:
         if action[0] == "submit":
             reqs.append((_submit(eng, action[1], action[2]), action[1], action[2]))
@@ -98,6 +111,8 @@ def test_random_schedules_answer_every_request_once_exactly_and_free_every_row(s
                     pass
             h.cancel()
             cancelled.add(h.request_id)
+        elif action[0] == "fail_join":
+            join_faults.append(True)
         elif action[0] == "fail" and eng.groups:  # the batch's next forward raises
             group = list(eng.groups.values())[action[1] % len(eng.groups)]
 
@@ -111,7 +126,12 @@ def test_random_schedules_answer_every_request_once_exactly_and_free_every_row(s
             break
     assert not eng.groups and not eng.waiting
     s = eng.stats()
-    assert s["running"] == 0 and s["waiting"] == 0 and s["engine_errors"] == 0
+    assert s["running"] == 0 and s["waiting"] == 0
+    assert s["engine_errors"] == len(fired)  # only the injected merge faults
+    for h, _, _ in reqs:  # what the schedules exercised (pytest --hypothesis-show-statistics)
+        event(f"outcome: {h.result(timeout=0).finish_reason}")
+    event(f"merge faults fired: {bool(fired)}")
+    event(f"batch faults injected: {bool(failed) and not fired}")
     for h, k, p in reqs:
         assert h.finishes == 1, h.request_id
         r = h.result(timeout=0)

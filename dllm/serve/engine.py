@@ -575,20 +575,29 @@ class Engine:
             room = self.max_rows - (len(group.requests) if group else 0)
             take, rest = reqs[:room], reqs[room:]
             later += rest
-            if take:
-                try:
-                    self._join(key, group, take)
-                except Exception as exc:  # a request that cannot start fails alone
-                    log.exception("requests could not join a batch")
-                    for r in take:
-                        self._answer(r, None, "error", f"{type(exc).__name__}: {exc}")
-                    if group is not None and self.groups.get(key) is group and group.state.x.shape[0] != len(
-                            group.requests):  # the batch was left half-joined: its requests fail too
-                        self._fail_group(group, f"{type(exc).__name__}: {exc}")
+            if not take:
+                continue
+            try:
+                dec, st = self._start(take)
+            except Exception as exc:  # requests that cannot start fail alone
+                log.exception("requests could not start")
+                for r in take:
+                    self._answer(r, None, "error", f"{type(exc).__name__}: {exc}")
+                continue
+            try:
+                self._join(key, group, take, dec, st)
+            except Exception as exc:  # the batch may be left half-joined: its requests fail with the newcomers
+                log.exception("requests could not join a batch")
+                self.metrics["engine_errors"] += 1
+                for r in take:
+                    self._answer(r, None, "error", f"{type(exc).__name__}: {exc}")
+                if group is not None:
+                    self._fail_group(group, f"{type(exc).__name__}: {exc}")
         with self._lock:
             self.waiting.extendleft(reversed(later))
 
-    def _join(self, key: tuple, group: _Group | None, reqs: list[_Request]) -> None:
+    def _start(self, reqs: list[_Request]) -> tuple[Decoder, DecodeState]:
+        """The newcomers' own decoder and state (their first forward is their own full forward)."""
         recipe = reqs[0].recipe
         sampler, cache, policy, config = resolve(self.model, recipe, reqs[0].sampler_spec[2], None, reqs[0].config)
         dec = Decoder(self.model, sampler, cache, policy, config)
@@ -597,6 +606,9 @@ class Engine:
         # each row's random stream keyed by (seed, its prompt, its sample index), as generate keys a prompt
         st.row_key = torch.cat([_row_keys([r.rows] * (r.sample + 1), None, r.config.seed)[r.sample:]
                                 for r in reqs]).to(st.row_key.device)
+        return dec, st
+
+    def _join(self, key: tuple, group: _Group | None, reqs: list[_Request], dec: Decoder, st: DecodeState) -> None:
         if group is None:
             with self._lock:
                 self.groups[key] = _Group(key, dec, st, list(reqs))
