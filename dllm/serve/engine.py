@@ -209,6 +209,7 @@ class _Request:
     recipe: Any = None
     emitted: int = 0  # generated positions already streamed
     sample: int = 0  # which answer to the same prompt (keys the random stream with the seed)
+    isolated: bool = False  # retried alone after its batch failed: it gets a batch of its own
 
 
 @dataclass
@@ -332,8 +333,9 @@ class Engine:
     ``params``: the sampler of requests that name none (default: the model family's baseline), and its
     parameters (a request naming no sampler, or this one, adds its own ``params`` over them).
 
-    No request can stop the engine: an exception while serving a batch fails that batch's requests (finish
-    reason ``error``), one in the loop's own bookkeeping fails the requests it held, and the loop goes on."""
+    No request can stop the engine: when serving a batch raises, the batch is dropped and its requests are
+    retried alone (a request that fails alone ends with finish reason ``error``); an exception in the loop's
+    tick fails the requests it held; the loop goes on."""
 
     def __init__(self, model, *, max_rows: int = 8, max_queue: int = 256, sampler: str | None = None,
                  params: dict | None = None):
@@ -361,7 +363,7 @@ class Engine:
         self.last_tick: float | None = None  # time.monotonic() of the loop's last finished tick
         self.metrics = {"requests": {"stop": 0, "length": 0, "cancelled": 0, "error": 0}, "forwards": 0,
                         "tokens": 0, "step_seconds": 0.0, "steps": 0, "joins": 0, "request_nfe": 0,
-                        "request_positions": 0, "engine_errors": 0}
+                        "request_positions": 0, "engine_errors": 0, "retried": 0}
 
     # ------------------------------------------------------------------------------------------ requests
     def submit(self, prompt, *, gen_length: int = 64, block_length: int | None = None, steps: int | None = None,
@@ -474,9 +476,9 @@ class Engine:
             try:
                 self._step_group(group)
             except Exception as exc:
-                log.exception("serving a batch failed; its requests fail, the engine goes on")
+                log.exception("serving a batch failed; its requests are retried alone, the engine goes on")
                 self.metrics["engine_errors"] += 1
-                self._fail_group(group, f"{type(exc).__name__}: {exc}")
+                self._retry_or_fail(self._drop(group), f"{type(exc).__name__}: {exc}")
         self.last_tick = time.monotonic()
         with self._lock:
             return bool(self.waiting or self.groups)
@@ -539,12 +541,8 @@ class Engine:
             raise
 
     def _fail_group(self, group: _Group, message: str) -> None:
-        for req in group.requests:
+        for req in self._drop(group):
             self._answer(req, None, "error", message)
-        group.requests = []
-        with self._lock:  # other threads read the groups (stats, submit)
-            if self.groups.get(group.key) is group:
-                del self.groups[group.key]
 
     def _fail_all(self, message: str) -> None:
         with self._lock:
@@ -558,7 +556,35 @@ class Engine:
 
     def _key(self, req: _Request) -> tuple:
         c = req.config
-        return (req.sampler_spec, c.gen_length, c.block_length, c.steps, c.eos_early_stop, c.seed, c.chat_template)
+        key = (req.sampler_spec, c.gen_length, c.block_length, c.steps, c.eos_early_stop, c.seed, c.chat_template)
+        return key + (("alone", req.request_id),) if req.isolated else key
+
+    def _retry_or_fail(self, reqs: list[_Request], message: str) -> None:
+        """Requests whose batch failed: one that was alone (or already retried alone) fails; the others are
+        retried, each alone and from the start, so one request's failure ends only that request. A restarted
+        request's answer is the same (it does not depend on when it starts), so what it streamed stays valid."""
+        retry = []
+        for req in reqs:
+            if req.handle.done():
+                continue
+            if req.isolated or len(reqs) == 1:
+                self._answer(req, None, "error", message)
+            else:
+                req.isolated = True
+                retry.append(req)
+        if retry:
+            log.warning("retrying %d request(s) alone after their batch failed", len(retry))
+            self.metrics["retried"] += len(retry)
+            with self._lock:
+                self.waiting.extendleft(reversed(retry))
+
+    def _drop(self, group: _Group) -> list[_Request]:
+        """Remove the batch; returns its requests."""
+        reqs, group.requests = group.requests, []
+        with self._lock:
+            if self.groups.get(group.key) is group:
+                del self.groups[group.key]
+        return reqs
 
     def _admit(self) -> None:
         with self._lock:
@@ -579,20 +605,17 @@ class Engine:
                 continue
             try:
                 dec, st = self._start(take)
-            except Exception as exc:  # requests that cannot start fail alone
+            except Exception as exc:  # requests that cannot start: retried alone, then failed
                 log.exception("requests could not start")
-                for r in take:
-                    self._answer(r, None, "error", f"{type(exc).__name__}: {exc}")
+                self._retry_or_fail(take, f"{type(exc).__name__}: {exc}")
                 continue
             try:
                 self._join(key, group, take, dec, st)
-            except Exception as exc:  # the batch may be left half-joined: its requests fail with the newcomers
+            except Exception as exc:  # the batch may be left half-joined: it is dropped, its requests retried
                 log.exception("requests could not join a batch")
                 self.metrics["engine_errors"] += 1
-                for r in take:
-                    self._answer(r, None, "error", f"{type(exc).__name__}: {exc}")
-                if group is not None:
-                    self._fail_group(group, f"{type(exc).__name__}: {exc}")
+                self._retry_or_fail((self._drop(group) if group is not None else []) + take,
+                                    f"{type(exc).__name__}: {exc}")
         with self._lock:
             self.waiting.extendleft(reversed(later))
 
@@ -653,9 +676,9 @@ class Engine:
         t0 = time.perf_counter()
         try:
             dec.step(st)
-        except Exception as exc:  # the group's requests fail; the engine goes on
+        except Exception as exc:  # the batch is dropped: a request alone fails, the others are retried alone
             log.exception("decode step failed")
-            self._fail_group(group, f"{type(exc).__name__}: {exc}")
+            self._retry_or_fail(self._drop(group), f"{type(exc).__name__}: {exc}")
             return
         self.metrics["step_seconds"] += time.perf_counter() - t0
         self.metrics["steps"] += 1
@@ -679,10 +702,7 @@ class Engine:
 
     def _remove(self, group: _Group, keep: list[int]) -> None:
         if not keep:  # the batch is empty: it is dropped (nothing of it is stepped again)
-            group.requests = []
-            with self._lock:
-                if self.groups.get(group.key) is group:
-                    del self.groups[group.key]
+            self._drop(group)
             return
         st = _select(group.state, keep)
         group.requests = [group.requests[i] for i in keep]
@@ -743,7 +763,8 @@ class Engine:
             tokens = st.x[i, st.P:].tolist()
             nfe = int(st.row_nfe[i])
         if outcome == "cancelled":  # what the client has seen: the final prefix streamed so far
-            tokens = tokens[:req.emitted]
+            final = next((j for j, t in enumerate(tokens) if t == self.model.mask_id), len(tokens))
+            tokens = tokens[:min(req.emitted, final)]
         stops = {t for t in (self.model.eos_id, self.model.eot_id) if t is not None}
         n = next((j for j, t in enumerate(tokens) if t in stops), len(tokens))
         if outcome == "done":

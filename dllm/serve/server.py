@@ -74,6 +74,8 @@ class _EngineCollector:
         for k, v in s["requests"].items():
             req.add_metric([k], v)
         yield req
+        yield CounterMetricFamily("dllm_requests_retried", "requests retried alone after their batch failed",
+                                  value=s["retried"])
         yield CounterMetricFamily("dllm_engine_errors", "exceptions the engine caught while serving (each failed "
                                   "the requests it concerned)", value=s["engine_errors"])
         yield CounterMetricFamily("dllm_forwards", "model forwards (one per batch step)", value=s["forwards"])
