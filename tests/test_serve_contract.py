@@ -225,7 +225,11 @@ def _stream(url, body):
     return pieces, reasons, usage
 
 
-def test_a_stop_string_straddling_two_chunks_is_never_sent_and_ends_the_decoding(server):
+@pytest.mark.parametrize("inline", [True, False], ids=["decoded-on-the-loop", "decoded-in-a-thread"])
+def test_a_stop_string_straddling_two_chunks_is_never_sent_and_ends_the_decoding(server, inline, monkeypatch):
+    import dllm.serve.server as srv
+
+    monkeypatch.setattr(srv, "INLINE_DECODE", 10**6 if inline else 0)
     model, engine, url = server
     body = {"messages": CHAT, "max_tokens": 48, "block_length": 8, "sampler": "llada"}
     pieces, _, usage = _stream(url, body)

@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 4 * 1024 * 1024  # default request body limit (413 above it)
 HEALTH_STALL_S = 60.0  # /health is 503 when requests are pending and the loop has not ticked for this long
+INLINE_DECODE = 64  # answers up to this many tokens are detokenised on the event loop, longer ones in a thread
+SHUTDOWN_TIMEOUT_S = 60  # on SIGTERM, connections still open after this long are closed
 _KINDS = {401: "authentication_error", 403: "permission_error", 404: "invalid_request_error",
           429: "rate_limit_error", 503: "server_error"}
 
@@ -289,7 +291,10 @@ def create_app(engine: Engine, model_name: str = "dllm", api_key: str | None = N
                 if kind == "canvas":
                     await out.put(("canvas", i, value))
                     continue
-                piece = text.feed(value)
+                if len(text.ids) + len(value) > INLINE_DECODE:  # detokenising a long answer: off the event loop
+                    piece = await asyncio.to_thread(text.feed, value)
+                else:
+                    piece = text.feed(value)
                 if piece:
                     await out.put(("text", i, piece))
                 if text.stopped:  # the stop string is found: the row is freed, nothing past it is sent
@@ -297,7 +302,7 @@ def create_app(engine: Engine, model_name: str = "dllm", api_key: str | None = N
                     break
             r = await handle.aresult()
             if not text.stopped:
-                piece = text.feed([], final=True)
+                piece = await asyncio.to_thread(text.feed, [], True)
                 if piece:
                     await out.put(("text", i, piece))
             await out.put(("end", i, r))
@@ -444,8 +449,10 @@ def create_app(engine: Engine, model_name: str = "dllm", api_key: str | None = N
 
 def serve(model, *, host: str = "127.0.0.1", port: int = 8000, model_name: str = "dllm", api_key: str | None = None,
           max_rows: int = 8, max_queue: int = 256, sampler: str | None = None, params: dict | None = None,
-          log_level: str = "info", max_body_bytes: int = MAX_BODY_BYTES) -> None:
-    """Run the server until SIGINT / SIGTERM (uvicorn stops accepting and finishes the requests in flight).
+          log_level: str = "info", max_body_bytes: int = MAX_BODY_BYTES,
+          shutdown_timeout: int = SHUTDOWN_TIMEOUT_S) -> None:
+    """Run the server until SIGINT / SIGTERM (uvicorn stops accepting and finishes the requests in flight, at
+    most ``shutdown_timeout`` seconds: a client that never reads its stream cannot hold the shutdown).
     ``sampler`` / ``params``: the default of requests that name no sampler (:class:`Engine`)."""
     import uvicorn
 
@@ -454,7 +461,7 @@ def serve(model, *, host: str = "127.0.0.1", port: int = 8000, model_name: str =
     app = create_app(engine, model_name, api_key, max_body_bytes=max_body_bytes)
     engine.start()
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level)
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout)
     finally:
         engine.stop(drain=True, timeout=60)
 
