@@ -97,7 +97,9 @@ BAD = [  # (path, body, param, words in the message)
     ("/v1/completions", {"prompt": PROMPT, "suffix": "x"}, "suffix", ["not supported"]),
     ("/v1/completions", {"prompt": PROMPT, "best_of": 3}, "best_of", ["not supported"]),
     ("/v1/completions", {"prompt": PROMPT, "logprobs": 2}, "logprobs", ["not supported"]),
-    ("/v1/completions", {"prompt": PROMPT, "top_p": 0.9}, "top_p", ["not supported"]),
+    ("/v1/completions", {"prompt": PROMPT, "top_p": 0.9}, "top_p", ["no nucleus cut", "dream"]),
+    ("/v1/completions", {"prompt": PROMPT, "top_p": 0, "sampler": "dream"}, "top_p", ["out of range"]),
+    ("/v1/completions", {"prompt": PROMPT, "top_p": 1.5, "sampler": "dream"}, "top_p", ["out of range"]),
     ("/v1/completions", {"prompt": PROMPT, "presence_penalty": 0.5}, "presence_penalty", ["not supported"]),
     ("/v1/completions", {"prompt": PROMPT, "frequency_penalty": 0.5}, "frequency_penalty", ["not supported"]),
     ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"5": 1}}, "logit_bias", ["not supported"]),
@@ -311,3 +313,13 @@ def test_serve_checks_its_port_before_loading_the_model(monkeypatch):
             main(["serve", "--port", port])
     with pytest.raises(SystemExit, match="--max-body-bytes must be >= 1"):
         main(["serve", "--max-body-bytes", "0"])
+
+
+def test_top_p_is_the_samplers_own_nucleus_cut(server):
+    model, engine, url = server
+    body = {"messages": CHAT, "max_tokens": 16, "temperature": 0.9, "seed": 3, "sampler": "dream"}
+    for top_p in (0.3, 1):
+        r = _post(url, "/v1/chat/completions", {**body, "top_p": top_p}).json()
+        params = {"temperature": 0.9, **({"top_p": top_p} if top_p < 1 else {})}
+        out = dllm.generate(model, [CHAT], gen_length=16, seed=3, sampler=dllm.get_sampler("dream", **params))
+        assert r["choices"][0]["message"]["content"] == out.texts[0], top_p

@@ -82,7 +82,6 @@ Dict = _typed(dict, "an object")
 
 # OpenAI fields refused unless they hold their neutral value (what leaving them out means)
 REFUSED = {
-    "top_p": ((1, 1.0), "; only 1 (no nucleus cut) — a sampler's own top_p goes in params, e.g. sampler 'dream'"),
     "presence_penalty": ((0, 0.0), "; only 0"),
     "frequency_penalty": ((0, 0.0), "; only 0"),
     "logit_bias": (({},), "; leave it out"),
@@ -120,7 +119,7 @@ class _Body(BaseModel):
     cache: Str | None = None
     dllm_canvas: Bool | None = None
     # refused unless neutral
-    top_p: _neutral("top_p", *REFUSED["top_p"]) | None = None
+    top_p: _number(0.0, 1.0, "; the nucleus mass, 0 < top_p <= 1 (1: no cut)") | None = None
     presence_penalty: _neutral("presence_penalty", *REFUSED["presence_penalty"]) | None = None
     frequency_penalty: _neutral("frequency_penalty", *REFUSED["frequency_penalty"]) | None = None
     logit_bias: _neutral("logit_bias", *REFUSED["logit_bias"]) | None = None
@@ -129,6 +128,8 @@ class _Body(BaseModel):
 
     @model_validator(mode="after")
     def _options(self):
+        if self.top_p is not None and self.top_p <= 0:
+            raise BadRequest("top_p: 0 is out of range; the nucleus mass, 0 < top_p <= 1 (1: no cut)", "top_p")
         if self.stream_options is not None:
             unknown = sorted(set(self.stream_options) - {"include_usage"})
             if unknown:
