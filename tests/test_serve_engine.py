@@ -30,11 +30,11 @@ def dream():
 
 
 def solo(model, prompt, rid, **kw):
-    """The request alone, as dllm.generate runs it (no cache: the engine serves without approximate caches)."""
+    """The request alone, as dllm.generate runs it (its random stream keyed by seed and prompt, no cache)."""
     sampler = kw.pop("sampler", None)
     params = kw.pop("params", {})
     s = dllm.get_sampler(sampler, **params) if sampler else None
-    out = dllm.generate(model, [prompt], sampler=s, cache="none", row_ids=[rid], **kw)
+    out = dllm.generate(model, [prompt], sampler=s, cache="none", **kw)
     return out.sequences[0].tolist(), out.stats.row_nfe[0]
 
 
@@ -162,8 +162,7 @@ def test_cached_requests_joining_and_leaving_match_solo_runs(cache, llada):
     eng.run_until_idle()
     assert eng.stats()["joins"] >= 2
     for h, prompt, rid, sampler in reqs:
-        out = dllm.generate(llada, [prompt], gen_length=32, block_length=8, sampler=sampler, cache=cache,
-                            row_ids=[rid])
+        out = dllm.generate(llada, [prompt], gen_length=32, block_length=8, sampler=sampler, cache=cache)
         assert h.result(timeout=0).tokens == out.sequences[0].tolist(), rid
         assert h.result().nfe == out.stats.row_nfe[0]
 
@@ -172,7 +171,7 @@ def test_a_preset_runs_with_its_own_cache_and_unmovable_caches_are_refused(llada
     eng = Engine(llada)
     h = eng.submit(PROMPTS[0], gen_length=32, sampler="fast-dllm", request_id="fd")
     eng.run_until_idle()
-    out = dllm.generate(llada, [PROMPTS[0]], gen_length=32, sampler="fast-dllm", row_ids=["fd"])  # dual cache
+    out = dllm.generate(llada, [PROMPTS[0]], gen_length=32, sampler="fast-dllm")  # dual cache
     assert h.result(timeout=0).tokens == out.sequences[0].tolist()
     for cache in ("freecache", "elastic"):
         with pytest.raises(RequestError, match="not served; served caches"):
@@ -223,7 +222,7 @@ def test_block_diffusion_requests_join_and_leave_exactly(family):
     assert eng.stats()["joins"] >= 2
     for h, prompt, rid, sampler, params, G, seed in reqs:
         out = dllm.generate(sdar, [prompt], gen_length=G, steps=G, sampler=dllm.get_sampler(sampler, **params),
-                            seed=seed, row_ids=[rid])
+                            seed=seed)
         assert h.result(timeout=0).tokens == out.sequences[0].tolist(), rid
         assert h.result().nfe == out.stats.row_nfe[0], rid
     # The longest prompt leaves after a few steps: the canvas is cropped and the final columns move left with it.
@@ -236,7 +235,7 @@ def test_block_diffusion_requests_join_and_leave_exactly(family):
     h_long.cancel()
     eng.run_until_idle()
     assert h_long.result(timeout=0).finish_reason == "cancelled" and eng.stats()["forwards"] > 6
-    out = dllm.generate(sdar, [PROMPTS[2]], gen_length=16, steps=16, row_ids=["short"])
+    out = dllm.generate(sdar, [PROMPTS[2]], gen_length=16, steps=16)
     assert h_short.result(timeout=0).tokens == out.sequences[0].tolist()
     assert width > len(h_short.result().tokens)  # the group held the long prompt's padding before
 

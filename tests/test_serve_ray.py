@@ -72,7 +72,7 @@ def test_two_replicas_answer_exactly_and_both_serve(ray_server):
         # a request naming no sampler runs the deployment's default: threshold with tau=0.5
         s = dllm.get_sampler(sampler or "threshold", **(params if sampler else {"tau": 0.5}))
         out = dllm.generate(model, [[{"role": "user", "content": prompt}]], sampler=s, gen_length=16,
-                            block_length=8, cache="none", row_ids=[r.id])
+                            block_length=8, cache="none")
         assert r.choices[0].message.content == out.texts[0]
         assert r.usage.nfe == out.stats.row_nfe[0]
     assert len({a.choices[0].message.content for a in answers}) > 3

@@ -7,16 +7,23 @@ from dllm.cli.common import load_model_arg, parse_params
 
 def cmd_serve(args) -> int:
     from dllm.serve.engine import RequestError
-    from dllm.serve.server import serve
+    from dllm.serve.server import check_port, serve
 
     params = parse_params(args.param)
     if params and not args.sampler:
         raise SystemExit("error: --param needs --sampler")
+    try:  # before the model loads
+        check_port(args.port)
+    except ValueError as exc:
+        raise SystemExit(f"error: --port: {exc}") from None
+    for name in ("max_rows", "max_queue", "max_body_bytes"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     model = load_model_arg(args)
     try:
         serve(model, host=args.host, port=args.port, model_name=args.served_name or args.model or "llada-tiny",
               api_key=args.api_key, max_rows=args.max_rows, max_queue=args.max_queue, sampler=args.sampler,
-              params=params)
+              params=params, max_body_bytes=args.max_body_bytes)
     except RequestError as exc:
         raise SystemExit(f"error: {exc}") from None
     return 0
@@ -36,4 +43,6 @@ def add_parser(sub) -> None:
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     s.add_argument("--max-rows", type=int, default=8, help="rows per batch (default 8)")
     s.add_argument("--max-queue", type=int, default=256, help="requests waiting or running before 429 (default 256)")
+    s.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
+                   help="largest request body in bytes; larger ones get 413 (default 4 MiB)")
     s.set_defaults(func=cmd_serve)

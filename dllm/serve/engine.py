@@ -1,9 +1,9 @@
 """Serving engine: step-level continuous batching over :class:`dllm.generate.Decoder`.
 
 Requests join a running batch at a step boundary and leave it as soon as they finish; nothing a row computes
-depends on the other rows (per-row random streams keyed by (seed, request id), per-row regions and schedules),
-so every response is token-identical to ``dllm.generate`` of the same request alone with
-``row_ids=[request id]`` and the same cache (float32; tested).
+depends on the other rows (per-row random streams keyed by the seed and the prompt's tokens, per-row regions and
+schedules), so every response is token-identical to ``dllm.generate`` of the same request alone with the same seed
+and cache (float32; tested), whenever it arrives and whatever else runs.
 
 * A *group* is one batch: requests whose decoding settings one batch can hold (the same sampler and
   parameters, ``gen_length``, ``block_length``, ``steps``, ``eos_early_stop``, ``seed``). Groups with
@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import queue
 import threading
 import time
 from collections import deque
@@ -42,7 +41,7 @@ from typing import Any
 import torch
 
 from dllm.config import GenerateConfig
-from dllm.generate import Decoder, DecodeState, decode_texts, prepare_prompts
+from dllm.generate import Decoder, DecodeState, _row_keys, decode_texts, prepare_prompts
 from dllm.recipes import model_block_size, resolve
 from dllm.samplers import get_sampler
 
@@ -52,6 +51,7 @@ log = logging.getLogger(__name__)
 BATCH_STATEFUL = ("klass", "guided")
 # caches whose only batch state is the K/V buffers (moved with the rows); freecache and elastic keep more
 SERVED_CACHES = ("none", "prefix", "dual", "dkv-decode", "dkv-greedy", "block")
+SEED_MAX = 2**63 - 1  # seeds are 0 .. 2**63 - 1
 
 
 class QueueFull(RuntimeError):
@@ -59,7 +59,12 @@ class QueueFull(RuntimeError):
 
 
 class RequestError(ValueError):
-    """A request the engine cannot run (the message names the field and the fix)."""
+    """A request the engine cannot run (the message names the field and the fix; ``param``: that field, an
+    argument of :meth:`Engine.submit`, where one is to blame)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -82,15 +87,19 @@ class RequestHandle:
     """What :meth:`Engine.submit` returns: ``result(timeout)``, ``delta_ids()`` (the token ids of the final
     left-to-right prefix, in pieces as they become final), ``events()``, ``cancel()``; for asyncio code
     ``await aresult()`` and ``async for ids in adelta_ids()`` / ``aevents()`` (the engine's loop runs in its
-    thread, :meth:`Engine.start`)."""
+    thread, :meth:`Engine.start`). Async waiters are woken by the engine thread through their event loop, so
+    waiting holds no worker thread."""
 
     def __init__(self, request_id: str, canvas: bool = False):
         self.request_id = request_id
         self.canvas = canvas  # also stream each step's committed positions (``events()``: ("canvas", ...))
         self._done = threading.Event()
         self._result: Result | None = None
-        self._events: queue.Queue = queue.Queue()
+        self._log: list[tuple[str, Any]] = []  # every event in order; each consumer keeps its own position
+        self._cond = threading.Condition()
+        self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
         self.cancelled = False
+        self.finishes = 0  # how many times the engine answered the request (exactly once)
 
     def result(self, timeout: float | None = None) -> Result:
         if not self._done.wait(timeout):
@@ -101,7 +110,8 @@ class RequestHandle:
         return self._done.is_set()
 
     def cancel(self) -> None:
-        """Free the request's row at the next step (its result has ``finish_reason="cancelled"``)."""
+        """Free the request's row at the next step (its result has ``finish_reason="cancelled"`` unless it had
+        finished already)."""
         self.cancelled = True
 
     def delta_ids(self):
@@ -113,23 +123,48 @@ class RequestHandle:
     def events(self):
         """``("ids", [token ids])`` as the final prefix grows and, with ``canvas=True``, ``("canvas", {"step",
         "committed": {generation offset: token id}})`` after each of the request's steps, until it ends."""
+        i = 0
         while True:
-            kind, value = self._events.get()
+            with self._cond:
+                while i >= len(self._log):
+                    self._cond.wait()
+                kind, value = self._log[i]
+            i += 1
             if kind == "end":
                 return
             yield kind, value
 
     async def aresult(self) -> Result:
-        """:meth:`result`, awaited."""
-        return await asyncio.to_thread(self.result)
+        """:meth:`result`, awaited (no thread is held while waiting)."""
+        async for _ in self.aevents():
+            pass
+        return self._result
 
     async def aevents(self):
         """:meth:`events` as an async iterator."""
-        while True:
-            kind, value = await asyncio.to_thread(self._events.get)
-            if kind == "end":
-                return
-            yield kind, value
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+        entry = (loop, wake)
+        with self._cond:
+            self._async_waiters.append(entry)
+        i = 0
+        try:
+            while True:
+                wake.clear()
+                with self._cond:
+                    ready = self._log[i:]
+                if not ready:
+                    await wake.wait()
+                    continue
+                for kind, value in ready:
+                    i += 1
+                    if kind == "end":
+                        return
+                    yield kind, value
+        finally:
+            with self._cond:
+                if entry in self._async_waiters:
+                    self._async_waiters.remove(entry)
 
     async def adelta_ids(self):
         """:meth:`delta_ids` as an async iterator."""
@@ -137,14 +172,30 @@ class RequestHandle:
             if kind == "ids":
                 yield value
 
+    def _put(self, kind: str, value) -> None:
+        with self._cond:
+            self._log.append((kind, value))
+            self._cond.notify_all()
+            waiters = list(self._async_waiters)
+        for loop, wake in waiters:
+            try:
+                loop.call_soon_threadsafe(wake.set)
+            except RuntimeError:  # that loop has closed: its consumer is gone
+                pass
+
     def _emit(self, ids: list[int]) -> None:
         if ids:
-            self._events.put(("ids", ids))
+            self._put("ids", ids)
 
     def _finish(self, result: Result) -> None:
+        self.finishes += 1
+        if self._done.is_set():  # answered already: the first answer stands
+            log.error("request %s answered twice; the second answer (%s) is dropped", self.request_id,
+                      result.finish_reason)
+            return
         self._result = result
         self._done.set()
-        self._events.put(("end", None))
+        self._put("end", None)
 
 
 @dataclass
@@ -157,6 +208,8 @@ class _Request:
     t_submit: float
     recipe: Any = None
     emitted: int = 0  # generated positions already streamed
+    sample: int = 0  # which answer to the same prompt (keys the random stream with the seed)
+    isolated: bool = False  # retried alone after its batch failed: it gets a batch of its own
 
 
 @dataclass
@@ -278,12 +331,18 @@ class Engine:
     """Continuous-batching decoder for one model (see the module docstring). ``max_rows``: rows per group;
     ``max_queue``: requests waiting or running before :meth:`submit` raises :class:`QueueFull`; ``sampler`` and
     ``params``: the sampler of requests that name none (default: the model family's baseline), and its
-    parameters (a request naming no sampler, or this one, adds its own ``params`` over them)."""
+    parameters (a request naming no sampler, or this one, adds its own ``params`` over them).
+
+    No request can stop the engine: when serving a batch raises, the batch is dropped and its requests are
+    retried alone (a request that fails alone ends with finish reason ``error``); an exception in the loop's
+    tick fails the requests it held; the loop goes on."""
 
     def __init__(self, model, *, max_rows: int = 8, max_queue: int = 256, sampler: str | None = None,
                  params: dict | None = None):
-        if not isinstance(max_rows, int) or max_rows < 1:
+        if not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows < 1:
             raise ValueError(f"max_rows={max_rows!r} must be a positive integer")
+        if not isinstance(max_queue, int) or isinstance(max_queue, bool) or max_queue < 1:
+            raise ValueError(f"max_queue={max_queue!r} must be a positive integer")
         self.model = model
         self.sampler = sampler or ("dream" if getattr(model.spec, "family", "llada") == "dream" else "llada")
         self.params = dict(params or {})
@@ -300,67 +359,127 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stop = False
         self._ids = itertools.count()
+        self._token_bytes: int | None = None  # the longest token's UTF-8 length (a lower bound of prompt tokens)
+        self.last_tick: float | None = None  # time.monotonic() of the loop's last finished tick
         self.metrics = {"requests": {"stop": 0, "length": 0, "cancelled": 0, "error": 0}, "forwards": 0,
                         "tokens": 0, "step_seconds": 0.0, "steps": 0, "joins": 0, "request_nfe": 0,
-                        "request_positions": 0}
+                        "request_positions": 0, "engine_errors": 0, "retried": 0}
 
     # ------------------------------------------------------------------------------------------ requests
     def submit(self, prompt, *, gen_length: int = 64, block_length: int | None = None, steps: int | None = None,
                sampler: str | None = None, params: dict | None = None, seed: int = 0,
                eos_early_stop: bool = False, chat_template: bool = True, request_id: str | None = None,
-               cache: str | None = None, canvas: bool = False) -> RequestHandle:
+               cache: str | None = None, canvas: bool = False, sample: int = 0) -> RequestHandle:
         """Queue one request (a string, a chat conversation or token ids); returns its handle. Bad settings
-        raise :class:`RequestError` here, before anything runs."""
+        raise :class:`RequestError` here, before anything runs; a prompt that cannot fit the context with
+        ``gen_length`` is refused before it is tokenised.
+
+        The request's random stream is keyed by ``seed`` and its prompt tokens, as ``dllm.generate`` keys a
+        prompt by default: the answer equals ``dllm.generate(model, [prompt] * (sample + 1), seed=seed, ...)``'s
+        row ``sample`` (``sample``: which of several answers to the same prompt, e.g. the OpenAI ``n``)."""
         with self._lock:
             if len(self.waiting) + sum(len(g.requests) for g in self.groups.values()) >= self.max_queue:
                 raise QueueFull(f"the engine holds {self.max_queue} requests; retry later")
         rid = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
+            raise RequestError(f"seed={seed!r} is out of range; use an integer from 0 to 2**63 - 1", "seed")
+        if isinstance(sample, bool) or not isinstance(sample, int) or not 0 <= sample < 1024:
+            raise RequestError(f"sample={sample!r} must be an integer from 0 to 1023", "sample")
         name = sampler or self.sampler
+        if not isinstance(name, str):
+            raise RequestError(f"sampler={name!r} must be a sampler name (a string)", "sampler")
+        if not isinstance(params or {}, dict):
+            raise RequestError(f"params={params!r} must be a dict of the sampler's parameters", "params")
         params = {**(self.params if name == self.sampler else {}), **(params or {})}
         self._check_sampler(name, params)
         try:
             config = GenerateConfig(gen_length=gen_length, block_length=block_length, steps=steps, seed=seed,
                                     eos_early_stop=eos_early_stop, chat_template=chat_template)
+        except (ValueError, TypeError) as exc:
+            raise RequestError(str(exc)) from None
+        least = self._least_tokens(prompt)  # before tokenising: a prompt already too long costs nothing
+        if least + gen_length > self.model.max_seq_len:
+            raise RequestError(f"prompt (at least {least} tokens) + gen_length ({gen_length}) exceeds the model's "
+                               f"context of {self.model.max_seq_len} tokens; shorten the prompt or lower "
+                               f"gen_length (max_tokens)", "prompt")
+        try:
             recipe = get_sampler(name, **params)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise RequestError(str(exc), "sampler" if "unknown sampler" in str(exc) else "params") from None
+        try:
             rows = prepare_prompts(self.model, [prompt], None, chat_template)
         except (ValueError, TypeError, KeyError) as exc:
-            raise RequestError(str(exc)) from None
+            raise RequestError(str(exc), "prompt") from None
         if cache is None:  # the preset's own cache (fast-dllm: dual), where the engine can move it; block-diffusion
             # checkpoints: their exact block cache, as in generate
             cache = "block" if model_block_size(self.model) else (getattr(recipe, "cache", None) or "none")
             cache = cache if isinstance(cache, str) else cache[0]
         if cache not in SERVED_CACHES:
-            raise RequestError(f"cache {cache!r} is not served; served caches: {', '.join(SERVED_CACHES)}")
+            raise RequestError(f"cache {cache!r} is not served; served caches: {', '.join(SERVED_CACHES)}", "cache")
         spec = (name, tuple(sorted(params.items())), cache)
         try:  # lengths, block layout and context checked before queueing
             resolve(self.model, recipe, cache, None, config)
-            if len(rows[0]) + gen_length > self.model.max_seq_len:
-                raise ValueError(f"prompt ({len(rows[0])} tokens) + gen_length ({gen_length}) exceeds the model's "
-                                 f"context of {self.model.max_seq_len} tokens")
-        except ValueError as exc:
+            hash(spec)
+        except (ValueError, TypeError) as exc:
             raise RequestError(str(exc)) from None
+        if len(rows[0]) + gen_length > self.model.max_seq_len:
+            raise RequestError(f"prompt ({len(rows[0])} tokens) + gen_length ({gen_length}) exceeds the model's "
+                               f"context of {self.model.max_seq_len} tokens; shorten the prompt or lower gen_length "
+                               f"(max_tokens)", "prompt")
         handle = RequestHandle(rid, canvas)
-        req = _Request(rid, rows[0], config, spec, handle, time.perf_counter(), recipe)
+        req = _Request(rid, rows[0], config, spec, handle, time.perf_counter(), recipe, sample=sample)
         with self._lock:
             self.waiting.append(req)
         self._wake.set()
         return handle
 
+    def _least_tokens(self, prompt) -> int:
+        """A lower bound of the prompt's token count without tokenising it: its UTF-8 length over the longest
+        token's (token ids: their count)."""
+        if isinstance(prompt, str):
+            texts = [prompt]
+        elif isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+            texts = [m.get("content") for m in prompt if isinstance(m, dict) and isinstance(m.get("content"), str)]
+        elif isinstance(prompt, (list, tuple)):
+            return len(prompt)
+        else:
+            return 0
+        if self._token_bytes is None:
+            tok = getattr(self.model, "tokenizer", None)
+            try:
+                vocab = tok.get_vocab() if tok is not None else {}
+                self._token_bytes = max((len(str(k).encode("utf-8", "replace")) for k in vocab), default=0)
+            except Exception:  # a tokenizer without a vocabulary listing: no bound
+                self._token_bytes = 0
+        if self._token_bytes <= 0:
+            return 0
+        n = sum(len(t.encode("utf-8", "replace")) for t in texts)
+        return -(-n // self._token_bytes)
+
     @staticmethod
     def _check_sampler(name: str, params: dict) -> None:
         if name in BATCH_STATEFUL:
             raise RequestError(f"sampler {name!r} reads state shared by a batch and is not served; served: every "
-                               f"registered sampler but {', '.join(BATCH_STATEFUL)}")
+                               f"registered sampler but {', '.join(BATCH_STATEFUL)}", "sampler")
         if params.get("noise_scope", "row") != "row":
-            raise RequestError("noise_scope must be 'row' when serving (per-request random streams)")
+            raise RequestError("noise_scope must be 'row' when serving (per-request random streams)", "params")
 
     # ------------------------------------------------------------------------------------------ the loop
     def step(self) -> bool:
         """One tick: admit waiting requests into their groups, then one forward for every group. Returns
-        whether any request is still waiting or running."""
+        whether any request is still waiting or running. A batch whose serving raises fails its own requests."""
         self._admit()
         for key in list(self.groups):
-            self._step_group(self.groups[key])
+            group = self.groups.get(key)
+            if group is None:  # removed during this tick
+                continue
+            try:
+                self._step_group(group)
+            except Exception as exc:
+                log.exception("serving a batch failed; its requests are retried alone, the engine goes on")
+                self.metrics["engine_errors"] += 1
+                self._retry_or_fail(self._drop(group), f"{type(exc).__name__}: {exc}")
+        self.last_tick = time.monotonic()
         with self._lock:
             return bool(self.waiting or self.groups)
 
@@ -370,36 +489,102 @@ class Engine:
 
     def start(self) -> None:
         """Run the loop in a background thread (idle waits cost nothing)."""
-        if self._thread is not None:
+        if self._thread is not None and self._thread.is_alive():
             return
         self._stop = False
+        self.last_tick = time.monotonic()
         self._thread = threading.Thread(target=self._loop, name="dllm-engine", daemon=True)
         self._thread.start()
 
-    def stop(self, drain: bool = True) -> None:
-        """Stop the background loop; with ``drain`` after every queued request has finished."""
+    def alive(self) -> bool:
+        """Whether the background loop is running (started, not stopped, its thread alive)."""
+        th = self._thread
+        return th is not None and th.is_alive() and not self._stop
+
+    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop the background loop; with ``drain`` after every queued request has finished (while the loop is
+        alive, at most ``timeout`` seconds). Requests left queued stay queued for a later :meth:`start`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         if drain:
-            while self.pending():
+            while self.pending() and self.alive() and (deadline is None or time.monotonic() < deadline):
                 time.sleep(0.01)
         self._stop = True
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        th = self._thread
+        if th is not None:
+            th.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if th.is_alive():
+                log.warning("the engine thread did not stop within %s s (a step still running)", timeout)
+            else:
+                self._thread = None
 
     def pending(self) -> int:
         with self._lock:
             return len(self.waiting) + sum(len(g.requests) for g in self.groups.values())
 
     def _loop(self) -> None:
-        while not self._stop:
-            if not self.step():
-                self._wake.wait(0.05)
-                self._wake.clear()
+        try:
+            while not self._stop:
+                try:
+                    busy = self.step()
+                except Exception:  # the loop's own bookkeeping: fail what it held, keep serving
+                    log.exception("engine tick failed; the requests it held fail, the engine goes on")
+                    self.metrics["engine_errors"] += 1
+                    self._fail_all("internal error while serving the request")
+                    busy = False
+                if not busy:
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+        except BaseException:  # pragma: no cover - the thread is ending: nobody may wait on it
+            log.exception("engine thread ended")
+            self._fail_all("the engine stopped")
+            raise
+
+    def _fail_group(self, group: _Group, message: str) -> None:
+        for req in self._drop(group):
+            self._answer(req, None, "error", message)
+
+    def _fail_all(self, message: str) -> None:
+        with self._lock:
+            waiting, self.waiting = list(self.waiting), deque()
+        for req in waiting:
+            self._answer(req, None, "error", message)
+        with self._lock:
+            groups = list(self.groups.values())
+        for group in groups:
+            self._fail_group(group, message)
 
     def _key(self, req: _Request) -> tuple:
         c = req.config
-        return (req.sampler_spec, c.gen_length, c.block_length, c.steps, c.eos_early_stop, c.seed, c.chat_template)
+        key = (req.sampler_spec, c.gen_length, c.block_length, c.steps, c.eos_early_stop, c.seed, c.chat_template)
+        return key + (("alone", req.request_id),) if req.isolated else key
+
+    def _retry_or_fail(self, reqs: list[_Request], message: str) -> None:
+        """Requests whose batch failed: one that was alone (or already retried alone) fails; the others are
+        retried, each alone and from the start, so one request's failure ends only that request. A restarted
+        request's answer is the same (it does not depend on when it starts), so what it streamed stays valid."""
+        retry = []
+        for req in reqs:
+            if req.handle.done():
+                continue
+            if req.isolated or len(reqs) == 1:
+                self._answer(req, None, "error", message)
+            else:
+                req.isolated = True
+                retry.append(req)
+        if retry:
+            log.warning("retrying %d request(s) alone after their batch failed", len(retry))
+            self.metrics["retried"] += len(retry)
+            with self._lock:
+                self.waiting.extendleft(reversed(retry))
+
+    def _drop(self, group: _Group) -> list[_Request]:
+        """Remove the batch; returns its requests."""
+        reqs, group.requests = group.requests, []
+        with self._lock:
+            if self.groups.get(group.key) is group:
+                del self.groups[group.key]
+        return reqs
 
     def _admit(self) -> None:
         with self._lock:
@@ -416,23 +601,40 @@ class Engine:
             room = self.max_rows - (len(group.requests) if group else 0)
             take, rest = reqs[:room], reqs[room:]
             later += rest
-            if take:
-                try:
-                    self._join(key, group, take)
-                except Exception as exc:  # a request that cannot start fails alone
-                    for r in take:
-                        self._answer(r, None, "error", str(exc))
+            if not take:
+                continue
+            try:
+                dec, st = self._start(take)
+            except Exception as exc:  # requests that cannot start: retried alone, then failed
+                log.exception("requests could not start")
+                self._retry_or_fail(take, f"{type(exc).__name__}: {exc}")
+                continue
+            try:
+                self._join(key, group, take, dec, st)
+            except Exception as exc:  # the batch may be left half-joined: it is dropped, its requests retried
+                log.exception("requests could not join a batch")
+                self.metrics["engine_errors"] += 1
+                self._retry_or_fail((self._drop(group) if group is not None else []) + take,
+                                    f"{type(exc).__name__}: {exc}")
         with self._lock:
             self.waiting.extendleft(reversed(later))
 
-    def _join(self, key: tuple, group: _Group | None, reqs: list[_Request]) -> None:
+    def _start(self, reqs: list[_Request]) -> tuple[Decoder, DecodeState]:
+        """The newcomers' own decoder and state (their first forward is their own full forward)."""
         recipe = reqs[0].recipe
         sampler, cache, policy, config = resolve(self.model, recipe, reqs[0].sampler_spec[2], None, reqs[0].config)
         dec = Decoder(self.model, sampler, cache, policy, config)
         dec.max_iters = float("inf")  # rows come and go; each row's own progress is checked in _step_group
-        st = dec.start([r.rows for r in reqs], [r.request_id for r in reqs])
+        st = dec.start([r.rows for r in reqs], None)
+        # each row's random stream keyed by (seed, its prompt, its sample index), as generate keys a prompt
+        st.row_key = torch.cat([_row_keys([r.rows] * (r.sample + 1), None, r.config.seed)[r.sample:]
+                                for r in reqs]).to(st.row_key.device)
+        return dec, st
+
+    def _join(self, key: tuple, group: _Group | None, reqs: list[_Request], dec: Decoder, st: DecodeState) -> None:
         if group is None:
-            self.groups[key] = _Group(key, dec, st, list(reqs))
+            with self._lock:
+                self.groups[key] = _Group(key, dec, st, list(reqs))
             return
         self.metrics["joins"] += len(reqs)
         old = group.state
@@ -463,7 +665,7 @@ class Engine:
         keep = []
         for i, req in enumerate(group.requests):  # a disconnected client frees its row now
             if req.handle.cancelled:
-                self._answer(req, None, "cancelled")
+                self._answer(req, (group, i), "cancelled")
             else:
                 keep.append(i)
         if len(keep) < len(group.requests):
@@ -474,11 +676,9 @@ class Engine:
         t0 = time.perf_counter()
         try:
             dec.step(st)
-        except Exception as exc:  # the group's requests fail; the engine goes on
+        except Exception as exc:  # the batch is dropped: a request alone fails, the others are retried alone
             log.exception("decode step failed")
-            for req in group.requests:
-                self._answer(req, None, "error", f"{type(exc).__name__}: {exc}")
-            del self.groups[group.key]
+            self._retry_or_fail(self._drop(group), f"{type(exc).__name__}: {exc}")
             return
         self.metrics["step_seconds"] += time.perf_counter() - t0
         self.metrics["steps"] += 1
@@ -501,8 +701,8 @@ class Engine:
             self._remove(group, keep)
 
     def _remove(self, group: _Group, keep: list[int]) -> None:
-        if not keep:
-            del self.groups[group.key]
+        if not keep:  # the batch is empty: it is dropped (nothing of it is stepped again)
+            self._drop(group)
             return
         st = _select(group.state, keep)
         group.requests = [group.requests[i] for i in keep]
@@ -527,7 +727,7 @@ class Engine:
             for i, req in enumerate(group.requests):
                 if req.handle.canvas:
                     cols = {j: rows[i][j] for j, c in enumerate(committed[i]) if c}
-                    req.handle._events.put(("canvas", {"step": row_nfe[i], "committed": cols}))
+                    req.handle._put("canvas", {"step": row_nfe[i], "committed": cols})
         for i, req in enumerate(group.requests):
             final = next((j for j, m in enumerate(masked[i]) if m), len(masked[i]))
             if final > req.emitted:
@@ -535,12 +735,36 @@ class Engine:
                 req.emitted = final
 
     def _answer(self, req: _Request, where, outcome: str, error: str | None = None) -> None:
+        """Answer the request (exactly once: a request already answered is left alone); never raises."""
+        if req.handle.done():  # answered already (a bug if it happens): counted, the first answer stands
+            req.handle.finishes += 1
+            log.error("request %s answered twice (%s after %s)", req.request_id, outcome,
+                      req.handle._result.finish_reason)
+            return
+        try:
+            result, counted = self._result(req, where, outcome, error)
+        except Exception as exc:  # e.g. the tokenizer failed on this answer: the request fails alone
+            log.exception("answering request %s failed", req.request_id)
+            result = Result(req.request_id, [], None, 0, len(req.rows), 0, "error", f"{type(exc).__name__}: {exc}",
+                            time.perf_counter() - req.t_submit)
+            counted = ("error", 0, 0, 0)
+        outcome, n, nfe, positions = counted
+        self.metrics["requests"][outcome] += 1
+        self.metrics["tokens"] += n
+        self.metrics["request_nfe"] += nfe  # finished requests' forwards and generated positions: their ratio is
+        self.metrics["request_positions"] += positions  # the served tokens per forward
+        req.handle._finish(result)
+
+    def _result(self, req: _Request, where, outcome: str, error: str | None):
         tokens, nfe = [], 0
         if where is not None:
             group, i = where
             st = group.state
             tokens = st.x[i, st.P:].tolist()
             nfe = int(st.row_nfe[i])
+        if outcome == "cancelled":  # what the client has seen: the final prefix streamed so far
+            final = next((j for j, t in enumerate(tokens) if t == self.model.mask_id), len(tokens))
+            tokens = tokens[:min(req.emitted, final)]
         stops = {t for t in (self.model.eos_id, self.model.eot_id) if t is not None}
         n = next((j for j, t in enumerate(tokens) if t in stops), len(tokens))
         if outcome == "done":
@@ -552,15 +776,16 @@ class Engine:
         if tokens:
             texts = decode_texts(self.model, torch.tensor([tokens]))
             text = texts[0] if texts is not None else None
-        self.metrics["requests"][outcome] += 1
-        self.metrics["tokens"] += n
-        self.metrics["request_nfe"] += nfe  # finished requests' forwards and generated positions: their ratio is
-        self.metrics["request_positions"] += len(tokens)  # the served tokens per forward
-        req.handle._finish(Result(req.request_id, tokens, text, nfe, len(req.rows), n, outcome, error,
-                                  time.perf_counter() - req.t_submit))
+        result = Result(req.request_id, tokens, text, nfe, len(req.rows), n, outcome, error,
+                        time.perf_counter() - req.t_submit)
+        positions = len(tokens) if outcome in ("stop", "length") else 0
+        return result, (outcome, n, nfe if outcome in ("stop", "length") else 0, positions)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
             waiting = len(self.waiting)
-        running = sum(len(g.requests) for g in self.groups.values())
-        return {**self.metrics, "waiting": waiting, "running": running, "groups": len(self.groups)}
+            groups = list(self.groups.values())
+        running = sum(len(g.requests) for g in groups)
+        return {**self.metrics, "waiting": waiting, "running": running, "groups": len(groups),
+                "alive": self.alive(),
+                "last_tick_age": None if self.last_tick is None else time.monotonic() - self.last_tick}

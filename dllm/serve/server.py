@@ -2,26 +2,29 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream`` as server-sent events in the
 OpenAI chunk format: the final left-to-right prefix as it becomes final, then the finish reason and usage),
-``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text format, ``prometheus-client``).
+``GET /v1/models``, ``GET /health`` (503 when the engine is not stepping), ``GET /metrics`` (Prometheus text
+format, ``prometheus-client``).
 
-OpenAI fields: ``max_tokens`` (-> ``gen_length``, default 64), ``temperature``, ``seed``, ``stream``, ``n`` (1
-only), ``stop`` (strings: the text is cut at the first one). dLLM fields in the request body (``extra_body``
-with the ``openai`` client): ``sampler`` and ``params`` (a dict of its parameters), ``steps``,
-``block_length``, ``eos_early_stop``, ``cache`` (default: the preset's own), ``dllm_canvas`` (with ``stream``:
-also a chunk per step with ``"dllm": {"step", "committed": {offset: token id}}``). ``usage`` adds ``nfe`` and ``tokens_per_forward`` to the token counts.
-Errors are 400 with an OpenAI-style body naming the field, 401 without the ``--api-key`` bearer key, 429 when
-the queue is full.
+Every request body is checked by the pydantic models of :mod:`dllm.serve.protocol` before anything runs; the
+body is read with a size limit (413), and parsing, checking and tokenising run in worker threads, never on the
+event loop. Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad field
+(named, with the fix), 401 without the ``--api-key`` bearer key, 404 for an unknown model or path, 405, 413,
+429 when the queue is full, 503 when the engine is not running. A client that disconnects (streaming or not)
+frees its rows at the next step. docs/serving.md lists the fields that work and the ones refused.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+import logging
 import time
 import uuid
 from typing import Any
 
 from dllm.serve.engine import Engine, QueueFull, RequestError
+from dllm.serve.protocol import BadRequest, parse
 
 try:
     from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -31,23 +34,31 @@ except ImportError as exc:  # pragma: no cover - exercised only without the serv
 
 try:
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+    from starlette.background import BackgroundTask
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 except ImportError as exc:  # pragma: no cover - exercised only without the serve extra
     raise ImportError("the server needs FastAPI and uvicorn: pip install 'dllm[serve]'") from exc
 
-DLLM_FIELDS = ("sampler", "params", "steps", "block_length", "eos_early_stop", "cache", "dllm_canvas")
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 4 * 1024 * 1024  # default request body limit (413 above it)
+HEALTH_STALL_S = 60.0  # /health is 503 when requests are pending and the loop has not ticked for this long
+INLINE_DECODE = 64  # answers up to this many tokens are detokenised on the event loop, longer ones in a thread
+SHUTDOWN_TIMEOUT_S = 60  # on SIGTERM, connections still open after this long are closed
+_KINDS = {401: "authentication_error", 403: "permission_error", 404: "invalid_request_error",
+          429: "rate_limit_error", 503: "server_error"}
 
 
-def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
+def _error(status: int, message: str, param: str | None = None, kind: str | None = None, code: str | None = None):
+    kind = kind or _KINDS.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                        status_code=status)
 
 
-def _cut(text: str | None, stop) -> tuple[str, bool]:
-    """``text`` cut at the first of the ``stop`` strings; whether it was cut."""
-    text = text or ""
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
-    return (text[: min(hits)], True) if hits else (text, False)
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
 
 
 class _EngineCollector:
@@ -60,10 +71,15 @@ class _EngineCollector:
         s = self.engine.stats()
         yield GaugeMetricFamily("dllm_queue_waiting", "requests waiting for a row", value=s["waiting"])
         yield GaugeMetricFamily("dllm_rows_running", "requests being decoded", value=s["running"])
+        yield GaugeMetricFamily("dllm_engine_alive", "1 while the engine loop runs", value=int(s["alive"]))
         req = CounterMetricFamily("dllm_requests", "finished requests by outcome", labels=["outcome"])
         for k, v in s["requests"].items():
             req.add_metric([k], v)
         yield req
+        yield CounterMetricFamily("dllm_requests_retried", "requests retried alone after their batch failed",
+                                  value=s["retried"])
+        yield CounterMetricFamily("dllm_engine_errors", "exceptions the engine caught while serving (each failed "
+                                  "the requests it concerned)", value=s["engine_errors"])
         yield CounterMetricFamily("dllm_forwards", "model forwards (one per batch step)", value=s["forwards"])
         yield CounterMetricFamily("dllm_request_nfe", "forwards summed over finished requests (NFE)",
                                   value=s["request_nfe"])
@@ -74,39 +90,121 @@ class _EngineCollector:
         yield CounterMetricFamily("dllm_step_seconds", "seconds spent in decode steps", value=s["step_seconds"])
 
 
-class _Body:
-    """A request body checked field by field (a wrong field is a 400 naming it)."""
+class _Auth:
+    """``Authorization: Bearer KEY`` on ``/v1/*`` (a plain ASGI middleware: disconnects reach the endpoints)."""
 
-    def __init__(self, body: dict):
-        self.body = body
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
 
-    def get(self, name: str, kind, default=None, check=None, fix: str = ""):
-        v = self.body.get(name, default)
-        if v is None:
-            return default
-        if kind is float and isinstance(v, int) and not isinstance(v, bool):
-            v = float(v)
-        if not isinstance(v, kind) or (kind in (int, float) and isinstance(v, bool)):
-            raise RequestError(f"{name}: expected {getattr(kind, '__name__', kind)}, got {v!r}{fix}", )
-        if check is not None and not check(v):
-            raise RequestError(f"{name}={v!r} is out of range{fix}")
-        return v
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            got = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(got, self.expected):
+                resp = _error(401, "missing or wrong API key (Authorization: Bearer KEY)")
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
-def create_app(engine: Engine, model_name: str = "dllm", api_key: str | None = None) -> FastAPI:
+class _Text:
+    """One choice's answer text as its final token ids arrive: cut at the first EOS/EOT and at the first ``stop``
+    string; the tail that may still grow into a stop string (or is an incomplete UTF-8 character) is held
+    back until it cannot."""
+
+    def __init__(self, tokenizer, eos: set, stops: list[str]):
+        self.tok, self.eos, self.stops = tokenizer, eos, stops
+        self.ids: list[int] = []
+        self.sent = ""
+        self.stopped = False
+        self.text = ""
+
+    def _decode(self, ids) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True) if self.tok is not None else ""
+
+    def feed(self, ids: list[int], final: bool = False) -> str:
+        """The text to send now."""
+        self.ids += ids
+        n = next((i for i, t in enumerate(self.ids) if t in self.eos), len(self.ids))
+        text = self._decode(self.ids[:n])
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            text, self.stopped, final = text[: min(hits)], True, True
+        self.text = text
+        safe = text
+        if not final:
+            if n < len(self.ids):  # EOS reached: nothing more will come
+                final = True
+            else:
+                hold = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+                safe = text[: len(text) - hold]
+                safe = safe.rstrip("\ufffd")  # an incomplete multi-byte character
+        if len(safe) > len(self.sent) and safe.startswith(self.sent):
+            piece, self.sent = safe[len(self.sent):], safe
+            return piece
+        return ""
+
+    def tokens(self) -> int:
+        """Answer tokens up to the cut (the fewest whose text covers it)."""
+        n = next((i for i, t in enumerate(self.ids) if t in self.eos), len(self.ids))
+        if not self.stopped:
+            return n
+        lo, hi = 0, n
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(self._decode(self.ids[:mid])) >= len(self.text):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+
+def create_app(engine: Engine, model_name: str = "dllm", api_key: str | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES, health_stall_s: float = HEALTH_STALL_S) -> FastAPI:
+    if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes={max_body_bytes!r} must be a positive integer")
     app = FastAPI(title="dllm", version="1")
     tokenizer = getattr(engine.model, "tokenizer", None)
+    eos = {t for t in (engine.model.eos_id, engine.model.eot_id) if t is not None}
+    if api_key:
+        app.add_middleware(_Auth, api_key=api_key)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization") != f"Bearer {api_key}":
-                return _error(401, "missing or wrong API key (Authorization: Bearer KEY)", kind="authentication_error")
-        return await call_next(request)
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        message = {404: f"no such endpoint: {request.method} {request.url.path}",
+                   405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code,
+                                                                                             str(exc.detail))
+        return _error(exc.status_code, message)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        err = (exc.errors() or [{}])[0]
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        return _error(400, f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}", loc[0] if loc else None)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):  # a bug of the server's: logged, shaped
+        log.error("unhandled error serving %s", request.url.path, exc_info=exc)
+        return _error(500, "internal server error", kind="server_error")
+
+    def _alive() -> str | None:
+        s = engine.stats()
+        if not s["alive"]:
+            return "the engine is not running"
+        age = s["last_tick_age"]
+        if (s["waiting"] or s["running"]) and age is not None and age > health_stall_s:
+            return f"the engine has not finished a step for {age:.0f} s"
+        return None
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", **{k: v for k, v in engine.stats().items() if k in ("waiting", "running")}}
+        s = engine.stats()
+        problem = _alive()
+        body = {"status": "ok" if problem is None else "unavailable", "waiting": s["waiting"],
+                "running": s["running"]}
+        if problem is not None:
+            body["reason"] = problem
+            return JSONResponse(body, status_code=503)
+        return body
 
     @app.get("/v1/models")
     async def models():
@@ -119,124 +217,242 @@ def create_app(engine: Engine, model_name: str = "dllm", api_key: str | None = N
     async def metrics():
         return PlainTextResponse(generate_latest(registry).decode(), media_type=CONTENT_TYPE_LATEST)
 
-    def _submit(body: dict, prompt, chat: bool):
-        b = _Body(body)
-        n = b.get("n", int, 1)
-        if n != 1:
-            raise RequestError("n: only n=1 is served; send n requests instead")
-        temperature = b.get("temperature", float, 0.0, lambda v: 0 <= v < 100, "; use 0 for greedy decoding")
-        params = dict(b.get("params", dict, {}))
-        if temperature > 0:
-            params["temperature"] = temperature
-        return engine.submit(
-            prompt, gen_length=b.get("max_tokens", int, 64, lambda v: v >= 1, "; max_tokens must be >= 1"),
-            block_length=b.get("block_length", int, None), steps=b.get("steps", int, None),
-            sampler=b.get("sampler", str, None), params=params, seed=b.get("seed", int, 0),
-            eos_early_stop=b.get("eos_early_stop", bool, False), chat_template=chat, cache=b.get("cache", str, None),
-            canvas=b.get("dllm_canvas", bool, False) and bool(body.get("stream")),
-            request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}")
+    def _top_p_samplers() -> list[str]:
+        from dllm.samplers import get_sampler
+        from dllm.samplers.registry import SAMPLERS
 
-    def _usage(r) -> dict:
-        return {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
-                "total_tokens": r.prompt_tokens + r.completion_tokens, "nfe": r.nfe,
-                "tokens_per_forward": len(r.tokens) / max(r.nfe, 1)}
+        names = []
+        for name in SAMPLERS:
+            try:
+                get_sampler(name, top_p=0.5)
+                names.append(name)
+            except Exception:  # no top_p parameter
+                pass
+        return names
+
+    def _prepare(raw: bytes, chat: bool):
+        """Parse, check and submit (tokenising): runs in a worker thread. Returns (request, handles, id)."""
+        try:
+            body = json.loads(raw)
+        except RecursionError:
+            raise BadRequest("the body is nested too deeply") from None
+        except (ValueError, UnicodeDecodeError):
+            raise BadRequest("the body is not valid JSON") from None
+        req = parse(body, chat)
+        if req.model is not None and req.model != model_name:
+            raise BadRequest(f"model {req.model!r} does not exist; this server serves {model_name!r} "
+                             f"(GET /v1/models)", "model", 404, "model_not_found")
+        prompt = req.conversation() if chat else req.prompt
+        params = dict(req.params or {})
+        if req.temperature:
+            params["temperature"] = req.temperature
+        if req.top_p is not None and req.top_p < 1:  # the sampler's own nucleus cut, where it has one
+            params["top_p"] = req.top_p
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        n = req.n or 1
+        handles = []
+        try:
+            for i in range(n):
+                handles.append(engine.submit(
+                    prompt, gen_length=req.gen_length, block_length=req.block_length, steps=req.steps,
+                    sampler=req.sampler, params=params, seed=req.seed or 0,
+                    eos_early_stop=bool(req.eos_early_stop), chat_template=chat, cache=req.cache,
+                    canvas=bool(req.dllm_canvas), sample=i, request_id=rid if n == 1 else f"{rid}-{i}"))
+        except BaseException as exc:
+            for h in handles:
+                h.cancel()
+            if isinstance(exc, QueueFull):
+                raise BadRequest(str(exc), None, 429) from None
+            if isinstance(exc, RequestError) and "top_p" in params and "'top_p'" in str(exc):
+                raise BadRequest(f"top_p: sampler {req.sampler or engine.sampler!r} has no nucleus cut; use a sampler "
+                                 f"with one ({', '.join(_top_p_samplers())}) or leave top_p out", "top_p") from None
+            if isinstance(exc, RequestError):
+                msg = str(exc)
+                param = {"gen_length": "max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens",
+                         "prompt": "messages" if chat else "prompt"}.get(exc.param, exc.param)
+                if param is None:  # the settings' own checks name the field first
+                    first = msg.split(":")[0].split("=")[0].split(" ")[0]
+                    param = {"gen_length": "max_tokens"}.get(first, first)
+                raise BadRequest(msg, param if param in type(req).model_fields else None) from None
+            if isinstance(exc, Exception):  # e.g. a sampler's own checks raising something unexpected
+                log.warning("request refused: %s: %s", type(exc).__name__, exc)
+                raise BadRequest(f"the request cannot run: {type(exc).__name__}: {exc}") from None
+            raise
+        return req, handles, rid
+
+    async def _read(request: Request) -> bytes | Response:
+        length = request.headers.get("content-length")
+        too_big = (f"the body is larger than the server's limit of {max_body_bytes} bytes (--max-body-bytes); "
+                   f"send a shorter prompt")
+        if length is not None and length.isdigit() and int(length) > max_body_bytes:
+            return _error(413, too_big, code="request_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body_bytes:
+                return _error(413, too_big, code="request_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _usage(results: list, texts: list[_Text]) -> dict:
+        prompt = results[0].prompt_tokens if results else 0
+        completion = sum(t.tokens() for t in texts)
+        nfe = sum(r.nfe for r in results)
+        positions = sum(len(r.tokens) for r in results)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "nfe": nfe, "tokens_per_forward": positions / max(nfe, 1)}
+
+    async def _choice(i: int, handle, text: _Text, out: asyncio.Queue) -> None:
+        """Runs one choice: puts ("text", i, piece), ("canvas", i, step) and finally ("end", i, result)."""
+        try:
+            async for kind, value in handle.aevents():
+                if kind == "canvas":
+                    await out.put(("canvas", i, value))
+                    continue
+                if len(text.ids) + len(value) > INLINE_DECODE:  # detokenising a long answer: off the event loop
+                    piece = await asyncio.to_thread(text.feed, value)
+                else:
+                    piece = text.feed(value)
+                if piece:
+                    await out.put(("text", i, piece))
+                if text.stopped:  # the stop string is found: the row is freed, nothing past it is sent
+                    handle.cancel()
+                    break
+            r = await handle.aresult()
+            if not text.stopped:
+                piece = await asyncio.to_thread(text.feed, [], True)
+                if piece:
+                    await out.put(("text", i, piece))
+            await out.put(("end", i, r))
+        except asyncio.CancelledError:
+            handle.cancel()
+            raise
+        except Exception as exc:  # never leave the response waiting
+            log.exception("streaming choice %d of %s failed", i, handle.request_id)
+            handle.cancel()
+            await out.put(("fail", i, f"{type(exc).__name__}: {exc}"))
+
+    def _reason(r, text: _Text) -> str:
+        return "stop" if text.stopped else r.finish_reason
 
     async def _serve(request: Request, chat: bool):
+        raw = await _read(request)
+        if isinstance(raw, Response):
+            return raw
+        if _alive() is not None:
+            return _error(503, f"{_alive()}; retry later", code="engine_unavailable")
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error(400, "the body is not valid JSON")
-        if not isinstance(body, dict):
-            return _error(400, "the body must be a JSON object")
-        key = "messages" if chat else "prompt"
-        prompt = body.get(key)
-        if chat and not (isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "content" in m
-                                                                      for m in prompt)):
-            return _error(400, "messages: a non-empty list of {role, content} objects", "messages")
-        if not chat:
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-                prompt = prompt[0]
-            if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt
-                                                and all(isinstance(t, int) for t in prompt))):
-                return _error(400, "prompt: a string or a list of token ids (one prompt per request)", "prompt")
-        unknown_dllm = [k for k in body if k in DLLM_FIELDS and body[k] is None]
-        if unknown_dllm:
-            return _error(400, f"{unknown_dllm[0]}: null is not allowed", unknown_dllm[0])
-        try:
-            handle = _submit(body, prompt, chat)
-        except QueueFull as exc:
-            return _error(429, str(exc), kind="rate_limit_error")
-        except RequestError as exc:
-            msg = str(exc)
-            return _error(400, msg, msg.split(":")[0].split("=")[0] if msg[:1].isalpha() else None)
+            req, handles, rid = await asyncio.to_thread(_prepare, raw, chat)
+        except BadRequest as exc:
+            return _error(exc.status, exc.message, exc.param, code=exc.code)
         created = int(time.time())
-        stop = body.get("stop")
-        obj = "chat.completion" if chat else "text_completion"
-        if not body.get("stream"):
-            try:
-                r = await asyncio.to_thread(handle.result)
-            except asyncio.CancelledError:
-                handle.cancel()
-                raise
-            if r.finish_reason == "error":
-                return _error(500, r.error or "decoding failed", kind="server_error")
-            text, cut = _cut(r.text, stop)
-            reason = "stop" if cut else r.finish_reason
-            choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
+        texts = [_Text(tokenizer, eos, list(req.stop or [])) for _ in handles]
+        echo = ""
+        if not chat and req.echo:
+            echo = req.prompt if isinstance(req.prompt, str) else (
+                tokenizer.decode(req.prompt) if tokenizer is not None else "")
+        out: asyncio.Queue = asyncio.Queue()
+        tasks = [asyncio.ensure_future(_choice(i, h, t, out)) for i, (h, t) in enumerate(zip(handles, texts))]
+
+        def release():
+            for h in handles:
+                if not h.done():
+                    h.cancel()
+            for t in tasks:
+                t.cancel()
+
+        if req.stream:  # release() also as a background task: it runs even if the stream never starts
+            return StreamingResponse(_events(req, chat, rid, created, handles, texts, echo, out, release),
+                                     media_type="text/event-stream", background=BackgroundTask(release))
+        results: dict[int, Any] = {}
+        pieces = [[] for _ in handles]
+        failed = None
+        loop = asyncio.get_running_loop()
+        next_check = loop.time() + 0.25
+        try:
+            while len(results) < len(handles) and failed is None:
+                try:
+                    event = await asyncio.wait_for(out.get(), 0.25)
+                except asyncio.TimeoutError:
+                    event = None
+                if loop.time() >= next_check:
+                    next_check = loop.time() + 0.25
+                    if await request.is_disconnected():  # the client gave up (or timed out): its rows are freed
+                        release()
+                        return Response(status_code=499)
+                if event is None:
+                    continue
+                if event[0] == "text":
+                    pieces[event[1]].append(event[2])
+                elif event[0] == "end":
+                    results[event[1]] = event[2]
+                elif event[0] == "fail":
+                    failed = event[2]
+        finally:
+            release()
+        errors = [r.error or "decoding failed" for r in results.values() if r.finish_reason == "error"]
+        if failed or errors:
+            return _error(500, failed or errors[0], kind="server_error")
+        choices = []
+        for i in range(len(handles)):
+            text = echo + "".join(pieces[i])
+            c: dict[str, Any] = {"index": i, "finish_reason": _reason(results[i], texts[i]), "logprobs": None}
             if chat:
-                choice["message"] = {"role": "assistant", "content": text}
+                c["message"] = {"role": "assistant", "content": text}
             else:
-                choice["text"] = text
-            return {"id": handle.request_id, "object": obj, "created": created, "model": model_name,
-                    "choices": [choice], "usage": _usage(r)}
-        return StreamingResponse(_events(handle, chat, created, stop), media_type="text/event-stream")
+                c["text"] = text
+            choices.append(c)
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": model_name, "choices": choices,
+                "usage": _usage([results[i] for i in range(len(handles))], texts)}
 
-    async def _events(handle, chat: bool, created: int, stop):
+    async def _events(req, chat: bool, rid: str, created: int, handles, texts, echo: str, out, release):
         obj = "chat.completion.chunk" if chat else "text_completion"
-        ids: list[int] = []
-        sent = ""
-        stops = {t for t in (engine.model.eos_id, engine.model.eot_id) if t is not None}
+        started = [False] * len(handles)
 
-        def chunk(piece: str | None, reason: str | None, usage: dict | None = None, extra: dict | None = None) -> str:
+        def chunk(i: int, piece: str | None, reason: str | None = None, extra: dict | None = None) -> str:
             if chat:
                 delta = {} if piece is None else {"content": piece}
-                if not sent and piece is not None:
+                if not started[i] and piece is not None:
                     delta["role"] = "assistant"
-                c = {"index": 0, "delta": delta, "finish_reason": reason}
+                    started[i] = True
+                c = {"index": i, "delta": delta, "finish_reason": reason}
             else:
-                c = {"index": 0, "text": piece or "", "finish_reason": reason, "logprobs": None}
-            out = {"id": handle.request_id, "object": obj, "created": created, "model": model_name, "choices": [c]}
-            if usage is not None:
-                out["usage"] = usage
-            if extra is not None:
-                out.update(extra)
-            return f"data: {json.dumps(out)}\n\n"
+                c = {"index": i, "text": piece or "", "finish_reason": reason, "logprobs": None}
+            ev = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [c]}
+            if extra:
+                ev.update(extra)
+            return _sse(ev)
 
-        it = handle.events()
-        cut = False
+        results: dict[int, Any] = {}
         try:
-            while True:
-                event = await asyncio.to_thread(next, it, None)
-                if event is None:
-                    break
-                kind, piece = event
+            if echo:
+                for i in range(len(handles)):
+                    yield chunk(i, echo)
+            while len(results) < len(handles):
+                event = await out.get()
+                kind, i = event[0], event[1]
                 if kind == "canvas":  # opt-in: this step's committed positions (generation offsets -> ids)
-                    yield chunk(None if chat else "", None, extra={"dllm": piece})
-                    continue
-                ids += piece
-                n = next((i for i, t in enumerate(ids) if t in stops), len(ids))
-                text = tokenizer.decode(ids[:n], skip_special_tokens=True) if tokenizer is not None else ""
-                text, cut = _cut(text, stop)
-                if len(text) > len(sent) and text.startswith(sent):
-                    yield chunk(text[len(sent):], None)
-                    sent = text
-            r = handle.result()
-            reason = "stop" if cut else r.finish_reason
-            yield chunk(None, reason, _usage(r))
+                    yield chunk(i, None if chat else "", extra={"dllm": event[2]})
+                elif kind == "text":
+                    yield chunk(i, event[2])
+                elif kind == "fail" or (kind == "end" and event[2].finish_reason == "error"):
+                    msg = event[2] if kind == "fail" else (event[2].error or "decoding failed")
+                    yield _sse({"error": {"message": msg, "type": "server_error", "param": None, "code": None}})
+                    results[i] = None
+                else:
+                    results[i] = event[2]
+                    usage = _usage([event[2]], [texts[i]]) if len(handles) == 1 else None
+                    yield chunk(i, None, _reason(event[2], texts[i]), {"usage": usage} if usage else None)
+            done = [r for r in results.values() if r is not None]
+            include = (req.stream_options or {}).get("include_usage", False)
+            if include or len(handles) > 1:
+                usage = _usage(done, [texts[i] for i, r in results.items() if r is not None])
+                yield _sse({"id": rid, "object": obj, "created": created, "model": model_name, "choices": [],
+                            "usage": usage})
             yield "data: [DONE]\n\n"
-        finally:
-            if not handle.done():  # the client went away: free its row at the next step
-                handle.cancel()
+        finally:  # the client went away (or the stream ended): free the rows still running
+            release()
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -251,14 +467,24 @@ def create_app(engine: Engine, model_name: str = "dllm", api_key: str | None = N
 
 def serve(model, *, host: str = "127.0.0.1", port: int = 8000, model_name: str = "dllm", api_key: str | None = None,
           max_rows: int = 8, max_queue: int = 256, sampler: str | None = None, params: dict | None = None,
-          log_level: str = "info") -> None:
-    """Run the server until SIGINT / SIGTERM (uvicorn stops accepting and finishes the requests in flight).
+          log_level: str = "info", max_body_bytes: int = MAX_BODY_BYTES,
+          shutdown_timeout: int = SHUTDOWN_TIMEOUT_S) -> None:
+    """Run the server until SIGINT / SIGTERM (uvicorn stops accepting and finishes the requests in flight, at
+    most ``shutdown_timeout`` seconds: a client that never reads its stream cannot hold the shutdown).
     ``sampler`` / ``params``: the default of requests that name no sampler (:class:`Engine`)."""
     import uvicorn
 
+    check_port(port)
     engine = Engine(model, max_rows=max_rows, max_queue=max_queue, sampler=sampler, params=params)
+    app = create_app(engine, model_name, api_key, max_body_bytes=max_body_bytes)
     engine.start()
     try:
-        uvicorn.run(create_app(engine, model_name, api_key), host=host, port=port, log_level=log_level)
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout)
     finally:
-        engine.stop(drain=True)
+        engine.stop(drain=True, timeout=60)
+
+
+def check_port(port) -> None:
+    """A TCP port to listen on: 1-65535 (0 would listen on a random port)."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ValueError(f"port {port!r} is out of range; use a TCP port from 1 to 65535")
