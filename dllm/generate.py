@@ -325,7 +325,7 @@ class Decoder:
             committed=torch.zeros((B, T), dtype=torch.bool, device=device),
             commit_step=torch.full((B, T), -1, dtype=torch.long, device=device),
             commit_conf=torch.full((B, T), float("nan"), device=device) if config.record_confidence else None,
-            row_key=_row_keys(rows, row_ids, config.seed).to(device), generator=generator, window=(P, T),
+            row_key=row_keys(rows, row_ids, config.seed).to(device), generator=generator, window=(P, T),
         )
         if self.slide is not None:
             st.lo, st.hi = self.slide(x == model.mask_id, st.lo)
@@ -517,7 +517,7 @@ class Decoder:
         return GenerateOutput(seqs, decode_texts(self.model, seqs), [len(r) for r in st.rows], stats)
 
 
-def _row_keys(rows: list[list[int]], row_ids, seed: int | None) -> torch.Tensor:
+def row_keys(rows: list[list[int]], row_ids, seed: int | None) -> torch.Tensor:
     """``[B, 2]`` key words of the rows' random streams (see ``generate(row_ids=...)``)."""
     if row_ids is None:
         seen: dict[tuple, int] = {}

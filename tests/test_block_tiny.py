@@ -106,6 +106,6 @@ def test_served_requests_equal_generate(bundled):
           for k, (p, (s, pr)) in enumerate(zip(prompts, settings))]
     eng.run_until_idle()
     for k, (h, p, (s, pr)) in enumerate(zip(hs, prompts, settings)):
-        out = dllm.generate(model, [p], gen_length=16, steps=16, chat_template=False, row_ids=[f"r{k}"],
+        out = dllm.generate(model, [p], gen_length=16, steps=16, chat_template=False,
                             sampler=dllm.get_sampler(s, **pr) if s else None)
         assert h.result(timeout=0).tokens == out.sequences[0].tolist()

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from dllm.config import GenerateConfig
-from dllm.generate import Decoder, DecodeState, _row_keys, decode_texts, prepare_prompts
+from dllm.generate import Decoder, DecodeState, row_keys, decode_texts, prepare_prompts
 from dllm.recipes import model_block_size, resolve
 from dllm.samplers import get_sampler
 
@@ -627,7 +627,7 @@ class Engine:
         dec.max_iters = float("inf")  # rows come and go; each row's own progress is checked in _step_group
         st = dec.start([r.rows for r in reqs], None)
         # each row's random stream keyed by (seed, its prompt, its sample index), as generate keys a prompt
-        st.row_key = torch.cat([_row_keys([r.rows] * (r.sample + 1), None, r.config.seed)[r.sample:]
+        st.row_key = torch.cat([row_keys([r.rows] * (r.sample + 1), None, r.config.seed)[r.sample:]
                                 for r in reqs]).to(st.row_key.device)
         return dec, st
 
