@@ -161,3 +161,22 @@ def test_block_cache_static_buffer_path_on_block_diffusion_checkpoints(name):
     graph = dllm.generate(model, prompts, graphs="on", **kw)
     assert torch.equal(eager.sequences, graph.sequences) and eager.stats.nfe == graph.stats.nfe
     assert graph.stats.graphs.get("replays", 0) + graph.stats.graphs.get("captures", 0) >= 1, graph.stats.graphs
+
+
+def test_load_model_compile_option():
+    """``load_model(compile=...)`` compiles the forward in place: still a Transformer (graphs, caches and
+    save_pretrained see the same module), and it decodes what the eager model decodes."""
+    with pytest.raises(ValueError, match="compile must be True, False or a dict"):
+        dllm.load_model("llada-tiny", compile="yes")
+    with pytest.raises(ValueError, match="not torch.compile arguments"):
+        dllm.load_model("llada-tiny", compile={"modes": "max-autotune"})
+    eager = dllm.load_model("llada-tiny")
+    compiled = dllm.load_model("llada-tiny", compile={"backend": "aot_eager", "dynamic": True})
+    assert isinstance(compiled, dllm.models.Transformer)
+    assert compiled.state_dict().keys() == eager.state_dict().keys()
+    prompts = ["What is 12 + 30?"]
+    kw = dict(gen_length=16, block_length=8, steps=16, sampler="llada", cache="dual")
+    a = dllm.generate(eager, prompts, **kw)
+    b = dllm.generate(compiled, prompts, graphs="on", **kw)
+    assert torch.equal(a.sequences, b.sequences)
+    assert b.stats.graphs.get("replays", 0) + b.stats.graphs.get("captures", 0) >= 1

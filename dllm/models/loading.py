@@ -120,6 +120,7 @@ def load_model(
     device_map=None,
     tokenizer: bool = True,
     fast="auto",
+    compile=False,
 ) -> Transformer:
     """Load a LLaDA-, Dream-, SDAR-, LLaDA2- or Fast-dLLM v2-format checkpoint from a local directory or by bundled
     name.
@@ -144,8 +145,13 @@ def load_model(
             ``"auto"`` turns it on when every weight is on a CUDA device, ``True`` / ``False`` force it on / off
             (on the CPU the fused kernels run as their PyTorch twins). The published parameter names and
             ``save_pretrained`` are the same either way.
+        compile: ``torch.compile`` the model's forward in place (``nn.Module.compile``: the model stays a
+            :class:`Transformer`, its state dict and ``save_pretrained`` unchanged): ``False`` (default), ``True``
+            (torch.compile's defaults) or a dict of ``torch.compile`` keyword arguments (``{"mode": "max-autotune"}``,
+            ``{"backend": "aot_eager"}``...). The first forwards of each new shape compile.
     """
     check_fast(fast)
+    compile_kw = _compile_options(compile)
     if isinstance(path, str):
         from dllm.assets import model_path
 
@@ -183,7 +189,26 @@ def load_model(
         from accelerate import dispatch_model
 
         model = dispatch_model(model, device_map={k: str(v) for k, v in placement.items()})
+    if compile_kw is not None:
+        model.compile(**compile_kw)
     return model
+
+
+def _compile_options(compile) -> dict | None:
+    """``load_model(compile=...)`` checked before anything is read: None (no compile) or torch.compile's kwargs."""
+    if compile is False or compile is None:
+        return None
+    if compile is True:
+        return {}
+    if isinstance(compile, dict) and all(isinstance(k, str) for k in compile):
+        import inspect
+
+        known = set(inspect.signature(torch.compile).parameters) - {"model"}
+        unknown = sorted(set(compile) - known)
+        if unknown:
+            raise ValueError(f"compile options {unknown} are not torch.compile arguments; known: {', '.join(sorted(known))}")
+        return dict(compile)
+    raise ValueError(f"compile must be True, False or a dict of torch.compile keyword arguments, got {compile!r}")
 
 
 def _device_map(model: Transformer, device_map, dtype: torch.dtype) -> dict[str, torch.device]:
