@@ -180,7 +180,8 @@ class GraphRunner:
         torch.cuda.current_stream().wait_stream(s)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self.pool):
+            # thread_local: CUDA calls of other threads (a server's event loop) do not invalidate the capture
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 g.out = self._forward(g, cache)
         except Exception as exc:  # an operation that cannot be captured: this shape stays eager
             _reset_rng_capture_state()
