@@ -234,7 +234,6 @@ def fastdllm(model, a, B: int = 1):
     out.append({"what": "fastdllm", "impl": "speed-up of dllm", "ratio": round(out[0]["s"] / out[1]["s"], 2),
                 "same_tokens": round(same, 3)})
     print(json.dumps(out[-1]), flush=True)
-    del ref
     return out
 
 

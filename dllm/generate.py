@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from dllm.caches.base import CacheState, KVCache
-from dllm.graphs import GraphRunner
 from dllm.config import GenerateConfig
+from dllm.graphs import GraphRunner
 from dllm.models.spec import vocab_size
 from dllm.recipes import resolve
 from dllm.samplers.base import StepContext, row_key_words

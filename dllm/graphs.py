@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-log = logging.getLogger(__name__)
-
 from dllm.config import GRAPH_MODES
+
+log = logging.getLogger(__name__)
 
 
 @dataclass

@@ -105,7 +105,7 @@ def test_served_requests_equal_generate(bundled):
     hs = [eng.submit(p, gen_length=16, steps=16, sampler=s, params=pr, request_id=f"r{k}", chat_template=False)
           for k, (p, (s, pr)) in enumerate(zip(prompts, settings))]
     eng.run_until_idle()
-    for k, (h, p, (s, pr)) in enumerate(zip(hs, prompts, settings)):
+    for h, p, (s, pr) in zip(hs, prompts, settings):
         out = dllm.generate(model, [p], gen_length=16, steps=16, chat_template=False,
                             sampler=dllm.get_sampler(s, **pr) if s else None)
         assert h.result(timeout=0).tokens == out.sequences[0].tolist()

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from dllm.config import GenerateConfig
-from dllm.generate import Decoder, DecodeState, row_keys, decode_texts, prepare_prompts
+from dllm.generate import Decoder, DecodeState, decode_texts, prepare_prompts, row_keys
 from dllm.recipes import model_block_size, resolve
 from dllm.samplers import get_sampler
 
