@@ -190,6 +190,14 @@ def _commit(rule: str, masked: torch.Tensor, p: torch.Tensor, quota: int, thresh
     if rule == "sequential":
         out[masked.nonzero()[:quota, 0]] = True
         return out
+    return _by_confidence(rule, masked, p, quota, threshold)
+
+
+def _by_confidence(rule: str, masked: torch.Tensor, p: torch.Tensor, quota: int, threshold: float) -> torch.Tensor:
+    """The confidence rules' selection: every position above ``threshold`` when there are at least ``quota`` of them
+    (``low_confidence_dynamic``), else ``torch.topk`` of the confidences with ``-inf`` at unmasked positions (which
+    selects unmasked positions when ``quota`` exceeds the masks left)."""
+    out = torch.zeros_like(masked)
     conf = torch.where(masked, p, torch.tensor(float("-inf"), dtype=p.dtype))
     if rule == "low_confidence_dynamic":
         high = conf > threshold
@@ -205,18 +213,12 @@ def _commit_sdar(rule: str, masked: torch.Tensor, p: torch.Tensor, quota: int, t
     ``torch.topk`` of the confidences with ``-inf`` at unmasked positions. When fewer masks are left than the
     quota (the dynamic rule committed more than the quota earlier, a prompt's tail in the block, a committed mask
     token), the selection includes unmasked positions, whose tokens the step then overwrites."""
-    out = torch.zeros_like(masked)
     if rule == "sequential":
+        out = torch.zeros_like(masked)
         first = int(masked.nonzero()[0, 0])
         out[first:first + quota] = True
         return out
-    conf = torch.where(masked, p, torch.tensor(float("-inf"), dtype=p.dtype))
-    if rule == "low_confidence_dynamic":
-        high = conf > threshold
-        if int(high.sum()) >= quota:
-            return high
-    out[torch.topk(conf, quota).indices] = True
-    return out
+    return _by_confidence(rule, masked, p, quota, threshold)
 
 
 class UnfinishedBlockError(RuntimeError):

@@ -5,7 +5,6 @@ reproduce; stop strings never leak text past the cut; the OpenAI fields either w
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 
@@ -16,6 +15,8 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
+from serve_helpers import running_server  # noqa: E402
+
 import dllm  # noqa: E402
 from dllm.serve import Engine  # noqa: E402
 from dllm.serve.server import create_app  # noqa: E402
@@ -25,30 +26,13 @@ CHAT = [{"role": "user", "content": PROMPT}]
 BODY_LIMIT = 64 * 1024
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
     model = dllm.load_model("llada-tiny", dtype="float32")
     engine = Engine(model, max_rows=4, max_queue=32)
     engine.start()
-    port = _free_port()
-    cfg = uvicorn.Config(create_app(engine, "llada-tiny", max_body_bytes=BODY_LIMIT), host="127.0.0.1", port=port,
-                         log_level="error")
-    srv = uvicorn.Server(cfg)
-    th = threading.Thread(target=srv.run, daemon=True)
-    th.start()
-    for _ in range(200):
-        if srv.started:
-            break
-        time.sleep(0.05)
-    yield model, engine, f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    th.join(10)
+    with running_server(create_app(engine, "llada-tiny", max_body_bytes=BODY_LIMIT)) as url:
+        yield model, engine, url
     engine.stop(drain=False)
 
 

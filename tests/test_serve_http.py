@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 
@@ -16,6 +15,8 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
+from serve_helpers import free_port, running_server  # noqa: E402
+
 import dllm  # noqa: E402
 from dllm.generate import prepare_prompts  # noqa: E402
 from dllm.serve import Engine  # noqa: E402
@@ -25,29 +26,13 @@ KEY = "test-key"
 PROMPT = 'Please copy the list exactly: ["Ann Lee", "Bob Stone"]'
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
     model = dllm.load_model("llada-tiny", dtype="float32")
     engine = Engine(model, max_rows=4, max_queue=6)
     engine.start()
-    port = _free_port()
-    cfg = uvicorn.Config(create_app(engine, "llada-tiny", api_key=KEY), host="127.0.0.1", port=port, log_level="error")
-    srv = uvicorn.Server(cfg)
-    th = threading.Thread(target=srv.run, daemon=True)
-    th.start()
-    for _ in range(200):
-        if srv.started:
-            break
-        time.sleep(0.05)
-    yield model, engine, f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    th.join(10)
+    with running_server(create_app(engine, "llada-tiny", api_key=KEY)) as url:
+        yield model, engine, url
     engine.stop(drain=False)
 
 
@@ -196,7 +181,7 @@ def test_sigterm_stops_accepting_and_finishes_the_request_in_flight(tmp_path):
     import subprocess
     import sys
 
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "dllm.cli", "serve", "--model", "llada-tiny", "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -5,7 +5,6 @@ driven by the official ``openai`` client: requests spread over both replicas and
 from __future__ import annotations
 
 import json
-import socket
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,17 +14,13 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 
+from serve_helpers import free_port  # noqa: E402
+
 import dllm  # noqa: E402
 
 PROMPTS = ['Please copy the list exactly: ["Ann Lee", "Bob Stone"]',
            'Please reverse the order of the list: ["Carol Carter", "David Dixon", "Emma Ellis"]',
            "What is 12 + 30?", 'Remove a random person: ["Ann Lee", "Bob Stone", "Frank Fisher"]']
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +29,7 @@ def ray_server():
 
     from dllm.serve.ray_serve import app_builder
 
-    port = _free_port()
+    port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

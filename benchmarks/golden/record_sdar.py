@@ -41,29 +41,20 @@ ROOT = br.ROOT
 PROMPTS = ["What is 12 + 30?", 'Please copy the list exactly: ["Ann Lee", "Bob Stone"]',
            'Please reverse the order of the list: ["Carol Carter", "David Dixon", "Emma Ellis"]']
 # (id, gen_length, block_length, denoising_steps, remasking, temperature, top_k, top_p, threshold, seed)
+TINY_CASES = [
+    ("greedy_dynamic", 12, 4, 4, "low_confidence_dynamic", 1.0, 1, 1.0, 0.85, 0),
+    ("greedy_static", 12, 4, 4, "low_confidence_static", 1.0, 1, 1.0, 0.85, 0),
+    ("greedy_sequential", 12, 4, 4, "sequential", 1.0, 1, 1.0, 0.85, 0),
+    ("sample_dynamic", 12, 4, 4, "low_confidence_dynamic", 1.0, 0, 1.0, 0.85, 1),
+    ("sample_dynamic_t07", 12, 4, 4, "low_confidence_dynamic", 0.7, 0, 1.0, 0.3, 2),
+    ("sample_static_topp", 12, 4, 4, "low_confidence_static", 1.0, 0, 0.9, 0.85, 3),
+    ("sample_static_b8_s4", 16, 8, 4, "low_confidence_static", 1.0, 0, 1.0, 0.85, 4),
+    ("sample_dynamic_b8_s8_topk", 16, 8, 8, "low_confidence_dynamic", 0.8, 20, 1.0, 0.5, 5),
+    ("sample_sequential_b8_s8", 16, 8, 8, "sequential", 1.0, 0, 1.0, 0.85, 6),
+]
 CASES = {
-    "tiny": [
-        ("greedy_dynamic", 12, 4, 4, "low_confidence_dynamic", 1.0, 1, 1.0, 0.85, 0),
-        ("greedy_static", 12, 4, 4, "low_confidence_static", 1.0, 1, 1.0, 0.85, 0),
-        ("greedy_sequential", 12, 4, 4, "sequential", 1.0, 1, 1.0, 0.85, 0),
-        ("sample_dynamic", 12, 4, 4, "low_confidence_dynamic", 1.0, 0, 1.0, 0.85, 1),
-        ("sample_dynamic_t07", 12, 4, 4, "low_confidence_dynamic", 0.7, 0, 1.0, 0.3, 2),
-        ("sample_static_topp", 12, 4, 4, "low_confidence_static", 1.0, 0, 0.9, 0.85, 3),
-        ("sample_static_b8_s4", 16, 8, 4, "low_confidence_static", 1.0, 0, 1.0, 0.85, 4),
-        ("sample_dynamic_b8_s8_topk", 16, 8, 8, "low_confidence_dynamic", 0.8, 20, 1.0, 0.5, 5),
-        ("sample_sequential_b8_s8", 16, 8, 8, "sequential", 1.0, 0, 1.0, 0.85, 6),
-    ],
-    "integer": [
-        # the settings of the tiny fixture
-        ("greedy_dynamic", 12, 4, 4, "low_confidence_dynamic", 1.0, 1, 1.0, 0.85, 0),
-        ("greedy_static", 12, 4, 4, "low_confidence_static", 1.0, 1, 1.0, 0.85, 0),
-        ("greedy_sequential", 12, 4, 4, "sequential", 1.0, 1, 1.0, 0.85, 0),
-        ("sample_dynamic", 12, 4, 4, "low_confidence_dynamic", 1.0, 0, 1.0, 0.85, 1),
-        ("sample_dynamic_t07", 12, 4, 4, "low_confidence_dynamic", 0.7, 0, 1.0, 0.3, 2),
-        ("sample_static_topp", 12, 4, 4, "low_confidence_static", 1.0, 0, 0.9, 0.85, 3),
-        ("sample_static_b8_s4", 16, 8, 4, "low_confidence_static", 1.0, 0, 1.0, 0.85, 4),
-        ("sample_dynamic_b8_s8_topk", 16, 8, 8, "low_confidence_dynamic", 0.8, 20, 1.0, 0.5, 5),
-        ("sample_sequential_b8_s8", 16, 8, 8, "sequential", 1.0, 0, 1.0, 0.85, 6),
+    "tiny": TINY_CASES,
+    "integer": TINY_CASES + [
         # the dynamic rule with fewer steps than the block: early steps commit more than their quota, later
         # steps select (and overwrite) decoded positions, in any block
         ("dynamic_b8_s4_topk3", 32, 8, 4, "low_confidence_dynamic", 1.0, 3, 1.0, 0.5, 10),
