@@ -89,6 +89,44 @@ def _widen(*ts):
 
 
 @triton.jit
+def _attend_keys(q, k_base, v_base, mask_row, lo, hi, offs_n, offs_d, d_ok, skn, skd, svn, svd, smn, m_i, l_i, acc,
+                 QK_SCALE: tl.constexpr, HAS_MASK: tl.constexpr, WRITE_OUT: tl.constexpr, IEEE: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """The online softmax of query tile ``q`` over keys ``lo..hi`` (tiles of BLOCK_N), shared by the flash and the
+    split-K kernels: returns the running max ``m_i`` (log2 units), normaliser ``l_i`` and, with WRITE_OUT, the output
+    accumulator ``acc`` (all fp32). Masked and out-of-range keys score -inf; a row whose keys are all masked keeps
+    ``m_i = -inf`` and ``l_i = 0`` (its max is taken as 0 for the exponentials, so no ``-inf - -inf``)."""
+    for start in range(lo, hi, BLOCK_N):
+        n = start + offs_n
+        in_range = n < hi
+        n_ok = in_range
+        if HAS_MASK:
+            keep = tl.load(mask_row + n * smn, mask=in_range, other=0) != 0
+            n_ok = n_ok & keep
+        kt = tl.load(k_base + n[None, :] * skn + offs_d[:, None] * skd,
+                     mask=in_range[None, :] & d_ok[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, kt, input_precision="ieee")
+        else:
+            s = tl.dot(q, kt)
+        s = tl.where(n_ok[None, :], s.to(tl.float32) * QK_SCALE, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1)).to(tl.float32)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = (l_i * alpha + tl.sum(p, 1)).to(tl.float32)
+        if WRITE_OUT:
+            v = tl.load(v_base + n[:, None] * svn + offs_d[None, :] * svd,
+                        mask=in_range[:, None] & d_ok[None, :], other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _attn_fwd(
     Q, K, V, Out, Lse, Mask,
     sqb, sqh, sqm, sqd,
@@ -120,32 +158,8 @@ def _attn_fwd(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
-    for start in range(0, Lk, BLOCK_N):
-        n = start + offs_n
-        n_ok = n < Lk
-        if HAS_MASK:
-            keep = tl.load(Mask + b * smb + n * smn, mask=n_ok, other=0) != 0
-            n_ok = n_ok & keep
-        kt = tl.load(k_base + n[None, :] * skn + offs_d[:, None] * skd,
-                     mask=(n < Lk)[None, :] & d_ok[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q, kt, input_precision="ieee")
-        else:
-            s = tl.dot(q, kt)
-        s = tl.where(n_ok[None, :], s.to(tl.float32) * QK_SCALE, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1)).to(tl.float32)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = (l_i * alpha + tl.sum(p, 1)).to(tl.float32)
-        if WRITE_OUT:
-            v = tl.load(v_base + n[:, None] * svn + offs_d[None, :] * svd,
-                        mask=(n < Lk)[:, None] & d_ok[None, :], other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    m_i, l_i, acc = _attend_keys(q, k_base, v_base, Mask + b * smb, 0, Lk, offs_n, offs_d, d_ok, skn, skd, svn, svd,
+                                 smn, m_i, l_i, acc, QK_SCALE, HAS_MASK, WRITE_OUT, IEEE, BLOCK_N)
     empty = l_i == 0.0
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     tl.store(Lse + b * slb + h * slh + offs_m * slm, lse, mask=m_ok)
@@ -309,32 +323,8 @@ def _attn_splitk(
     v_base = V + b * svb + hk * svh
     lo = split * CHUNK
     hi = tl.minimum(lo + CHUNK, Lk)
-    for start in range(lo, hi, BLOCK_N):
-        n = start + offs_n
-        in_range = n < hi
-        n_ok = in_range
-        if HAS_MASK:
-            keep = tl.load(Mask + b * smb + n * smn, mask=in_range, other=0) != 0
-            n_ok = n_ok & keep
-        kt = tl.load(k_base + n[None, :] * skn + offs_d[:, None] * skd,
-                     mask=in_range[None, :] & d_ok[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q, kt, input_precision="ieee")
-        else:
-            s = tl.dot(q, kt)
-        s = tl.where(n_ok[None, :], s.to(tl.float32) * QK_SCALE, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1)).to(tl.float32)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = (l_i * alpha + tl.sum(p, 1)).to(tl.float32)
-        v = tl.load(v_base + n[:, None] * svn + offs_d[None, :] * svd,
-                    mask=in_range[:, None] & d_ok[None, :], other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    m_i, l_i, acc = _attend_keys(q, k_base, v_base, Mask + b * smb, lo, hi, offs_n, offs_d, d_ok, skn, skd, svn, svd,
+                                 smn, m_i, l_i, acc, QK_SCALE, HAS_MASK, True, IEEE, BLOCK_N)
     empty = l_i == 0.0
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     tl.store(Lse + split * sls + b * slb + head * slh + row * slm, lse, mask=r_ok)
