@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from dllm.config import GRAPH_MODES
+from dllm.kernels.dispatch import reset_rng_capture_state
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +185,7 @@ class GraphRunner:
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 g.out = self._forward(g, cache)
         except Exception as exc:  # an operation that cannot be captured: this shape stays eager
-            _reset_rng_capture_state()
+            reset_rng_capture_state()
             log.warning("CUDA graph capture failed for batch %d, canvas %d, %d active rows (%s: %s); running "
                         "that shape eagerly", g.x.shape[0], g.x.shape[1], g.query_idx.shape[1],
                         type(exc).__name__, exc)
@@ -203,18 +204,6 @@ class GraphRunner:
     def clear(self) -> None:
         """Drop every graph (and its memory)."""
         self.graphs.clear()
-
-
-def _reset_rng_capture_state() -> None:
-    """After a capture that raised, CUDA's default generator can be left in its capturing state (the capture's
-    epilogue never ran), and every later random draw on the device then fails ("Offset increment outside graph
-    capture"). Capturing an empty graph runs a prologue and an epilogue again, which clears that state."""
-    try:
-        torch.cuda.synchronize()
-        with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            pass
-    except Exception as exc:  # pragma: no cover - depends on the CUDA state
-        log.warning("could not reset the CUDA generator after a failed capture: %s", exc)
 
 
 __all__ = ["GRAPH_MODES", "GraphRunner"]

@@ -29,7 +29,7 @@ LAYERS = [
     {"models"},
     {"caches", "blocks", "samplers"},
     {"recipes"},
-    {"generate"},
+    {"generate", "graphs"},
     {"blockdiff", "viz"},
     {"evals", "tiny"},
     {"serve"},

@@ -109,6 +109,18 @@ def run(name: str, tk, q, k, v, key_padding_mask, return_lse):
     return tk.attention(q, k, v, key_padding_mask=key_padding_mask, return_lse=return_lse)
 
 
+def reset_rng_capture_state() -> None:
+    """After a capture that raised, CUDA's default generator can be left in its capturing state (the capture's
+    epilogue never ran), and every later random draw on the device then fails ("Offset increment outside graph
+    capture"). Capturing an empty graph runs a prologue and an epilogue again, which clears that state."""
+    try:
+        torch.cuda.synchronize()
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            pass
+    except Exception as exc:  # pragma: no cover - depends on the CUDA state
+        log.warning("could not reset the CUDA generator after a failed capture: %s", exc)
+
+
 def _graphed(fn):
     """``fn`` captured in a CUDA graph (its ``replay``), or None where the capture fails: the decode steps that
     matter run as CUDA graph replays (:mod:`dllm.graphs`), where a kernel's time is its device time, without the
@@ -119,9 +131,7 @@ def _graphed(fn):
             fn()
         return graph.replay
     except Exception as exc:  # pragma: no cover - depends on the device
-        from dllm.graphs import _reset_rng_capture_state
-
-        _reset_rng_capture_state()
+        reset_rng_capture_state()
         log.info("timing an attention candidate eagerly (its capture failed: %s)", exc)
         return None
 
