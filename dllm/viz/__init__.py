@@ -271,7 +271,8 @@ def _show_upto(t: dict, artists: list, S: int, upto: int | None) -> None:
         cell.set_edgecolor("#e41a1c" if shown and s in early else col)
         cell.set_linewidth(1.6 if shown and s in early else 0)
         bar.set_visible(shown and c is not None)
-        text.set_text(_wrap(lab, 9, 3) if shown else "mask")
+        text.set_text(_wrap(lab, 9 if len(lab) <= 9 else 12, 3) if shown else "mask")
+        text.set_fontsize(5.2 if not shown or len(lab) <= 9 else 4.3)
         text.set_style("italic" if shown and sp else "normal")
         text.set_color(ink)
         num.set_text(str(s) if shown else "")
@@ -385,9 +386,16 @@ def heatmap(out, path, row: int = 0, width: int = 32, title: str = "", tokenizer
     fig, axes, w = _figure(plt, [t], [info], [""], width, t["steps"], head=title or "decoding trajectory")
     _draw(axes[0], t, width, t["steps"])
     axes[0].set_xlim(-_LEFT, w + 0.1)
-    fig.savefig(path, dpi=150, metadata={"Software": None})
+    _save(fig, path)
     plt.close(fig)
     return path
+
+
+def _save(fig, path) -> None:
+    """PNG at 150 dpi; its ``Description`` holds every text drawn (caption and legend), for readers without
+    sight of the picture, and no software version, so that the same run gives the same bytes."""
+    texts = [t.get_text() for ax in fig.axes for t in ax.texts if t.get_text().strip()]
+    fig.savefig(path, dpi=150, metadata={"Software": None, "Description": "\n".join(texts)})
 
 
 def compare(outs, path, labels=None, row: int = 0, width: int = 32, tokenizer=None, infos=None, title: str = ""):
@@ -401,7 +409,7 @@ def compare(outs, path, labels=None, row: int = 0, width: int = 32, tokenizer=No
     for ax, t in zip(axes, ts):
         _draw(ax, t, width, S)
         ax.set_xlim(-_LEFT, w + 0.1)
-    fig.savefig(path, dpi=150, metadata={"Software": None})
+    _save(fig, path)
     plt.close(fig)
     return path
 
