@@ -56,7 +56,8 @@ def test_png_gif_html_from_a_real_generation(out, tiny, tmp_path):
         assert im.format == "PNG" and im.size[0] > 1500 and im.size[1] > 300
         drawn = im.info["Description"]  # every text drawn in the picture
     for text in ("prompt: “Please reverse the order of the list: ↵ [", "model llada-tiny",
-                 "sampler llada (remasking=low_confidence)", "gen 32 / block 8 / 32 steps · NFE 32 · 1.00 tokens/forward",
+                 "sampler llada (remasking=low_confidence)",
+                 "gen 32 / block 8 / 32 steps · NFE 32 · 1.00 tokens/forward",
                  "colour = step the position was committed at", "step 1", "step 32",
                  "bar under a cell = p(token) when committed", "0.5", "thick line = a block starts",
                  "pos\n0–31", "<endoftext>"):
@@ -121,18 +122,46 @@ def test_compare_png_and_html_show_both_runs(tiny, tmp_path):
         V.render_compare(outs, tmp_path / "x.gif")
 
 
-def test_legend_names_early_commits_and_adablock_where_present(tiny, tmp_path):
+def test_legend_names_early_commits_where_present(tiny, tmp_path):
     from PIL import Image
 
-    for sampler, needle in (("prophet", "red outline = committed by an early commit"),
-                            ("adablock", "thick line = a block starts")):
-        o = dllm.generate(tiny, [PROMPT], gen_length=32, sampler=sampler, record_confidence=True)
-        V.heatmap(o, tmp_path / f"{sampler}.png", tokenizer=tiny.tokenizer)
-        with Image.open(tmp_path / f"{sampler}.png") as im:
-            assert needle in im.info["Description"]
-    t = V.trajectory(o, 0, tiny.tokenizer)  # adablock: a delimiter-closed block is drawn dashed and named
-    page = V.html(o, tmp_path / "ada.html", tokenizer=tiny.tokenizer)
-    assert ("AdaBlock closed the block at a delimiter" in page.read_text(encoding="utf-8")) == bool(t["delim"])
+    o = dllm.generate(tiny, [PROMPT], gen_length=32, sampler="prophet", record_confidence=True)
+    assert V.trajectory(o, 0, tiny.tokenizer)["early"]  # the tiny model is sure at once: Prophet stops early
+    V.heatmap(o, tmp_path / "prophet.png", tokenizer=tiny.tokenizer)
+    with Image.open(tmp_path / "prophet.png") as im:
+        assert "red outline = committed by an early commit (Prophet, guided EOS)" in im.info["Description"]
+    o = dllm.generate(tiny, [PROMPT], gen_length=32, block_length=8, steps=32, cache="dual", record_confidence=True)
+    assert V.trajectory(o, 0, tiny.tokenizer)["refresh"] == [9, 17, 25]  # a new block refreshes the whole cache
+    V.heatmap(o, tmp_path / "dual.png", tokenizer=tiny.tokenizer)
+    with Image.open(tmp_path / "dual.png") as im:
+        assert "↻ = committed at a step with a full cache refresh" in im.info["Description"]
+
+
+def test_adablock_decisions_are_drawn_and_named(tmp_path):
+    """A record as AdaBlock leaves it (blocks of 5 and 11 ended at a delimiter, then a fallback block of 16): the
+    boundaries it chose at a delimiter are named in the legend of both pictures."""
+    from PIL import Image
+
+    from dllm.generate import GenerateOutput, GenerateStats
+
+    P, bounds = 10, [(0, 5, True), (5, 16, True), (16, 32, False)]
+    trace, steps = [], []
+    for lo, hi, at_delim in bounds:
+        for k in range(hi - lo):
+            trace.append({"lo": [P + lo], "hi": [P + hi], "block_start": [k == 0],
+                          "delimiter_block": [k == 0 and at_delim]})
+            steps.append(len(trace))
+    stats = GenerateStats(nfe=32, row_nfe=[32], tokens_per_forward=1.0, finish_step=[32], time_model=0, time_sampler=0,
+                          time_cache=0, time_total=0, trace=trace, commit_step=[steps])
+    out = GenerateOutput(torch.arange(32).unsqueeze(0), None, [P], stats)
+    t = V.trajectory(out)
+    assert t["starts"] == [0, 5, 16] and t["delim"] == [5, 16]
+    assert V.caption(t)[-1].startswith("gen 32 / blocks of 5-16 (3 blocks) / 32 steps")
+    V.heatmap(out, tmp_path / "ada.png")
+    with Image.open(tmp_path / "ada.png") as im:
+        assert "dashed orange line = AdaBlock ended the block before it at a delimiter" in im.info["Description"]
+    text = V.html(out, tmp_path / "ada.html").read_text(encoding="utf-8")
+    assert "dashed orange edge = AdaBlock ended the block before it at a delimiter" in text
 
 
 def test_long_canvas_renders_in_seconds(tmp_path):

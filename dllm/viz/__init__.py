@@ -49,8 +49,8 @@ def trajectory(out, row: int = 0, tokenizer=None) -> dict:
     (whether a position holds a special token), ``ids``, ``step`` (commit step, -1 never), ``conf``
     (probability at commit or None), ``steps`` (the row's steps), ``starts`` (generation offsets where a region
     began), ``early`` (steps with an early commit), ``refresh`` (steps with a full cache refresh), ``delim``
-    (offsets of blocks AdaBlock closed at a delimiter), ``nfe`` (the row's forwards) and ``tpf`` (its tokens per
-    forward)."""
+    (offsets where a block begins because AdaBlock ended the one before at a delimiter), ``nfe`` (the row's
+    forwards) and ``tpf`` (its tokens per forward)."""
     stats = out.stats
     if not stats.commit_step:
         raise ValueError("this output has no commit_step record; generate it with this version of dllm.generate")
@@ -66,8 +66,9 @@ def trajectory(out, row: int = 0, tokenizer=None) -> dict:
     early = [i + 1 for i, rec in enumerate(stats.trace) if rec.get("early_commit") and rec["early_commit"][row]]
     cached = any(rec.get("refresh_layer", 0) != 0 for rec in stats.trace)  # NoCache recomputes every step
     refresh = [i + 1 for i, rec in enumerate(stats.trace) if cached and i > 0 and rec.get("refresh_layer") == 0]
-    delim = sorted({rec["lo"][row] - P for rec in stats.trace
-                    if rec.get("delimiter_block") and rec["delimiter_block"][row] and "lo" in rec})
+    delim = sorted({rec["hi"][row] - P for rec in stats.trace  # AdaBlock ended a block at a delimiter
+                    if rec.get("delimiter_block") and rec["delimiter_block"][row]
+                    and 0 < rec["hi"][row] - P < len(ids)})
     nfe = stats.row_nfe[row] if stats.row_nfe and row < len(stats.row_nfe) else stats.nfe
     tokens, labels, special = _token_texts(tokenizer, ids)
     return {"tokens": tokens, "labels": labels, "special": special, "ids": ids, "step": step, "conf": conf,
@@ -180,7 +181,7 @@ def _viridis(S: int) -> list[str]:
         i = min(int(x), len(VIRIDIS) - 2)
         f = x - i
         rgb = [round(VIRIDIS[i][c] + f * (VIRIDIS[i + 1][c] - VIRIDIS[i][c])) for c in range(3)]
-        cols.append("#%02x%02x%02x" % tuple(rgb))
+        cols.append("#" + "".join(f"{v:02x}" for v in rgb))
     return cols
 
 
@@ -221,64 +222,78 @@ def _panel_units(t: dict, width: int) -> float:
     return len(_lines(t, width)) * _PITCH
 
 
-def _draw(ax, t: dict, width: int, S: int, upto: int | None = None) -> list:
+def _box(x: float, y: float, w: float, h: float) -> list:
+    return [(x, y), (x + w, y), (x + w, y + h), (x, y + h)]
+
+
+def _draw(ax, t: dict, width: int, S: int, upto: int | None = None) -> dict:
     """Draw one trajectory on ``ax`` (data units: one cell = 1; positions committed after step ``upto`` are shown
-    as masks). Returns the per-position artists, which :func:`_show_upto` updates for another step."""
-    from matplotlib.patches import Rectangle
+    as masks). Returns the artists, which :func:`_show_upto` updates for another step (one collection for the
+    cells, one for the confidence bars: a long canvas draws in seconds)."""
+    from matplotlib.collections import LineCollection, PolyCollection
 
     lines = _lines(t, width)
     nl = len(lines)
-    starts = set(t["starts"])
-    artists = [None] * len(t["tokens"])
-    refresh = set(t["refresh"])
+    starts, refresh = set(t["starts"]), set(t["refresh"])
+    n = len(t["tokens"])
+    cells, tracks, bars, ticks, texts, nums, marks = [], [], [], [], [], [], {}
     for li, (lo, hi) in enumerate(lines):
         y = (nl - 1 - li) * _PITCH + 0.75  # bottom of the cells of this line
         ax.text(-0.25, y + 0.5, f"pos\n{lo}–{hi - 1}", ha="right", va="center", fontsize=6, color="0.25")
         for i in range(lo, hi):
             x = i - lo
-            cell = ax.add_patch(Rectangle((x + 0.03, y), 0.94, 1.0, linewidth=0))
-            ax.add_patch(Rectangle((x + 0.03, y - 0.22), 0.94, 0.16, facecolor="0.88", linewidth=0))
-            c = t["conf"][i]
-            bar = ax.add_patch(Rectangle((x + 0.03, y - 0.22), 0.94 * (c or 0.0), 0.16, facecolor="#222222",
-                                         linewidth=0))
-            text = ax.text(x + 0.5, y + 0.6, "", ha="center", va="center", fontsize=5.2, linespacing=0.95)
-            num = ax.text(x + 0.93, y + 0.05, "", ha="right", va="bottom", fontsize=4.6)
-            mark = ax.text(x + 0.07, y + 0.97, "↻" if t["step"][i] in refresh else "", ha="left", va="top",
-                           fontsize=5.5, fontweight="bold")
+            cells.append(_box(x + 0.03, y, 0.94, 1.0))
+            tracks.append(_box(x + 0.03, y - 0.22, 0.94, 0.16))
+            bars.append(_box(x + 0.03, y - 0.22, 0.94 * (t["conf"][i] or 0.0), 0.16))
+            texts.append(ax.text(x + 0.5, y + 0.6, "", ha="center", va="center", fontsize=5.2, linespacing=0.95))
+            nums.append(ax.text(x + 0.93, y + 0.05, "", ha="right", va="bottom", fontsize=4.6))
+            if t["step"][i] in refresh:
+                marks[i] = ax.text(x + 0.07, y + 0.97, "↻", ha="left", va="top", fontsize=5.5, fontweight="bold")
             if i % 4 == 0 or i == hi - 1:
                 ax.text(x + 0.5, y - 0.32, str(i), ha="center", va="top", fontsize=5, color="0.3")
-                ax.plot([x + 0.5, x + 0.5], [y - 0.3, y - 0.26], color="0.3", linewidth=0.5)
-            artists[i] = (cell, bar, text, num, mark)
+                ticks.append([(x + 0.5, y - 0.3), (x + 0.5, y - 0.26)])
             if i in starts or i == lo:
                 delim = i in t["delim"]
                 ax.plot([x, x], [y - 0.25, y + 1.08], color="#d95f02" if delim else "black",
                         linewidth=2.2, linestyle=(0, (2, 1)) if delim else "solid", solid_capstyle="butt")
+    ax.add_collection(PolyCollection(tracks, facecolors="0.88", linewidths=0))
+    ax.add_collection(LineCollection(ticks, colors="0.3", linewidths=0.5))
+    art = {"cells": ax.add_collection(PolyCollection(cells, linewidths=0)),
+           "bars": ax.add_collection(PolyCollection(bars, linewidths=0)), "texts": texts, "nums": nums,
+           "marks": marks, "n": n}
     ax.set_xlim(-_LEFT, width + 0.1)
     ax.set_ylim(0, nl * _PITCH)
     ax.axis("off")
-    _show_upto(t, artists, S, upto)
-    return artists
+    _show_upto(t, art, S, upto)
+    return art
 
 
-def _show_upto(t: dict, artists: list, S: int, upto: int | None) -> None:
+def _show_upto(t: dict, art: dict, S: int, upto: int | None) -> None:
     cols = _viridis(S)
     early = set(t["early"])
-    for (cell, bar, text, num, mark), lab, s, c, sp in zip(artists, t["labels"], t["step"], t["conf"], t["special"]):
+    face, edge, lw, barface = [], [], [], []
+    for i, (lab, s, c, sp) in enumerate(zip(t["labels"], t["step"], t["conf"], t["special"])):
         shown = s >= 0 and (upto is None or s <= upto)
         col = cols[min(s, S) - 1] if shown else "#e6e6e6"
         ink = _ink(col) if shown else "#8c8c8c"
-        cell.set_facecolor(col)
-        cell.set_edgecolor("#e41a1c" if shown and s in early else col)
-        cell.set_linewidth(1.6 if shown and s in early else 0)
-        bar.set_visible(shown and c is not None)
-        text.set_text(_wrap(lab, 9 if len(lab) <= 9 else 12, 3) if shown else "mask")
+        face.append(col)
+        edge.append("#e41a1c" if shown and s in early else col)
+        lw.append(1.6 if shown and s in early else 0)
+        barface.append("#222222" if shown and c is not None else "none")
+        text, num = art["texts"][i], art["nums"][i]
+        text.set_text(_wrap(lab, 9 if len(lab) <= 9 else 12, 3) if shown else "")
         text.set_fontsize(5.2 if not shown or len(lab) <= 9 else 4.3)
         text.set_style("italic" if shown and sp else "normal")
         text.set_color(ink)
         num.set_text(str(s) if shown else "")
         num.set_color(ink)
-        mark.set_visible(shown)
-        mark.set_color(ink)
+        if i in art["marks"]:
+            art["marks"][i].set_visible(shown)
+            art["marks"][i].set_color(ink)
+    art["cells"].set_facecolors(face)
+    art["cells"].set_edgecolors(edge)
+    art["cells"].set_linewidths(lw)
+    art["bars"].set_facecolors(barface)
 
 
 def _legend(ax, ts: list, S: int, width: int) -> None:
@@ -314,12 +329,13 @@ def _legend(ax, ts: list, S: int, width: int) -> None:
     # markers
     items = [("block", "black", "solid", "thick line = a block starts (its position is on the axis)")]
     if any(t["delim"] for t in ts):
-        items.append(("block", "#d95f02", (0, (2, 1)), "dashed orange = AdaBlock closed the block at a delimiter"))
+        items.append(("block", "#d95f02", (0, (2, 1)),
+                      "dashed orange line = AdaBlock ended the block before it at a delimiter"))
     if any(t["early"] for t in ts):
         items.append(("early", "#e41a1c", None, "red outline = committed by an early commit (Prophet, guided EOS)"))
     if any(t["refresh"] for t in ts):
         items.append(("refresh", None, None, "↻ = committed at a step with a full cache refresh"))
-    items.append(("mask", None, None, "grey “mask” = not committed (yet)"))
+    items.append(("mask", None, None, "grey = not committed (yet)"))
     mx = cx + 6.5
     for k, (kind, colr, style, label) in enumerate(items):
         yy = 2.85 - k * 0.55
@@ -366,7 +382,7 @@ def _figure(plt, ts: list, infos: list, labels: list, width: int, S: int, head: 
     for k, ln in enumerate(head_lines):
         ax.text(0.012, 1 - (k + 0.5) / max(len(head_lines), 1) * 0.8, ln, fontsize=7.5 if k else 8.5,
                 fontweight="bold" if k == 0 else "normal", va="center", transform=ax.transAxes)
-    for t, cap, hh in zip(ts, caps, zip(heights[1::2], heights[2::2])):
+    for cap, hh in zip(caps, zip(heights[1::2], heights[2::2])):
         cax = box(hh[0])
         cax.axis("off")
         for k, ln in enumerate(cap):
@@ -446,7 +462,7 @@ def animate(out, path, row: int = 0, width: int = 32, fps: int = 4, tokenizer=No
 
     ks = sorted({round(i * S / (max_frames - 1)) for i in range(max_frames)}) if S + 1 > max_frames else range(S + 1)
     anim = FuncAnimation(fig, frame, frames=list(ks))
-    anim.save(str(path), writer=PillowWriter(fps=fps), dpi=80)
+    anim.save(str(path), writer=PillowWriter(fps=fps), dpi=100)
     plt.close(fig)
     return path
 
@@ -477,11 +493,11 @@ h1{font-size:1.2em;margin:.2em 0} h2{font-size:1em;margin:1em 0 .2em}
 #legend .item{display:flex;align-items:center;gap:.4em}
 #scale{width:16em;height:1em;border-radius:2px} .ticks{display:flex;justify-content:space-between;width:16em}
 .sw{display:inline-block;width:2.4em;height:1.2em;border-radius:2px;vertical-align:middle}
-.line{display:flex;flex-wrap:wrap;align-items:flex-start;margin:.25em 0 .5em}
+.line{display:flex;align-items:flex-start;margin:.25em 0 .5em} .blks{display:flex;flex-wrap:wrap;row-gap:.3em}
 .ax{width:4.5em;font:10px monospace;color:#555;text-align:right;padding-right:.5em;padding-top:1em;flex:none}
 .blk{display:flex;border-left:4px solid #000;padding-left:2px;margin-left:3px}
 .blk.cut{border-left:1px dotted #999} .blk.delim{border-left:4px dashed #d95f02}
-.cell{position:relative;flex:none;min-width:3.2em;max-width:7.5em;min-height:3.1em;margin:1px;padding:.9em .25em 1.1em;
+.cell{position:relative;flex:none;min-width:3.2em;max-width:7.5em;min-height:3.4em;margin:1px;padding:.9em .25em 1.5em;
  font:11px monospace;white-space:pre-wrap;word-break:break-all;text-align:center;border-radius:3px;
  box-sizing:border-box;cursor:pointer}
 .cell .pos{position:absolute;left:2px;top:1px;font-size:8px;opacity:.75}
@@ -489,7 +505,9 @@ h1{font-size:1.2em;margin:.2em 0} h2{font-size:1em;margin:1em 0 .2em}
 .cell .cf{position:absolute;left:0;bottom:0;height:4px;background:#222}
 .cell .tr{position:absolute;left:0;right:0;bottom:0;height:4px;background:#d9d9d9}
 .cell .rf{position:absolute;right:2px;top:0;font-size:10px;font-weight:bold}
-.cell.m{background:#e6e6e6;color:#8c8c8c} .cell.e{outline:2px solid #e41a1c;outline-offset:-2px}
+.cell .mk{display:none;position:absolute;left:0;right:0;top:1.3em;font-style:italic}
+.cell.m{background:#e6e6e6;color:#8c8c8c} .cell.m .tk{visibility:hidden} .cell.m .mk{display:block}
+.cell.e{outline:2px solid #e41a1c;outline-offset:-2px}
 .cell.sp .tk{font-style:italic} .cell.sel{box-shadow:0 0 0 2px #000}
 .counts{display:flex;align-items:flex-end;height:40px;gap:1px;margin:.2em 0 0 5em}
 .counts div{width:6px;background:#999} .counts div.now{background:#000}
@@ -527,13 +545,13 @@ function build(){const host=document.getElementById('runs');
   lab.textContent='↑ positions committed at each step (one bar per step, 1 to '+S+')';sec.appendChild(lab);
   t.lines.forEach(([lo,hi])=>{const ln=document.createElement('div');ln.className='line';
    const ax=document.createElement('div');ax.className='ax';ax.textContent='pos '+lo+'–'+(hi-1);ln.appendChild(ax);
-   let blk=null;
+   const bs=document.createElement('div');bs.className='blks';ln.appendChild(bs);let blk=null;
    for(let i=lo;i<hi;i++){if(blk===null||t.starts.includes(i)){blk=document.createElement('div');
-     blk.className='blk'+(t.delim.includes(i)?' delim':'')+(!t.starts.includes(i)&&i>0?' cut':'');ln.appendChild(blk);}
+     blk.className='blk'+(t.delim.includes(i)?' delim':'')+(!t.starts.includes(i)&&i>0?' cut':'');bs.appendChild(blk);}
     const c=document.createElement('div');c.id='c'+r+'_'+i;c.className='cell';
-    c.innerHTML='<span class="pos"></span><span class="tk"></span><span class="st"></span>'+
+    c.innerHTML='<span class="pos"></span><span class="tk"></span><span class="mk">mask</span><span class="st"></span>'+
      '<span class="tr"></span><span class="cf"></span><span class="rf"></span>';
-    c.querySelector('.pos').textContent=i;c.title=cellInfo(r,i);
+    c.querySelector('.pos').textContent=i;c.querySelector('.tk').textContent=t.labels[i];c.title=cellInfo(r,i);
     c.addEventListener('mouseenter',()=>side(r,i));c.addEventListener('click',()=>side(r,i));blk.appendChild(c);}
    sec.appendChild(ln);});
   const done=document.createElement('p');done.className='cap done';sec.appendChild(done);
@@ -541,15 +559,17 @@ function build(){const host=document.getElementById('runs');
 function show(n){n=Math.max(0,Math.min(S,n|0));kk.textContent=n;sl.value=n;sl.setAttribute('value',n);
  R.forEach((t,r)=>{let done=0;
   t.step.forEach((s,i)=>{const c=document.getElementById('c'+r+'_'+i),on=s>=0&&s<=n;
-   c.dataset.committed=on?'1':'0';c.classList.toggle('m',!on);c.classList.toggle('sp',on&&t.special[i]);c.classList.toggle('e',on&&t.early.includes(s));
+   c.dataset.committed=on?'1':'0';c.classList.toggle('m',!on);c.classList.toggle('sp',on&&t.special[i]);
+   c.classList.toggle('e',on&&t.early.includes(s));
    c.style.background=on?D.colors[s-1]:'';c.style.color=on?D.ink[s-1]:'';
-   c.querySelector('.tk').textContent=on?t.labels[i]:'mask';c.querySelector('.st').textContent=on?s:'';
+   c.querySelector('.st').textContent=on?s:'';
    const p=t.conf[i];c.querySelector('.cf').style.width=on&&p!=null?(100*p)+'%':'0';
    c.querySelector('.tr').style.display=on&&p!=null?'':'none';
    c.querySelector('.rf').textContent=on&&t.refresh.includes(s)?'↻':'';if(on)done++;});
   document.querySelectorAll('.run')[r].querySelector('.done').textContent=
    'after step '+n+': '+done+' of '+t.step.length+' positions committed';
-  document.querySelectorAll('.run')[r].querySelectorAll('.counts div').forEach((b,j)=>b.classList.toggle('now',j+1===n));});}
+  document.querySelectorAll('.run')[r].querySelectorAll('.counts div')
+   .forEach((b,j)=>b.classList.toggle('now',j+1===n));});}
 build();sl.addEventListener('input',()=>show(+sl.value));
 const q=new URLSearchParams(location.search).get('step');show(q!==null&&q!==''?+q:S);
 """
@@ -576,7 +596,7 @@ def _page(ts, infos, labels, title: str, width: int) -> str:
     ]
     if any(t["delim"] for t in ts):
         legend.append('<div class="item"><span class="sw" style="border-left:4px dashed #d95f02"></span>'
-                      '<div>dashed orange edge = AdaBlock closed the block at a delimiter</div></div>')
+                      '<div>dashed orange edge = AdaBlock ended the block before it at a delimiter</div></div>')
     if any(t["early"] for t in ts):
         legend.append('<div class="item"><span class="sw" style="outline:2px solid #e41a1c;outline-offset:-2px">'
                       '</span><div>red outline = early commit (Prophet, guided EOS)</div></div>')
