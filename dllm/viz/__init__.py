@@ -494,7 +494,7 @@ h1{font-size:1.2em;margin:.2em 0} h2{font-size:1em;margin:1em 0 .2em}
 #scale{width:16em;height:1em;border-radius:2px} .ticks{display:flex;justify-content:space-between;width:16em}
 .sw{display:inline-block;width:2.4em;height:1.2em;border-radius:2px;vertical-align:middle}
 .line{display:flex;align-items:flex-start;margin:.25em 0 .5em} .blks{display:flex;flex-wrap:wrap;row-gap:.3em}
-.ax{width:4.5em;font:10px monospace;color:#555;text-align:right;padding-right:.5em;padding-top:1em;flex:none}
+.ax{width:5.5em;font:10px monospace;color:#555;text-align:right;padding-right:.5em;padding-top:1em;flex:none}
 .blk{display:flex;border-left:4px solid #000;padding-left:2px;margin-left:3px}
 .blk.cut{border-left:1px dotted #999} .blk.delim{border-left:4px dashed #d95f02}
 .cell{position:relative;flex:none;min-width:3.2em;max-width:7.5em;min-height:3.4em;margin:1px;padding:.9em .25em 1.5em;
@@ -509,7 +509,7 @@ h1{font-size:1.2em;margin:.2em 0} h2{font-size:1em;margin:1em 0 .2em}
 .cell.m{background:#e6e6e6;color:#8c8c8c} .cell.m .tk{visibility:hidden} .cell.m .mk{display:block}
 .cell.e{outline:2px solid #e41a1c;outline-offset:-2px}
 .cell.sp .tk{font-style:italic} .cell.sel{box-shadow:0 0 0 2px #000}
-.counts{display:flex;align-items:flex-end;height:40px;gap:1px;margin:.2em 0 0 5em}
+.counts{display:flex;align-items:flex-end;height:40px;gap:1px;margin:.2em 0 0 6em}
 .counts div{width:6px;background:#999} .counts div.now{background:#000}
 #side{position:fixed;right:0;top:0;bottom:0;width:20em;overflow:auto;background:#f7f7f7;border-left:1px solid #ccc;
  padding:1em;font-size:.85em;box-sizing:border-box}
@@ -534,14 +534,14 @@ function side(r,i){const t=R[r],s=t.step[i],p=t.conf[i];
 function build(){const host=document.getElementById('runs');
  R.forEach((t,r)=>{const sec=document.createElement('section');sec.className='run';
   if(R.length>1){const h=document.createElement('h2');h.textContent=t.label;sec.appendChild(h);}
-  t.caption.forEach((c,j)=>{if(R.length>1&&c.startsWith('prompt:'))return;const p=document.createElement('p');
+  t.caption.forEach((c,j)=>{if(R.length===1||c.startsWith('prompt:'))return;const p=document.createElement('p');
    p.className='cap';p.textContent=c;sec.appendChild(p);});
   const cnt=document.createElement('div');cnt.className='counts';cnt.title='positions committed per step';
   const mx=Math.max(...t.counts,1);
   for(let s=1;s<=S;s++){const b=document.createElement('div');b.style.height=(38*t.counts[s]/mx)+'px';
    b.title='step '+s+': '+t.counts[s]+' committed';cnt.appendChild(b);}
   sec.appendChild(cnt);
-  const lab=document.createElement('div');lab.className='cap';lab.style.marginLeft='5em';
+  const lab=document.createElement('div');lab.className='cap';lab.style.marginLeft='6em';
   lab.textContent='↑ positions committed at each step (one bar per step, 1 to '+S+')';sec.appendChild(lab);
   t.lines.forEach(([lo,hi])=>{const ln=document.createElement('div');ln.className='line';
    const ax=document.createElement('div');ax.className='ax';ax.textContent='pos '+lo+'–'+(hi-1);ln.appendChild(ax);
@@ -580,7 +580,7 @@ def _page(ts, infos, labels, title: str, width: int) -> str:
     for run, t in zip(data["runs"], ts):
         run["lines"] = _lines(t, width)
     S = data["steps"]
-    shared = [c for c in data["runs"][0]["caption"] if c.startswith("prompt:")] if len(ts) > 1 else []
+    shared = [c for c in data["runs"][0]["caption"] if c.startswith("prompt:") or len(ts) == 1]
     grad = ", ".join(data["colors"][round(k * (S - 1) / 15)] for k in range(16)) if S > 1 else \
         f"{data['colors'][0]}, {data['colors'][0]}"
     ticks = "".join(f"<span>{s}</span>" for s in sorted({1, (S + 1) // 2, S}))
@@ -605,7 +605,7 @@ def _page(ts, infos, labels, title: str, width: int) -> str:
     legend.append('<div class="item"><span class="sw" style="background:#e6e6e6"></span><div>grey “mask” = not '
                   'committed yet · small number = position · <i>italic</i> = special token</div></div>')
     caps = "".join(f'<p class="cap{" prompt" if c.startswith("prompt:") else ""}">{_html.escape(c)}</p>'
-                   for c in (shared if len(ts) > 1 else []))
+                   for c in shared)
     script = "const D=" + json.dumps(data).replace("</", "<\\/") + ";\n" + _JS
     return (f'<!doctype html><html><head><meta charset="utf-8"><title>{_html.escape(title)}</title>'
             f"<style>{_CSS}</style></head><body>\n<h1>{_html.escape(title)}</h1>{caps}\n"
