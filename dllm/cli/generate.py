@@ -53,6 +53,10 @@ def cmd_generate(args) -> int:
         raise SystemExit("error: give a PROMPT or --batch-file")
     model = load_model_arg(args)
     config, sampler = decode_setup(args)
+    if args.compare and not args.trace_out:
+        raise SystemExit("error: --compare draws a picture: give --trace-out FILE.png or FILE.html")
+    if args.compare and Path(args.trace_out).suffix.lower() not in (".png", ".html", ".htm"):
+        raise SystemExit("error: --compare draws FILE.png or FILE.html (a GIF shows one run)")
     if args.trace_out:
         import dataclasses
 
@@ -60,14 +64,7 @@ def cmd_generate(args) -> int:
     out = generate(model, prompts, config, sampler=sampler, cache=args.cache)
     s = out.stats
     if args.trace_out:
-        from dllm.viz import render
-
-        for row in range(len(prompts)):
-            path = Path(args.trace_out)
-            if len(prompts) > 1:
-                path = path.with_name(f"{path.stem}-{row}{path.suffix}")
-            render(out, path, row=row, tokenizer=getattr(model, "tokenizer", None))
-            print(f"[trajectory of row {row}: {path}]", file=sys.stderr)
+        _draw_traces(args, model, prompts, config, sampler, out)
     guided = None
     if getattr(sampler, "name", None) == "guided" or args.sampler == "guided":
         from dllm.samplers.guided import guided_summary
@@ -91,6 +88,38 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _draw_traces(args, model, prompts, config, sampler, out) -> None:
+    """``--trace-out`` (and ``--compare``): one picture per prompt, captioned with the prompt, model, sampler and
+    its ``--param`` settings."""
+    from dllm.cli.common import parse_params
+    from dllm.generate import default_sampler, generate
+    from dllm.samplers import get_sampler
+    from dllm.viz import render, render_compare, run_info
+
+    tok = getattr(model, "tokenizer", None)
+    name = args.model or "llada-tiny"
+    main = sampler if sampler is not None else default_sampler(model)
+    infos = [run_info(p, name, main, parse_params(args.param), args.cache or getattr(main, "cache", None))
+             for p in prompts]
+    other = None
+    if args.compare:
+        theirs = get_sampler(args.compare)
+        other = generate(model, prompts, config, sampler=theirs)
+        other_infos = [run_info(p, name, theirs, cache=getattr(theirs, "cache", None)) for p in prompts]
+        s = other.stats
+        print(f"[--compare {args.compare}: nfe {s.nfe}, {s.tokens_per_forward:.2f} tokens/forward]", file=sys.stderr)
+    for row in range(len(prompts)):
+        path = Path(args.trace_out)
+        if len(prompts) > 1:
+            path = path.with_name(f"{path.stem}-{row}{path.suffix}")
+        if other is None:
+            render(out, path, row=row, tokenizer=tok, info=infos[row])
+        else:
+            render_compare([out, other], path, row=row, tokenizer=tok, infos=[infos[row], other_infos[row]],
+                           labels=[infos[row]["sampler"], other_infos[row]["sampler"]])
+        print(f"[trajectory of row {row}: {path}]", file=sys.stderr)
+
+
 def cmd_samplers(args) -> int:
     from dllm.samplers import list_samplers
 
@@ -111,6 +140,9 @@ def add_parser(sub) -> None:
     g.add_argument("--trace-out", metavar="FILE", default=None,
                    help="draw the decoding trajectory to FILE.png, FILE.gif or FILE.html (one file per prompt: "
                         "FILE-0.png, ... when there are several)")
+    g.add_argument("--compare", metavar="SAMPLER", default=None,
+                   help="with --trace-out FILE.png|.html: also decode with SAMPLER (its defaults and its own "
+                        "cache; the same lengths and seed) and draw both trajectories side by side")
     add_decode_args(g)
     g.set_defaults(func=cmd_generate)
 

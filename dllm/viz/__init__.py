@@ -4,17 +4,29 @@ Every function takes a :class:`dllm.generate.GenerateOutput` (one row of it, ``r
 tokenizer for token text, else ids are shown) and reads
 ``stats.commit_step`` (the step each generated position was committed at), ``stats.commit_conf`` (its
 probability, when generated with ``record_confidence=True``) and ``stats.trace`` (region bounds per step, early
-commits, cache refreshes). Long canvases wrap into lines of ``width`` positions.
+commits, cache refreshes, AdaBlock's block decisions).
 
-* :func:`heatmap` -> PNG: a grid of the generated positions, colour = commit step, text = token, a bar under
-  each cell = confidence at commit; block / region starts as vertical lines, early commits outlined in red,
-  steps with a full cache refresh listed in the title.
+Every picture carries a caption and a legend. The caption reads what the output itself records (generation
+length, block layout, steps, NFE, tokens per forward) plus what ``info=`` gives: ``prompt``, ``model``,
+``sampler``, ``params`` (the sampler parameters set away from their defaults) and ``cache`` (see
+:func:`run_info`). The legend explains every encoding the picture uses: the commit-step colour scale, the
+confidence bar and its scale, block starts, and, where present, early commits (Prophet, a guided row's EOS),
+steps with a full cache refresh and blocks AdaBlock closed at a delimiter.
+
+Positions are laid out in lines of at most ``width`` positions, broken at block boundaries (a block longer than
+``width`` is cut into lines of ``width``); each cell shows the whole token (wrapped; special tokens by name, e.g.
+``<endoftext>``), the step it was committed at and its position on the axis under the line.
+
+* :func:`heatmap` -> PNG of one generation.
 * :func:`animate` -> GIF: the canvas filling in, one frame per step (Pillow writer).
-* :func:`html` -> a self-contained page (inline CSS/JS, no network) with a step slider and the token text.
-* :func:`compare` -> PNG: several generations of the same prompt stacked (e.g. llada vs threshold vs localleap).
-* :func:`render` picks by the file extension (``.png``, ``.gif``, ``.html``).
+* :func:`html` -> a self-contained page (inline CSS/JS, no network) with a step slider (``?step=K`` sets it), a
+  tooltip and a side panel with each position's whole token, step and probability.
+* :func:`compare` -> PNG, and :func:`compare_html` -> page: several generations of the same prompt (e.g.
+  ``llada`` against ``fast-dllm``) on one colour scale, one panel each, with the commits per step of each run.
+* :func:`render` picks by the file extension (``.png``, ``.gif``, ``.html``); :func:`render_compare` for
+  ``.png`` / ``.html``.
 
-matplotlib and Pillow are needed (``pip install "dllm[viz]"``).
+matplotlib and Pillow are needed for PNG and GIF (``pip install "dllm[viz]"``); the page needs neither.
 """
 
 from __future__ import annotations
@@ -24,14 +36,21 @@ import json
 import math
 from pathlib import Path
 
-__all__ = ["animate", "compare", "heatmap", "html", "render", "trajectory"]
+__all__ = ["animate", "caption", "compare", "compare_html", "heatmap", "html", "render", "render_compare",
+           "run_info", "trajectory"]
+
+
+# --------------------------------------------------------------------------------------------------- data
 
 
 def trajectory(out, row: int = 0, tokenizer=None) -> dict:
-    """The data every picture draws, for one row: ``tokens`` (text per generated position), ``step`` (commit
-    step, -1 never), ``conf`` (probability at commit or None), ``steps`` (the row's steps), ``starts`` (generation
-    offsets where a region began), ``early`` (steps with an early commit) and ``refresh`` (steps with a full
-    cache refresh)."""
+    """The data every picture draws, for one row: ``tokens`` (decoded text per generated position), ``labels``
+    (what a cell shows: the text with newlines and tabs made visible, special tokens by name), ``special``
+    (whether a position holds a special token), ``ids``, ``step`` (commit step, -1 never), ``conf``
+    (probability at commit or None), ``steps`` (the row's steps), ``starts`` (generation offsets where a region
+    began), ``early`` (steps with an early commit), ``refresh`` (steps with a full cache refresh), ``delim``
+    (offsets where a block begins because AdaBlock ended the one before at a delimiter), ``nfe`` (the row's
+    forwards) and ``tpf`` (its tokens per forward)."""
     stats = out.stats
     if not stats.commit_step:
         raise ValueError("this output has no commit_step record; generate it with this version of dllm.generate")
@@ -47,14 +66,140 @@ def trajectory(out, row: int = 0, tokenizer=None) -> dict:
     early = [i + 1 for i, rec in enumerate(stats.trace) if rec.get("early_commit") and rec["early_commit"][row]]
     cached = any(rec.get("refresh_layer", 0) != 0 for rec in stats.trace)  # NoCache recomputes every step
     refresh = [i + 1 for i, rec in enumerate(stats.trace) if cached and i > 0 and rec.get("refresh_layer") == 0]
-    return {"tokens": _token_texts(tokenizer, ids), "step": step, "conf": conf, "steps": max(max(step), 1),
-            "starts": starts, "early": early, "refresh": refresh}
+    delim = sorted({rec["hi"][row] - P for rec in stats.trace  # AdaBlock ended a block at a delimiter
+                    if rec.get("delimiter_block") and rec["delimiter_block"][row]
+                    and 0 < rec["hi"][row] - P < len(ids)})
+    nfe = stats.row_nfe[row] if stats.row_nfe and row < len(stats.row_nfe) else stats.nfe
+    tokens, labels, special = _token_texts(tokenizer, ids)
+    return {"tokens": tokens, "labels": labels, "special": special, "ids": ids, "step": step, "conf": conf,
+            "steps": max(max(step), 1), "starts": starts, "early": early, "refresh": refresh, "delim": delim,
+            "nfe": nfe, "tpf": len(ids) / max(nfe, 1)}
 
 
-def _token_texts(tok, ids: list[int]) -> list[str]:
+def _token_texts(tok, ids: list[int]) -> tuple[list[str], list[str], list[bool]]:
     if tok is None:
-        return [str(i) for i in ids]
-    return [tok.decode([i]) for i in ids]
+        return [str(i) for i in ids], [str(i) for i in ids], [False] * len(ids)
+    specials = set(getattr(tok, "all_special_ids", None) or [])
+    tokens, labels, special = [], [], []
+    for i in ids:
+        text = tok.decode([i])
+        tokens.append(text)
+        if i in specials:
+            name = text.strip() or str(i)
+            if name.startswith("<|") and name.endswith("|>"):
+                name = name[2:-2]
+            labels.append(f"<{name.strip('<>')}>")
+            special.append(True)
+        else:
+            shown = text.replace("\\", "\\\\").replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r")
+            labels.append(shown if shown.strip() else "␣" * max(1, len(shown)))
+            special.append(False)
+    return tokens, labels, special
+
+
+def run_info(prompt=None, model=None, sampler=None, params: dict | None = None, cache=None, **extra) -> dict:
+    """The ``info=`` of a picture: the prompt (a string, a conversation or token ids), the model (a name or
+    path), the sampler (a name or object) with ``params`` (the parameters set away from the defaults) and the
+    cache; ``extra`` items are shown as ``key value``."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[-1], dict):
+        prompt = prompt[-1].get("content", "")
+    elif isinstance(prompt, list):
+        prompt = f"{len(prompt)} token ids"
+    if sampler is not None and not isinstance(sampler, str):
+        sampler = getattr(sampler, "name", None) or type(sampler).__name__
+    if cache is not None and not isinstance(cache, str):
+        cache = getattr(cache, "name", None) or type(cache).__name__
+    info = {"prompt": prompt, "model": None if model is None else str(model), "sampler": sampler,
+            "params": dict(params or {}), "cache": cache, **extra}
+    return {k: v for k, v in info.items() if v is not None}
+
+
+def _short(text: str, n: int) -> str:
+    text = text.replace("\r", "").replace("\n", " ↵ ")
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def _layout(t: dict) -> str:
+    n = len(t["tokens"])
+    bounds = [*t["starts"], n] if t["starts"] and t["starts"][0] == 0 else [0, *t["starts"], n]
+    sizes = sorted({b - a for a, b in zip(bounds, bounds[1:]) if b > a})
+    if len(sizes) <= 1:
+        blocks = f"block {sizes[0] if sizes else n}"
+    else:
+        blocks = f"blocks of {sizes[0]}-{sizes[-1]} ({len(bounds) - 1} blocks)"
+    return f"gen {n} / {blocks} / {t['steps']} steps"
+
+
+def caption(t: dict, info: dict | None = None, label: str = "") -> list[str]:
+    """The caption lines of one trajectory (``t`` from :func:`trajectory`, ``info`` from :func:`run_info`):
+    the prompt (shortened), then model, sampler with its non-default parameters and cache, then generation /
+    block length, steps, NFE and tokens per forward."""
+    info = info or {}
+    lines = []
+    if info.get("prompt"):
+        lines.append(f"prompt: “{_short(str(info['prompt']), 90)}”")
+    who = []
+    if label:
+        who.append(label)
+    if info.get("model"):
+        who.append(f"model {info['model']}")
+    if info.get("sampler"):
+        params = ", ".join(f"{k}={v}" for k, v in (info.get("params") or {}).items())
+        who.append(f"sampler {info['sampler']}" + (f" ({params})" if params else " (defaults)"))
+    if info.get("cache"):
+        who.append(f"cache {info['cache']}")
+    who += [f"{k} {v}" for k, v in info.items() if k not in ("prompt", "model", "sampler", "params", "cache")]
+    if who:
+        lines.append(" · ".join(who))
+    per = [t["step"].count(s) for s in range(1, t["steps"] + 1)]
+    lines.append(f"{_layout(t)} · NFE {t['nfe']} · {t['tpf']:.2f} tokens/forward · at most {max(per)} "
+                 f"committed in one step")
+    return lines
+
+
+def _lines(t: dict, width: int) -> list[tuple[int, int]]:
+    """``[(lo, hi), ...]``: lines of at most ``width`` positions holding whole blocks (a longer block is cut)."""
+    n = len(t["tokens"])
+    bounds = sorted({0, *t["starts"], n})
+    out: list[tuple[int, int]] = []
+    for a, b in zip(bounds, bounds[1:]):
+        if out and b - out[-1][0] <= width and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+            continue
+        for lo in range(a, b, width):
+            out.append((lo, min(b, lo + width)))
+    return out or [(0, 0)]
+
+
+def _viridis(S: int) -> list[str]:
+    """The colour of steps 1..S (viridis), as hex."""
+    from dllm.viz._palette import VIRIDIS
+
+    cols = []
+    for s in range(1, S + 1):
+        x = (s - 1) / max(S - 1, 1) * (len(VIRIDIS) - 1)
+        i = min(int(x), len(VIRIDIS) - 2)
+        f = x - i
+        rgb = [round(VIRIDIS[i][c] + f * (VIRIDIS[i + 1][c] - VIRIDIS[i][c])) for c in range(3)]
+        cols.append("#" + "".join(f"{v:02x}" for v in rgb))
+    return cols
+
+
+def _ink(hexcol: str) -> str:
+    """Black or white text, whichever reads on ``hexcol``."""
+    r, g, b = (int(hexcol[i: i + 2], 16) / 255 for i in (1, 3, 5))
+    return "#000000" if 0.2126 * r + 0.7152 * g + 0.0722 * b > 0.45 else "#ffffff"
+
+
+def _wrap(label: str, per_line: int, max_lines: int) -> str:
+    parts = [label[i: i + per_line] for i in range(0, len(label), per_line)] or [""]
+    if len(parts) > max_lines:
+        parts = parts[:max_lines]
+        parts[-1] = parts[-1][:-1] + "…"
+    return "\n".join(parts)
+
+
+# --------------------------------------------------------------------------------------------------- PNG / GIF
 
 
 def _require_mpl():
@@ -68,155 +213,426 @@ def _require_mpl():
     return plt
 
 
-def _draw(ax, t: dict, width: int, upto: int | None = None, title: str = "") -> list:
-    """Draw one trajectory on ``ax`` (positions committed after step ``upto`` are shown as masks). Returns the
-    per-position ``(cell, bar, text)`` artists, which :func:`_show_upto` updates for another step."""
+CELL_IN = 0.46  # inches per cell (and per vertical unit)
+_PITCH = 1.75  # vertical units per line: cell 1.0, confidence track 0.2, position axis 0.55
+_LEFT = 1.6  # units left of a line for its position range
+
+
+def _panel_units(t: dict, width: int) -> float:
+    return len(_lines(t, width)) * _PITCH
+
+
+def _box(x: float, y: float, w: float, h: float) -> list:
+    return [(x, y), (x + w, y), (x + w, y + h), (x, y + h)]
+
+
+def _draw(ax, t: dict, width: int, S: int, upto: int | None = None) -> dict:
+    """Draw one trajectory on ``ax`` (data units: one cell = 1; positions committed after step ``upto`` are shown
+    as masks). Returns the artists, which :func:`_show_upto` updates for another step (one collection for the
+    cells, one for the confidence bars: a long canvas draws in seconds)."""
+    from matplotlib.collections import LineCollection, PolyCollection
+
+    lines = _lines(t, width)
+    nl = len(lines)
+    starts, refresh = set(t["starts"]), set(t["refresh"])
+    n = len(t["tokens"])
+    cells, tracks, bars, ticks, texts, nums, marks = [], [], [], [], [], [], {}
+    for li, (lo, hi) in enumerate(lines):
+        y = (nl - 1 - li) * _PITCH + 0.75  # bottom of the cells of this line
+        ax.text(-0.25, y + 0.5, f"pos\n{lo}–{hi - 1}", ha="right", va="center", fontsize=6, color="0.25")
+        for i in range(lo, hi):
+            x = i - lo
+            cells.append(_box(x + 0.03, y, 0.94, 1.0))
+            tracks.append(_box(x + 0.03, y - 0.22, 0.94, 0.16))
+            bars.append(_box(x + 0.03, y - 0.22, 0.94 * (t["conf"][i] or 0.0), 0.16))
+            texts.append(ax.text(x + 0.5, y + 0.6, "", ha="center", va="center", fontsize=5.2, linespacing=0.95))
+            nums.append(ax.text(x + 0.93, y + 0.05, "", ha="right", va="bottom", fontsize=4.6))
+            if t["step"][i] in refresh:
+                marks[i] = ax.text(x + 0.07, y + 0.97, "↻", ha="left", va="top", fontsize=5.5, fontweight="bold")
+            if i % 4 == 0 or i == hi - 1:
+                ax.text(x + 0.5, y - 0.32, str(i), ha="center", va="top", fontsize=5, color="0.3")
+                ticks.append([(x + 0.5, y - 0.3), (x + 0.5, y - 0.26)])
+            if i in starts or i == lo:
+                delim = i in t["delim"]
+                ax.plot([x, x], [y - 0.25, y + 1.08], color="#d95f02" if delim else "black",
+                        linewidth=2.2, linestyle=(0, (2, 1)) if delim else "solid", solid_capstyle="butt")
+    ax.add_collection(PolyCollection(tracks, facecolors="0.88", linewidths=0))
+    ax.add_collection(LineCollection(ticks, colors="0.3", linewidths=0.5))
+    art = {"cells": ax.add_collection(PolyCollection(cells, linewidths=0)),
+           "bars": ax.add_collection(PolyCollection(bars, linewidths=0)), "texts": texts, "nums": nums,
+           "marks": marks, "n": n}
+    ax.set_xlim(-_LEFT, width + 0.1)
+    ax.set_ylim(0, nl * _PITCH)
+    ax.axis("off")
+    _show_upto(t, art, S, upto)
+    return art
+
+
+def _show_upto(t: dict, art: dict, S: int, upto: int | None) -> None:
+    cols = _viridis(S)
+    early = set(t["early"])
+    face, edge, lw, barface = [], [], [], []
+    for i, (lab, s, c, sp) in enumerate(zip(t["labels"], t["step"], t["conf"], t["special"])):
+        shown = s >= 0 and (upto is None or s <= upto)
+        col = cols[min(s, S) - 1] if shown else "#e6e6e6"
+        ink = _ink(col) if shown else "#8c8c8c"
+        face.append(col)
+        edge.append("#e41a1c" if shown and s in early else col)
+        lw.append(1.6 if shown and s in early else 0)
+        barface.append("#222222" if shown and c is not None else "none")
+        text, num = art["texts"][i], art["nums"][i]
+        text.set_text(_wrap(lab, 9 if len(lab) <= 9 else 12, 3) if shown else "")
+        text.set_fontsize(5.2 if not shown or len(lab) <= 9 else 4.3)
+        text.set_style("italic" if shown and sp else "normal")
+        text.set_color(ink)
+        num.set_text(str(s) if shown else "")
+        num.set_color(ink)
+        if i in art["marks"]:
+            art["marks"][i].set_visible(shown)
+            art["marks"][i].set_color(ink)
+    art["cells"].set_facecolors(face)
+    art["cells"].set_edgecolors(edge)
+    art["cells"].set_linewidths(lw)
+    art["bars"].set_facecolors(barface)
+
+
+def _legend(ax, ts: list, S: int, width: int) -> None:
+    """The legend, drawn in data units of one cell like the panels."""
     from matplotlib.patches import Rectangle
 
-    n = len(t["tokens"])
-    rows = max(1, math.ceil(n / width))
-    artists = []
-    for i in range(n):
-        r, col = divmod(i, width)
-        y = rows - 1 - r
-        cell = ax.add_patch(Rectangle((col, y), 1, 1, linewidth=1.2))
-        c = t["conf"][i]
-        bar = ax.add_patch(Rectangle((col + 0.05, y + 0.05), 0.9 * (c or 0.0), 0.1, facecolor="white", linewidth=0))
-        text = ax.text(col + 0.5, y + 0.55, "", ha="center", va="center", fontsize=6)
-        artists.append((cell, bar, text))
-    for st in t["starts"]:
-        r, col = divmod(st, width)
-        ax.plot([col, col], [rows - 1 - r, rows - r], color="black", linewidth=2)
-    ax.set_xlim(0, width)
-    ax.set_ylim(0, rows)
-    ax.set_xticks([])
-    ax.set_yticks([])
-    _show_upto(ax, t, artists, upto, title)
-    return artists
+    cols = _viridis(S)
+    ax.axis("off")
+    ax.set_xlim(-_LEFT, width + 0.1)
+    ax.set_ylim(0, 3.2)
+    # commit-step colour scale
+    n = min(S, 64)
+    span = min(width * 0.5, 16.0)
+    x0 = 0.0
+    ax.text(x0, 2.95, "colour = step the position was committed at (its number in the cell's corner)",
+            fontsize=6.5, va="top")
+    for k in range(n):
+        s = 1 + round(k * (S - 1) / max(n - 1, 1))
+        ax.add_patch(Rectangle((x0 + k * span / n, 1.85), span / n, 0.55, facecolor=cols[s - 1], linewidth=0))
+    for s in sorted({1, (S + 1) // 2, S}):
+        xs = x0 + ((s - 1) / max(S - 1, 1)) * (span - span / n) + span / n / 2
+        ax.text(xs, 1.8, f"step {s}", ha="center", va="top", fontsize=5.5)
+    # confidence bar and its scale
+    cx = x0 + span + 1.5
+    ax.text(cx, 2.95, "bar under a cell = p(token) when committed", fontsize=6.5, va="top")
+    ax.add_patch(Rectangle((cx, 2.05), 4.0, 0.2, facecolor="0.88", linewidth=0))
+    ax.add_patch(Rectangle((cx, 2.05), 2.8, 0.2, facecolor="#222222", linewidth=0))
+    for v in (0, 0.5, 1):
+        ax.plot([cx + 4 * v] * 2, [1.95, 2.05], color="0.3", linewidth=0.5)
+        ax.text(cx + 4 * v, 1.9, f"{v:g}", ha="center", va="top", fontsize=5.5)
+    if all(c is None for t in ts for c in t["conf"]):
+        ax.text(cx, 1.45, "(not recorded: record_confidence=False)", fontsize=5.5, va="top", color="0.4")
+    # markers
+    items = [("block", "black", "solid", "thick line = a block starts (its position is on the axis)")]
+    if any(t["delim"] for t in ts):
+        items.append(("block", "#d95f02", (0, (2, 1)),
+                      "dashed orange line = AdaBlock ended the block before it at a delimiter"))
+    if any(t["early"] for t in ts):
+        items.append(("early", "#e41a1c", None, "red outline = committed by an early commit (Prophet, guided EOS)"))
+    if any(t["refresh"] for t in ts):
+        items.append(("refresh", None, None, "↻ = committed at a step with a full cache refresh"))
+    items.append(("mask", None, None, "grey = not committed (yet)"))
+    mx = cx + 6.5
+    for k, (kind, colr, style, label) in enumerate(items):
+        yy = 2.85 - k * 0.55
+        if kind == "block":
+            ax.plot([mx, mx], [yy - 0.35, yy + 0.05], color=colr, linewidth=2.2, linestyle=style)
+        elif kind == "early":
+            ax.add_patch(Rectangle((mx - 0.25, yy - 0.35), 0.5, 0.4, facecolor="white", edgecolor=colr,
+                                   linewidth=1.6))
+        elif kind == "refresh":
+            ax.text(mx, yy - 0.15, "↻", ha="center", va="center", fontsize=7, fontweight="bold")
+        else:
+            ax.add_patch(Rectangle((mx - 0.25, yy - 0.35), 0.5, 0.4, facecolor="#e6e6e6", linewidth=0))
+        ax.text(mx + 0.5, yy - 0.15, label, fontsize=6, va="center")
 
 
-def _show_upto(ax, t: dict, artists: list, upto: int | None, title: str = "") -> None:
-    from matplotlib import colormaps
+def _figure(plt, ts: list, infos: list, labels: list, width: int, S: int, head: str = ""):
+    """A figure with a caption, one panel per trajectory and the legend; returns ``(fig, axes)``."""
+    cols = max(max(hi - lo for lo, hi in _lines(t, width)) for t in ts)
+    width = max(cols, 24)  # room for the legend
+    wu = _LEFT + width + 0.3  # width in units
+    shared = [ln for ln in caption(ts[0], infos[0]) if ln.startswith("prompt:")] if len(ts) > 1 else []
+    caps = []
+    for t, info, label in zip(ts, infos, labels):
+        lines = caption(t, info, label)
+        caps.append([ln for ln in lines if ln not in shared])
+    text_u = 0.42  # vertical units per caption line
+    heights = [(len(shared) + (1 if head else 0)) * text_u + 0.2]
+    for t, cap in zip(ts, caps):
+        heights += [len(cap) * text_u + 0.15, _panel_units(t, width)]
+    heights.append(3.1)
+    hu = sum(heights)
+    fig = plt.figure(figsize=(wu * CELL_IN, hu * CELL_IN))
+    top = hu
+    axes = []
 
-    cmap = colormaps["viridis"]
-    S = t["steps"]
-    early = set(t["early"])
-    for (cell, bar, text), tok, s, c in zip(artists, t["tokens"], t["step"], t["conf"]):
-        shown = s >= 0 and (upto is None or s <= upto)
-        cell.set_facecolor(cmap((s - 1) / max(S - 1, 1)) if shown else (0.92, 0.92, 0.92, 1.0))
-        cell.set_edgecolor("red" if shown and s in early else "white")
-        bar.set_visible(shown and c is not None)
-        text.set_text((tok.replace("\n", "\\n").strip() or "·")[:6] if shown else "▒")
-        text.set_color("white" if shown else "0.5")
-    refresh = f"; full cache refresh at steps {t['refresh'][:12]}" if t["refresh"] else ""
-    head = f"{title}: " if title else ""
-    ax.set_title(f"{head}{len(t['tokens'])} positions, {S} steps{refresh}", fontsize=8)
+    def box(h):
+        nonlocal top
+        top -= h
+        return fig.add_axes([0, top / hu, 1, h / hu])
+
+    ax = box(heights[0])
+    ax.axis("off")
+    head_lines = ([head] if head else []) + shared
+    for k, ln in enumerate(head_lines):
+        ax.text(0.012, 1 - (k + 0.5) / max(len(head_lines), 1) * 0.8, ln, fontsize=7.5 if k else 8.5,
+                fontweight="bold" if k == 0 else "normal", va="center", transform=ax.transAxes)
+    for cap, hh in zip(caps, zip(heights[1::2], heights[2::2])):
+        cax = box(hh[0])
+        cax.axis("off")
+        for k, ln in enumerate(cap):
+            cax.text(0.012, 1 - (k + 0.6) / len(cap) * (1 - 0.15 / hh[0]), ln, fontsize=7,
+                     fontweight="bold" if k == 0 and len(ts) > 1 else "normal", va="center", transform=cax.transAxes)
+        axes.append(box(hh[1]))
+    lax = box(heights[-1])
+    _legend(lax, ts, S, width)
+    return fig, axes, width
 
 
-def _figure(plt, rows: int, width: int, panels: int = 1):
-    fig, axes = plt.subplots(panels, 1, figsize=(max(4.0, width * 0.42), 0.5 + panels * (0.45 * rows + 0.7)),
-                             squeeze=False)
-    fig.subplots_adjust(hspace=0.5)
-    return fig, axes
-
-
-def heatmap(out, path, row: int = 0, width: int = 32, title: str = "", tokenizer=None):
-    """PNG of the commit steps of one row (see the module docstring). Returns ``path``."""
+def heatmap(out, path, row: int = 0, width: int = 32, title: str = "", tokenizer=None, info: dict | None = None):
+    """PNG of the commit steps of one row, with its caption and legend (see the module docstring). Returns
+    ``path``."""
     plt = _require_mpl()
     t = trajectory(out, row, tokenizer)
-    rows = max(1, math.ceil(len(t["tokens"]) / width))
-    fig, axes = _figure(plt, rows, width)
-    _draw(axes[0, 0], t, width, title=title)
-    _colorbar(plt, fig, axes[0, 0], t["steps"])
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    fig, axes, w = _figure(plt, [t], [info], [""], width, t["steps"], head=title or "decoding trajectory")
+    _draw(axes[0], t, width, t["steps"])
+    axes[0].set_xlim(-_LEFT, w + 0.1)
+    _save(fig, path)
     plt.close(fig)
     return path
 
 
-def _colorbar(plt, fig, ax, steps: int) -> None:
-    from matplotlib import colormaps
-    from matplotlib.cm import ScalarMappable
-    from matplotlib.colors import Normalize
-
-    sm = ScalarMappable(norm=Normalize(1, max(steps, 2)), cmap=colormaps["viridis"])
-    fig.colorbar(sm, ax=ax, orientation="horizontal", fraction=0.05, pad=0.02, label="commit step")
+def _save(fig, path) -> None:
+    """PNG at 150 dpi; its ``Description`` holds every text drawn (caption and legend), for readers without
+    sight of the picture, and no software version, so that the same run gives the same bytes."""
+    texts = [t.get_text() for ax in fig.axes for t in ax.texts if t.get_text().strip()]
+    fig.savefig(path, dpi=150, metadata={"Software": None, "Description": "\n".join(texts)})
 
 
-def compare(outs, path, labels=None, row: int = 0, width: int = 32, tokenizer=None):
-    """One PNG with the trajectories of several generations of the same prompt, one panel each."""
+def compare(outs, path, labels=None, row: int = 0, width: int = 32, tokenizer=None, infos=None, title: str = ""):
+    """One PNG with the trajectories of several generations of the same prompt, one panel each, on one
+    commit-step colour scale; each panel's caption gives its sampler, NFE and tokens per forward."""
     plt = _require_mpl()
     outs = list(outs)
+    ts, infos, labels = _runs(outs, labels, row, tokenizer, infos)
+    S = max(t["steps"] for t in ts)
+    fig, axes, w = _figure(plt, ts, infos, labels, width, S, head=title or "decoding trajectories compared")
+    for ax, t in zip(axes, ts):
+        _draw(ax, t, width, S)
+        ax.set_xlim(-_LEFT, w + 0.1)
+    _save(fig, path)
+    plt.close(fig)
+    return path
+
+
+def _runs(outs, labels, row, tokenizer, infos):
     labels = list(labels) if labels is not None else [f"run {i}" for i in range(len(outs))]
     if len(labels) != len(outs):
         raise ValueError(f"{len(labels)} labels for {len(outs)} outputs")
-    ts = [trajectory(o, row, tokenizer) for o in outs]
-    rows = max(max(1, math.ceil(len(t["tokens"]) / width)) for t in ts)
-    fig, axes = _figure(plt, rows, width, len(ts))
-    for ax, t, label in zip(axes[:, 0], ts, labels):
-        _draw(ax, t, width, title=label)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    infos = list(infos) if infos is not None else [None] * len(outs)
+    if len(infos) != len(outs):
+        raise ValueError(f"{len(infos)} infos for {len(outs)} outputs")
+    return [trajectory(o, row, tokenizer) for o in outs], infos, labels
 
 
-def animate(out, path, row: int = 0, width: int = 32, fps: int = 4, tokenizer=None, max_frames: int = 64):
+def animate(out, path, row: int = 0, width: int = 32, fps: int = 4, tokenizer=None, max_frames: int = 64,
+            info: dict | None = None, title: str = ""):
     """Animated GIF of the canvas filling in: a frame shows what is committed after step ``k`` (the first: all
     masks; at most ``max_frames`` frames, evenly spaced steps, the last always included). Returns ``path``."""
     plt = _require_mpl()
     from matplotlib.animation import FuncAnimation, PillowWriter
 
     t = trajectory(out, row, tokenizer)
-    rows = max(1, math.ceil(len(t["tokens"]) / width))
-    fig, axes = _figure(plt, rows, width)
-    ax = axes[0, 0]
-
-    artists = _draw(ax, t, width, upto=0, title="step 0")
+    S = t["steps"]
+    head = title or "decoding trajectory"
+    fig, axes, w = _figure(plt, [t], [info], [""], width, S, head=f"{head}: after step {S} of {S}")
+    ax = axes[0]
+    artists = _draw(ax, t, width, S, upto=0)
+    ax.set_xlim(-_LEFT, w + 0.1)
+    head_text = fig.axes[0].texts[0]
 
     def frame(k):
-        _show_upto(ax, t, artists, k, title=f"step {k}")
+        _show_upto(t, artists, S, k)
+        head_text.set_text(f"{head}: after step {k} of {S}")
 
-    S = t["steps"]
     ks = sorted({round(i * S / (max_frames - 1)) for i in range(max_frames)}) if S + 1 > max_frames else range(S + 1)
     anim = FuncAnimation(fig, frame, frames=list(ks))
-    anim.save(str(path), writer=PillowWriter(fps=fps), dpi=80)
+    anim.save(str(path), writer=PillowWriter(fps=fps), dpi=100)
     plt.close(fig)
     return path
 
 
-_PAGE = """<!doctype html><html><head><meta charset="utf-8"><title>{title}</title><style>
-body{{font-family:sans-serif;margin:1em}} #grid{{display:flex;flex-wrap:wrap;max-width:{px}px}}
-.c{{width:4.2em;height:2.2em;margin:1px;font:11px monospace;display:flex;align-items:center;justify-content:center;
-overflow:hidden;white-space:pre;border-radius:3px}} .m{{background:#ddd;color:#999}} .s{{border-left:3px solid #000}}
-.e{{outline:2px solid red}}</style></head><body><h3>{title}</h3>
-<label>step <input id="step" type="range" min="0" max="{steps}" value="{steps}"> <span id="k">{steps}</span> / {steps}</label>
-<div id="grid"></div><p id="info"></p>
-<script>
-const T={data};
-const g=document.getElementById('grid'),s=document.getElementById('step'),k=document.getElementById('k');
-function col(v){{const h=240-200*(v-1)/Math.max(T.steps-1,1);return 'hsl('+h+',70%,45%)';}}
-function show(n){{k.textContent=n;g.innerHTML='';let done=0;
- T.tokens.forEach((t,i)=>{{const d=document.createElement('div');const st=T.step[i];
-  d.className='c'+(T.starts.includes(i)?' s':'');
-  if(st>=0&&st<=n){{done++;d.style.background=col(st);d.style.color='#fff';d.textContent=t.replace(/\\n/g,'\\\\n')||'·';
-   d.title='position '+i+', step '+st+(T.conf[i]==null?'':', p='+T.conf[i].toFixed(3));
-   if(T.early.includes(st))d.className+=' e';}}
-  else{{d.className+=' m';d.textContent='[mask]';d.title='position '+i;}}
-  d.dataset.committed=(st>=0&&st<=n)?'1':'0';g.appendChild(d);}});
- document.getElementById('info').textContent=done+' of '+T.tokens.length+' positions committed';}}
-s.addEventListener('input',()=>show(+s.value));
-const q=new URLSearchParams(location.search).get('step');if(q!==null){{s.value=q;}}
-show(+s.value);
-</script></body></html>
+# --------------------------------------------------------------------------------------------------- HTML
+
+
+def _page_data(ts, infos, labels) -> dict:
+    S = max(t["steps"] for t in ts)
+    cols = _viridis(S)
+    runs = []
+    for t, info, label in zip(ts, infos, labels):
+        counts = [0] * (S + 1)
+        for s in t["step"]:
+            if 1 <= s <= S:
+                counts[s] += 1
+        runs.append({**t, "label": label, "caption": caption(t, info),
+                     "counts": counts})
+    return {"steps": S, "colors": cols, "ink": [_ink(c) for c in cols], "runs": runs}
+
+
+_CSS = """
+body{font-family:system-ui,sans-serif;margin:1em 22em 1em 1em;color:#222}
+h1{font-size:1.2em;margin:.2em 0} h2{font-size:1em;margin:1em 0 .2em}
+.cap{margin:.1em 0;font-size:.9em} .cap.prompt{font-family:monospace;white-space:pre-wrap}
+#legend{display:flex;flex-wrap:wrap;gap:.6em 2em;align-items:flex-start;font-size:.82em;border:1px solid #ccc;
+ padding:.5em;margin:.6em 0;border-radius:4px}
+#legend .item{display:flex;align-items:center;gap:.4em}
+#scale{width:16em;height:1em;border-radius:2px} .ticks{display:flex;justify-content:space-between;width:16em}
+.sw{display:inline-block;width:2.4em;height:1.2em;border-radius:2px;vertical-align:middle}
+.line{display:flex;align-items:flex-start;margin:.25em 0 .5em} .blks{display:flex;flex-wrap:wrap;row-gap:.3em}
+.ax{width:5.5em;font:10px monospace;color:#555;text-align:right;padding-right:.5em;padding-top:1em;flex:none}
+.blk{display:flex;border-left:4px solid #000;padding-left:2px;margin-left:3px}
+.blk.cut{border-left:1px dotted #999} .blk.delim{border-left:4px dashed #d95f02}
+.cell{position:relative;flex:none;min-width:3.2em;max-width:7.5em;min-height:3.4em;margin:1px;padding:.9em .25em 1.5em;
+ font:11px monospace;white-space:pre-wrap;word-break:break-all;text-align:center;border-radius:3px;
+ box-sizing:border-box;cursor:pointer}
+.cell .pos{position:absolute;left:2px;top:1px;font-size:8px;opacity:.75}
+.cell .st{position:absolute;right:2px;bottom:5px;font-size:9px;font-weight:bold}
+.cell .cf{position:absolute;left:0;bottom:0;height:4px;background:#222}
+.cell .tr{position:absolute;left:0;right:0;bottom:0;height:4px;background:#d9d9d9}
+.cell .rf{position:absolute;right:2px;top:0;font-size:10px;font-weight:bold}
+.cell .mk{display:none;position:absolute;left:0;right:0;top:1.3em;font-style:italic}
+.cell.m{background:#e6e6e6;color:#8c8c8c} .cell.m .tk{visibility:hidden} .cell.m .mk{display:block}
+.cell.e{outline:2px solid #e41a1c;outline-offset:-2px}
+.cell.sp .tk{font-style:italic} .cell.sel{box-shadow:0 0 0 2px #000}
+.counts{display:flex;align-items:flex-end;height:40px;gap:1px;margin:.2em 0 0 6em}
+.counts div{width:6px;background:#999} .counts div.now{background:#000}
+#side{position:fixed;right:0;top:0;bottom:0;width:20em;overflow:auto;background:#f7f7f7;border-left:1px solid #ccc;
+ padding:1em;font-size:.85em;box-sizing:border-box}
+#side pre{white-space:pre-wrap;word-break:break-all;background:#fff;border:1px solid #ddd;padding:.3em}
+"""
+
+_JS = """
+const R=D.runs,S=D.steps,sl=document.getElementById('step'),kk=document.getElementById('k');
+function cellInfo(r,i){const t=R[r],s=t.step[i],p=t.conf[i];
+ return 'position '+i+' · step '+(s<0?'never':s)+(p==null?'':' · p='+p.toFixed(3))+' · token '+
+  JSON.stringify(t.tokens[i])+(t.special[i]?' (special, id '+t.ids[i]+')':' (id '+t.ids[i]+')')+
+  (t.early.includes(s)?' · early commit':'')+(t.refresh.includes(s)?' · full cache refresh':'');}
+function side(r,i){const t=R[r],s=t.step[i],p=t.conf[i];
+ document.querySelectorAll('.cell.sel').forEach(c=>c.classList.remove('sel'));
+ document.getElementById('c'+r+'_'+i).classList.add('sel');
+ const el=document.getElementById('detail');el.innerHTML='';
+ const add=(k,v)=>{const d=document.createElement('div');d.textContent=k+': '+v;el.appendChild(d);};
+ if(R.length>1)add('run',t.label);add('position',i);add('committed at step',s<0?'never':s);
+ add('p at commit',p==null?'not recorded':p.toFixed(4));add('token id',t.ids[i]+(t.special[i]?' (special token)':''));
+ if(t.early.includes(s))add('early commit','yes');if(t.refresh.includes(s))add('full cache refresh','at this step');
+ const pre=document.createElement('pre');pre.textContent=t.tokens[i];el.appendChild(pre);}
+function build(){const host=document.getElementById('runs');
+ R.forEach((t,r)=>{const sec=document.createElement('section');sec.className='run';
+  if(R.length>1){const h=document.createElement('h2');h.textContent=t.label;sec.appendChild(h);}
+  t.caption.forEach((c,j)=>{if(R.length===1||c.startsWith('prompt:'))return;const p=document.createElement('p');
+   p.className='cap';p.textContent=c;sec.appendChild(p);});
+  const cnt=document.createElement('div');cnt.className='counts';cnt.title='positions committed per step';
+  const mx=Math.max(...t.counts,1);
+  for(let s=1;s<=S;s++){const b=document.createElement('div');b.style.height=(38*t.counts[s]/mx)+'px';
+   b.title='step '+s+': '+t.counts[s]+' committed';cnt.appendChild(b);}
+  sec.appendChild(cnt);
+  const lab=document.createElement('div');lab.className='cap';lab.style.marginLeft='6em';
+  lab.textContent='↑ positions committed at each step (one bar per step, 1 to '+S+')';sec.appendChild(lab);
+  t.lines.forEach(([lo,hi])=>{const ln=document.createElement('div');ln.className='line';
+   const ax=document.createElement('div');ax.className='ax';ax.textContent='pos '+lo+'–'+(hi-1);ln.appendChild(ax);
+   const bs=document.createElement('div');bs.className='blks';ln.appendChild(bs);let blk=null;
+   for(let i=lo;i<hi;i++){if(blk===null||t.starts.includes(i)){blk=document.createElement('div');
+     blk.className='blk'+(t.delim.includes(i)?' delim':'')+(!t.starts.includes(i)&&i>0?' cut':'');bs.appendChild(blk);}
+    const c=document.createElement('div');c.id='c'+r+'_'+i;c.className='cell';
+    c.innerHTML='<span class="pos"></span><span class="tk"></span><span class="mk">mask</span><span class="st"></span>'+
+     '<span class="tr"></span><span class="cf"></span><span class="rf"></span>';
+    c.querySelector('.pos').textContent=i;c.querySelector('.tk').textContent=t.labels[i];c.title=cellInfo(r,i);
+    c.addEventListener('mouseenter',()=>side(r,i));c.addEventListener('click',()=>side(r,i));blk.appendChild(c);}
+   sec.appendChild(ln);});
+  const done=document.createElement('p');done.className='cap done';sec.appendChild(done);
+  host.appendChild(sec);});}
+function show(n){n=Math.max(0,Math.min(S,n|0));kk.textContent=n;sl.value=n;sl.setAttribute('value',n);
+ R.forEach((t,r)=>{let done=0;
+  t.step.forEach((s,i)=>{const c=document.getElementById('c'+r+'_'+i),on=s>=0&&s<=n;
+   c.dataset.committed=on?'1':'0';c.classList.toggle('m',!on);c.classList.toggle('sp',on&&t.special[i]);
+   c.classList.toggle('e',on&&t.early.includes(s));
+   c.style.background=on?D.colors[s-1]:'';c.style.color=on?D.ink[s-1]:'';
+   c.querySelector('.st').textContent=on?s:'';
+   const p=t.conf[i];c.querySelector('.cf').style.width=on&&p!=null?(100*p)+'%':'0';
+   c.querySelector('.tr').style.display=on&&p!=null?'':'none';
+   c.querySelector('.rf').textContent=on&&t.refresh.includes(s)?'↻':'';if(on)done++;});
+  document.querySelectorAll('.run')[r].querySelector('.done').textContent=
+   'after step '+n+': '+done+' of '+t.step.length+' positions committed';
+  document.querySelectorAll('.run')[r].querySelectorAll('.counts div')
+   .forEach((b,j)=>b.classList.toggle('now',j+1===n));});}
+build();sl.addEventListener('input',()=>show(+sl.value));
+const q=new URLSearchParams(location.search).get('step');show(q!==null&&q!==''?+q:S);
 """
 
 
-def html(out, path, row: int = 0, title: str = "dllm trajectory", tokenizer=None):
-    """Self-contained HTML page (no network) with a step slider over the canvas; ``?step=K`` in the URL sets
-    the slider. Returns ``path``."""
+def _page(ts, infos, labels, title: str, width: int) -> str:
+    data = _page_data(ts, infos, labels)
+    for run, t in zip(data["runs"], ts):
+        run["lines"] = _lines(t, width)
+    S = data["steps"]
+    shared = [c for c in data["runs"][0]["caption"] if c.startswith("prompt:") or len(ts) == 1]
+    grad = ", ".join(data["colors"][round(k * (S - 1) / 15)] for k in range(16)) if S > 1 else \
+        f"{data['colors'][0]}, {data['colors'][0]}"
+    ticks = "".join(f"<span>{s}</span>" for s in sorted({1, (S + 1) // 2, S}))
+    legend = [
+        f'<div class="item"><div><div id="scale" style="background:linear-gradient(to right, {grad})"></div>'
+        f'<div class="ticks">{ticks}</div></div><div>colour = step the position was committed at<br>'
+        f'(the bold number in the cell; steps 1 to {S})</div></div>',
+        '<div class="item"><span class="sw" style="background:linear-gradient(to right,#222 70%,#d9d9d9 70%);'
+        'height:4px"></span><div>bar at a cell\'s foot = p(token) when committed<br>(full cell width = 1.0; 70% '
+        'shown)</div></div>',
+        '<div class="item"><span class="sw" style="border-left:4px solid #000;background:#fff"></span>'
+        '<div>thick left edge = a block starts</div></div>',
+    ]
+    if any(t["delim"] for t in ts):
+        legend.append('<div class="item"><span class="sw" style="border-left:4px dashed #d95f02"></span>'
+                      '<div>dashed orange edge = AdaBlock ended the block before it at a delimiter</div></div>')
+    if any(t["early"] for t in ts):
+        legend.append('<div class="item"><span class="sw" style="outline:2px solid #e41a1c;outline-offset:-2px">'
+                      '</span><div>red outline = early commit (Prophet, guided EOS)</div></div>')
+    if any(t["refresh"] for t in ts):
+        legend.append('<div class="item"><b>↻</b><div>committed at a step with a full cache refresh</div></div>')
+    legend.append('<div class="item"><span class="sw" style="background:#e6e6e6"></span><div>grey “mask” = not '
+                  'committed yet · small number = position · <i>italic</i> = special token</div></div>')
+    caps = "".join(f'<p class="cap{" prompt" if c.startswith("prompt:") else ""}">{_html.escape(c)}</p>'
+                   for c in shared)
+    script = "const D=" + json.dumps(data).replace("</", "<\\/") + ";\n" + _JS
+    return (f'<!doctype html><html><head><meta charset="utf-8"><title>{_html.escape(title)}</title>'
+            f"<style>{_CSS}</style></head><body>\n<h1>{_html.escape(title)}</h1>{caps}\n"
+            f'<div id="legend">{"".join(legend)}</div>\n'
+            f'<label>after step <input id="step" type="range" min="0" max="{S}" value="{S}"> '
+            f'<span id="k">{S}</span> / {S}</label> (drag, or open the page with ?step=K)\n'
+            f'<div id="runs"></div>\n<aside id="side"><h2>position details</h2><p>Point at a cell to see its '
+            f'whole token, step and probability.</p><div id="detail"></div></aside>\n'
+            f"<script>\n{script}</script></body></html>\n")
+
+
+def html(out, path, row: int = 0, title: str = "", tokenizer=None, info: dict | None = None, width: int = 32):
+    """Self-contained HTML page (no network) with the caption, the legend, a step slider over the canvas
+    (``?step=K`` in the URL sets it) and a side panel with the pointed position's whole token. Returns
+    ``path``."""
     t = trajectory(out, row, tokenizer)
-    data = json.dumps(t).replace("</", "<\\/")
-    page = _PAGE.format(title=_html.escape(title), steps=t["steps"], data=data, px=min(len(t["tokens"]), 32) * 62)
-    Path(path).write_text(page, encoding="utf-8")
+    head = title or "Decoding trajectory" + (f" — {info['sampler']}" if info and info.get("sampler") else "")
+    Path(path).write_text(_page([t], [info], [""], head, width), encoding="utf-8")
+    return path
+
+
+def compare_html(outs, path, labels=None, row: int = 0, tokenizer=None, infos=None, title: str = "",
+                 width: int = 32):
+    """:func:`compare` as a self-contained page: one step slider moves every run."""
+    ts, infos, labels = _runs(list(outs), labels, row, tokenizer, infos)
+    head = title or "Decoding trajectories compared: " + " vs ".join(labels)
+    Path(path).write_text(_page(ts, infos, labels, head, width), encoding="utf-8")
     return path
 
 
@@ -227,3 +643,12 @@ def render(out, path, **kw):
     if fn is None:
         raise ValueError(f"unknown picture type {ext!r} for {path}; use .png, .gif or .html")
     return fn(out, path, **kw)
+
+
+def render_compare(outs, path, **kw):
+    """:func:`compare` or :func:`compare_html` by the extension of ``path``."""
+    ext = Path(path).suffix.lower()
+    fn = {".png": compare, ".html": compare_html, ".htm": compare_html}.get(ext)
+    if fn is None:
+        raise ValueError(f"unknown comparison picture type {ext!r} for {path}; use .png or .html")
+    return fn(outs, path, **kw)
