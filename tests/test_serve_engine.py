@@ -109,8 +109,8 @@ def test_streamed_pieces_are_the_final_prefix_and_add_up_to_the_answer(llada):
 
 def test_refusals_name_the_problem(llada):
     eng = Engine(llada, max_queue=2)
-    with pytest.raises(RequestError, match="klass.*not served"):
-        eng.submit(PROMPTS[0], sampler="klass")
+    with pytest.raises(RequestError, match="not served; served caches"):
+        eng.submit(PROMPTS[0], cache="nope")
     with pytest.raises(RequestError, match="noise_scope"):
         eng.submit(PROMPTS[0], sampler="threshold", params={"noise_scope": "canvas"})
     with pytest.raises(RequestError, match="unknown sampler"):
@@ -167,17 +167,78 @@ def test_cached_requests_joining_and_leaving_match_solo_runs(cache, llada):
         assert h.result().nfe == out.stats.row_nfe[0]
 
 
-def test_a_preset_runs_with_its_own_cache_and_unmovable_caches_are_refused(llada):
+# samplers and caches with per-row state beyond the K/V buffers: (sampler, params, cache, gen_length, block_length)
+STATEFUL = {
+    "klass": [("klass", {}, None, 32, 8), ("klass", {"conf_threshold": 0.3, "kl_threshold": 0.05}, "prefix", 32, 16)],
+    "guided": [("guided", {}, None, 32, 8), ("guided", {"mode": "topk", "chunk": 4}, None, 16, None)],
+    "freecache": [("threshold", {}, "freecache", 32, 8), ("llada", {"temperature": 0.8}, "freecache", 32, 16)],
+    "elastic": [("threshold", {}, "elastic", 32, 8), ("elastic", {}, None, 32, None)],
+}
+
+
+def _alone(model, prompt, sampler, params, cache, G, B, seed):
+    out = dllm.generate(model, [prompt], sampler=dllm.get_sampler(sampler, **params), cache=cache, gen_length=G,
+                        block_length=B, seed=seed)
+    return out.sequences[0].tolist(), out.stats.row_nfe[0]
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+@pytest.mark.parametrize("kind", list(STATEFUL))
+def test_stateful_samplers_and_caches_join_and_leave_exactly(kind, family, llada, dream):
+    """KLASS's kept steps, the AR guide's cache and cursors (guide ``ar-tiny``), FreeCache's and Elastic-Cache's
+    per-row state move with the rows: requests joining running groups mid-decode with longer and shorter prompts,
+    others leaving, and the longest prompt cancelled mid-decode (the canvas cropped); every response equals the
+    request alone, and no batch failed (a failed batch is retried alone, which would hide a wrong move)."""
+    model = llada if family == "llada" else dream
+    settings = STATEFUL[kind]
+    eng = Engine(model, max_rows=3)
+    reqs = []
+    for wave in range(3):
+        for k, (sampler, params, cache, G, B) in enumerate(settings):
+            for j in range(2):
+                prompt = PROMPTS[(k + 2 * wave + 3 * j) % len(PROMPTS)]
+                h = eng.submit(prompt, gen_length=G, block_length=B, sampler=sampler, params=params, cache=cache,
+                               seed=k, request_id=f"{kind}-{wave}-{k}-{j}")
+                reqs.append((h, prompt, sampler, params, cache, G, B, k))
+        eng.step()
+        eng.step()
+    eng.run_until_idle()
+    assert eng.stats()["joins"] >= 2 * len(settings)  # requests joined running groups
+    # a short request decoding, a longer prompt joins (the running rows are re-padded), then leaves (cropped)
+    sampler, params, cache, G, B = settings[0]
+    short = eng.submit(PROMPTS[2], gen_length=G, block_length=B, sampler=sampler, params=params, cache=cache)
+    eng.step()
+    long = eng.submit(PROMPTS[1] + " " + PROMPTS[3], gen_length=G, block_length=B, sampler=sampler, params=params,
+                      cache=cache)
+    eng.step()
+    group = next(iter(eng.groups.values()))
+    assert len(group.requests) == 2  # the long prompt joined the short one's running group
+    width = group.state.x.shape[1]
+    long.cancel()
+    eng.step()  # the long row leaves before the forward: the canvas is cropped, then the short row steps on
+    assert long.result(timeout=0).finish_reason == "cancelled"
+    assert short.done() or next(iter(eng.groups.values())).state.x.shape[1] < width
+    eng.run_until_idle()
+    reqs.append((short, PROMPTS[2], sampler, params, cache, G, B, 0))
+    assert eng.stats()["retried"] == 0 and eng.stats()["engine_errors"] == 0
+    assert not eng.groups and not eng.waiting
+    for h, prompt, sampler, params, cache, G, B, seed in reqs:
+        r = h.result(timeout=0)
+        tokens, nfe = _alone(model, prompt, sampler, params, cache, G, B, seed)
+        assert r.tokens == tokens, (h.request_id, sampler, cache)
+        assert r.nfe == nfe, (h.request_id, sampler, cache)
+        assert r.finish_reason in ("stop", "length")
+
+
+def test_a_preset_runs_with_its_own_cache(llada):
     eng = Engine(llada)
     h = eng.submit(PROMPTS[0], gen_length=32, sampler="fast-dllm", request_id="fd")
+    e = eng.submit(PROMPTS[1], gen_length=32, sampler="elastic", request_id="el")  # its cache: Elastic-Cache
     eng.run_until_idle()
     out = dllm.generate(llada, [PROMPTS[0]], gen_length=32, sampler="fast-dllm")  # dual cache
     assert h.result(timeout=0).tokens == out.sequences[0].tolist()
-    for cache in ("freecache", "elastic"):
-        with pytest.raises(RequestError, match="not served; served caches"):
-            eng.submit(PROMPTS[0], cache=cache)
-    with pytest.raises(RequestError, match="not served"):
-        eng.submit(PROMPTS[0], sampler="elastic")  # its preset cache is Elastic-Cache
+    out = dllm.generate(llada, [PROMPTS[1]], gen_length=32, sampler="elastic")
+    assert e.result(timeout=0).tokens == out.sequences[0].tolist()
 
 
 def test_the_engine_default_sampler_and_params_apply_to_requests_that_name_none(llada):
@@ -195,8 +256,6 @@ def test_the_engine_default_sampler_and_params_apply_to_requests_that_name_none(
     assert a.result().nfe < b.result().nfe  # the lower threshold commits more per step
     with pytest.raises(RequestError, match="unknown sampler"):
         Engine(llada, sampler="nope")
-    with pytest.raises(RequestError, match="klass.*not served"):
-        Engine(llada, sampler="klass")
 
 
 @pytest.mark.parametrize("family", ["sdar", "llada2", "fastdllm2"])
