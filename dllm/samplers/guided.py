@@ -404,7 +404,7 @@ class GuidedSampler(SamplerBase):
         # mask of the batch's window (the union of the rows' regions), so beyond the row's region the proposal is
         # the mask id (the column stays masked) and the row fills the rest of its generation at its next step,
         # as alone: its forwards do not depend on the other rows' regions.
-        wcols = win_lo + torch.arange(W, device=dev)[None]
+        wcols = ctx.win_lo + torch.arange(W, device=dev)[None]  # canvas columns of the window
         own = (wcols >= ctx.region_lo[:, None]) & (wcols < ctx.region_hi[:, None])
         after = finish[:, None] & ~win_dec & own
         beyond = finish[:, None] & ~own
