@@ -334,3 +334,55 @@ def test_guided_requests_share_one_loaded_guide(llada, tmp_path):
         eng.submit(PROMPTS[0], sampler="guided", params={"guide": str(tmp_path / "missing")})
     eng.run_until_idle()
     assert eng.stats()["requests"]["stop"] + eng.stats()["requests"]["length"] == 2
+
+
+@pytest.mark.parametrize("cache", ["freecache", "elastic"])
+def test_a_rows_cache_state_after_joins_and_leaves_is_its_own(cache, llada):
+    """Step by step, each running row's tokens, cached K/V and the policy's own per-row state (FreeCache's region
+    start of the last plan; Elastic-Cache's stored layer inputs and queries and its tracked tokens) equal those of
+    the same request decoded alone after as many forwards, shifted by the group's extra left padding: requests
+    with longer and shorter prompts join at block boundaries and mid-block, rows leave when they finish."""
+    from dllm.config import GenerateConfig
+    from dllm.generate import Decoder
+    from dllm.recipes import resolve
+
+    eng = Engine(llada, max_rows=3)
+    alone = {}
+    schedule = {0: [2], 3: [1, 5], 8: [3], 11: [0]}  # engine tick -> prompts submitted before it
+    for tick in range(60):
+        for p in schedule.get(tick, []):
+            h = eng.submit(PROMPTS[p], gen_length=16, block_length=8, sampler="llada", cache=cache,
+                           request_id=f"{cache}-{tick}-{p}")
+            sampler, c, policy, config = resolve(llada, dllm.get_sampler("llada"), cache, None,
+                                                 GenerateConfig(gen_length=16, block_length=8, seed=0))
+            dec = Decoder(llada, sampler, c, policy, config)
+            alone[h.request_id] = (dec, dec.start(prepare(llada, PROMPTS[p])))
+        if not eng.step():
+            break
+        for group in eng.groups.values():
+            st, gc = group.state, group.decoder.cache
+            for i, req in enumerate(group.requests):
+                dec, s = alone[req.request_id]
+                while int(s.row_nfe[0]) < int(st.row_nfe[i]):
+                    dec.step(s)
+                a = st.P - s.P  # the group's extra left padding of this row
+                v0 = st.P - len(req.rows)  # the row's first real column in the group's canvas (alone: 0)
+                assert st.x[i, a:].tolist() == s.x[0].tolist()
+                sc = dec.cache
+                for layer in range(len(sc.k)):
+                    for ours, its in ((gc.k, sc.k), (gc.v, sc.v)):
+                        torch.testing.assert_close(ours[layer][i, :, v0:], its[layer][0], rtol=1e-5, atol=1e-5)
+                if cache == "freecache":
+                    assert int(gc.cur_lo[i]) == int(sc.cur_lo[0]) + a
+                else:
+                    assert gc.track[i, a:].tolist() == sc.track[0].tolist()
+                    for layer in range(len(sc.xc)):
+                        torch.testing.assert_close(gc.xc[layer][i, v0:], sc.xc[layer][0], rtol=1e-5, atol=1e-5)
+                        torch.testing.assert_close(gc.qc[layer][i, :, v0:], sc.qc[layer][0], rtol=1e-5, atol=1e-5)
+    assert not eng.groups and not eng.waiting and eng.stats()["joins"] >= 2 and eng.stats()["retried"] == 0
+
+
+def prepare(model, prompt):
+    from dllm.generate import prepare_prompts
+
+    return prepare_prompts(model, [prompt], None, True)
