@@ -336,53 +336,82 @@ def test_guided_requests_share_one_loaded_guide(llada, tmp_path):
     assert eng.stats()["requests"]["stop"] + eng.stats()["requests"]["length"] == 2
 
 
-@pytest.mark.parametrize("cache", ["freecache", "elastic"])
-def test_a_rows_cache_state_after_joins_and_leaves_is_its_own(cache, llada):
-    """Step by step, each running row's tokens, cached K/V and the policy's own per-row state (FreeCache's region
-    start of the last plan; Elastic-Cache's stored layer inputs and queries and its tracked tokens) equal those of
-    the same request decoded alone after as many forwards, shifted by the group's extra left padding: requests
-    with longer and shorter prompts join at block boundaries and mid-block, rows leave when they finish."""
+def _same_cache_state(cache, gc, sc, i, a, v0):
+    """Row ``i`` of the group's cache ``gc`` against the request's own ``sc`` (``a``: the group's extra left padding
+    of the row, ``v0``: its first real column there)."""
+    if cache == "none":
+        return
+    for layer in range(len(sc.k)):
+        for ours, its in ((gc.k, sc.k), (gc.v, sc.v)):
+            torch.testing.assert_close(ours[layer][i, :, v0:], its[layer][0], rtol=1e-5, atol=1e-5)
+    if cache == "freecache":
+        assert int(gc.cur_lo[i]) == int(sc.cur_lo[0]) + a
+    elif cache == "elastic":
+        assert gc.track[i, a:].tolist() == sc.track[0].tolist()
+        for layer in range(len(sc.xc)):
+            torch.testing.assert_close(gc.xc[layer][i, v0:], sc.xc[layer][0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(gc.qc[layer][i, :, v0:], sc.qc[layer][0], rtol=1e-5, atol=1e-5)
+
+
+def _same_sampler_state(sampler, gs, ss, i, a, P):
+    """Row ``i`` of the group's sampler state ``gs`` against the request's own ``ss`` (``P``: the group's
+    generation start)."""
+    if sampler == "klass":
+        ours, its = gs.get("klass", {}).get("steps", []), ss.get("klass", {}).get("steps", [])
+        assert len(ours) >= len(its)
+        for g in ours[:len(ours) - len(its)]:  # kept steps before the row joined: no history of it
+            assert int(g.region[i]) < P
+        for g, q in zip(ours[len(ours) - len(its):], its):
+            assert int(g.region[i]) == int(q.region[0]) + a
+            c = q.lo + a - g.lo  # the request's window (its region) inside the group's
+            torch.testing.assert_close(g.logits[i, c:c + q.logits.shape[1]], q.logits[0], rtol=1e-4, atol=1e-4)
+    elif sampler == "guided" and "guided" in ss:
+        ours, its = gs["guided"], ss["guided"]
+        for name in ("npad", "fed"):
+            assert int(ours[name][i]) == int(its[name][0]) + a
+        assert bool(ours["stopped"][i]) == bool(its["stopped"][0])
+        for la, lb in zip(ours["cache"].layers, its["cache"].layers):  # the valid slots, in order
+            if lb.keys is None or lb.keys.dim() != 4:
+                continue
+            for x, y in ((la.keys, lb.keys), (la.values, lb.values)):
+                torch.testing.assert_close(x[i][:, ours["slots"][i]], y[0][:, its["slots"][0]], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sampler,cache", [("llada", "freecache"), ("llada", "elastic"), ("klass", "none"),
+                                           ("guided", "none")])
+def test_a_rows_state_after_joins_and_leaves_is_its_own(sampler, cache, llada):
+    """Step by step, each running row's tokens, cached K/V, the cache policy's own per-row state (FreeCache's
+    region start of the last plan; Elastic-Cache's stored layer inputs and queries and its tracked tokens) and
+    the sampler's (KLASS's kept steps; the AR guide's cursors and its cache's valid slots) equal those of the same
+    request decoded alone after as many forwards, shifted by the group's extra left padding: requests with longer
+    and shorter prompts join mid-decode (the caches' ones also at a block boundary), rows leave when done."""
     from dllm.config import GenerateConfig
-    from dllm.generate import Decoder
+    from dllm.generate import Decoder, prepare_prompts
     from dllm.recipes import resolve
 
     eng = Engine(llada, max_rows=3)
     alone = {}
-    schedule = {0: [2], 3: [1, 5], 8: [3], 11: [0]}  # engine tick -> prompts submitted before it
-    for tick in range(60):
+    # engine tick -> prompts submitted before it (LLaDA's sampler: one token per step, so tick 8 is a block start)
+    schedule = {0: [2], 3: [1, 5], 8: [3], 11: [0]} if sampler == "llada" else {0: [2], 1: [1], 2: [5, 3], 3: [0]}
+    for tick in range(80):
         for p in schedule.get(tick, []):
-            h = eng.submit(PROMPTS[p], gen_length=16, block_length=8, sampler="llada", cache=cache,
-                           request_id=f"{cache}-{tick}-{p}")
-            sampler, c, policy, config = resolve(llada, dllm.get_sampler("llada"), cache, None,
-                                                 GenerateConfig(gen_length=16, block_length=8, seed=0))
-            dec = Decoder(llada, sampler, c, policy, config)
-            alone[h.request_id] = (dec, dec.start(prepare(llada, PROMPTS[p])))
+            h = eng.submit(PROMPTS[p], gen_length=16, block_length=8, sampler=sampler, cache=cache,
+                           request_id=f"{sampler}-{cache}-{tick}-{p}")
+            parts = resolve(llada, dllm.get_sampler(sampler), cache, None,
+                            GenerateConfig(gen_length=16, block_length=8, seed=0))
+            dec = Decoder(llada, *parts)
+            alone[h.request_id] = (dec, dec.start(prepare_prompts(llada, [PROMPTS[p]], None, True)))
         if not eng.step():
             break
         for group in eng.groups.values():
-            st, gc = group.state, group.decoder.cache
+            st = group.state
             for i, req in enumerate(group.requests):
                 dec, s = alone[req.request_id]
                 while int(s.row_nfe[0]) < int(st.row_nfe[i]):
                     dec.step(s)
                 a = st.P - s.P  # the group's extra left padding of this row
-                v0 = st.P - len(req.rows)  # the row's first real column in the group's canvas (alone: 0)
                 assert st.x[i, a:].tolist() == s.x[0].tolist()
-                sc = dec.cache
-                for layer in range(len(sc.k)):
-                    for ours, its in ((gc.k, sc.k), (gc.v, sc.v)):
-                        torch.testing.assert_close(ours[layer][i, :, v0:], its[layer][0], rtol=1e-5, atol=1e-5)
-                if cache == "freecache":
-                    assert int(gc.cur_lo[i]) == int(sc.cur_lo[0]) + a
-                else:
-                    assert gc.track[i, a:].tolist() == sc.track[0].tolist()
-                    for layer in range(len(sc.xc)):
-                        torch.testing.assert_close(gc.xc[layer][i, v0:], sc.xc[layer][0], rtol=1e-5, atol=1e-5)
-                        torch.testing.assert_close(gc.qc[layer][i, :, v0:], sc.qc[layer][0], rtol=1e-5, atol=1e-5)
-    assert not eng.groups and not eng.waiting and eng.stats()["joins"] >= 2 and eng.stats()["retried"] == 0
-
-
-def prepare(model, prompt):
-    from dllm.generate import prepare_prompts
-
-    return prepare_prompts(model, [prompt], None, True)
+                _same_cache_state(cache, group.decoder.cache, dec.cache, i, a, st.P - len(req.rows))
+                _same_sampler_state(sampler, st.state, s.state, i, a, st.P)
+    assert not eng.groups and not eng.waiting
+    assert eng.stats()["joins"] >= 2 and eng.stats()["retried"] == 0
