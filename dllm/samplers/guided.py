@@ -26,7 +26,9 @@ to the attention, so a row's result does not depend on the rest of the batch bey
 reduction order.
 
 Stopping: once a row commits a stop token (the dLLM's EOS or end-of-turn id) every later position of its
-generation is filled with EOS (an early commit, ``StepResult.finish``) and the guide stops feeding it.
+generation is filled with EOS (an early commit, ``StepResult.finish``): the rest of its region at that step,
+the rest of its generation at its next step (whatever other rows of a batch widen the window, so a row's
+forwards are the same alone or in any batch), and the guide stops feeding it.
 
 Requirements: the decode loop passes the full canvas (``StepContext.canvas``). Left padding is recognised as
 the leading run of the pad id (``pad_id``, default the EOS id, which is what ``generate`` pads with for the

@@ -324,8 +324,8 @@ class KLStable:
         """Move the kept history (``state["klass"]``, :class:`_KLHistory`) with the rows of its batch (the
         serving engine): ``keep`` rows selected, canvas columns shifted by ``d`` (left padding added, or cropped
         when ``d < 0``), ``n_new`` rows appended that have no history: their region at the kept steps is ``-1``
-        (never a region start), so every KL they would read there is ``inf``, as for a row with fewer than
-        ``history`` earlier steps."""
+        (left of the generation start, where it stays as the columns move: never a region start), so every KL
+        they would read there is ``inf``, as for a row with fewer than ``history`` earlier steps."""
         st = state.get("klass")
         if not st or not st.get("steps"):
             return
