@@ -109,8 +109,8 @@ def test_streamed_pieces_are_the_final_prefix_and_add_up_to_the_answer(llada):
 
 def test_refusals_name_the_problem(llada):
     eng = Engine(llada, max_queue=2)
-    with pytest.raises(RequestError, match="klass.*not served"):
-        eng.submit(PROMPTS[0], sampler="klass")
+    with pytest.raises(RequestError, match="not served; served caches"):
+        eng.submit(PROMPTS[0], cache="nope")
     with pytest.raises(RequestError, match="noise_scope"):
         eng.submit(PROMPTS[0], sampler="threshold", params={"noise_scope": "canvas"})
     with pytest.raises(RequestError, match="unknown sampler"):
@@ -167,17 +167,78 @@ def test_cached_requests_joining_and_leaving_match_solo_runs(cache, llada):
         assert h.result().nfe == out.stats.row_nfe[0]
 
 
-def test_a_preset_runs_with_its_own_cache_and_unmovable_caches_are_refused(llada):
+# samplers and caches with per-row state beyond the K/V buffers: (sampler, params, cache, gen_length, block_length)
+STATEFUL = {
+    "klass": [("klass", {}, None, 32, 8), ("klass", {"conf_threshold": 0.3, "kl_threshold": 0.05}, "prefix", 32, 16)],
+    "guided": [("guided", {}, None, 32, 8), ("guided", {"mode": "topk", "chunk": 4}, None, 16, None)],
+    "freecache": [("threshold", {}, "freecache", 32, 8), ("llada", {"temperature": 0.8}, "freecache", 32, 16)],
+    "elastic": [("threshold", {}, "elastic", 32, 8), ("elastic", {}, None, 32, None)],
+}
+
+
+def _alone(model, prompt, sampler, params, cache, G, B, seed):
+    out = dllm.generate(model, [prompt], sampler=dllm.get_sampler(sampler, **params), cache=cache, gen_length=G,
+                        block_length=B, seed=seed)
+    return out.sequences[0].tolist(), out.stats.row_nfe[0]
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+@pytest.mark.parametrize("kind", list(STATEFUL))
+def test_stateful_samplers_and_caches_join_and_leave_exactly(kind, family, llada, dream):
+    """KLASS's kept steps, the AR guide's cache and cursors (guide ``ar-tiny``), FreeCache's and Elastic-Cache's
+    per-row state move with the rows: requests joining running groups mid-decode with longer and shorter prompts,
+    others leaving, and the longest prompt cancelled mid-decode (the canvas cropped); every response equals the
+    request alone, and no batch failed (a failed batch is retried alone, which would hide a wrong move)."""
+    model = llada if family == "llada" else dream
+    settings = STATEFUL[kind]
+    eng = Engine(model, max_rows=3)
+    reqs = []
+    for wave in range(3):
+        for k, (sampler, params, cache, G, B) in enumerate(settings):
+            for j in range(2):
+                prompt = PROMPTS[(k + 2 * wave + 3 * j) % len(PROMPTS)]
+                h = eng.submit(prompt, gen_length=G, block_length=B, sampler=sampler, params=params, cache=cache,
+                               seed=k, request_id=f"{kind}-{wave}-{k}-{j}")
+                reqs.append((h, prompt, sampler, params, cache, G, B, k))
+        eng.step()
+        eng.step()
+    eng.run_until_idle()
+    assert eng.stats()["joins"] >= 2 * len(settings)  # requests joined running groups
+    # a short request decoding, a longer prompt joins (the running rows are re-padded), then leaves (cropped)
+    sampler, params, cache, G, B = settings[0]
+    short = eng.submit(PROMPTS[2], gen_length=G, block_length=B, sampler=sampler, params=params, cache=cache)
+    eng.step()
+    long = eng.submit(PROMPTS[1] + " " + PROMPTS[3], gen_length=G, block_length=B, sampler=sampler, params=params,
+                      cache=cache)
+    eng.step()
+    group = next(iter(eng.groups.values()))
+    assert len(group.requests) == 2  # the long prompt joined the short one's running group
+    width = group.state.x.shape[1]
+    long.cancel()
+    eng.step()  # the long row leaves before the forward: the canvas is cropped, then the short row steps on
+    assert long.result(timeout=0).finish_reason == "cancelled"
+    assert short.done() or next(iter(eng.groups.values())).state.x.shape[1] < width
+    eng.run_until_idle()
+    reqs.append((short, PROMPTS[2], sampler, params, cache, G, B, 0))
+    assert eng.stats()["retried"] == 0 and eng.stats()["engine_errors"] == 0
+    assert not eng.groups and not eng.waiting
+    for h, prompt, sampler, params, cache, G, B, seed in reqs:
+        r = h.result(timeout=0)
+        tokens, nfe = _alone(model, prompt, sampler, params, cache, G, B, seed)
+        assert r.tokens == tokens, (h.request_id, sampler, cache)
+        assert r.nfe == nfe, (h.request_id, sampler, cache)
+        assert r.finish_reason in ("stop", "length")
+
+
+def test_a_preset_runs_with_its_own_cache(llada):
     eng = Engine(llada)
     h = eng.submit(PROMPTS[0], gen_length=32, sampler="fast-dllm", request_id="fd")
+    e = eng.submit(PROMPTS[1], gen_length=32, sampler="elastic", request_id="el")  # its cache: Elastic-Cache
     eng.run_until_idle()
     out = dllm.generate(llada, [PROMPTS[0]], gen_length=32, sampler="fast-dllm")  # dual cache
     assert h.result(timeout=0).tokens == out.sequences[0].tolist()
-    for cache in ("freecache", "elastic"):
-        with pytest.raises(RequestError, match="not served; served caches"):
-            eng.submit(PROMPTS[0], cache=cache)
-    with pytest.raises(RequestError, match="not served"):
-        eng.submit(PROMPTS[0], sampler="elastic")  # its preset cache is Elastic-Cache
+    out = dllm.generate(llada, [PROMPTS[1]], gen_length=32, sampler="elastic")
+    assert e.result(timeout=0).tokens == out.sequences[0].tolist()
 
 
 def test_the_engine_default_sampler_and_params_apply_to_requests_that_name_none(llada):
@@ -195,8 +256,6 @@ def test_the_engine_default_sampler_and_params_apply_to_requests_that_name_none(
     assert a.result().nfe < b.result().nfe  # the lower threshold commits more per step
     with pytest.raises(RequestError, match="unknown sampler"):
         Engine(llada, sampler="nope")
-    with pytest.raises(RequestError, match="klass.*not served"):
-        Engine(llada, sampler="klass")
 
 
 @pytest.mark.parametrize("family", ["sdar", "llada2", "fastdllm2"])
@@ -262,3 +321,97 @@ def test_asyncio_callers_await_results_and_iterate_deltas(llada):
             assert r.tokens == tokens
     finally:
         eng.stop()
+
+
+def test_guided_requests_share_one_loaded_guide(llada, tmp_path):
+    """Requests naming the same guide checkpoint use one loaded guide (not a copy each); a guide that does not
+    exist is refused at submit."""
+    eng = Engine(llada)
+    eng.submit(PROMPTS[0], gen_length=8, sampler="guided")
+    eng.submit(PROMPTS[1], gen_length=8, sampler="guided", params={"mode": "topk"})
+    assert len({id(r.recipe.sampler.guide_model()[0]) for r in eng.waiting}) == 1
+    with pytest.raises(RequestError, match="neither a bundled guide"):
+        eng.submit(PROMPTS[0], sampler="guided", params={"guide": str(tmp_path / "missing")})
+    eng.run_until_idle()
+    assert eng.stats()["requests"]["stop"] + eng.stats()["requests"]["length"] == 2
+
+
+def _same_cache_state(cache, gc, sc, i, a, v0):
+    """Row ``i`` of the group's cache ``gc`` against the request's own ``sc`` (``a``: the group's extra left padding
+    of the row, ``v0``: its first real column there)."""
+    if cache == "none":
+        return
+    for layer in range(len(sc.k)):
+        for ours, its in ((gc.k, sc.k), (gc.v, sc.v)):
+            torch.testing.assert_close(ours[layer][i, :, v0:], its[layer][0], rtol=1e-5, atol=1e-5)
+    if cache == "freecache":
+        assert int(gc.cur_lo[i]) == int(sc.cur_lo[0]) + a
+    elif cache == "elastic":
+        assert gc.track[i, a:].tolist() == sc.track[0].tolist()
+        for layer in range(len(sc.xc)):
+            torch.testing.assert_close(gc.xc[layer][i, v0:], sc.xc[layer][0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(gc.qc[layer][i, :, v0:], sc.qc[layer][0], rtol=1e-5, atol=1e-5)
+
+
+def _same_sampler_state(sampler, gs, ss, i, a, P):
+    """Row ``i`` of the group's sampler state ``gs`` against the request's own ``ss`` (``P``: the group's
+    generation start)."""
+    if sampler == "klass":
+        ours, its = gs.get("klass", {}).get("steps", []), ss.get("klass", {}).get("steps", [])
+        assert len(ours) >= len(its)
+        for g in ours[:len(ours) - len(its)]:  # kept steps before the row joined: no history of it
+            assert int(g.region[i]) < P
+        for g, q in zip(ours[len(ours) - len(its):], its):
+            assert int(g.region[i]) == int(q.region[0]) + a
+            c = q.lo + a - g.lo  # the request's window (its region) inside the group's
+            torch.testing.assert_close(g.logits[i, c:c + q.logits.shape[1]], q.logits[0], rtol=1e-4, atol=1e-4)
+    elif sampler == "guided" and "guided" in ss:
+        ours, its = gs["guided"], ss["guided"]
+        for name in ("npad", "fed"):
+            assert int(ours[name][i]) == int(its[name][0]) + a
+        assert bool(ours["stopped"][i]) == bool(its["stopped"][0])
+        for la, lb in zip(ours["cache"].layers, its["cache"].layers):  # the valid slots, in order
+            if lb.keys is None or lb.keys.dim() != 4:
+                continue
+            for x, y in ((la.keys, lb.keys), (la.values, lb.values)):
+                torch.testing.assert_close(x[i][:, ours["slots"][i]], y[0][:, its["slots"][0]], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sampler,cache", [("llada", "freecache"), ("llada", "elastic"), ("klass", "none"),
+                                           ("guided", "none")])
+def test_a_rows_state_after_joins_and_leaves_is_its_own(sampler, cache, llada):
+    """Step by step, each running row's tokens, cached K/V, the cache policy's own per-row state (FreeCache's
+    region start of the last plan; Elastic-Cache's stored layer inputs and queries and its tracked tokens) and
+    the sampler's (KLASS's kept steps; the AR guide's cursors and its cache's valid slots) equal those of the same
+    request decoded alone after as many forwards, shifted by the group's extra left padding: requests with longer
+    and shorter prompts join mid-decode (the caches' ones also at a block boundary), rows leave when done."""
+    from dllm.config import GenerateConfig
+    from dllm.generate import Decoder, prepare_prompts
+    from dllm.recipes import resolve
+
+    eng = Engine(llada, max_rows=3)
+    alone = {}
+    # engine tick -> prompts submitted before it (LLaDA's sampler: one token per step, so tick 8 is a block start)
+    schedule = {0: [2], 3: [1, 5], 8: [3], 11: [0]} if sampler == "llada" else {0: [2], 1: [1], 2: [5, 3], 3: [0]}
+    for tick in range(80):
+        for p in schedule.get(tick, []):
+            h = eng.submit(PROMPTS[p], gen_length=16, block_length=8, sampler=sampler, cache=cache,
+                           request_id=f"{sampler}-{cache}-{tick}-{p}")
+            parts = resolve(llada, dllm.get_sampler(sampler), cache, None,
+                            GenerateConfig(gen_length=16, block_length=8, seed=0))
+            dec = Decoder(llada, *parts)
+            alone[h.request_id] = (dec, dec.start(prepare_prompts(llada, [PROMPTS[p]], None, True)))
+        if not eng.step():
+            break
+        for group in eng.groups.values():
+            st = group.state
+            for i, req in enumerate(group.requests):
+                dec, s = alone[req.request_id]
+                while int(s.row_nfe[0]) < int(st.row_nfe[i]):
+                    dec.step(s)
+                a = st.P - s.P  # the group's extra left padding of this row
+                assert st.x[i, a:].tolist() == s.x[0].tolist()
+                _same_cache_state(cache, group.decoder.cache, dec.cache, i, a, st.P - len(req.rows))
+                _same_sampler_state(sampler, st.state, s.state, i, a, st.P)
+    assert not eng.groups and not eng.waiting
+    assert eng.stats()["joins"] >= 2 and eng.stats()["retried"] == 0

@@ -56,6 +56,42 @@ class ElasticCache(KVCache):
         self._k_old = None
         self._switch = None  # [B] bool: rows whose drift test failed at the last layer (they refresh from the next)
 
+    def refresh_rows(self, state):
+        # a row's first forward computes all its rows (in generate: the first forward of all; a row joining a
+        # filled cache); its drift test is skipped (after_plan)
+        if state.row_nfe is None:
+            return torch.zeros_like(state.active)
+        return state.row_nfe == 0
+
+    def move_rows(self, d: int, keep: torch.Tensor | None, n_new: int) -> None:
+        """Its per-row state with the rows of a filled cache (the stored layer inputs and queries, the tracked
+        tokens): ``keep`` rows selected, ``d`` columns of left padding added (``d < 0``: cropped), ``n_new``
+        empty rows appended (their first forward computes all their rows: :meth:`refresh_rows`)."""
+        B = self.batch
+
+        def move(t: torch.Tensor, dim: int) -> torch.Tensor:
+            r = t.shape[0] // B  # 2 under classifier-free guidance (the batch doubled)
+            parts = []
+            for j in range(r):
+                u = t[j * B:(j + 1) * B]
+                if keep is not None:
+                    u = u.index_select(0, keep.to(u.device))
+                if d > 0:
+                    shape = list(u.shape)
+                    shape[dim] = d
+                    u = torch.cat([u.new_zeros(shape), u], dim=dim)
+                elif d < 0:
+                    u = u.narrow(dim, -d, u.shape[dim] + d)
+                if n_new:
+                    u = torch.cat([u, u.new_zeros(n_new, *u.shape[1:])])
+                parts.append(u)
+            return torch.cat(parts).contiguous()
+
+        self.xc = [move(t, 1) for t in self.xc]
+        self.qc = [move(t, 2) for t in self.qc]
+        if self.track is not None:
+            self.track = move(self.track, 1)
+
     def select(self, state):
         mask = state.committed.clone()
         if self.track is not None and self.track.shape == mask.shape:
@@ -71,6 +107,8 @@ class ElasticCache(KVCache):
         self._new_track = torch.zeros((B, T), dtype=torch.bool, device=state.x.device)
         self._row_refresh = torch.full((B,), -1, dtype=torch.long, device=state.x.device)
         self._testing = state.active.clone() if rows is not None and self.track is not None else None
+        if self._testing is not None and state.row_nfe is not None:
+            self._testing &= state.row_nfe > 0  # a row's first forward: nothing stored to test against
         self._switch = None
         if self._testing is not None:
             self._trk_rows = rows_from_mask(self.track)

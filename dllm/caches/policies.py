@@ -123,8 +123,23 @@ class FreeCache(KVCache):
     def on_reset(self):
         self.cur_lo = None
 
+    def refresh_rows(self, state):
+        # a row's first forward is full (in generate: the first forward of all; a row joining a filled cache)
+        if state.row_nfe is None:
+            return torch.zeros_like(state.active)
+        return state.row_nfe == 0
+
     def after_plan(self, state, rows):
         self.cur_lo = state.lo.clone()
+
+    def move_rows(self, d: int, keep: torch.Tensor | None, n_new: int) -> None:
+        """Its per-row state (each row's region start at the last plan, a canvas column) with the rows of a
+        filled cache: ``keep`` rows selected, shifted by ``d`` columns of left padding (``d < 0``: cropped),
+        ``n_new`` rows appended (their first forward is full: :meth:`refresh_rows`)."""
+        if self.cur_lo is None:
+            return
+        lo = self.cur_lo if keep is None else self.cur_lo.index_select(0, keep.to(self.cur_lo.device))
+        self.cur_lo = torch.cat([lo + d, lo.new_zeros(n_new)])
 
     def select(self, state):
         start = torch.where(state.step_in == 0, self.cur_lo, state.lo)

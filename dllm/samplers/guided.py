@@ -26,7 +26,9 @@ to the attention, so a row's result does not depend on the rest of the batch bey
 reduction order.
 
 Stopping: once a row commits a stop token (the dLLM's EOS or end-of-turn id) every later position of its
-generation is filled with EOS (an early commit, ``StepResult.finish``) and the guide stops feeding it.
+generation is filled with EOS (an early commit, ``StepResult.finish``): the rest of its region at that step,
+the rest of its generation at its next step (whatever other rows of a batch widen the window, so a row's
+forwards are the same alone or in any batch), and the guide stops feeding it.
 
 Requirements: the decode loop passes the full canvas (``StepContext.canvas``). Left padding is recognised as
 the leading run of the pad id (``pad_id``, default the EOS id, which is what ``generate`` pads with for the
@@ -158,6 +160,37 @@ def _compact(st: dict, force: bool = False) -> None:
     st["slots"] = torch.arange(keep, device=slots.device)[None] < count[:, None]
 
 
+def move_rows(state: dict, d: int, keep: torch.Tensor | None, new: dict | None = None) -> None:
+    """Move the guided state (``state["guided"]``) with the rows of its batch (the serving engine): ``keep``
+    rows selected, canvas columns shifted by ``d`` (left padding added, or cropped when ``d < 0``; a row's guide
+    positions do not change), then the rows of ``new`` (:meth:`GuidedSampler.row_state` of rows joining the
+    batch) appended, with no valid slot in the guide's cache (masked-out slots, as a row's rejected drafts)."""
+    st = state.get("guided")
+    if st is None:
+        return
+    layers = getattr(st["cache"], "layers", None)
+    if layers is None:
+        raise TypeError("moving rows of the guide's cache needs a transformers cache with per-layer keys/values")
+    n_new = new["npad"].shape[0] if new is not None else 0
+
+    def rows(t: torch.Tensor, fill) -> torch.Tensor:
+        if keep is not None:
+            t = t.index_select(0, keep.to(t.device))
+        if n_new:
+            t = torch.cat([t, t.new_full((n_new, *t.shape[1:]), fill)])
+        return t.contiguous()
+
+    for la in layers:
+        if getattr(la, "keys", None) is None or la.keys.dim() != 4:  # not written yet
+            continue
+        la.keys, la.values = rows(la.keys, 0), rows(la.values, 0)
+    st["slots"] = rows(st["slots"], False)
+    st["stopped"] = rows(st["stopped"], False)
+    for name in ("npad", "fed"):
+        t = (st[name] if keep is None else st[name].index_select(0, keep.to(st[name].device))) + d
+        st[name] = torch.cat([t, new[name]]) if n_new else t
+
+
 class GuidedSampler(SamplerBase):
     """AR-guided unmasking. See the module docstring.
 
@@ -239,6 +272,13 @@ class GuidedSampler(SamplerBase):
         return {"cache": cache, "slots": torch.zeros((B, 0), dtype=torch.bool, device=device),
                 "npad": npad.to(device), "fed": npad.clone().to(device),
                 "stopped": torch.zeros(B, dtype=torch.bool, device=device)}
+
+    def row_state(self, canvas: torch.Tensor, gen_lo: int, eos_id: int | None) -> dict:
+        """The state of rows that have not stepped yet (``canvas``: theirs, generation from column ``gen_lo``),
+        as their first step would start it; the serving engine appends it to a running batch's with
+        :func:`move_rows`."""
+        pad = self.pad_id if self.pad_id is not None else eos_id
+        return self._init_state(canvas, gen_lo, pad, canvas.device)
 
     def step(self, logits: torch.Tensor, ctx: StepContext) -> StepResult:
         g, gtok = self.guide_model()
@@ -362,8 +402,17 @@ class GuidedSampler(SamplerBase):
         win_final = final[:, win_lo : win_lo + W]
         win_dec = decided[:, win_lo : win_lo + W]
         fill = finish[:, None] & cand & ~win_dec
-        after = finish[:, None] & ~win_dec  # a finishing row's other window columns are filled with EOS too
+        # A finishing row's other columns of its own region are filled with EOS too; the decode loop fills every
+        # mask of the batch's window (the union of the rows' regions), so beyond the row's region the proposal is
+        # the mask id (the column stays masked) and the row fills the rest of its generation at its next step,
+        # as alone: its forwards do not depend on the other rows' regions.
+        wcols = ctx.win_lo + torch.arange(W, device=dev)[None]  # canvas columns of the window
+        own = (wcols >= ctx.region_lo[:, None]) & (wcols < ctx.region_hi[:, None])
+        after = finish[:, None] & ~win_dec & own
+        beyond = finish[:, None] & ~own
         proposal = torch.where(win_dec, win_final, torch.where(after, torch.full_like(draft, int(eos)), draft))
+        if ctx.mask_id is not None:
+            proposal = torch.where(beyond, torch.full_like(draft, int(ctx.mask_id)), proposal)
         commit = (win_dec | fill) & cand
         info: dict[str, Any] = {"ar_forwards": ar_forwards, "guide_verified": verified, "guide_accepted": accepted,
                                 "guide_corrected": corrected}

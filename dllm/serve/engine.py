@@ -12,15 +12,16 @@ and cache (float32; tested), whenever it arrives and whatever else runs.
   the longer prompt (region bounds shift with them) and concatenated along the batch; the running rows are
   not recomputed. Leaving: finished rows are answered and removed from every per-row tensor
   (``index_select``); the canvas is cropped when the longest prompt left.
-* Caches: the K/V buffers move with the rows (re-padded, selected, extended with the newcomers' rows, which
-  their first forward recomputes in full). ``prefix``, ``dual``, ``dkv-decode`` and ``dkv-greedy`` are served
-  (a preset's own cache by default: ``fast-dllm`` runs with ``dual``), and the exact ``block`` cache of
-  block-diffusion checkpoints (their default; its per-row count of final columns moves with the rows, a joining
-  row has none); ``freecache`` and ``elastic``, which keep
-  more per-batch state, are refused, as are samplers whose scratch state is not moved yet (``klass``,
-  ``guided``); CreditDecoding's credit tables move with the rows like the K/V buffers. Progress-driven
-  samplers (``prophet``, ``eoser``, ``ascending``) read each row's own forward count, so they are served.
-  ``noise_scope`` must be ``"row"``.
+* Caches: every registered cache is served (a preset's own by default: ``fast-dllm`` runs with ``dual``,
+  ``elastic`` with Elastic-Cache). The K/V buffers move with the rows (re-padded, selected, extended with the
+  newcomers' rows, which their first forward recomputes in full), and so does a cache's own per-row state (its
+  ``move_rows``: FreeCache's last region starts, Elastic-Cache's stored layer inputs, queries and tracked
+  tokens; the exact ``block`` cache of block-diffusion checkpoints, their default: its per-row count of final
+  columns, a joining row has none).
+* Samplers: every registered sampler is served; their per-row scratch state moves with the rows like the K/V
+  buffers: CreditDecoding's credit tables, KLASS's kept steps (a joining row has no history), the AR guide's
+  cache and cursors (a joining row gets the state its first step would build). Progress-driven samplers
+  (``prophet``, ``eoser``, ``ascending``) read each row's own forward count. ``noise_scope`` must be ``"row"``.
 
 Use: ``engine.submit(prompt, gen_length=...)`` returns a :class:`RequestHandle` (``.result()``, ``.delta_ids()``
 for the left-to-right final prefix as it becomes final, ``.events()`` with the per-step canvas, ``.cancel()``); :meth:`Engine.step` runs one tick,
@@ -36,6 +37,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,13 +46,13 @@ from dllm.config import GenerateConfig
 from dllm.generate import Decoder, DecodeState, decode_texts, prepare_prompts, row_keys
 from dllm.recipes import model_block_size, resolve
 from dllm.samplers import get_sampler
+from dllm.samplers import guided as _guided
+from dllm.samplers.rules import KLStable
 
 log = logging.getLogger(__name__)
 
-# samplers whose scratch state across steps is not moved between batches yet
-BATCH_STATEFUL = ("klass", "guided")
-# caches whose only batch state is the K/V buffers (moved with the rows); freecache and elastic keep more
-SERVED_CACHES = ("none", "prefix", "dual", "dkv-decode", "dkv-greedy", "block")
+# every registered cache: the K/V buffers and a cache's own per-row state move with the rows
+SERVED_CACHES = ("none", "prefix", "dual", "dkv-decode", "dkv-greedy", "block", "freecache", "elastic")
 SEED_MAX = 2**63 - 1  # seeds are 0 .. 2**63 - 1
 
 
@@ -284,6 +286,9 @@ def _move_cache(cache, d: int, keep: list[int] | None, n_new: int) -> None:
     them in full: every served cache refreshes a row at its first step)."""
     if not getattr(cache, "filled", False):
         return
+    move = getattr(cache, "move_rows", None)  # a policy's own per-row state (FreeCache, Elastic-Cache)
+    if move is not None:
+        move(d, None if keep is None else torch.tensor(keep, dtype=torch.long), n_new)
     final = getattr(cache, "final", None)  # the block cache: each row's column up to which its K/V are final
     if final is not None:
         if keep is not None:
@@ -306,9 +311,18 @@ def _move_cache(cache, d: int, keep: list[int] | None, n_new: int) -> None:
             buf[layer] = t.contiguous()
 
 
-def _move_state(state: dict, d: int, keep: list[int] | None, n_new: int) -> None:
+def _move_state(state: dict, d: int, keep: list[int] | None, n_new: int, guided_new: dict | None = None) -> None:
     """Move the sampler scratch state a served sampler keeps per row with the rows, like :func:`_move_cache`:
-    CreditDecoding's canvas-indexed credit tables (``[B, T, slots]``) and their regions (canvas columns)."""
+    CreditDecoding's canvas-indexed credit tables (``[B, T, slots]``) and their regions (canvas columns), KLASS's
+    kept steps (:meth:`KLStable.move_rows`: a joining row has no history) and the AR guide's cache and cursors
+    (:func:`dllm.samplers.guided.move_rows`; ``guided_new``: the joining rows' own state)."""
+    idx = None
+    if keep is not None:
+        idx = torch.tensor(keep, dtype=torch.long)
+    if "klass" in state:
+        KLStable.move_rows(state, d, idx, n_new)
+    if "guided" in state:
+        _guided.move_rows(state, d, idx, guided_new)
     cr = state.get("credit")
     if not cr or "tok" not in cr:
         return
@@ -355,6 +369,8 @@ class Engine:
         self.groups: dict[tuple, _Group] = {}
         self.waiting: deque[_Request] = deque()
         self._lock = threading.Lock()
+        self._guides: dict[tuple, tuple] = {}  # loaded AR guides by (checkpoint, dtype), shared by requests
+        self._guide_lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._stop = False
@@ -407,6 +423,10 @@ class Engine:
         except (ValueError, TypeError, KeyError) as exc:
             raise RequestError(str(exc), "sampler" if "unknown sampler" in str(exc) else "params") from None
         try:
+            self._share_guide(recipe)
+        except (OSError, ValueError) as exc:  # e.g. a guide directory that does not exist
+            raise RequestError(str(exc), "params") from None
+        try:
             rows = prepare_prompts(self.model, [prompt], None, chat_template)
         except (ValueError, TypeError, KeyError) as exc:
             raise RequestError(str(exc), "prompt") from None
@@ -433,6 +453,23 @@ class Engine:
         self._wake.set()
         return handle
 
+    MAX_GUIDES = 2  # loaded guides kept for later requests
+
+    def _share_guide(self, recipe) -> None:
+        """AR-guided requests naming the same guide checkpoint share one loaded guide (loaded at the first such
+        request), instead of each request loading its own copy."""
+        s = getattr(recipe, "sampler", recipe)
+        if not isinstance(s, _guided.GuidedSampler) or not isinstance(s.guide, (str, Path)):
+            return
+        key = (str(s.guide), s.guide_dtype)
+        with self._guide_lock:
+            if key not in self._guides:
+                self._guides[key] = (*s.guide_model(), set())
+                while len(self._guides) > self.MAX_GUIDES:  # the oldest one goes (requests using it keep it)
+                    self._guides.pop(next(iter(self._guides)))
+            # the model, its tokenizer and the dLLMs its tokenizer was checked against (once)
+            s._model, s._tok, s._checked = self._guides[key]
+
     def _least_tokens(self, prompt) -> int:
         """A lower bound of the prompt's token count without tokenising it: its UTF-8 length over the longest
         token's (token ids: their count)."""
@@ -458,9 +495,6 @@ class Engine:
 
     @staticmethod
     def _check_sampler(name: str, params: dict) -> None:
-        if name in BATCH_STATEFUL:
-            raise RequestError(f"sampler {name!r} reads state shared by a batch and is not served; served: every "
-                               f"registered sampler but {', '.join(BATCH_STATEFUL)}", "sampler")
         if params.get("noise_scope", "row") != "row":
             raise RequestError("noise_scope must be 'row' when serving (per-request random streams)", "params")
 
@@ -642,8 +676,11 @@ class Engine:
         pad = self.model.pad_id if self.model.pad_id is not None else self.model.eos_id
         d_old = P - old.P
         old, st = _repad(old, d_old, pad), _repad(st, P - st.P, pad)
+        guided_new = None
+        if "guided" in old.state:  # the AR guide's state of the joining rows, as their first step would start it
+            guided_new = dec.sampler.row_state(st.x, st.P, self.model.eos_id)
         _move_cache(group.decoder.cache, d_old, None, st.x.shape[0])
-        _move_state(old.state, d_old, None, st.x.shape[0])
+        _move_state(old.state, d_old, None, st.x.shape[0], guided_new)
         group.state = _cat(old, st)
         group.requests += reqs
         self._reset_width(group)
