@@ -47,6 +47,18 @@ def load_model_arg(args):
     return load_model(model_path(args.model), dtype=args.dtype, device=args.device)
 
 
+def check_decode_args(args):
+    """Every decoding option checked without loading the model (the checkpoint's config.json, ``--dtype``,
+    ``--cache``, the lengths, the sampler and its ``--param`` names and values); returns :func:`decode_setup`'s
+    pair. Commands call it before :func:`load_model_arg`."""
+    from dllm.cli import checks
+
+    checks.dtype_name(args.dtype)
+    checks.cache_name(args.cache)
+    checks.model_dir(args.model)
+    return decode_setup(args)
+
+
 def decode_setup(args):
     """``(GenerateConfig, sampler or None)`` from the decoding options."""
     from dllm.config import GenerateConfig
