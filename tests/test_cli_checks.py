@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -111,3 +112,79 @@ def test_cli_subprocess_prints_no_traceback(tmp_path):
     assert res.returncode == 2
     assert "Traceback" not in res.stderr
     assert res.stderr.strip().splitlines() == [f"error: --batch-file {tmp_path} is a directory; give a file"]
+
+
+# ------------------------------------------------------------------------------------------------ eval
+
+GSM8K = Path(__file__).resolve().parent / "fixtures" / "eval" / "gsm8k.jsonl"
+EVAL = ["eval", "gsm8k", "--model", "llada-tiny", "--data", str(GSM8K), "--shots", "0", "--limit", "1",
+        "--gen-length", "8", "--block-length", "8", "--no-progress"]
+
+
+def test_eval_out_is_an_existing_file(tmp_path, capsys, no_model):
+    f = tmp_path / "results.txt"
+    f.write_text("x")
+    refused(capsys, [*EVAL, "--out", str(f)], f"--out {f} is a file", "results directory", "resume")
+    assert f.read_text() == "x"
+
+
+@pytest.mark.parametrize("argv, needles", [
+    (["--batch-size", "0"], ["--batch-size must be >= 1"]),
+    (["--limit", "0"], ["--limit must be >= 1"]),
+    (["--timeout", "0"], ["--timeout must be > 0"]),
+    (["--memory-mb", "-1"], ["--memory-mb must be >= 1"]),
+    (["--shots", "-1"], ["--shots must be >= 0"]),
+    (["--sampler", "llada", "--param", "tau=0.5"], ["no parameter", "tau"]),
+    (["--sampler", "dream", "--param", "eps=small"], ["eps", "not a number"]),
+    (["--cache", "nope"], ["--cache", "known caches"]),
+    (["--gen-length", "0"], ["gen_length"]),
+])
+def test_eval_arguments_checked_before_loading(argv, needles, tmp_path, capsys, no_model):
+    refused(capsys, [*EVAL, "--out", str(tmp_path / "out"), *argv], *needles)
+    assert not (tmp_path / "out").exists()  # nothing written either
+
+
+def test_eval_data_is_a_directory(tmp_path, capsys, no_model):
+    refused(capsys, ["eval", "gsm8k", "--data", str(tmp_path), "--out", str(tmp_path / "o")], "--data", "is a directory")
+
+
+def test_eval_log_level_is_a_choice(tmp_path, capsys, no_model):
+    with pytest.raises(SystemExit) as exc:
+        main([*EVAL, "--out", str(tmp_path / "o"), "--log-level", "loud"])
+    assert exc.value.code == 2
+    assert "invalid choice: 'loud'" in capsys.readouterr().err
+
+
+def test_eval_out_resumes_or_refuses_before_loading(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "out"
+    assert main([*EVAL, "--out", str(out)]) == 0
+    assert "resuming" not in capsys.readouterr().err
+    assert main([*EVAL, "--out", str(out)]) == 0  # the same settings: resumed, said so
+    assert "resuming an earlier run with these settings" in capsys.readouterr().err
+    with monkeypatch.context() as m:
+        m.setattr(dllm.models, "load_model", lambda *a, **k: (_ for _ in ()).throw(ModelLoaded("loaded")))
+        refused(capsys, [*EVAL, "--out", str(out), "--steps", "4"], "steps: None there, 4 now", "--overwrite")
+        run_json = out / "run.json"
+        good = run_json.read_text()
+        run_json.write_text("{not json")
+        refused(capsys, [*EVAL, "--out", str(out)], "run.json is not valid JSON")
+        run_json.write_text(good)
+    assert main([*EVAL, "--out", str(out), "--steps", "4", "--overwrite"]) == 0
+    assert "discarded (--overwrite)" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ eval-tasks
+
+
+@pytest.mark.parametrize("argv, needles", [
+    (["--batch-size", "0"], ["--batch-size must be >= 1"]),
+    (["--sampler", "llada", "--param", "bogus=1"], ["no parameter", "bogus"]),
+    (["--dtype", "int3"], ["--dtype", "int3"]),
+])
+def test_eval_tasks_arguments_checked_before_loading(argv, needles, capsys, no_model):
+    refused(capsys, ["eval-tasks", "--n", "1", *argv], *needles)
+
+
+def test_eval_tasks_unknown_pattern_before_loading(capsys, no_model):
+    with pytest.raises(SystemExit, match="no task matches 'nothing-like-this'"):
+        main(["eval-tasks", "--tasks", "nothing-like-this"])

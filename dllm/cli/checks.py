@@ -63,12 +63,11 @@ def output_file(path: str | os.PathLike, option: str, *, make_parents: bool = Fa
     return p
 
 
-def output_dir(path: str | os.PathLike, option: str) -> Path:
+def output_dir(path: str | os.PathLike, option: str, *, hint: str = "give a directory") -> Path:
     """``path`` is a directory that exists or can be made, and is writable."""
     p = Path(path)
     if p.exists() and not p.is_dir():
-        raise ValueError(f"{option} {path} is a file; {option} names a directory (a new one, or an existing "
-                         "results directory)")
+        raise ValueError(f"{option} {path} is a file, not a directory; {hint}")
     if p.is_dir():
         if not os.access(p, os.W_OK | os.X_OK):
             raise ValueError(f"{option} {path}: cannot write in it (permission denied)")
