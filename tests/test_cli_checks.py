@@ -188,3 +188,44 @@ def test_eval_tasks_arguments_checked_before_loading(argv, needles, capsys, no_m
 def test_eval_tasks_unknown_pattern_before_loading(capsys, no_model):
     with pytest.raises(SystemExit, match="no task matches 'nothing-like-this'"):
         main(["eval-tasks", "--tasks", "nothing-like-this"])
+
+
+# ------------------------------------------------------------------------------------------------ parallelbench
+
+RUN = ["parallelbench", "run", "--method", "topk:k=1", "--tasks", "waiting_line/reverse", "--n", "1"]
+
+
+@pytest.mark.parametrize("argv, needles", [
+    (["--tasks", "nothing-like-this"], ["--tasks nothing-like-this", "known tasks"]),
+    (["--n", "-1"], ["--n must be >= 1"]),
+    (["--batch-size", "0"], ["--batch-size must be >= 1"]),
+    (["--gen-length", "-4"], ["--gen-length must be >= 1"]),
+    (["--cache", "nope"], ["--cache nope", "known caches"]),
+    (["--dtype", "f8"], ["--dtype", "f8"]),
+    (["--data-dir", "/nonexistent/pb"], ["--data-dir /nonexistent/pb", "no such directory"]),
+    (["--samsum", "/nonexistent/samsum.jsonl"], ["--samsum", "no such file"]),
+    (["--method", "llada:bogus=1,2"], ["bogus"]),
+])
+def test_parallelbench_run_checked_before_loading(argv, needles, tmp_path, capsys, no_model):
+    refused(capsys, [*RUN, "--out", str(tmp_path / "sweep"), *argv], *needles)
+    assert not (tmp_path / "sweep").exists()
+
+
+def test_parallelbench_out_is_a_file(tmp_path, capsys, no_model):
+    f = tmp_path / "f.txt"
+    f.write_text("x")
+    refused(capsys, [*RUN, "--out", str(f)], f"--out {f} is a file", "resume")
+    refused(capsys, ["parallelbench", "generate", "--out", str(f), "--n", "1"], f"--out {f} is a file")
+
+
+def test_parallelbench_score_and_show_paths(tmp_path, capsys, no_model):
+    refused(capsys, ["parallelbench", "score", str(tmp_path)], "is a directory")
+    refused(capsys, ["parallelbench", "show", str(tmp_path), "--id", "0", "--out", str(tmp_path / "t.png")],
+            "not a sweep directory", "run.json")
+    (tmp_path / "run.json").write_text("{broken")
+    refused(capsys, ["parallelbench", "show", str(tmp_path), "--id", "0", "--out", str(tmp_path / "t.svg")],
+            "--out", ".png, .gif or .html")
+    refused(capsys, ["parallelbench", "show", str(tmp_path), "--id", "-2", "--out", str(tmp_path / "t.png")],
+            "--id must be >= 0")
+    refused(capsys, ["parallelbench", "show", str(tmp_path), "--id", "0", "--out", str(tmp_path / "t.png")],
+            "run.json is not a sweep's run file", "--model")
