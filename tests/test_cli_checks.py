@@ -86,7 +86,7 @@ def test_generate_trace_out_unwritable_directory(tmp_path, capsys, no_model):
 
 @pytest.mark.parametrize("argv, needles", [
     (["--sampler", "llada", "--param", "bogus=1"], ["no parameter", "bogus", "temperature"]),
-    (["--sampler", "llada", "--param", "temperature=abc"], ["temperature", "not a number"]),
+    (["--sampler", "llada", "--param", "temperature=abc"], ["temperature='abc' is not a number", "0.0"]),
     (["--sampler", "llada", "--param", "remasking=bogus"], ["remasking", "bogus"]),
     (["--sampler", "nope"], ["unknown sampler 'nope'"]),
     (["--gen-length", "-5"], ["gen_length", "-5"]),
@@ -135,7 +135,7 @@ def test_eval_out_is_an_existing_file(tmp_path, capsys, no_model):
     (["--memory-mb", "-1"], ["--memory-mb must be >= 1"]),
     (["--shots", "-1"], ["--shots must be >= 0"]),
     (["--sampler", "llada", "--param", "tau=0.5"], ["no parameter", "tau"]),
-    (["--sampler", "dream", "--param", "eps=small"], ["eps", "not a number"]),
+    (["--sampler", "dream", "--param", "eps=small"], ["eps='small' is not a number"]),
     (["--cache", "nope"], ["--cache", "known caches"]),
     (["--gen-length", "0"], ["gen_length"]),
 ])
@@ -229,3 +229,38 @@ def test_parallelbench_score_and_show_paths(tmp_path, capsys, no_model):
             "--id must be >= 0")
     refused(capsys, ["parallelbench", "show", str(tmp_path), "--id", "0", "--out", str(tmp_path / "t.png")],
             "run.json is not a sweep's run file", "--model")
+
+
+# ------------------------------------------------------------------------------------------------ --param types
+
+
+@pytest.mark.parametrize("argv, needles", [
+    (["--sampler", "ascending", "--param", "per_region=yes"], ["per_region", "true or false"]),
+    (["--sampler", "llada", "--param", "temperature=none"], ["--param temperature=none", "wrong type"]),
+    (["--sampler", "dream", "--param", "top_p=high"], ["top_p"]),
+])
+def test_param_types_checked_before_loading(argv, needles, capsys, no_model):
+    refused(capsys, ["generate", "hi", *argv], *needles)
+
+
+def test_param_without_value_before_loading(no_model):
+    with pytest.raises(SystemExit, match="--param expects key=value, got 'tau'"):
+        main(["generate", "hi", "--sampler", "threshold", "--param", "tau"])
+
+
+def test_text_parameter_keeps_its_text(capsys, no_model):
+    from dllm.cli.common import parse_params
+
+    assert parse_params(["delimiters=5", "tau=0.5"], "adablock") == {"delimiters": "5", "tau": 0.5}
+    assert parse_params(["block_length=none"], "credit") == {"block_length": None}
+
+
+def test_serve_sampler_and_params_before_loading(capsys, no_model):
+    with pytest.raises(SystemExit, match="unknown sampler 'nope'"):
+        main(["serve", "--sampler", "nope", "--port", "8123"])
+    with pytest.raises(SystemExit, match="temperature='hot' is not a number"):
+        main(["serve", "--sampler", "llada", "--param", "temperature=hot", "--port", "8123"])
+    refused(capsys, ["serve", "--sampler", "ascending", "--param", "per_region=yes", "--port", "8123"],
+            "per_region", "true or false")
+    with pytest.raises(SystemExit, match="has no parameter"):
+        main(["serve", "--sampler", "llada", "--param", "tau=0.5", "--port", "8123"])
