@@ -264,3 +264,34 @@ def test_serve_sampler_and_params_before_loading(capsys, no_model):
             "per_region", "true or false")
     with pytest.raises(SystemExit, match="has no parameter"):
         main(["serve", "--sampler", "llada", "--param", "tau=0.5", "--port", "8123"])
+
+
+# ------------------------------------------------------------------------------------------------ train-tiny
+
+
+@pytest.mark.parametrize("family", ["llada", "ar"])
+@pytest.mark.parametrize("argv, needles", [
+    (["--steps", "0"], ["--steps must be >= 1"]),
+    (["--batch-size", "-2"], ["--batch-size must be >= 1"]),
+    (["--lr", "0"], ["--lr must be > 0"]),
+    (["--d-model", "15", "--heads", "2"], ["--d-model 15", "--heads 2"]),
+    (["--time-budget", "-1"], ["--time-budget must be > 0"]),
+    (["--examples-per-task", "-1"], ["--examples-per-task must be >= 0"]),
+])
+def test_train_tiny_arguments_checked_before_training(family, argv, needles, tmp_path, capsys, monkeypatch):
+    import dllm.tiny.train
+    import dllm.tiny.train_ar
+
+    def no_training(*a, **k):
+        raise AssertionError("training started before the bad argument was refused")
+
+    monkeypatch.setattr(dllm.tiny.train, "train", no_training)
+    monkeypatch.setattr(dllm.tiny.train_ar, "train", no_training)
+    refused(capsys, ["train-tiny", "--family", family, "--out", str(tmp_path / "ckpt"), *argv], *needles)
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_train_tiny_out_is_a_file(tmp_path, capsys):
+    f = tmp_path / "ckpt.bin"
+    f.write_text("x")
+    refused(capsys, ["train-tiny", "--family", "llada", "--out", str(f)], f"--out {f} is a file")
