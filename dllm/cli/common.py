@@ -72,7 +72,15 @@ def check_decode_args(args):
     checks.dtype_name(args.dtype)
     checks.cache_name(args.cache)
     checks.model_dir(args.model)
-    return decode_setup(args)
+    config, sampler = decode_setup(args)
+    if config.block_length is not None:  # fixed blocks of --block-length: their layout needs no model
+        from dllm.blocks import FixedBlocks
+        from dllm.samplers.recipe import Recipe, as_recipe
+
+        recipe = as_recipe(sampler) if sampler is not None else None
+        if recipe is None or (type(recipe) is Recipe and recipe.block_policy is None):
+            FixedBlocks().validate(config)
+    return config, sampler
 
 
 def decode_setup(args):
