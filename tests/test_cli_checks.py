@@ -298,3 +298,25 @@ def test_train_tiny_out_is_a_file(tmp_path, capsys):
     f = tmp_path / "ckpt.bin"
     f.write_text("x")
     refused(capsys, ["train-tiny", "--family", "llada", "--out", str(f)], f"--out {f} is a file")
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+@pytest.mark.parametrize("exc, line", [
+    (PermissionError(13, "Permission denied", "/data/out.png"), "error: /data/out.png: Permission denied"),
+    (IsADirectoryError(21, "Is a directory", "/data"), "error: /data: Is a directory"),
+    (ImportError('trajectory pictures need matplotlib and Pillow: pip install "dllm[viz]"'),
+     'error: trajectory pictures need matplotlib and Pillow: pip install "dllm[viz]"'),
+    (KeyError("no run named 'x'"), "error: no run named 'x'"),
+    (ValueError("first line\n  second line"), "error: first line second line"),
+])
+def test_main_prints_user_errors_as_one_line(exc, line, capsys, monkeypatch):
+    import dllm.cli.generate
+
+    def command(args):
+        raise exc
+
+    monkeypatch.setattr(dllm.cli.generate, "cmd_generate", command)
+    assert main(["generate", "hi"]) == 2
+    assert capsys.readouterr().err == line + "\n"
