@@ -3,7 +3,6 @@ model never loaded (every check runs before it)."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -19,14 +18,14 @@ class ModelLoaded(AssertionError):
     pass
 
 
+def refuse_loading(*args, **kwargs):
+    raise ModelLoaded("the model was loaded before the bad argument was refused")
+
+
 @pytest.fixture
 def no_model(monkeypatch):
     """Loading any model fails the test (the CLI imports the loader from ``dllm.models`` at call time)."""
-
-    def refuse(*args, **kwargs):
-        raise ModelLoaded("the model was loaded before the bad argument was refused")
-
-    monkeypatch.setattr(dllm.models, "load_model", refuse)
+    monkeypatch.setattr(dllm.models, "load_model", refuse_loading)
 
 
 def refused(capsys, argv: list[str], *needles: str) -> str:
@@ -165,7 +164,7 @@ def test_eval_out_resumes_or_refuses_before_loading(tmp_path, capsys, monkeypatc
     assert main([*EVAL, "--out", str(out)]) == 0  # the same settings: resumed, said so
     assert "resuming an earlier run with these settings" in capsys.readouterr().err
     with monkeypatch.context() as m:
-        m.setattr(dllm.models, "load_model", lambda *a, **k: (_ for _ in ()).throw(ModelLoaded("loaded")))
+        m.setattr(dllm.models, "load_model", refuse_loading)
         refused(capsys, [*EVAL, "--out", str(out), "--steps", "4"], "steps: None there, 4 now", "--overwrite")
         run_json = out / "run.json"
         good = run_json.read_text()
