@@ -319,3 +319,17 @@ def test_main_prints_user_errors_as_one_line(exc, line, capsys, monkeypatch):
     monkeypatch.setattr(dllm.cli.generate, "cmd_generate", command)
     assert main(["generate", "hi"]) == 2
     assert capsys.readouterr().err == line + "\n"
+
+
+def test_parallelbench_run_refuses_other_settings_before_loading(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "sweep"
+    args = [*RUN, "--out", str(out), "--style", "short", "--gen-length", "16", "--no-report"]
+    assert main(args) == 0
+    assert main(args) == 0  # the same settings resume (the check lets them through)
+    assert "[0 samples written, 1 already there" in capsys.readouterr().err
+    monkeypatch.setattr(dllm.models, "load_model", refuse_loading)
+    refused(capsys, [*args, "--gen-seed", "3"], "different sweep settings", "gen_seed: 0 there, 3 now", "--overwrite")
+    refused(capsys, [*args[:-3], "--gen-length", "8", "--no-report"], "gen_length: 16 there, 8 now")
+    refused(capsys, [*args, "--style", "full"], "data.style: 'short' there, 'full' now")
+    (out / "run.json").write_text("[1, 2]")
+    refused(capsys, args, "not a sweep's run file")
