@@ -101,6 +101,11 @@ def test_generate_decode_options_checked_before_loading(argv, needles, capsys, n
     refused(capsys, ["generate", "hi", *argv], *needles)
 
 
+def test_generate_guide_checked_before_loading(tmp_path, capsys, no_model):
+    refused(capsys, ["generate", "hi", "--guide", str(tmp_path)], "--guide", "no config.json", "ar-tiny")
+    refused(capsys, ["generate", "hi", "--guide", str(tmp_path / "none")], "not a directory", "ar-tiny")
+
+
 def test_generate_model_file_instead_of_directory(tmp_path, capsys, no_model):
     f = tmp_path / "model.bin"
     f.write_bytes(b"x")

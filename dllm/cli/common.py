@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from dllm.evals.parallelbench.sweep import parse_scalar
 
@@ -72,6 +73,17 @@ def check_decode_args(args):
     checks.dtype_name(args.dtype)
     checks.cache_name(args.cache)
     checks.model_dir(args.model)
+    guide = getattr(args, "guide", None)
+    if guide is not None:
+        from dllm.samplers.guided import bundled_guides, guide_path
+
+        path = Path(guide_path(guide))
+        if not path.is_dir():
+            raise ValueError(f"--guide {guide}: not a directory, and not a bundled guide "
+                             f"({', '.join(bundled_guides())})")
+        if not (path / "config.json").is_file():
+            raise ValueError(f"--guide {guide}: no config.json there; give a causal LM checkpoint directory "
+                             "(config.json, weights, the model's tokenizer) or the bundled 'ar-tiny'")
     config, sampler = decode_setup(args)
     if config.block_length is not None:  # fixed blocks of --block-length: their layout needs no model
         from dllm.blocks import FixedBlocks
