@@ -24,11 +24,22 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _message(exc: BaseException) -> str:
+    """One line for a user error: an ``OSError`` as ``PATH: reason``, anything else as its message."""
+    if isinstance(exc, OSError) and exc.strerror:
+        where = f"{exc.filename}: " if exc.filename is not None else ""
+        return f"{where}{exc.strerror}"
+    text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+    return " ".join(text.split()) or type(exc).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; a user error (a bad argument, a missing or unreadable file, a missing optional
+    package) is printed as one ``error: ...`` line and returns 2."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, KeyError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except (ValueError, OSError, KeyError, ImportError) as exc:
+        print(f"error: {_message(exc)}", file=sys.stderr)
         return 2
 

@@ -3,18 +3,35 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from dllm.evals.parallelbench.sweep import parse_scalar
 
 
-def parse_params(items: list[str] | None) -> dict:
-    """``["k=v", ...]`` -> dict with ints/floats/bools/None recognised."""
+def parse_params(items: list[str] | None, sampler: str | None = None) -> dict:
+    """``["k=v", ...]`` -> dict with ints/floats/bools/None recognised.
+
+    With a registered ``sampler`` a value is read as its parameter's default is typed: a flag takes true/false
+    (else a ``ValueError`` naming the parameter and its default), a text parameter the text as written
+    (``--param delimiters=5`` is the text "5"). Numbers and unknown names are checked by
+    :func:`dllm.samplers.get_sampler`, which names the parameter and lists the sampler's parameters."""
+    from dllm.samplers import SAMPLERS
+
+    defaults = SAMPLERS[sampler].params() if sampler in SAMPLERS else {}
     out = {}
     for item in items or []:
         if "=" not in item:
             raise SystemExit(f"error: --param expects key=value, got {item!r}")
-        k, v = item.split("=", 1)
-        out[k.strip()] = parse_scalar(v.strip())
+        k, v = (x.strip() for x in item.split("=", 1))
+        value = parse_scalar(v)
+        if k in defaults:
+            d = defaults[k]
+            if isinstance(d, bool):
+                if not isinstance(value, bool):
+                    raise ValueError(f"--param {k}={v}: {sampler}'s {k} takes true or false (default {d})")
+            elif isinstance(d, str) and value is not None:
+                value = v
+        out[k] = value
     return out
 
 
@@ -47,6 +64,37 @@ def load_model_arg(args):
     return load_model(model_path(args.model), dtype=args.dtype, device=args.device)
 
 
+def check_decode_args(args):
+    """Every decoding option checked without loading the model (the checkpoint's config.json, ``--dtype``,
+    ``--cache``, the lengths, the sampler and its ``--param`` names and values); returns :func:`decode_setup`'s
+    pair. Commands call it before :func:`load_model_arg`."""
+    from dllm.cli import checks
+
+    checks.dtype_name(args.dtype)
+    checks.cache_name(args.cache)
+    checks.model_dir(args.model)
+    guide = getattr(args, "guide", None)
+    if guide is not None:
+        from dllm.samplers.guided import bundled_guides, guide_path
+
+        path = Path(guide_path(guide))
+        if not path.is_dir():
+            raise ValueError(f"--guide {guide}: not a directory, and not a bundled guide "
+                             f"({', '.join(bundled_guides())})")
+        if not (path / "config.json").is_file():
+            raise ValueError(f"--guide {guide}: no config.json there; give a causal LM checkpoint directory "
+                             "(config.json, weights, the model's tokenizer) or the bundled 'ar-tiny'")
+    config, sampler = decode_setup(args)
+    if config.block_length is not None:  # fixed blocks of --block-length: their layout needs no model
+        from dllm.blocks import FixedBlocks
+        from dllm.samplers.recipe import Recipe, as_recipe
+
+        recipe = as_recipe(sampler) if sampler is not None else None
+        if recipe is None or (type(recipe) is Recipe and recipe.block_policy is None):
+            FixedBlocks().validate(config)
+    return config, sampler
+
+
 def decode_setup(args):
     """``(GenerateConfig, sampler or None)`` from the decoding options."""
     from dllm.config import GenerateConfig
@@ -54,14 +102,18 @@ def decode_setup(args):
 
     config = GenerateConfig(gen_length=args.gen_length, block_length=args.block_length, steps=args.steps,
                             cfg_scale=args.cfg_scale, eos_early_stop=args.eos_early_stop, seed=args.seed)
-    params = parse_params(args.param)
+    params = parse_params(args.param, args.sampler)
     guide, mode = getattr(args, "guide", None), getattr(args, "guide_mode", None)
     if guide is not None or mode is not None:
         if args.sampler not in (None, "guided"):
             raise SystemExit(f"error: --guide/--guide-mode need the guided sampler, not --sampler {args.sampler}")
         args.sampler = "guided"
         params = {**params, **({"guide": guide} if guide is not None else {}), **({"mode": mode} if mode else {})}
-    sampler = get_sampler(args.sampler, **params) if args.sampler else None
+    try:
+        sampler = get_sampler(args.sampler, **params) if args.sampler else None
+    except TypeError as exc:  # a factory's own arithmetic on a value of the wrong type
+        raise ValueError(f"--sampler {args.sampler} --param {' '.join(args.param or [])}: a value of the wrong type "
+                         f"({exc}); `dllm samplers` lists each parameter with its default") from None
     if params and sampler is None:
         raise SystemExit("error: --param needs --sampler")
     return config, sampler

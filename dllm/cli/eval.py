@@ -12,11 +12,13 @@ multi-node with accelerate's ``--num_machines/--machine_rank/--main_process_ip``
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from pathlib import Path
 
-from dllm.cli.common import add_decode_args, decode_setup, load_model_arg
+from dllm.cli import checks
+from dllm.cli.common import add_decode_args, check_decode_args, load_model_arg
 
 
 def _make_accelerator(device: str | None):
@@ -41,6 +43,38 @@ def _make_accelerator(device: str | None):
     return acc
 
 
+RESUME_HINT = ("--out names a results directory: a new one, or the directory of an earlier run with the same settings "
+               "to resume it")
+
+
+def _check_resume(out: Path, settings: dict, overwrite: bool) -> str | None:
+    """Before the model loads: refuse an ``--out`` whose ``run.json`` was written with other settings (unless
+    ``--overwrite``), as the runner would after loading. Compares the settings the command line fixes (a subset
+    of what the runner pins, so a refusal here is one the runner would make too). Returns ``None`` (no earlier
+    run), ``"resume"`` or ``"discard"`` (other settings, ``--overwrite``)."""
+    from dllm.evals.io import ConfigChanged, check_pinned
+    from dllm.evals.standard.runner import UNPINNED
+
+    run = out / "run.json"
+    if not run.is_file():
+        return None
+    try:
+        old = json.loads(run.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--out {out}: its run.json is not valid JSON ({exc}); use another --out directory or "
+                         "delete that run.json (the results there can then not be checked against it)") from None
+    if not isinstance(old, dict):
+        raise ValueError(f"--out {out}: its run.json holds no settings object; use another --out directory")
+    keys = [k for k in settings if k not in UNPINNED]
+    try:
+        check_pinned({k: old.get(k) for k in keys}, {k: settings[k] for k in keys}, out, what="settings")
+    except ConfigChanged:
+        if not overwrite:
+            raise
+        return "discard"
+    return "resume"
+
+
 def cmd_eval(args) -> int:
     from dllm.assets import model_path
     from dllm.evals.standard import build_prompts, get_standard_task, load_samples
@@ -50,21 +84,38 @@ def cmd_eval(args) -> int:
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
-    task = get_standard_task(args.task)  # unknown task: error listing the known ones, before any loading
+    # Every argument is checked before the data set and the model load.
+    task = get_standard_task(args.task)  # unknown task: error listing the known ones
     shots = task.default_shots if args.shots is None else args.shots
     if shots < 0:
         raise ValueError(f"--shots must be >= 0, got {shots}")
-    if args.limit is not None and args.limit < 1:
-        raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    checks.positive(args.limit, "--limit")
+    checks.positive(args.batch_size, "--batch-size", allow_none=False)
+    checks.positive(args.memory_mb, "--memory-mb", allow_none=False)
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    for option, value in (("--data", args.data), ("--fewshot-data", args.fewshot_data)):
+        if value is not None and Path(value).is_dir():  # a missing file: the data loader's own message
+            checks.input_file(value, option)
+    out = checks.output_dir(args.out, "--out", hint=RESUME_HINT)
+    config, sampler = check_decode_args(args)
+    path = model_path(args.model)
+    chat = not args.no_chat_template
+    settings = {
+        "task": task.name, "model": str(Path(path).resolve()), "sampler": args.sampler, "params": args.param or [],
+        "cache": args.cache, "gen_length": config.gen_length, "block_length": config.block_length,
+        "steps": config.steps, "cfg_scale": config.cfg_scale, "eos_early_stop": config.eos_early_stop,
+        "seed": config.seed, "shots": shots, "chat_template": chat, "batch_size": args.batch_size,
+        "dtype": args.dtype, "data": str(Path(args.data).resolve()) if args.data else task.hub,
+        "fewshot_data": str(Path(args.fewshot_data).resolve()) if args.fewshot_data else None,
+    }
+    resuming = _check_resume(out, settings, args.overwrite)
     samples, pool = load_samples(task, args.data, args.fewshot_data, shots)
     if args.limit is not None:
         samples = samples[: args.limit]
-    config, sampler = decode_setup(args)
     accelerator = _make_accelerator(args.device)
     device = args.device or (str(accelerator.device) if accelerator is not None else None)
-    path = model_path(args.model)
     model = load_model(path, dtype=args.dtype, device=device)
-    chat = not args.no_chat_template
     if chat and not getattr(getattr(model, "tokenizer", None), "chat_template", None):
         raise ValueError(f"{path}: the tokenizer has no chat template; pass --no-chat-template for plain-text "
                          "few-shot prompts")
@@ -75,18 +126,16 @@ def cmd_eval(args) -> int:
         raise ValueError(f"{len(too_long)} prompt(s) do not fit the model's context of {model.max_seq_len} tokens "
                          f"with --gen-length {config.gen_length} (longest: sample {sid}, {n} prompt tokens); "
                          "lower --shots or --gen-length")
-    settings = {
-        "task": task.name, "model": str(Path(path).resolve()), "sampler": args.sampler, "params": args.param or [],
-        "cache": args.cache, "gen_length": config.gen_length, "block_length": config.block_length,
-        "steps": config.steps, "cfg_scale": config.cfg_scale, "eos_early_stop": config.eos_early_stop,
-        "seed": config.seed, "shots": shots, "chat_template": chat, "batch_size": args.batch_size,
-        "dtype": args.dtype, "data": str(Path(args.data).resolve()) if args.data else task.hub,
-        "fewshot_data": str(Path(args.fewshot_data).resolve()) if args.fewshot_data else None,
-    }
     main = accelerator is None or accelerator.is_main_process
     if main:
         world = accelerator.num_processes if accelerator is not None else 1
         print(f"[dllm eval {task.name}: {world} process{'es' if world > 1 else ''}]", file=sys.stderr)
+        if resuming == "resume":
+            print(f"[--out {args.out}: resuming an earlier run with these settings (samples already scored are "
+                  "kept)]", file=sys.stderr)
+        elif resuming == "discard":
+            print(f"[--out {args.out}: its earlier results were made with other settings and are discarded "
+                  "(--overwrite)]", file=sys.stderr)
     bar = _Progress(enabled=main and not args.no_progress)
     try:
         summary = run_standard_eval(model, task, samples, config, args.out, prompts=ids, sampler=sampler,
@@ -147,11 +196,12 @@ def cmd_eval_tasks(args) -> int:
 
     if args.n < 1:
         raise ValueError(f"--n must be >= 1 (examples per task), got {args.n}")
-    model = load_model_arg(args)
-    config, sampler = decode_setup(args)
+    checks.positive(args.batch_size, "--batch-size", allow_none=False)
     names = T.task_names(args.tasks)
     if not names:
         raise SystemExit(f"error: no task matches {args.tasks!r}; known tasks: {', '.join(T.task_names())}")
+    config, sampler = check_decode_args(args)  # before the model loads
+    model = load_model_arg(args)
     bar = tqdm(total=len(names) * args.n, desc="eval", file=sys.stderr)
     res = evaluate_tasks(model, names, args.n, args.seed_data, config, sampler=sampler, cache=args.cache,
                          batch_size=args.batch_size, on_batch=lambda name, k: bar.update(k))
@@ -212,7 +262,8 @@ def add_parser(sub) -> None:
     e.add_argument("--timeout", type=float, default=10.0, help="seconds per program for humaneval/mbpp (default 10)")
     e.add_argument("--memory-mb", type=int, default=1024, help="address-space limit per program (default 1024 MiB)")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
-    e.add_argument("--log-level", default="warning")
+    e.add_argument("--log-level", default="warning", type=str.lower,
+                   choices=["debug", "info", "warning", "error", "critical"])
     add_decode_args(e)
     e.set_defaults(func=cmd_eval, gen_length=256)
 

@@ -7,7 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from dllm.cli.common import add_decode_args, decode_setup, load_model_arg
+from dllm.cli import checks
+from dllm.cli.common import add_decode_args, check_decode_args, load_model_arg
 
 
 def _batch_line(line: str, where: str):
@@ -23,22 +24,51 @@ def _batch_line(line: str, where: str):
                              '{"prompt": "..."}') from None
         if not isinstance(obj, dict) or "prompt" not in obj:
             raise ValueError(f'{where}: a JSON object line needs a "prompt" key, e.g. {{"prompt": "..."}}')
-        return obj["prompt"]
+        prompt = obj["prompt"]
+        if not (isinstance(prompt, str) or _is_messages(prompt) or _is_token_ids(prompt)):
+            raise ValueError(f'{where}: "prompt" must be a string, a list of {{"role", "content"}} messages or a '
+                             f"list of token ids, not {json.dumps(prompt)[:60]}")
+        return prompt
     if text.startswith("["):
         try:
             obj = json.loads(text)
         except json.JSONDecodeError:
             return line
-        if obj and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in obj):
-            return obj
-        if obj and all(isinstance(t, int) and not isinstance(t, bool) for t in obj):
+        if _is_messages(obj) or _is_token_ids(obj):
             return obj
     return line
 
 
+def _is_messages(obj) -> bool:
+    return isinstance(obj, list) and bool(obj) and all(isinstance(m, dict) and {"role", "content"} <= set(m)
+                                                       for m in obj)
+
+
+def _is_token_ids(obj) -> bool:
+    return isinstance(obj, list) and bool(obj) and all(isinstance(t, int) and not isinstance(t, bool) for t in obj)
+
+
+def _read_batch_file(path: str) -> list:
+    """The prompts of ``--batch-file`` (checked: a readable UTF-8 file with at least one prompt)."""
+    checks.input_file(path, "--batch-file")
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--batch-file {path}: not UTF-8 text (byte {exc.start}); give a text file, one prompt "
+                         "per line") from None
+    prompts = [_batch_line(ln, f"{path}:{i}") for i, ln in enumerate(lines, 1) if ln.strip()]
+    if not prompts:
+        raise ValueError(f"--batch-file {path} has no prompts (it is empty or blank); write one prompt per line")
+    return prompts
+
+
 def _unescape(text: str) -> str:
     """Backslash escapes (``\\n``, ``\\t``, ``\\u00e9``) decoded; every other character kept as it is."""
-    return codecs.decode(text.encode("latin-1", "backslashreplace"), "unicode_escape")
+    try:
+        return codecs.decode(text.encode("latin-1", "backslashreplace"), "unicode_escape")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--escapes: {text[:40]!r} has a bad escape ({exc.reason}); write a backslash itself as "
+                         "\\\\") from None
 
 
 def cmd_generate(args) -> int:
@@ -46,17 +76,22 @@ def cmd_generate(args) -> int:
 
     prompts = list(args.prompt or [])
     if args.batch_file:
-        lines = Path(args.batch_file).read_text(encoding="utf-8").splitlines()
-        prompts += [_batch_line(ln, f"{args.batch_file}:{i}") for i, ln in enumerate(lines, 1) if ln.strip()]
+        prompts += _read_batch_file(args.batch_file)
     prompts = [_unescape(p) if args.escapes and isinstance(p, str) else p for p in prompts]
     if not prompts:
         raise SystemExit("error: give a PROMPT or --batch-file")
-    model = load_model_arg(args)
-    config, sampler = decode_setup(args)
+    if args.trace_out:
+        checks.picture_file(args.trace_out, "--trace-out")
     if args.compare and not args.trace_out:
         raise SystemExit("error: --compare draws a picture: give --trace-out FILE.png or FILE.html")
     if args.compare and Path(args.trace_out).suffix.lower() not in (".png", ".html", ".htm"):
         raise SystemExit("error: --compare draws FILE.png or FILE.html (a GIF shows one run)")
+    if args.compare:
+        from dllm.samplers import get_sampler
+
+        get_sampler(args.compare)  # an unknown name is refused before the model loads
+    config, sampler = check_decode_args(args)  # before the model loads
+    model = load_model_arg(args)
     if args.trace_out:
         import dataclasses
 

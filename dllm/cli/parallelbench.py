@@ -13,6 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from dllm.cli import checks
 from dllm.cli.common import load_model_arg
 
 
@@ -25,6 +26,19 @@ def _pair(text: str) -> tuple[int, int]:
     if len(parts) > 2:
         raise argparse.ArgumentTypeError(f"expected LO,HI (e.g. 4,12), got {text!r}")
     return lo, hi
+
+
+def _check_data_args(args) -> None:
+    """The data options (before anything is generated or loaded): given data files exist, ``--n`` >= 1, a
+    ``--tasks`` pattern matches a task (without ``--data-dir``, whose files may name other tasks)."""
+    from dllm.evals import parallelbench as PB
+
+    for option in ("samsum", "paraphrases"):
+        if getattr(args, option, None):
+            checks.input_file(getattr(args, option), f"--{option}")
+    checks.positive(getattr(args, "n", None), "--n")
+    if getattr(args, "data_dir", None) is None and args.tasks is not None and not PB.task_names(args.tasks):
+        raise ValueError(f"--tasks {args.tasks}: no task matches; known tasks: {', '.join(PB.TASKS)}")
 
 
 def _text_data(args) -> dict[str, str]:
@@ -77,6 +91,8 @@ def _style(args) -> str:
 def cmd_generate(args) -> int:
     from dllm.evals import parallelbench as PB
 
+    _check_data_args(args)
+    checks.output_dir(args.out, "--out")
     args.style = _style(args)
     res = PB.write_suite(args.out, args.tasks, n=args.n, seed=args.seed, style=args.style, index_base=args.index_base,
                          sort_by=args.sort_by, sudoku_givens=args.sudoku_givens, text_data=_text_data(args))
@@ -109,7 +125,11 @@ def _averages_table(rows: list[dict]) -> list[str]:
 def cmd_score(args) -> int:
     from dllm.evals import parallelbench as PB
 
-    src = Path(args.file)
+    src = checks.input_file(args.file, "the predictions file")
+    if args.out:
+        checks.output_file(args.out, "--out", make_parents=True)
+    if args.data_dir:
+        checks.input_dir(args.data_dir, "--data-dir")
     rows = PB.read_jsonl(src)
     if not rows:
         raise ValueError(f"{src}: no lines to score")
@@ -138,6 +158,35 @@ def cmd_score(args) -> int:
     return 0
 
 
+def _check_sweep_resume(args) -> None:
+    """Before the model loads: refuse an ``--out`` whose sweep was run with other settings (unless
+    ``--overwrite``), as :func:`~dllm.evals.parallelbench.sweep.run_sweep` would after loading. Compares only the
+    settings the command line fixes, so a refusal here is one the sweep would make too."""
+    from dllm.assets import model_path
+    from dllm.evals.io import check_pinned
+    from dllm.evals.parallelbench.sweep import RUN_FILE
+
+    run = Path(args.out) / RUN_FILE
+    if args.overwrite or not run.is_file():
+        return
+    try:
+        old = json.loads(run.read_text(encoding="utf-8"))["pinned"]
+        old_data = old.get("data") or {}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise ValueError(f"--out {args.out}: its {RUN_FILE} is not a sweep's run file; use another --out directory "
+                         "or --overwrite") from None
+    if args.data_dir is not None:
+        data = {"data_dir": str(Path(args.data_dir).resolve())}
+    else:
+        data = {"seed": args.seed, "style": args.style, "index_base": args.index_base, "sort_by": args.sort_by,
+                "sudoku_givens": list(args.sudoku_givens)}
+    data["text_data"] = {k: str(Path(v).resolve()) for k, v in sorted(_text_data(args).items())}
+    mine = {"model": str(Path(model_path(args.model)).resolve()), "data": data, "gen_length": args.gen_length,
+            "cache": args.cache, "gen_seed": args.gen_seed}
+    theirs = {**{k: old.get(k) for k in mine if k != "data"}, "data": {k: old_data.get(k) for k in data}}
+    check_pinned(theirs, mine, args.out, what="sweep settings")
+
+
 def cmd_run(args) -> int:
     from tqdm import tqdm
 
@@ -148,8 +197,20 @@ def cmd_run(args) -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError("parallelbench run is single-process: every process would run the whole sweep; start it "
                          "without torchrun / accelerate launch (several sweeps: one --out each)")
-    settings = parse_methods(args.method)  # fail on a bad spec before loading the model
+    # every argument is checked before the model loads
+    settings = parse_methods(args.method)
+    _check_data_args(args)
+    checks.positive(args.batch_size, "--batch-size", allow_none=False)
+    checks.positive(args.gen_length, "--gen-length")
+    checks.cache_name(args.cache)
+    checks.dtype_name(args.dtype)
+    checks.model_dir(args.model)
+    if args.data_dir is not None:
+        checks.input_dir(args.data_dir, "--data-dir")
+    checks.output_dir(args.out, "--out", hint="give a new directory, or the directory of an earlier sweep to "
+                                              "resume it")
     args.style = _style(args)
+    _check_sweep_resume(args)
     model = load_model_arg(args)
     bar = tqdm(total=0, desc="parallelbench", unit="sample", file=sys.stderr, dynamic_ncols=True)
 
@@ -186,6 +247,8 @@ def cmd_run(args) -> int:
 def cmd_report(args) -> int:
     from dllm.evals.parallelbench.report import write_report
 
+    if args.out:
+        checks.output_file(args.out, "--out", make_parents=True)
     report = write_report(args.dirs, args.out, plot=not args.no_plot)
     print(report.markdown)
     where = Path(args.out) if args.out else Path(args.dirs[0]) / "report.md"
@@ -199,8 +262,22 @@ def cmd_show(args) -> int:
     from dllm.evals.parallelbench.sweep import RUN_FILE, replay_sample
     from dllm.viz import render
 
+    results = checks.input_dir(args.results, "the sweep directory")
+    if not (results / RUN_FILE).is_file():
+        raise ValueError(f"{args.results} is not a sweep directory (no {RUN_FILE}); give the --out directory of "
+                         "`dllm parallelbench run`")
+    if args.id < 0:
+        raise ValueError(f"--id must be >= 0 (the sample's index in its task), got {args.id}")
+    checks.picture_file(args.out, "--out")
+    checks.dtype_name(args.dtype)
     if args.model is None:  # the model the sweep was run with
-        args.model = json.loads((Path(args.results) / RUN_FILE).read_text(encoding="utf-8"))["pinned"].get("model")
+        try:
+            run = json.loads((results / RUN_FILE).read_text(encoding="utf-8"))
+            args.model = run["pinned"].get("model")
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise ValueError(f"{results / RUN_FILE} is not a sweep's run file; pass --model, or rerun the "
+                             "sweep") from None
+    checks.model_dir(args.model)
     model = load_model_arg(args)
     res, line = replay_sample(model, args.results, args.id, task=args.task, setting=args.setting)
     text = res.texts[0] if res.texts else ""

@@ -9,9 +9,16 @@ def cmd_serve(args) -> int:
     from dllm.serve.engine import RequestError
     from dllm.serve.server import check_port, serve
 
-    params = parse_params(args.param)
+    params = parse_params(args.param, args.sampler)
     if params and not args.sampler:
         raise SystemExit("error: --param needs --sampler")
+    if args.sampler:  # the sampler and its parameters, before the model loads
+        from dllm.samplers import get_sampler
+
+        try:
+            get_sampler(args.sampler, **params)
+        except (ValueError, TypeError) as exc:
+            raise SystemExit(f"error: --sampler {args.sampler}: {exc}") from None
     try:  # before the model loads
         check_port(args.port)
     except ValueError as exc:

@@ -9,7 +9,28 @@ _DLLM_ONLY_TRAIN_OPTIONS = ("loss", "no_curriculum", "curriculum", "task_mix", "
                             "init_from_ar", "shuffle_targets", "edit_targets", "block_size")
 
 
+def _check_train_args(args) -> None:
+    """The numbers and the output directory, before any data is built or a step is taken."""
+    from dllm.cli import checks
+
+    checks.output_dir(args.out, "--out", hint="give the directory to write the checkpoint in")
+    for option in ("steps", "batch_size", "d_model", "layers", "heads", "mlp", "eval_n"):
+        checks.positive(getattr(args, option), f"--{option.replace('_', '-')}", allow_none=False)
+    for option in ("threads", "block_size"):
+        checks.positive(getattr(args, option), f"--{option.replace('_', '-')}")
+    for option in ("save_every", "eval_every", "examples_per_task"):
+        if getattr(args, option) < 0:
+            raise ValueError(f"--{option.replace('_', '-')} must be >= 0, got {getattr(args, option)}")
+    if not args.lr > 0:
+        raise ValueError(f"--lr must be > 0, got {args.lr}")
+    if args.time_budget is not None and not args.time_budget > 0:
+        raise ValueError(f"--time-budget must be > 0 seconds, got {args.time_budget}")
+    if args.d_model % args.heads:
+        raise ValueError(f"--d-model {args.d_model} must be divisible by --heads {args.heads}")
+
+
 def cmd_train_tiny(args) -> int:
+    _check_train_args(args)
     if args.family == "ar":  # the AR guide (a transformers LlamaForCausalLM): dllm/train_ar.py
         from dllm.tiny.train_ar import ARTrainConfig
         from dllm.tiny.train_ar import train as train_ar

@@ -1,0 +1,129 @@
+"""Checks of command-line arguments that run before any model loads: files to read, files and directories to
+write, numbers that must be positive, cache and dtype names.
+
+Each raises ``ValueError`` with a message naming the option, the problem and the fix; :func:`dllm.cli.main`
+prints it as one ``error: ...`` line.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+PICTURE_TYPES = (".png", ".gif", ".html", ".htm")
+
+
+def input_file(path: str | os.PathLike, option: str) -> Path:
+    """``path`` exists, is a file and is readable."""
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"{option} {path}: no such file")
+    if p.is_dir():
+        raise ValueError(f"{option} {path} is a directory; give a file")
+    if not os.access(p, os.R_OK):
+        raise ValueError(f"{option} {path}: not readable (permission denied)")
+    return p
+
+
+def input_dir(path: str | os.PathLike, option: str) -> Path:
+    """``path`` exists and is a directory."""
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"{option} {path}: no such directory")
+    if not p.is_dir():
+        raise ValueError(f"{option} {path} is a file; give a directory")
+    return p
+
+
+def _writable_ancestor(p: Path, option: str, shown: str) -> None:
+    """The nearest existing ancestor of ``p`` is a writable directory (so ``p`` can be created)."""
+    parent = p.parent if str(p.parent) else Path(".")
+    while not parent.exists():
+        if parent == parent.parent:
+            break
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"{option} {shown}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{option} {shown}: cannot write in {parent} (permission denied); choose another path")
+
+
+def output_file(path: str | os.PathLike, option: str, *, make_parents: bool = False) -> Path:
+    """``path`` can be written: not a directory, and its directory exists (or, with ``make_parents``, can be
+    made) and is writable."""
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{option} {path} is a directory; give a file name")
+    if p.exists() and not os.access(p, os.W_OK):
+        raise ValueError(f"{option} {path}: not writable (permission denied)")
+    if not make_parents and not p.parent.is_dir():
+        raise ValueError(f"{option} {path}: the directory {p.parent} does not exist; create it first")
+    _writable_ancestor(p, option, str(path))
+    return p
+
+
+def output_dir(path: str | os.PathLike, option: str, *, hint: str = "give a directory") -> Path:
+    """``path`` is a directory that exists or can be made, and is writable."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"{option} {path} is a file, not a directory; {hint}")
+    if p.is_dir():
+        if not os.access(p, os.W_OK | os.X_OK):
+            raise ValueError(f"{option} {path}: cannot write in it (permission denied)")
+    else:
+        _writable_ancestor(p, option, str(path))
+    return p
+
+
+def picture_file(path: str | os.PathLike, option: str) -> Path:
+    """A trajectory picture to write: a known extension, a writable place, and for PNG/GIF matplotlib."""
+    p = output_file(path, option)
+    ext = p.suffix.lower()
+    if ext not in PICTURE_TYPES:
+        raise ValueError(f"{option} {path}: unknown picture type {ext or '(no extension)'!r}; end the name in "
+                         ".png, .gif or .html")
+    if ext in (".png", ".gif") and (importlib.util.find_spec("matplotlib") is None
+                                     or importlib.util.find_spec("PIL") is None):
+        raise ValueError(f'{option} {path}: PNG and GIF pictures need matplotlib and Pillow (pip install '
+                         '"dllm[viz]"); or write .html, which needs neither')
+    return p
+
+
+def positive(value, option: str, *, allow_none: bool = True) -> None:
+    """``value`` is >= 1 (or None, when allowed)."""
+    if value is None and allow_none:
+        return
+    if value is None or value < 1:
+        raise ValueError(f"{option} must be >= 1, got {value}")
+
+
+def cache_name(name: str | None) -> None:
+    """``--cache`` names a registered cache policy."""
+    if name is None:
+        return
+    from dllm.caches import CACHES
+
+    if name not in CACHES:
+        raise ValueError(f"--cache {name}: unknown cache; known caches: {', '.join(sorted(CACHES))}")
+
+
+def dtype_name(name: str | None) -> None:
+    """``--dtype`` is one the loader knows."""
+    if name is None:
+        return
+    from dllm.models.loading import resolve_dtype
+
+    try:
+        resolve_dtype(name)
+    except ValueError as exc:
+        raise ValueError(f"--dtype: {exc}") from None
+
+
+def model_dir(name: str | None) -> None:
+    """``--model`` is a bundled name or a checkpoint directory with a readable config.json (the loader's own first
+    check, which reads no weights)."""
+    from dllm.assets import model_path
+    from dllm.models.loading import read_config
+
+    read_config(Path(model_path(name)))
