@@ -31,6 +31,10 @@ class GenerateConfig:
         chat_template: apply the tokenizer's chat template to string prompts.
         record_confidence: record in ``stats.commit_conf`` each committed token's probability (one extra
             log-sum-exp over the window's logits per step; for trajectory pictures).
+        record_top_logprobs: ``k > 0`` records, per committed position, the ``k`` most probable tokens of the
+            committing step's distribution (full-vocabulary softmax) and their log-probabilities in
+            ``stats.commit_top_ids`` / ``stats.commit_top_logprobs`` (one log-sum-exp and one top-k over the
+            window's logits per step); 0: not recorded.
         graphs: run the cached steps (partial forwards) as replayed CUDA graphs: ``"auto"`` (default) on CUDA
             devices, ``"off"`` never, ``"on"`` also off CUDA, where the same static-buffer path runs without
             capture (the CPU twin of the graph path). Full forwards, Elastic-Cache's hooked forwards and
@@ -45,6 +49,7 @@ class GenerateConfig:
     seed: int | None = 0
     chat_template: bool = True
     record_confidence: bool = False
+    record_top_logprobs: int = 0
     graphs: str = "auto"
 
     def __post_init__(self):
@@ -56,6 +61,10 @@ class GenerateConfig:
             if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0:
                 raise ValueError(f"{name} must be a positive integer{' or None' if optional else ''}, got {v!r}")
             object.__setattr__(self, name, int(v))
+        k = self.record_top_logprobs
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
+            raise ValueError(f"record_top_logprobs must be an integer >= 0 (0: not recorded), got {k!r}")
+        object.__setattr__(self, "record_top_logprobs", int(k))
         c = self.cfg_scale
         if isinstance(c, bool) or not isinstance(c, numbers.Real) or not math.isfinite(c) or c < 0:
             raise ValueError(f"cfg_scale must be >= 0 and finite (0: no guidance), got {c!r}")

@@ -56,6 +56,11 @@ class GenerateStats:
     # [B][gen_length]: probability of the committed token under that step's logits (full-vocabulary softmax),
     # recorded with GenerateConfig(record_confidence=True); empty otherwise
     commit_conf: list[list[float]] = field(default_factory=list)
+    # [B][gen_length][k]: the k most probable tokens of the committing step's distribution at each committed
+    # position (descending) and their log-probabilities, recorded with GenerateConfig(record_top_logprobs=k);
+    # ids -1 and log-probabilities NaN where no step committed the position; empty otherwise
+    commit_top_ids: list[list[list[int]]] = field(default_factory=list)
+    commit_top_logprobs: list[list[list[float]]] = field(default_factory=list)
     # how the cached steps ran (GenerateConfig.graphs): {"replays": n, "captures": n, "eager:<reason>": n, ...};
     # empty when graphs are off
     graphs: dict[str, int] = field(default_factory=dict)
@@ -258,6 +263,9 @@ class DecodeState:
     committed: torch.Tensor  # [B, T] positions committed at the last step
     commit_step: torch.Tensor  # [B, T] step at which each position was committed (-1: never)
     commit_conf: torch.Tensor | None  # [B, T] probability of the committed token (record_confidence)
+    # [B, T, k] the committing step's k most probable tokens and their log-probabilities (record_top_logprobs)
+    commit_top_ids: torch.Tensor | None
+    commit_top_logprobs: torch.Tensor | None
     row_key: torch.Tensor  # [B, 2] per-row random stream keys
     generator: torch.Generator | None  # the run's generator (reference random streams)
     window: tuple[int, int]  # host copy of the next step's window (the union of the active rows' regions)
@@ -292,7 +300,9 @@ class Decoder:
     def start(self, rows: list[list[int]], row_ids=None) -> DecodeState:
         model, config, device = self.model, self.config, self.device
         B, P, G = len(rows), max(len(r) for r in rows), config.gen_length
-        T = P + G
+        T, K = P + G, config.record_top_logprobs
+        if K > vocab_size(model):
+            raise ValueError(f"record_top_logprobs={K} exceeds the vocabulary ({vocab_size(model)} tokens)")
         if T > model.max_seq_len:
             raise ValueError(
                 f"longest prompt ({P} tokens) + gen_length ({G}) = {T} exceeds the model's context of "
@@ -325,6 +335,8 @@ class Decoder:
             committed=torch.zeros((B, T), dtype=torch.bool, device=device),
             commit_step=torch.full((B, T), -1, dtype=torch.long, device=device),
             commit_conf=torch.full((B, T), float("nan"), device=device) if config.record_confidence else None,
+            commit_top_ids=torch.full((B, T, K), -1, dtype=torch.long, device=device) if K else None,
+            commit_top_logprobs=torch.full((B, T, K), float("nan"), device=device) if K else None,
             row_key=row_keys(rows, row_ids, config.seed).to(device), generator=generator, window=(P, T),
         )
         if self.slide is not None:
@@ -403,10 +415,18 @@ class Decoder:
             hi = torch.where(res.finish & st.active, torch.full_like(hi, T), hi)
         x[:, w_lo:w_hi] = torch.where(commit, res.proposal, xw)
         st.commit_step[:, w_lo:w_hi].masked_fill_(commit, st.nfe + 1)
-        if st.commit_conf is not None:
+        if st.commit_conf is not None or st.commit_top_ids is not None:
             lf = logits.float()
-            p = (lf.gather(-1, res.proposal[..., None]).squeeze(-1) - torch.logsumexp(lf, -1)).exp()
-            st.commit_conf[:, w_lo:w_hi] = torch.where(commit, p, st.commit_conf[:, w_lo:w_hi])
+            lse = torch.logsumexp(lf, -1)
+            if st.commit_conf is not None:
+                p = (lf.gather(-1, res.proposal[..., None]).squeeze(-1) - lse).exp()
+                st.commit_conf[:, w_lo:w_hi] = torch.where(commit, p, st.commit_conf[:, w_lo:w_hi])
+            if st.commit_top_ids is not None:
+                top, ids = lf.topk(st.commit_top_ids.shape[-1], -1)
+                keep = commit[..., None]
+                st.commit_top_ids[:, w_lo:w_hi] = torch.where(keep, ids, st.commit_top_ids[:, w_lo:w_hi])
+                st.commit_top_logprobs[:, w_lo:w_hi] = torch.where(keep, top - lse[..., None],
+                                                                   st.commit_top_logprobs[:, w_lo:w_hi])
         committed = torch.zeros_like(st.committed)
         committed[:, w_lo:w_hi] = commit
         t2 = clock.mark()
@@ -511,6 +531,9 @@ class Decoder:
             trace=[{k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in rec.items()} for rec in st.trace],
             commit_step=st.commit_step[:, st.P :].tolist(),
             commit_conf=st.commit_conf[:, st.P :].tolist() if st.commit_conf is not None else [],
+            commit_top_ids=st.commit_top_ids[:, st.P :].tolist() if st.commit_top_ids is not None else [],
+            commit_top_logprobs=st.commit_top_logprobs[:, st.P :].tolist() if st.commit_top_logprobs is not None
+            else [],
             graphs={k: v - self._graph_stats0.get(k, 0) for k, v in self.graphs.stats.items()
                     if v != self._graph_stats0.get(k, 0)} if self.graphs is not None else {},
         )

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -54,6 +55,7 @@ log = logging.getLogger(__name__)
 # every registered cache: the K/V buffers and a cache's own per-row state move with the rows
 SERVED_CACHES = ("none", "prefix", "dual", "dkv-decode", "dkv-greedy", "block", "freecache", "elastic")
 SEED_MAX = 2**63 - 1  # seeds are 0 .. 2**63 - 1
+MAX_TOP_LOGPROBS = 20  # most alternatives per token a request may ask for (OpenAI's bound)
 
 
 class QueueFull(RuntimeError):
@@ -83,6 +85,10 @@ class Result:
     finish_reason: str  # "stop" (EOS/EOT before gen_length) | "length" | "cancelled" | "error"
     error: str | None = None
     seconds: float = 0.0
+    # with submit(logprobs=k), aligned with ``tokens``: each token's log-probability under the distribution of the
+    # step that committed it, and that step's k most probable tokens there as (id, log-probability), descending
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class RequestHandle:
@@ -116,6 +122,13 @@ class RequestHandle:
         finished already)."""
         self.cancelled = True
 
+    def delta_logprobs(self):
+        """With ``submit(logprobs=k)``: the entries of the tokens :meth:`delta_ids` yields, in the same pieces,
+        each ``(log-probability, [(id, log-probability)] * k)`` (see :class:`Result`)."""
+        for kind, value in self.events():
+            if kind == "logprobs":
+                yield value
+
     def delta_ids(self):
         """Token ids of the final left-to-right prefix, in pieces as they become final, until the request ends."""
         for kind, value in self.events():
@@ -123,8 +136,10 @@ class RequestHandle:
                 yield value
 
     def events(self):
-        """``("ids", [token ids])`` as the final prefix grows and, with ``canvas=True``, ``("canvas", {"step",
-        "committed": {generation offset: token id}})`` after each of the request's steps, until it ends."""
+        """``("ids", [token ids])`` as the final prefix grows (with ``submit(logprobs=k)`` each one preceded by
+        ``("logprobs", entries)`` for the same tokens, see :meth:`delta_logprobs`) and, with ``canvas=True``,
+        ``("canvas", {"step", "committed": {generation offset: token id}})`` after each of the request's steps,
+        until it ends."""
         i = 0
         while True:
             with self._cond:
@@ -223,12 +238,13 @@ class _Group:
 
 
 def _pad_left(t: torch.Tensor | None, d: int, value) -> torch.Tensor | None:
-    """``[B, T]`` -> ``[B, T + d]`` with ``d`` columns of ``value`` on the left (``d < 0``: crop ``-d`` columns)."""
+    """``[B, T, ...]`` -> ``[B, T + d, ...]`` with ``d`` columns of ``value`` on the left (``d < 0``: crop ``-d``
+    columns)."""
     if t is None or d == 0:
         return t
     if d < 0:
         return t[:, -d:]
-    return torch.cat([torch.full((t.shape[0], d), value, dtype=t.dtype, device=t.device), t], dim=1)
+    return torch.cat([torch.full((t.shape[0], d, *t.shape[2:]), value, dtype=t.dtype, device=t.device), t], dim=1)
 
 
 def _repad(st: DecodeState, d: int, pad_id: int) -> DecodeState:
@@ -242,13 +258,15 @@ def _repad(st: DecodeState, d: int, pad_id: int) -> DecodeState:
     st.committed = _pad_left(st.committed, d, False)
     st.commit_step = _pad_left(st.commit_step, d, -1)
     st.commit_conf = _pad_left(st.commit_conf, d, float("nan"))
+    st.commit_top_ids = _pad_left(st.commit_top_ids, d, -1)
+    st.commit_top_logprobs = _pad_left(st.commit_top_logprobs, d, float("nan"))
     st.P += d
     st.lo, st.hi = st.lo + d, st.hi + d
     return st
 
 
 _PER_ROW = ("x", "positions", "key_mask", "lo", "hi", "steps", "step_in", "n_start", "active", "finish",
-            "row_nfe", "committed", "commit_step", "commit_conf", "row_key")
+            "row_nfe", "committed", "commit_step", "commit_conf", "commit_top_ids", "commit_top_logprobs", "row_key")
 
 
 def _cat(a: DecodeState, b: DecodeState) -> DecodeState:
@@ -385,14 +403,21 @@ class Engine:
     def submit(self, prompt, *, gen_length: int = 64, block_length: int | None = None, steps: int | None = None,
                sampler: str | None = None, params: dict | None = None, seed: int = 0,
                eos_early_stop: bool = False, chat_template: bool = True, request_id: str | None = None,
-               cache: str | None = None, canvas: bool = False, sample: int = 0) -> RequestHandle:
+               cache: str | None = None, canvas: bool = False, sample: int = 0,
+               logprobs: int | None = None) -> RequestHandle:
         """Queue one request (a string, a chat conversation or token ids); returns its handle. Bad settings
         raise :class:`RequestError` here, before anything runs; a prompt that cannot fit the context with
         ``gen_length`` is refused before it is tokenised.
 
         The request's random stream is keyed by ``seed`` and its prompt tokens, as ``dllm.generate`` keys a
         prompt by default: the answer equals ``dllm.generate(model, [prompt] * (sample + 1), seed=seed, ...)``'s
-        row ``sample`` (``sample``: which of several answers to the same prompt, e.g. the OpenAI ``n``)."""
+        row ``sample`` (``sample``: which of several answers to the same prompt, e.g. the OpenAI ``n``).
+
+        ``logprobs=k`` (0 to :data:`MAX_TOP_LOGPROBS`; ``None``: off) records each generated token's
+        log-probability under the distribution (full-vocabulary softmax) of the step that committed it and that
+        step's ``k`` most probable tokens at its position (:attr:`Result.logprobs`, :meth:`RequestHandle.delta_logprobs`):
+        ``log`` of ``dllm.generate(..., record_confidence=True)``'s ``stats.commit_conf`` and its
+        ``record_top_logprobs=k`` record. The tokens are the same with or without it."""
         with self._lock:
             if len(self.waiting) + sum(len(g.requests) for g in self.groups.values()) >= self.max_queue:
                 raise QueueFull(f"the engine holds {self.max_queue} requests; retry later")
@@ -401,6 +426,10 @@ class Engine:
             raise RequestError(f"seed={seed!r} is out of range; use an integer from 0 to 2**63 - 1", "seed")
         if isinstance(sample, bool) or not isinstance(sample, int) or not 0 <= sample < 1024:
             raise RequestError(f"sample={sample!r} must be an integer from 0 to 1023", "sample")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                     or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
+            raise RequestError(f"logprobs={logprobs!r} must be an integer from 0 to {MAX_TOP_LOGPROBS} (or None: off)",
+                               "logprobs")
         name = sampler or self.sampler
         if not isinstance(name, str):
             raise RequestError(f"sampler={name!r} must be a sampler name (a string)", "sampler")
@@ -410,7 +439,8 @@ class Engine:
         self._check_sampler(name, params)
         try:
             config = GenerateConfig(gen_length=gen_length, block_length=block_length, steps=steps, seed=seed,
-                                    eos_early_stop=eos_early_stop, chat_template=chat_template)
+                                    eos_early_stop=eos_early_stop, chat_template=chat_template,
+                                    record_confidence=logprobs is not None, record_top_logprobs=logprobs or 0)
         except (ValueError, TypeError) as exc:
             raise RequestError(str(exc)) from None
         least = self._least_tokens(prompt)  # before tokenising: a prompt already too long costs nothing
@@ -590,7 +620,8 @@ class Engine:
 
     def _key(self, req: _Request) -> tuple:
         c = req.config
-        key = (req.sampler_spec, c.gen_length, c.block_length, c.steps, c.eos_early_stop, c.seed, c.chat_template)
+        key = (req.sampler_spec, c.gen_length, c.block_length, c.steps, c.eos_early_stop, c.seed, c.chat_template,
+               c.record_confidence, c.record_top_logprobs)
         return key + (("alone", req.request_id),) if req.isolated else key
 
     def _retry_or_fail(self, reqs: list[_Request], message: str) -> None:
@@ -768,6 +799,8 @@ class Engine:
         for i, req in enumerate(group.requests):
             final = next((j for j, m in enumerate(masked[i]) if m), len(masked[i]))
             if final > req.emitted:
+                if st.commit_conf is not None:
+                    req.handle._put("logprobs", self._logprobs(st, i, req.emitted, final))
                 req.handle._emit(rows[i][req.emitted:final])
                 req.emitted = final
 
@@ -793,20 +826,26 @@ class Engine:
         req.handle._finish(result)
 
     def _result(self, req: _Request, where, outcome: str, error: str | None):
-        tokens, nfe = [], 0
+        tokens, nfe, entries = [], 0, None
         if where is not None:
             group, i = where
             st = group.state
             tokens = st.x[i, st.P:].tolist()
             nfe = int(st.row_nfe[i])
+            if st.commit_conf is not None:
+                entries = self._logprobs(st, i, 0, len(tokens))
         if outcome == "cancelled":  # what the client has seen: the final prefix streamed so far
             final = next((j for j, t in enumerate(tokens) if t == self.model.mask_id), len(tokens))
             tokens = tokens[:min(req.emitted, final)]
         stops = {t for t in (self.model.eos_id, self.model.eot_id) if t is not None}
         n = next((j for j, t in enumerate(tokens) if t in stops), len(tokens))
+        if entries is not None:
+            entries = entries[:len(tokens)]
         if outcome == "done":
             outcome = "stop" if n < len(tokens) else "length"
             if req.emitted < len(tokens):
+                if entries is not None:
+                    req.handle._put("logprobs", entries[req.emitted:])
                 req.handle._emit(tokens[req.emitted:])
                 req.emitted = len(tokens)
         text = None
@@ -815,8 +854,24 @@ class Engine:
             text = texts[0] if texts is not None else None
         result = Result(req.request_id, tokens, text, nfe, len(req.rows), n, outcome, error,
                         time.perf_counter() - req.t_submit)
+        if req.config.record_confidence:
+            result.logprobs = [lp for lp, _ in entries or []]
+            result.top_logprobs = [top for _, top in entries or []]
         positions = len(tokens) if outcome in ("stop", "length") else 0
         return result, (outcome, n, nfe if outcome in ("stop", "length") else 0, positions)
+
+    @staticmethod
+    def _logprobs(st: DecodeState, i: int, a: int, b: int) -> list[tuple[float, list[tuple[int, float]]]]:
+        """Row ``i``'s entries for generation offsets ``a`` to ``b``: ``(log-probability of the token under its
+        committing step, [(id, log-probability)] of that step's top k)``; ``-inf`` for a probability that
+        underflowed to 0, NaN for a position no step committed (the EOS early-stop fill)."""
+        conf = st.commit_conf[i, st.P + a: st.P + b].tolist()
+        lps = [math.log(p) if p > 0 else (-math.inf if p == 0 else math.nan) for p in conf]
+        if st.commit_top_ids is None or st.commit_top_ids.shape[-1] == 0:
+            return [(lp, []) for lp in lps]
+        ids = st.commit_top_ids[i, st.P + a: st.P + b].tolist()
+        tops = st.commit_top_logprobs[i, st.P + a: st.P + b].tolist()
+        return [(lp, list(zip(d, t))) for lp, d, t in zip(lps, ids, tops)]
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
