@@ -15,6 +15,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError, mod
 SEED_MAX = 2**63 - 1
 MAX_N = 16
 MAX_STOPS = 4
+MAX_TOP_LOGPROBS = 20  # alternatives per token (top_logprobs; completions' logprobs)
 ROLES = ("system", "developer", "user", "assistant")  # developer: OpenAI's newer name for system
 
 
@@ -85,8 +86,6 @@ REFUSED = {
     "presence_penalty": ((0, 0.0), "; only 0"),
     "frequency_penalty": ((0, 0.0), "; only 0"),
     "logit_bias": (({},), "; leave it out"),
-    "logprobs": ((False, 0), "; leave it out"),
-    "top_logprobs": ((0,), "; leave it out"),
     "best_of": ((1,), "; send n requests (or n) instead"),
     "suffix": (("",), "; diffusion infilling is not served, leave it out"),
     "tools": (([],), "; tool calling is not served"),
@@ -123,8 +122,6 @@ class _Body(BaseModel):
     presence_penalty: _neutral("presence_penalty", *REFUSED["presence_penalty"]) | None = None
     frequency_penalty: _neutral("frequency_penalty", *REFUSED["frequency_penalty"]) | None = None
     logit_bias: _neutral("logit_bias", *REFUSED["logit_bias"]) | None = None
-    logprobs: _neutral("logprobs", *REFUSED["logprobs"]) | None = None
-    top_logprobs: _neutral("top_logprobs", *REFUSED["top_logprobs"]) | None = None
 
     @model_validator(mode="after")
     def _options(self):
@@ -176,6 +173,8 @@ class Message(BaseModel):
 
 class ChatRequest(_Body):
     messages: list[Message]
+    logprobs: Bool | None = None
+    top_logprobs: _int(0, MAX_TOP_LOGPROBS, f"; the alternatives per token, 0 to {MAX_TOP_LOGPROBS}") | None = None
     max_completion_tokens: _int(1, fix="; max_completion_tokens (-> gen_length) must be >= 1") | None = None
     tools: _neutral("tools", *REFUSED["tools"]) | None = None
     tool_choice: _neutral("tool_choice", *REFUSED["tool_choice"]) | None = None
@@ -191,7 +190,14 @@ class ChatRequest(_Body):
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise BadRequest("max_tokens and max_completion_tokens differ; send one of them", "max_tokens")
+        if self.top_logprobs and not self.logprobs:
+            raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
         return self
+
+    @property
+    def top_k(self) -> int | None:
+        """Alternatives per token to return (``None``: no log-probabilities)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def conversation(self) -> list[dict]:
         """The messages as the chat template takes them (``developer`` is ``system``; names are not templated)."""
@@ -220,8 +226,21 @@ def _prompt(v):
 class CompletionRequest(_Body):
     prompt: Annotated[Any, AfterValidator(_prompt)]
     echo: Bool | None = None
+    logprobs: _int(0, MAX_TOP_LOGPROBS, f"; the alternatives per token, 0 to {MAX_TOP_LOGPROBS}") | None = None
     best_of: _neutral("best_of", *REFUSED["best_of"]) | None = None
     suffix: _neutral("suffix", *REFUSED["suffix"]) | None = None
+
+    @model_validator(mode="after")
+    def _completion(self):
+        if self.echo and self.logprobs is not None:
+            raise BadRequest("echo with logprobs is not served: the prompt's tokens have no log-probabilities under "
+                             "diffusion decoding; leave one of them out", "echo")
+        return self
+
+    @property
+    def top_k(self) -> int | None:
+        """Alternatives per token to return (``None``: no log-probabilities)."""
+        return self.logprobs
 
     @property
     def gen_length(self) -> int:

@@ -16,9 +16,11 @@ frees its rows at the next step. docs/serving.md lists the fields that work and 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
+import math
 import time
 import uuid
 from typing import Any
@@ -109,7 +111,8 @@ class _Auth:
 class _Text:
     """One choice's answer text as its final token ids arrive: cut at the first EOS/EOT and at the first ``stop``
     string; the tail that may still grow into a stop string (or is an incomplete UTF-8 character) is held
-    back until it cannot."""
+    back until it cannot. With log-probabilities, ``entries`` holds each fed token's entry (the engine's
+    ``logprobs`` events); :meth:`take` hands out those of the tokens whose text is all sent."""
 
     def __init__(self, tokenizer, eos: set, stops: list[str]):
         self.tok, self.eos, self.stops = tokenizer, eos, stops
@@ -117,6 +120,10 @@ class _Text:
         self.sent = ""
         self.stopped = False
         self.text = ""
+        self.entries: list = []  # (log-probability, top) per fed token
+        self.taken = 0  # entries handed out
+        self.covered = 0  # answer tokens whose text is all sent
+        self.offset = 0  # text_offset of the next entry handed out (completions)
 
     def _decode(self, ids) -> str:
         return self.tok.decode(ids, skip_special_tokens=True) if self.tok is not None else ""
@@ -138,10 +145,21 @@ class _Text:
                 hold = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
                 safe = text[: len(text) - hold]
                 safe = safe.rstrip("\ufffd")  # an incomplete multi-byte character
+        piece = ""
         if len(safe) > len(self.sent) and safe.startswith(self.sent):
             piece, self.sent = safe[len(self.sent):], safe
-            return piece
-        return ""
+        if self.entries:
+            if self.stopped:
+                self.covered = self.tokens()
+            elif self.sent == text:
+                self.covered = n
+        return piece
+
+    def take(self) -> list[tuple[int, tuple]]:
+        """``(token id, entry)`` of the answer tokens whose text is sent and whose entries are not handed out."""
+        got = list(zip(self.ids[self.taken:self.covered], self.entries[self.taken:self.covered]))
+        self.taken = max(self.taken, self.covered)
+        return got
 
     def tokens(self) -> int:
         """Answer tokens up to the cut (the fewest whose text covers it)."""
@@ -158,12 +176,45 @@ class _Text:
         return lo
 
 
+def _json_logprob(lp: float) -> float | None:
+    """A log-probability for JSON: one that underflowed to -inf is -9999.0 (OpenAI's floor), NaN (no step
+    committed the position; never an answer token) is null."""
+    if math.isnan(lp):
+        return None
+    return max(lp, -9999.0)
+
+
 def create_app(engine: Engine, model_name: str = "dllm", api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, health_stall_s: float = HEALTH_STALL_S) -> FastAPI:
     if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
         raise ValueError(f"max_body_bytes={max_body_bytes!r} must be a positive integer")
     app = FastAPI(title="dllm", version="1")
     tokenizer = getattr(engine.model, "tokenizer", None)
+
+    @functools.lru_cache(maxsize=65536)
+    def token_text(tid: int) -> str:
+        """A token's own text (``token_id:N`` without a tokenizer)."""
+        return tokenizer.decode([tid]) if tokenizer is not None else f"token_id:{tid}"
+
+    def chat_logprobs(got: list) -> dict:
+        """Chat's ``logprobs`` object for ``(token id, entry)`` pairs."""
+        def one(tid, lp):
+            t = token_text(tid)
+            return {"token": t, "logprob": _json_logprob(lp), "bytes": list(t.encode("utf-8"))}
+        return {"content": [{**one(tid, lp), "top_logprobs": [one(a, alp) for a, alp in top]}
+                            for tid, (lp, top) in got]}
+
+    def completion_logprobs(got: list, text: _Text) -> dict:
+        """The completions ``logprobs`` object for ``(token id, entry)`` pairs; ``text_offset`` goes on from the
+        choice's tokens already sent (each token's offset: the summed length of the earlier tokens' texts)."""
+        tokens = [token_text(tid) for tid, _ in got]
+        offsets = []
+        for t in tokens:
+            offsets.append(text.offset)
+            text.offset += len(t)
+        return {"tokens": tokens, "token_logprobs": [_json_logprob(lp) for _, (lp, _) in got],
+                "top_logprobs": [{token_text(a): _json_logprob(alp) for a, alp in top} for _, (_, top) in got],
+                "text_offset": offsets}
     eos = {t for t in (engine.model.eos_id, engine.model.eot_id) if t is not None}
     if api_key:
         app.add_middleware(_Auth, api_key=api_key)
@@ -257,7 +308,8 @@ def create_app(engine: Engine, model_name: str = "dllm", api_key: str | None = N
                     prompt, gen_length=req.gen_length, block_length=req.block_length, steps=req.steps,
                     sampler=req.sampler, params=params, seed=req.seed or 0,
                     eos_early_stop=bool(req.eos_early_stop), chat_template=chat, cache=req.cache,
-                    canvas=bool(req.dllm_canvas), sample=i, request_id=rid if n == 1 else f"{rid}-{i}"))
+                    canvas=bool(req.dllm_canvas), sample=i, request_id=rid if n == 1 else f"{rid}-{i}",
+                    logprobs=req.top_k))
         except BaseException as exc:
             for h in handles:
                 h.cancel()
@@ -303,26 +355,32 @@ def create_app(engine: Engine, model_name: str = "dllm", api_key: str | None = N
                 "nfe": nfe, "tokens_per_forward": positions / max(nfe, 1)}
 
     async def _choice(i: int, handle, text: _Text, out: asyncio.Queue) -> None:
-        """Runs one choice: puts ("text", i, piece), ("canvas", i, step) and finally ("end", i, result)."""
+        """Runs one choice: puts ("text", i, piece, [(token id, logprob entry)]), ("canvas", i, step) and finally
+        ("end", i, result)."""
         try:
             async for kind, value in handle.aevents():
                 if kind == "canvas":
                     await out.put(("canvas", i, value))
                     continue
+                if kind == "logprobs":  # the entries of the ids that come next
+                    text.entries += value
+                    continue
                 if len(text.ids) + len(value) > INLINE_DECODE:  # detokenising a long answer: off the event loop
                     piece = await asyncio.to_thread(text.feed, value)
                 else:
                     piece = text.feed(value)
-                if piece:
-                    await out.put(("text", i, piece))
+                got = text.take()
+                if piece or got:
+                    await out.put(("text", i, piece, got))
                 if text.stopped:  # the stop string is found: the row is freed, nothing past it is sent
                     handle.cancel()
                     break
             r = await handle.aresult()
             if not text.stopped:
                 piece = await asyncio.to_thread(text.feed, [], True)
-                if piece:
-                    await out.put(("text", i, piece))
+                got = text.take()
+                if piece or got:
+                    await out.put(("text", i, piece, got))
             await out.put(("end", i, r))
         except asyncio.CancelledError:
             handle.cancel()
@@ -366,6 +424,7 @@ def create_app(engine: Engine, model_name: str = "dllm", api_key: str | None = N
                                      media_type="text/event-stream", background=BackgroundTask(release))
         results: dict[int, Any] = {}
         pieces = [[] for _ in handles]
+        got = [[] for _ in handles]  # (token id, logprob entry) per answer token
         failed = None
         loop = asyncio.get_running_loop()
         next_check = loop.time() + 0.25
@@ -384,6 +443,7 @@ def create_app(engine: Engine, model_name: str = "dllm", api_key: str | None = N
                     continue
                 if event[0] == "text":
                     pieces[event[1]].append(event[2])
+                    got[event[1]] += event[3]
                 elif event[0] == "end":
                     results[event[1]] = event[2]
                 elif event[0] == "fail":
@@ -397,6 +457,8 @@ def create_app(engine: Engine, model_name: str = "dllm", api_key: str | None = N
         for i in range(len(handles)):
             text = echo + "".join(pieces[i])
             c: dict[str, Any] = {"index": i, "finish_reason": _reason(results[i], texts[i]), "logprobs": None}
+            if req.top_k is not None:
+                c["logprobs"] = chat_logprobs(got[i]) if chat else completion_logprobs(got[i], texts[i])
             if chat:
                 c["message"] = {"role": "assistant", "content": text}
             else:
@@ -410,15 +472,21 @@ def create_app(engine: Engine, model_name: str = "dllm", api_key: str | None = N
         obj = "chat.completion.chunk" if chat else "text_completion"
         started = [False] * len(handles)
 
-        def chunk(i: int, piece: str | None, reason: str | None = None, extra: dict | None = None) -> str:
+        def chunk(i: int, piece: str | None, reason: str | None = None, extra: dict | None = None,
+                  got: list | None = None) -> str:
+            lp = None
+            if got is not None and req.top_k is not None:  # the entries of the tokens this chunk sends
+                lp = chat_logprobs(got) if chat else completion_logprobs(got, texts[i])
             if chat:
                 delta = {} if piece is None else {"content": piece}
                 if not started[i] and piece is not None:
                     delta["role"] = "assistant"
                     started[i] = True
                 c = {"index": i, "delta": delta, "finish_reason": reason}
+                if req.top_k is not None:
+                    c["logprobs"] = lp
             else:
-                c = {"index": i, "text": piece or "", "finish_reason": reason, "logprobs": None}
+                c = {"index": i, "text": piece or "", "finish_reason": reason, "logprobs": lp}
             ev = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [c]}
             if extra:
                 ev.update(extra)
@@ -435,7 +503,7 @@ def create_app(engine: Engine, model_name: str = "dllm", api_key: str | None = N
                 if kind == "canvas":  # opt-in: this step's committed positions (generation offsets -> ids)
                     yield chunk(i, None if chat else "", extra={"dllm": event[2]})
                 elif kind == "text":
-                    yield chunk(i, event[2])
+                    yield chunk(i, event[2], got=event[3])
                 elif kind == "fail" or (kind == "end" and event[2].finish_reason == "error"):
                     msg = event[2] if kind == "fail" else (event[2].error or "decoding failed")
                     yield _sse({"error": {"message": msg, "type": "server_error", "param": None, "code": None}})
