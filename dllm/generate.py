@@ -301,7 +301,7 @@ class Decoder:
         model, config, device = self.model, self.config, self.device
         B, P, G = len(rows), max(len(r) for r in rows), config.gen_length
         T, K = P + G, config.record_top_logprobs
-        if K > vocab_size(model):
+        if K and K > vocab_size(model):
             raise ValueError(f"record_top_logprobs={K} exceeds the vocabulary ({vocab_size(model)} tokens)")
         if T > model.max_seq_len:
             raise ValueError(

@@ -272,3 +272,18 @@ def test_a_stop_string_cuts_the_logprobs_with_the_text(server):
     assert content == full["choices"][0]["logprobs"]["content"][:len(content)]
     streamed = _stream(url, "/v1/chat/completions", {**body, "stop": stop})
     assert sum((c["logprobs"]["content"] for c in streamed if c.get("logprobs")), []) == content
+
+
+def test_the_openai_client_reads_them(server):
+    openai = pytest.importorskip("openai")
+    model, engine, url = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    chat = client.chat.completions.create(model="llada-tiny", messages=CHAT, max_tokens=16, logprobs=True,
+                                          top_logprobs=2)
+    raw = _post(url, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 16, "logprobs": True, "top_logprobs": 2})
+    content = chat.choices[0].logprobs.content
+    assert [(e.token, e.logprob) for e in content] == [(e["token"], e["logprob"]) for e in
+                                                       raw["choices"][0]["logprobs"]["content"]]
+    assert all(len(e.top_logprobs) == 2 for e in content)
+    comp = client.completions.create(model="llada-tiny", prompt=PROMPTS[0], max_tokens=16, logprobs=2)
+    assert len(comp.choices[0].logprobs.token_logprobs) == comp.usage.completion_tokens
