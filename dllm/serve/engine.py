@@ -6,8 +6,8 @@ schedules), so every response is token-identical to ``dllm.generate`` of the sam
 and cache (float32; tested), whenever it arrives and whatever else runs.
 
 * A *group* is one batch: requests whose decoding settings one batch can hold (the same sampler and
-  parameters, ``gen_length``, ``block_length``, ``steps``, ``eos_early_stop``, ``seed``). Groups with
-  different settings are stepped in turn, one forward each per engine tick.
+  parameters, ``gen_length``, ``block_length``, ``steps``, ``eos_early_stop``, ``seed``, the log-probabilities
+  recorded). Groups with different settings are stepped in turn, one forward each per engine tick.
 * Joining: the newcomers get their own :meth:`Decoder.start`, then both states are re-padded on the left to
   the longer prompt (region bounds shift with them) and concatenated along the batch; the running rows are
   not recomputed. Leaving: finished rows are answered and removed from every per-row tensor
@@ -25,7 +25,9 @@ and cache (float32; tested), whenever it arrives and whatever else runs.
 
 Use: ``engine.submit(prompt, gen_length=...)`` returns a :class:`RequestHandle` (``.result()``, ``.delta_ids()``
 for the left-to-right final prefix as it becomes final, ``.events()`` with the per-step canvas, ``.cancel()``); :meth:`Engine.step` runs one tick,
-:meth:`Engine.start` a background thread that ticks while there is work.
+:meth:`Engine.start` a background thread that ticks while there is work. ``submit(..., logprobs=k)`` also records
+each generated token's log-probability under the step that committed it and that step's top k
+(``Result.logprobs``, ``.delta_logprobs()``); the record's tensors move with the rows like the canvas.
 """
 
 from __future__ import annotations
@@ -415,9 +417,10 @@ class Engine:
 
         ``logprobs=k`` (0 to :data:`MAX_TOP_LOGPROBS`; ``None``: off) records each generated token's
         log-probability under the distribution (full-vocabulary softmax) of the step that committed it and that
-        step's ``k`` most probable tokens at its position (:attr:`Result.logprobs`, :meth:`RequestHandle.delta_logprobs`):
-        ``log`` of ``dllm.generate(..., record_confidence=True)``'s ``stats.commit_conf`` and its
-        ``record_top_logprobs=k`` record. The tokens are the same with or without it."""
+        step's ``k`` most probable tokens at its position (:attr:`Result.logprobs`,
+        :meth:`RequestHandle.delta_logprobs`): ``log`` of ``dllm.generate(..., record_confidence=True)``'s
+        ``stats.commit_conf`` and its ``record_top_logprobs=k`` record (alone exactly; in a batch up to float32
+        rounding). The tokens are the same with or without it."""
         with self._lock:
             if len(self.waiting) + sum(len(g.requests) for g in self.groups.values()) >= self.max_queue:
                 raise QueueFull(f"the engine holds {self.max_queue} requests; retry later")
