@@ -7,8 +7,12 @@ chunk and non-streaming requests it stops waiting for. Checks, and exits 1 when 
 
 * no answer is a 5xx, every 4xx has OpenAI's error shape;
 * the same seeded request always gets the same answer;
+* a deterministic request (greedy, no stop string, one choice) gets exactly the answer ``dllm.generate`` gives it
+  alone;
 * ``/health`` stays 200 and answers within ``--health-limit`` seconds while the clients run;
-* afterwards the engine is alive and no row or queued request is left.
+* afterwards the engine is alive (never restarted) and no row or queued request is left.
+
+It prints the requests by kind, the exact answers, the problems, and the resident memory at start and end.
 
     OMP_NUM_THREADS=1 python benchmarks/soak_serve.py --model llada-tiny --clients 8 --seconds 60
 """
@@ -37,8 +41,8 @@ BAD_BODIES = [
     {"messages": [{"role": "user", "content": None}]}, {"messages": [{"content": "x"}]},
     {"messages": [{"role": "tool", "content": "x"}]}, {"prompt": "x", "stop": 5}, {"prompt": "x", "stop": [1, 2]},
     {"prompt": "x", "seed": 2**70}, {"prompt": "x", "stream": "no"}, {"prompt": "x", "top_p": 0.5},
-    {"prompt": "x", "logprobs": 3}, {"prompt": "x", "frobnicate": True}, {"prompt": "x", "max_tokens": 10**7},
-    {"prompt": "x", "sampler": "klass"}, {"prompt": "x", "params": {"tau": [1]}, "sampler": "threshold"},
+    {"prompt": "x", "logprobs": 30}, {"prompt": "x", "frobnicate": True}, {"prompt": "x", "max_tokens": 10**7},
+    {"prompt": "x", "sampler": "nope"}, {"prompt": "x", "params": {"tau": [1]}, "sampler": "threshold"},
     {"prompt": "x", "model": "gpt-4"}, {"prompt": "x", "stream": True, "stop": 5}, {"prompt": [-5]},
 ]
 
@@ -49,9 +53,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rss_mib() -> float:
+    """Resident memory of this process (Linux), MiB."""
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 class Soak:
-    def __init__(self, url: str, max_body: int):
-        self.url, self.max_body = url, max_body
+    def __init__(self, url: str, max_body: int, model=None):
+        self.url, self.max_body, self.model = url, max_body, model
+        self.solo: dict[str, str] = {}
         self.counts: Counter = Counter()
         self.problems: list[str] = []
         self.answers: dict[str, str] = {}
@@ -105,6 +118,8 @@ class Soak:
                     self.problem(f"valid request answered {r.status_code}: {r.text[:200]}")
                 return
             texts = [ch["message"]["content"] for ch in r.json()["choices"]]
+            if self.model is not None and "temperature" not in body and "stop" not in body and "n" not in body:
+                self.against_solo(body, texts[0])
             if "seed" in body or "temperature" not in body:  # deterministic: must reproduce
                 key = json.dumps(body, sort_keys=True)
                 with self.lock:
@@ -147,6 +162,19 @@ class Soak:
             except httpx.TimeoutException:
                 pass
 
+    def against_solo(self, body: dict, text: str) -> None:
+        """The served answer of a greedy request against ``dllm.generate`` on that request alone."""
+        key = json.dumps(body, sort_keys=True)
+        with self.lock:
+            want = self.solo.get(key)
+            if want is None:
+                out = dllm.generate(self.model, [body["messages"]], gen_length=body["max_tokens"],
+                                    block_length=body["block_length"], sampler=body["sampler"])
+                want = self.solo[key] = out.texts[0]
+        self.counts["exact_vs_solo"] += text == want
+        if text != want:
+            self.problem(f"served answer differs from generate alone: {key}: {text!r} vs {want!r}")
+
     def health(self, until: float, limit: float) -> None:
         worst = 0.0
         while time.monotonic() < until:
@@ -175,7 +203,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
-    engine = Engine(dllm.load_model(args.model), max_rows=args.max_rows, max_queue=64)
+    rss0 = rss_mib()
+    model = dllm.load_model(args.model)
+    engine = Engine(model, max_rows=args.max_rows, max_queue=64)
     engine.start()
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(create_app(engine, args.model, max_body_bytes=args.max_body_bytes),
@@ -184,7 +214,7 @@ def main(argv=None) -> int:
     th.start()
     while not srv.started:
         time.sleep(0.05)
-    soak = Soak(f"http://127.0.0.1:{port}", args.max_body_bytes)
+    soak = Soak(f"http://127.0.0.1:{port}", args.max_body_bytes, dllm.load_model(args.model))
     until = time.monotonic() + args.seconds
     threads = [threading.Thread(target=soak.client, args=(args.seed * 1000 + i, until)) for i in range(args.clients)]
     threads.append(threading.Thread(target=soak.health, args=(until, args.health_limit)))
@@ -207,7 +237,8 @@ def main(argv=None) -> int:
     engine.stop(drain=False, timeout=10)
     report = {"requests": dict(soak.counts), "outcomes": s["requests"], "engine_errors": s["engine_errors"],
               "forwards": s["forwards"], "distinct_deterministic_requests": len(soak.answers),
-              "problems": soak.problems[:20], "n_problems": len(soak.problems)}
+              "problems": soak.problems[:20], "n_problems": len(soak.problems),
+              "rss_mib_start": round(rss0), "rss_mib_end": round(rss_mib())}
     print(json.dumps(report, indent=1))
     return 1 if soak.problems else 0
 
