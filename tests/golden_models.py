@@ -9,6 +9,10 @@ holds a large constant, so after the final RMSNorm feature 0 is nearly constant 
 bias. Most of the vocabulary gets a strongly negative bias (so confidences are not spread over 126k ids),
 a few hundred realistic ids are "active", and the mask and EOS/EOT (im_end) ids get biases that make
 ``p(mask)`` about 1e-3..1e-2 and EOS/EOT proposed at a fair share of positions.
+
+Every random value comes from integers (:func:`_int_normal`: ``torch.randint`` sums times one constant;
+``torch.randperm`` for the active ids), so the same seed gives the same bits on every CPU, whatever its SIMD
+kernels (``torch.randn`` does not: its AVX2 and scalar kernels give other bits).
 """
 
 from __future__ import annotations
@@ -42,17 +46,17 @@ def _build(family: str, seed: int, extra_active: tuple[int, ...] = ()) -> Transf
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif name.endswith(".bias"):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+                p.copy_(_int_normal(g, p.shape, 0.1))
             elif name in ("embed.weight", "head.weight"):
                 continue
             else:
                 scale = QK_SCALE if name.split(".")[-2] in ("q", "k") else OUT_SCALE
-                p.copy_(torch.randn(p.shape, generator=g) * (scale / p.shape[1] ** 0.5))
+                p.copy_(_int_normal(g, p.shape, scale / p.shape[1] ** 0.5))
         for layer in model.layers:  # keep feature 0 constant through the residual stream
             layer.o.weight[0].zero_()
             layer.down.weight[0].zero_()
         d = cfg.d_model
-        emb = torch.randn(vocab, d, generator=g)
+        emb = _int_normal(g, (vocab, d), 1.0)
         emb[:, 0] = CONST
         model.embed.weight.copy_(emb)
         first_special = min(spec.mask_id, spec.eos_id, spec.eot_id)
@@ -69,10 +73,10 @@ def _build(family: str, seed: int, extra_active: tuple[int, ...] = ()) -> Transf
         # Head: column 0 (bias through the constant feature) + random directions for the active ids.
         head = torch.zeros(vocab, d)
         head[:, 0] = -2.5  # background bias; the normalised constant feature is about 4
-        head[active, 1:] = torch.randn(N_ACTIVE, d - 1, generator=g) * 0.9
+        head[active, 1:] = _int_normal(g, (N_ACTIVE, d - 1), 0.9)
         head[active, 0] = 0.0
         for tid, bias, scale in ((spec.mask_id, 6.0, 0.25), (spec.eos_id, 8.0, 0.7), (spec.eot_id, 7.0, 0.7)):
-            head[tid, 1:] = torch.randn(d - 1, generator=g) * scale
+            head[tid, 1:] = _int_normal(g, (d - 1,), scale)
             head[tid, 0] = bias
         if extra_active:  # proposed at some positions, with a confidence that varies (a reference's delimiters)
             head[extra, 0] = EXTRA_BIAS
