@@ -112,51 +112,19 @@ def shaped_prompts(family: str, lengths: list[int], seed: int = 0) -> list[list[
     return [torch.randint(0, limit, (n,), generator=g).tolist() for n in lengths]
 
 
-def _random_block_model(cfg: TransformerConfig, spec, seed: int, perturb=None) -> Transformer:
-    """A random-weight model of ``spec`` on the bundled Qwen-style tokenizer of ``dream-tiny``: weights large
-    enough that the logits are not flat, norm weights and biases perturbed so that a misplaced norm or bias
-    shows, ``perturb(model)`` for family-specific buffers, then EOS and the mask token made real contenders: EOS
-    takes over the head row of the most frequent argmax (slightly scaled up: it wins where that token won), the
-    mask token the second's, scaled down."""
-    import dllm
-    from dllm.models.weights import init_weights
-
-    tok_model = dllm.load_model("dream-tiny", dtype="float32")
-    assert cfg.vocab_size == tok_model.config.vocab_size, "TINY_VOCAB is the bundled tokenizer's vocabulary size"
-    torch.manual_seed(seed)
-    m = Transformer(cfg, spec)
-    init_weights(m, std=0.2)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            elif name.endswith(".bias"):
-                p.copy_(0.1 * torch.randn_like(p))
-        if perturb is not None:
-            perturb(m)
-        x = torch.randint(0, cfg.vocab_size, (8, 24), generator=torch.Generator().manual_seed(seed))
-        top = torch.bincount(m(x).argmax(-1).flatten(), minlength=cfg.vocab_size).argsort(descending=True)
-        top = [int(t) for t in top if int(t) not in (tok_model.eos_id, tok_model.mask_id)][:2]
-        m.head.weight[tok_model.eos_id] = 1.02 * m.head.weight[top[0]]
-        m.head.weight[tok_model.mask_id] = 0.97 * m.head.weight[top[1]]
-    m.tokenizer = tok_model.tokenizer
-    m.mask_id, m.eos_id, m.pad_id, m.eot_id = tok_model.mask_id, tok_model.eos_id, tok_model.pad_id, tok_model.eot_id
-    return m.eval().requires_grad_(False)
-
-
 TINY_VOCAB = 1197  # the bundled tokenizer's (dream-tiny)
 
 
 def sdar_tiny(seed: int = 0, block_size: int = 4, bias: bool = False) -> Transformer:
     """A random-weight SDAR-format model (Qwen3 block-diffusion layout: QK norms, head_dim 24 with d_model 64,
-    GQA 4/2; :func:`_random_block_model`). Save it with ``dllm.save_pretrained`` for a checkpoint in SDAR's
-    published layout."""
+    GQA 4/2; QKV and output biases with ``bias``; :func:`_integer_block_model`). Save it with
+    ``dllm.save_pretrained`` for a checkpoint in SDAR's published layout."""
     from dllm.models.spec import SDAR
 
     cfg = TransformerConfig(vocab_size=TINY_VOCAB, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
                             mlp_hidden=128, max_seq_len=512, rope_theta=10000.0, norm_eps=1e-6, head_size=24,
                             qk_norm=True, block_size=block_size, qkv_bias=bias, out_bias=bias)
-    return _random_block_model(cfg, SDAR, seed)
+    return _integer_block_model(cfg, SDAR, seed, SDAR_EOS_LIKE, SDAR_MASK_LIKE)
 
 
 # ------------------------------------------------------------------ block models without float-dependent steps
@@ -219,6 +187,7 @@ def _integer_block_model(cfg: TransformerConfig, spec, seed: int, eos_like: int,
 # prompts proposed most often before EOS and the mask token took them
 LLADA2_EOS_LIKE, LLADA2_MASK_LIKE = 377, 1103
 FASTDLLM2_EOS_LIKE, FASTDLLM2_MASK_LIKE = 936, 610
+SDAR_EOS_LIKE, SDAR_MASK_LIKE = 634, 690
 
 
 def llada2_tiny(seed: int = 0, block_size: int = 4) -> Transformer:
