@@ -9,6 +9,10 @@ holds a large constant, so after the final RMSNorm feature 0 is nearly constant 
 bias. Most of the vocabulary gets a strongly negative bias (so confidences are not spread over 126k ids),
 a few hundred realistic ids are "active", and the mask and EOS/EOT (im_end) ids get biases that make
 ``p(mask)`` about 1e-3..1e-2 and EOS/EOT proposed at a fair share of positions.
+
+Every random value comes from integers (:func:`_int_normal`: ``torch.randint`` sums times one constant;
+``torch.randperm`` for the active ids), so the same seed gives the same bits on every CPU, whatever its SIMD
+kernels (``torch.randn`` does not: its AVX2 and scalar kernels give other bits).
 """
 
 from __future__ import annotations
@@ -42,17 +46,17 @@ def _build(family: str, seed: int, extra_active: tuple[int, ...] = ()) -> Transf
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif name.endswith(".bias"):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+                p.copy_(_int_normal(g, p.shape, 0.1))
             elif name in ("embed.weight", "head.weight"):
                 continue
             else:
                 scale = QK_SCALE if name.split(".")[-2] in ("q", "k") else OUT_SCALE
-                p.copy_(torch.randn(p.shape, generator=g) * (scale / p.shape[1] ** 0.5))
+                p.copy_(_int_normal(g, p.shape, scale / p.shape[1] ** 0.5))
         for layer in model.layers:  # keep feature 0 constant through the residual stream
             layer.o.weight[0].zero_()
             layer.down.weight[0].zero_()
         d = cfg.d_model
-        emb = torch.randn(vocab, d, generator=g)
+        emb = _int_normal(g, (vocab, d), 1.0)
         emb[:, 0] = CONST
         model.embed.weight.copy_(emb)
         first_special = min(spec.mask_id, spec.eos_id, spec.eot_id)
@@ -69,10 +73,10 @@ def _build(family: str, seed: int, extra_active: tuple[int, ...] = ()) -> Transf
         # Head: column 0 (bias through the constant feature) + random directions for the active ids.
         head = torch.zeros(vocab, d)
         head[:, 0] = -2.5  # background bias; the normalised constant feature is about 4
-        head[active, 1:] = torch.randn(N_ACTIVE, d - 1, generator=g) * 0.9
+        head[active, 1:] = _int_normal(g, (N_ACTIVE, d - 1), 0.9)
         head[active, 0] = 0.0
         for tid, bias, scale in ((spec.mask_id, 6.0, 0.25), (spec.eos_id, 8.0, 0.7), (spec.eot_id, 7.0, 0.7)):
-            head[tid, 1:] = torch.randn(d - 1, generator=g) * scale
+            head[tid, 1:] = _int_normal(g, (d - 1,), scale)
             head[tid, 0] = bias
         if extra_active:  # proposed at some positions, with a confidence that varies (a reference's delimiters)
             head[extra, 0] = EXTRA_BIAS
@@ -108,51 +112,19 @@ def shaped_prompts(family: str, lengths: list[int], seed: int = 0) -> list[list[
     return [torch.randint(0, limit, (n,), generator=g).tolist() for n in lengths]
 
 
-def _random_block_model(cfg: TransformerConfig, spec, seed: int, perturb=None) -> Transformer:
-    """A random-weight model of ``spec`` on the bundled Qwen-style tokenizer of ``dream-tiny``: weights large
-    enough that the logits are not flat, norm weights and biases perturbed so that a misplaced norm or bias
-    shows, ``perturb(model)`` for family-specific buffers, then EOS and the mask token made real contenders: EOS
-    takes over the head row of the most frequent argmax (slightly scaled up: it wins where that token won), the
-    mask token the second's, scaled down."""
-    import dllm
-    from dllm.models.weights import init_weights
-
-    tok_model = dllm.load_model("dream-tiny", dtype="float32")
-    assert cfg.vocab_size == tok_model.config.vocab_size, "TINY_VOCAB is the bundled tokenizer's vocabulary size"
-    torch.manual_seed(seed)
-    m = Transformer(cfg, spec)
-    init_weights(m, std=0.2)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            elif name.endswith(".bias"):
-                p.copy_(0.1 * torch.randn_like(p))
-        if perturb is not None:
-            perturb(m)
-        x = torch.randint(0, cfg.vocab_size, (8, 24), generator=torch.Generator().manual_seed(seed))
-        top = torch.bincount(m(x).argmax(-1).flatten(), minlength=cfg.vocab_size).argsort(descending=True)
-        top = [int(t) for t in top if int(t) not in (tok_model.eos_id, tok_model.mask_id)][:2]
-        m.head.weight[tok_model.eos_id] = 1.02 * m.head.weight[top[0]]
-        m.head.weight[tok_model.mask_id] = 0.97 * m.head.weight[top[1]]
-    m.tokenizer = tok_model.tokenizer
-    m.mask_id, m.eos_id, m.pad_id, m.eot_id = tok_model.mask_id, tok_model.eos_id, tok_model.pad_id, tok_model.eot_id
-    return m.eval().requires_grad_(False)
-
-
 TINY_VOCAB = 1197  # the bundled tokenizer's (dream-tiny)
 
 
 def sdar_tiny(seed: int = 0, block_size: int = 4, bias: bool = False) -> Transformer:
     """A random-weight SDAR-format model (Qwen3 block-diffusion layout: QK norms, head_dim 24 with d_model 64,
-    GQA 4/2; :func:`_random_block_model`). Save it with ``dllm.save_pretrained`` for a checkpoint in SDAR's
-    published layout."""
+    GQA 4/2; QKV and output biases with ``bias``; :func:`_integer_block_model`). Save it with
+    ``dllm.save_pretrained`` for a checkpoint in SDAR's published layout."""
     from dllm.models.spec import SDAR
 
     cfg = TransformerConfig(vocab_size=TINY_VOCAB, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
                             mlp_hidden=128, max_seq_len=512, rope_theta=10000.0, norm_eps=1e-6, head_size=24,
                             qk_norm=True, block_size=block_size, qkv_bias=bias, out_bias=bias)
-    return _random_block_model(cfg, SDAR, seed)
+    return _integer_block_model(cfg, SDAR, seed, SDAR_EOS_LIKE, SDAR_MASK_LIKE)
 
 
 # ------------------------------------------------------------------ block models without float-dependent steps
@@ -215,6 +187,7 @@ def _integer_block_model(cfg: TransformerConfig, spec, seed: int, eos_like: int,
 # prompts proposed most often before EOS and the mask token took them
 LLADA2_EOS_LIKE, LLADA2_MASK_LIKE = 377, 1103
 FASTDLLM2_EOS_LIKE, FASTDLLM2_MASK_LIKE = 936, 610
+SDAR_EOS_LIKE, SDAR_MASK_LIKE = 634, 690
 
 
 def llada2_tiny(seed: int = 0, block_size: int = 4) -> Transformer:

@@ -1,9 +1,9 @@
 """SDAR against its own code: logits of SDARForCausalLM (modeling_sdar.py) and trajectories of
 ``block_diffusion_generate`` (generate.py), recorded by ``benchmarks/golden/record_sdar.py`` on two random-weight
-SDAR checkpoints: ``golden_models.sdar_tiny`` (``sdar_sdar-tiny.json``) and :func:`sdar_integer`, built without a
-float-dependent step (``sdar_sdar-integer.json``: the dynamic rule with fewer steps than the block, blocks of 8
-and 16 with 4 steps, where the reference's top-k overwrites decoded tokens in any block; prompt positions
-overwritten; committed mask tokens that leave a block masked after its last step, where the reference raises).
+SDAR checkpoints, both built without a float-dependent step so that the fixtures hold on every CPU:
+``golden_models.sdar_tiny`` (``sdar_sdar-tiny.json``) and :func:`sdar_integer` (``sdar_sdar-integer.json``: the
+dynamic rule with fewer steps than the block, blocks of 8 and 16 with 4 steps, where the reference's top-k
+overwrites decoded tokens in any block; prompt positions overwritten; committed mask tokens that leave a block masked after its last step, where the reference raises).
 Checked: the same logits within 1e-5 (float32), and the same tokens, forward count and positions committed and
 overwritten at every forward, greedy (``top_k=1``) and seeded sampling."""
 

@@ -61,7 +61,7 @@ SHAPED_SEED = 0
 # AdaBlock's Dream code hard-codes Qwen2 newline ids as delimiters; the shaped model for it proposes some of them
 ADABLOCK_DREAM_DELIMITERS = (198, 271, 280, 319, 340, 382, 401, 532, 624, 630, 692, 698, 921, 1248, 1837, 1939, 2219,
                              2533, 3276, 3876, 4894, 5267, 14750, 68327)
-ADABLOCK_SHAPED_ACTIVE = (198, 271, 382)
+ADABLOCK_SHAPED_ACTIVE = (198, 271, 280, 319, 340, 382)  # six: with three, no case adapted a block
 
 
 def package(name: str, path: Path):

@@ -43,7 +43,7 @@ LLaDA modeling file); from the repository root, each command writes
     $PY benchmarks/golden/record_others.py d3llm-multiblock --ref-dir /path/to/d3LLM      # d3llm-multiblock_*
 
 Models: the bundled ``llada-tiny`` and the LLaDA-shaped random model of ``tests/golden_models.py`` (AdaBlock gets
-delimiter ids that each model proposes: the tokenizer's newline tokens, two frequent ids of the shaped model).
+delimiter ids that each model proposes: the tokenizer's newline tokens, three ids of the shaped model).
 Every reference calls
 ``model(x).logits``; it gets dllm's Transformer behind ``record_llada.Recorder`` (the HF LLaDA file's
 semantics), which records the canvas before every forward.
@@ -76,9 +76,10 @@ import golden_models as gm  # noqa: E402
 import record_llada as rl  # noqa: E402
 
 SHAPED_SEED = 0
-# generate_adablock takes delimiter_ids (default [198], LLaDA's "\n"): on the shaped model, two ids it proposes at
-# some masked positions with confidences between 0.2 and 0.7; on llada-tiny, its tokenizer's newline tokens
-ADABLOCK_SHAPED_DELIMITERS = (3162, 56254)
+# generate_adablock takes delimiter_ids (default [198], LLaDA's "\n"): on the shaped model, three ids it proposes at
+# some masked positions with confidences between 0.2 and 0.7 (with these, every case but fixed_blocks adapts a
+# block); on llada-tiny, its tokenizer's newline tokens
+ADABLOCK_SHAPED_DELIMITERS = (6145, 6755, 41343)
 
 
 class Host(rl.Recorder):
@@ -200,7 +201,7 @@ def record_adablock(ref_dir: Path):
     mod = importlib.import_module("generate_adablock")
     reference = {"repo": "lgxi24/AdaBlock-dLLM", "commit": "491b20580ad90f6019f29e045f484b538581101a",
                  "file": "llada/generate_adablock.py", "function": "generate_adablock (compute_block_length)"}
-    from dllm.samplers.adablock import tokenizer_delimiters
+    from dllm.blocks.adablock import tokenizer_delimiters
 
     tiny = rl.tiny_model("llada-tiny")
     delims = tokenizer_delimiters(tiny.tokenizer, "newline")

@@ -1,8 +1,8 @@
 """Record SDAR fixtures from SDAR's own code (JetAstra/SDAR @ c2041a83; run locally, the code stays outside).
 
 Two phases, two environments, once per model (``--model tiny``: ``golden_models.sdar_tiny``, fixture
-``sdar_sdar-tiny.json``; ``--model integer``: ``test_golden_sdar.sdar_integer``, built without a float-dependent
-step so that its fixture holds on every CPU, fixture ``sdar_sdar-integer.json``):
+``sdar_sdar-tiny.json``; ``--model integer``: ``test_golden_sdar.sdar_integer``, fixture ``sdar_sdar-integer.json``;
+both built without a float-dependent step so that their fixtures hold on every CPU):
 
 1. ``checkpoint`` (this project's environment): write the random-weight SDAR-format checkpoint in SDAR's
    published layout, and the prompts (chat-templated token ids of the bundled tokenizer)::
