@@ -153,7 +153,8 @@ TIE_ORDER: set[tuple[str, str]] = set()
 # be stable at the block's step history - 1 (its KL against the previous block's last forward counts); dllm's
 # history starts with each region (eligible from step history on: docs/samplers.md). These cases reach that
 # point: they are compared exactly up to it, and the first difference must be there.
-KLASS_CROSS_BLOCK = {("klass-llada_shaped-llada", "b16_loose"), ("klass-llada_shaped-llada", "history3")}
+KLASS_CROSS_BLOCK = {("klass-llada_shaped-llada", "b16_loose"), ("klass-llada_shaped-llada", "history3"),
+                     ("klass-llada_shaped-llada", "script")}
 
 
 def block_position(steps: list, f: int, block_length: int) -> tuple[int, int]:
