@@ -84,7 +84,7 @@ BAD = [  # (path, body, param, words in the message)
     ("/v1/completions", {"prompt": PROMPT, "logprobs": -1}, "logprobs", ["out of range"]),
     ("/v1/completions", {"prompt": PROMPT, "logprobs": True}, "logprobs", ["integer"]),
     ("/v1/completions", {"prompt": PROMPT, "logprobs": 2, "echo": True}, "echo", ["prompt's tokens"]),
-    ("/v1/completions", {"prompt": PROMPT, "top_p": 0.9}, "top_p", ["no nucleus cut", "dream"]),
+    ("/v1/completions", {"prompt": PROMPT, "top_p": -0.5, "sampler": "threshold"}, "top_p", []),
     ("/v1/completions", {"prompt": PROMPT, "top_p": 0, "sampler": "dream"}, "top_p", ["out of range"]),
     ("/v1/completions", {"prompt": PROMPT, "top_p": 1.5, "sampler": "dream"}, "top_p", ["out of range"]),
     ("/v1/completions", {"prompt": PROMPT, "presence_penalty": 0.5}, "presence_penalty", ["not supported"]),
@@ -314,3 +314,19 @@ def test_top_p_is_the_samplers_own_nucleus_cut(server):
         params = {"temperature": 0.9, **({"top_p": top_p} if top_p < 1 else {})}
         out = dllm.generate(model, [CHAT], gen_length=16, seed=3, sampler=dllm.get_sampler("dream", **params))
         assert r["choices"][0]["message"]["content"] == out.texts[0], top_p
+
+
+def test_top_p_is_a_logits_transform_for_every_other_sampler(server):
+    """A sampler without a nucleus cut of its own gets one in front (``TopP``): the served answer is generate's with
+    ``with_top_p(sampler, top_p)``."""
+    from dllm.samplers.transforms import with_top_p
+
+    model, engine, url = server
+    for name, params in (("llada", {"temperature": 0.9}), ("threshold", {"temperature": 0.9})):
+        body = {"messages": CHAT, "max_tokens": 16, "block_length": 8, "seed": 5, "sampler": name, "top_p": 0.4,
+                **({"temperature": 0.9} if params else {})}
+        r = _post(url, "/v1/chat/completions", body)
+        assert r.status_code == 200, r.text
+        out = dllm.generate(model, [CHAT], gen_length=16, block_length=8, seed=5,
+                            sampler=with_top_p(dllm.get_sampler(name, **params), 0.4))
+        assert r.json()["choices"][0]["message"]["content"] == out.texts[0], name

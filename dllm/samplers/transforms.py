@@ -6,11 +6,20 @@ modifier (EOS early rejection). Both are small frozen dataclasses used by
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
-from dllm.samplers.base import SOFTMAX_DTYPES, StepContext, argmax_unmasked, check_range, row_forwards, token_prob
+from dllm.samplers.base import (
+    SOFTMAX_DTYPES,
+    SamplerBase,
+    StepContext,
+    argmax_unmasked,
+    check_range,
+    row_forwards,
+    token_prob,
+)
 
 EOS_PROGRESS = ("step", "step-total", "decoded", "ass")
 
@@ -157,3 +166,72 @@ class EOSRejection:
         for i in ids[1:]:
             hit = hit | (x0 == i)
         return torch.where(hit, conf * g[:, None].to(conf.dtype), conf), g
+
+
+@dataclass(frozen=True)
+class TopP(SamplerBase):
+    """A nucleus cut in front of any sampler: before ``inner`` sees a step's logits, every token outside the
+    smallest set of most probable tokens whose probability exceeds ``top_p`` gets ``-inf`` (the most probable
+    token always stays). The set is taken from the softmax over the proposable tokens (the mask token never
+    counts: no sampler proposes it), so the inner sampler's proposals and confidences come from the renormalised
+    nucleus, as with Dream's own ``top_p``. ``top_p = 1`` changes nothing (the logits pass through untouched).
+
+    Everything else is the inner sampler's: its name, window, parameters and per-row state; ``bind_model``
+    binds the inner sampler."""
+
+    inner: Any
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if not hasattr(self.inner, "step"):
+            raise TypeError(f"inner must be a sampler with step(logits, ctx), got {self.inner!r}")
+        check_range("top_p", self.top_p, 0, 1, lo_open=True, fix="; the nucleus mass, 0 < top_p <= 1 (1: no cut)")
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    @property
+    def window_columns(self):
+        return getattr(self.inner, "window_columns", None)
+
+    def __getattr__(self, attr):  # the inner sampler's attributes (temperature, rule, ...)
+        if attr == "inner":
+            raise AttributeError(attr)
+        return getattr(self.inner, attr)
+
+    def bind_model(self, model) -> TopP:
+        inner = self.inner.bind_model(model) if hasattr(self.inner, "bind_model") else self.inner
+        return self if inner is self.inner else replace(self, inner=inner)
+
+    def step(self, logits: torch.Tensor, ctx: StepContext):
+        if self.top_p >= 1:
+            return self.inner.step(logits, ctx)
+        return self.inner.step(nucleus(logits, self.top_p, ctx.mask_id), ctx)
+
+
+def nucleus(logits: torch.Tensor, top_p: float, mask_id: int | None = None) -> torch.Tensor:
+    """``logits`` with ``-inf`` outside the nucleus of mass ``top_p`` (see :class:`TopP`); the mask token is left
+    out of the distribution and gets ``-inf``."""
+    lf = logits.float()
+    if mask_id is not None and 0 <= mask_id < lf.shape[-1]:
+        lf = lf.clone()
+        lf[..., mask_id] = float("-inf")
+    sorted_l, order = torch.sort(lf, dim=-1, descending=True)
+    before = torch.cumsum(torch.softmax(sorted_l, dim=-1), dim=-1) - torch.softmax(sorted_l, dim=-1)
+    drop_sorted = before > top_p  # the mass before a token already exceeds top_p: outside the nucleus (as Dream)
+    drop_sorted[..., 0] = False
+    drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+    if mask_id is not None and 0 <= mask_id < lf.shape[-1]:
+        drop[..., mask_id] = True
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def with_top_p(sampler, top_p: float):
+    """``sampler`` (a sampler or a :class:`~dllm.samplers.recipe.Recipe`) behind a :class:`TopP` nucleus cut; a
+    recipe keeps its block layout and cache."""
+    from dllm.samplers.recipe import Recipe
+
+    if isinstance(sampler, Recipe):
+        return replace(sampler, sampler=TopP(sampler.sampler, top_p))
+    return TopP(sampler, top_p)

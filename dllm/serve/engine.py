@@ -50,7 +50,9 @@ from dllm.generate import Decoder, DecodeState, decode_texts, prepare_prompts, r
 from dllm.recipes import model_block_size, resolve
 from dllm.samplers import get_sampler
 from dllm.samplers import guided as _guided
+from dllm.samplers.registry import SAMPLERS
 from dllm.samplers.rules import KLStable
+from dllm.samplers.transforms import with_top_p
 
 log = logging.getLogger(__name__)
 
@@ -406,7 +408,7 @@ class Engine:
                sampler: str | None = None, params: dict | None = None, seed: int = 0,
                eos_early_stop: bool = False, chat_template: bool = True, request_id: str | None = None,
                cache: str | None = None, canvas: bool = False, sample: int = 0,
-               logprobs: int | None = None) -> RequestHandle:
+               logprobs: int | None = None, top_p: float | None = None) -> RequestHandle:
         """Queue one request (a string, a chat conversation or token ids); returns its handle. Bad settings
         raise :class:`RequestError` here, before anything runs; a prompt that cannot fit the context with
         ``gen_length`` is refused before it is tokenised.
@@ -451,6 +453,10 @@ class Engine:
             raise RequestError(f"prompt (at least {least} tokens) + gen_length ({gen_length}) exceeds the model's "
                                f"context of {self.model.max_seq_len} tokens; shorten the prompt or lower "
                                f"gen_length (max_tokens)", "prompt")
+        cut = top_p if top_p is not None and top_p < 1 else None
+        own_cut = cut is not None and name in SAMPLERS and "top_p" in SAMPLERS[name].params()
+        if own_cut:  # the sampler's own nucleus cut (Dream's, as its reference applies it)
+            params = {**params, "top_p": cut}
         try:
             recipe = get_sampler(name, **params)
         except (ValueError, TypeError, KeyError) as exc:
@@ -459,6 +465,11 @@ class Engine:
             self._share_guide(recipe)
         except (OSError, ValueError) as exc:  # e.g. a guide directory that does not exist
             raise RequestError(str(exc), "params") from None
+        if cut is not None and not own_cut:  # any other sampler: the nucleus cut as a logits transform in front
+            try:
+                recipe = with_top_p(recipe, cut)
+            except (ValueError, TypeError) as exc:
+                raise RequestError(str(exc), "top_p") from None
         try:
             rows = prepare_prompts(self.model, [prompt], None, chat_template)
         except (ValueError, TypeError, KeyError) as exc:
@@ -469,7 +480,7 @@ class Engine:
             cache = cache if isinstance(cache, str) else cache[0]
         if cache not in SERVED_CACHES:
             raise RequestError(f"cache {cache!r} is not served; served caches: {', '.join(SERVED_CACHES)}", "cache")
-        spec = (name, tuple(sorted(params.items())), cache)
+        spec = (name, tuple(sorted(params.items())), cache, None if cut is None or own_cut else cut)
         try:  # lengths, block layout and context checked before queueing
             resolve(self.model, recipe, cache, None, config)
             hash(spec)

@@ -268,19 +268,6 @@ def create_app(engine: Engine, model_name: str = "dllm", api_key: str | None = N
     async def metrics():
         return PlainTextResponse(generate_latest(registry).decode(), media_type=CONTENT_TYPE_LATEST)
 
-    def _top_p_samplers() -> list[str]:
-        from dllm.samplers import get_sampler
-        from dllm.samplers.registry import SAMPLERS
-
-        names = []
-        for name in SAMPLERS:
-            try:
-                get_sampler(name, top_p=0.5)
-                names.append(name)
-            except Exception:  # no top_p parameter
-                pass
-        return names
-
     def _prepare(raw: bytes, chat: bool):
         """Parse, check and submit (tokenising): runs in a worker thread. Returns (request, handles, id)."""
         try:
@@ -297,8 +284,6 @@ def create_app(engine: Engine, model_name: str = "dllm", api_key: str | None = N
         params = dict(req.params or {})
         if req.temperature:
             params["temperature"] = req.temperature
-        if req.top_p is not None and req.top_p < 1:  # the sampler's own nucleus cut, where it has one
-            params["top_p"] = req.top_p
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         n = req.n or 1
         handles = []
@@ -309,15 +294,12 @@ def create_app(engine: Engine, model_name: str = "dllm", api_key: str | None = N
                     sampler=req.sampler, params=params, seed=req.seed or 0,
                     eos_early_stop=bool(req.eos_early_stop), chat_template=chat, cache=req.cache,
                     canvas=bool(req.dllm_canvas), sample=i, request_id=rid if n == 1 else f"{rid}-{i}",
-                    logprobs=req.top_k))
+                    logprobs=req.top_k, top_p=req.top_p))
         except BaseException as exc:
             for h in handles:
                 h.cancel()
             if isinstance(exc, QueueFull):
                 raise BadRequest(str(exc), None, 429) from None
-            if isinstance(exc, RequestError) and "top_p" in params and "'top_p'" in str(exc):
-                raise BadRequest(f"top_p: sampler {req.sampler or engine.sampler!r} has no nucleus cut; use a sampler "
-                                 f"with one ({', '.join(_top_p_samplers())}) or leave top_p out", "top_p") from None
             if isinstance(exc, RequestError):
                 msg = str(exc)
                 param = {"gen_length": "max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens",
