@@ -40,7 +40,7 @@ PROMPTS = ["What is 12 + 30?", 'Please copy the list exactly:\n["Ann Lee", "Bob 
 BAD_BODIES = [
     {"messages": [{"role": "user", "content": None}]}, {"messages": [{"content": "x"}]},
     {"messages": [{"role": "tool", "content": "x"}]}, {"prompt": "x", "stop": 5}, {"prompt": "x", "stop": [1, 2]},
-    {"prompt": "x", "seed": 2**70}, {"prompt": "x", "stream": "no"}, {"prompt": "x", "top_p": 0.5},
+    {"prompt": "x", "seed": 2**70}, {"prompt": "x", "stream": "no"}, {"prompt": "x", "top_p": 1.5},
     {"prompt": "x", "logprobs": 30}, {"prompt": "x", "frobnicate": True}, {"prompt": "x", "max_tokens": 10**7},
     {"prompt": "x", "sampler": "nope"}, {"prompt": "x", "params": {"tau": [1]}, "sampler": "threshold"},
     {"prompt": "x", "model": "gpt-4"}, {"prompt": "x", "stream": True, "stop": 5}, {"prompt": [-5]},
