@@ -170,6 +170,7 @@ def test_load_model_compile_option():
         dllm.load_model("llada-tiny", compile="yes")
     with pytest.raises(ValueError, match="not torch.compile arguments"):
         dllm.load_model("llada-tiny", compile={"modes": "max-autotune"})
+    torch._dynamo.reset()  # compiled code is cached per code object (Transformer.forward), across tests
     eager = dllm.load_model("llada-tiny")
     compiled = dllm.load_model("llada-tiny", compile={"backend": "aot_eager", "dynamic": True})
     assert isinstance(compiled, dllm.models.Transformer)
@@ -180,3 +181,4 @@ def test_load_model_compile_option():
     b = dllm.generate(compiled, prompts, graphs="on", **kw)
     assert torch.equal(a.sequences, b.sequences)
     assert b.stats.graphs.get("replays", 0) + b.stats.graphs.get("captures", 0) >= 1
+    torch._dynamo.reset()
