@@ -49,10 +49,12 @@ def add_rms_norm_ref(h: torch.Tensor, y: torch.Tensor, w: torch.Tensor, eps: flo
     return s, rms_norm_ref(s, w, eps)
 
 
-def _rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE computed in fp32, returned in ``x.dtype``; with tables narrower than the head (partial
+    rotary) only the first ``cos.shape[-1]`` dims rotate, the rest pass through."""
     r = cos.shape[-1]
     if r < x.shape[-1]:
-        return torch.cat([_rope_ref(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+        return torch.cat([rope_ref(x[..., :r], cos, sin), x[..., r:]], dim=-1)
     xf = x.float()
     half = xf.shape[-1] // 2
     rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
@@ -69,7 +71,7 @@ def rope_qk_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads
     if norm_w is not None:
         q, k = rms_norm_ref(q, norm_w[0], eps), rms_norm_ref(k, norm_w[1], eps)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    return _rope_ref(q, cos, sin), _rope_ref(k, cos, sin), v
+    return rope_ref(q, cos, sin), rope_ref(k, cos, sin), v
 
 
 def silu_mul_ref(gu: torch.Tensor) -> torch.Tensor:
@@ -307,5 +309,5 @@ def _build_triton_ops():
                                  rope_qk=rope_qk_call, silu_mul=silu_mul_op)
 
 
-__all__ = ["add_rms_norm", "add_rms_norm_ref", "rms_norm", "rms_norm_ref", "rope_qk", "rope_qk_ref", "silu_mul",
+__all__ = ["add_rms_norm", "add_rms_norm_ref", "rms_norm", "rms_norm_ref", "rope_qk", "rope_qk_ref", "rope_ref", "silu_mul",
            "silu_mul_ref"]

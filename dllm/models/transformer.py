@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dllm import kernels
+from dllm.kernels.fused import rms_norm_ref, rope_ref
 from dllm.models import fast as fast_path
 
 
@@ -84,9 +85,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm_ref(x, self.weight, self.eps)
 
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float):
@@ -101,14 +100,9 @@ def rope_tables(positions: torch.Tensor, head_dim: int, theta: float):
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE computed in fp32, returned in ``x.dtype``. ``x``: ``[B, H, T, D]``; with tables narrower
-    than ``D`` (partial rotary) only the first ``cos.shape[-1]`` dims rotate, the rest pass through."""
-    r = cos.shape[-1]
-    if r < x.shape[-1]:
-        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
-    xf = x.float()
-    half = xf.shape[-1] // 2
-    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    return (xf * cos + rotated * sin).to(x.dtype)
+    than ``D`` (partial rotary) only the first ``cos.shape[-1]`` dims rotate, the rest pass through. The eager layer
+    and the fast path's twin are one function (:func:`dllm.kernels.fused.rope_ref`)."""
+    return rope_ref(x, cos, sin)
 
 
 class SwiGLU(nn.Module):
