@@ -369,9 +369,7 @@ class Decoder:
         w_lo, w_hi = self.widen(win_lo, win_hi, P, T) if self.widen is not None else (win_lo, win_hi)
         cols = self.cols_all[w_lo:w_hi]
         tc = clock.mark()
-        r_lo, r_hi = self.widen(lo, hi, P, T) if self.widen is not None else (lo, hi)  # each row's own window
-        cstate = CacheState(x, lo, hi, st.active, st.step_in, (w_lo, w_hi), P, mask_id, self.shift, st.committed,
-                            st.nfe, st.key_mask, st.row_nfe, r_lo, torch.as_tensor(r_hi).expand(B))
+        cstate = self._cache_state(st, (w_lo, w_hi))
         hint = st.plan_hint
         if hint is not None and hint[0] is x and hint[1] == x._version:  # the plan read in the last step's sync
             query_idx, _ = cache.plan(cstate, hint=hint[2:])
@@ -380,11 +378,12 @@ class Decoder:
         st.plan_hint = None
         t0 = clock.mark()
         runner = self.graphs
-        if runner is not None and runner.eager_reason(cache, query_idx, config.cfg_scale > 0) is None:
+        eager = runner.eager_reason(cache, query_idx, config.cfg_scale > 0) if runner is not None else None
+        if runner is not None and eager is None:
             logits = runner(x, st.positions, st.key_mask, cols.expand(B, -1), cache, query_idx)
         else:
-            if runner is not None:
-                runner.stats["eager:" + runner.eager_reason(cache, query_idx, config.cfg_scale > 0)] += 1
+            if eager is not None:
+                runner.stats["eager:" + eager] += 1
             logits = _forward(model, x, st.positions, st.key_mask, cols.expand(B, -1), config, cache, query_idx)
         t1 = clock.mark()
         cstats = self.step_stats(self.n_layers) if self.step_stats is not None else {}
@@ -447,29 +446,32 @@ class Decoder:
         # the next step's cache plan (active rows, partial or full, largest active set), read in this sync
         nxt = self._plan_next(st)
         synced = torch.cat([torch.stack([st.active.any(), bad.any()]).long(), self._window(st)]
-                           + ([nxt[2]] if nxt is not None else [])).tolist()  # the step's host sync
+                           + ([nxt[1]] if nxt is not None else [])).tolist()  # the step's host sync
         running, nonfinite, n_lo, n_hi = synced[:4]
         st.window = (n_lo, n_hi)
         if nxt is not None:
-            st.plan_hint = (st.x, st.x._version, nxt[0], nxt[1], synced[4], synced[5])
+            st.plan_hint = (st.x, st.x._version, nxt[0], synced[4], synced[5])
         if nonfinite:
             raise NonFiniteLogitsError.at(bad, st.nfe - 1, w_lo - P)
         if running and st.nfe >= self.max_iters:
             raise RuntimeError(f"decoding made no progress after {st.nfe} steps; sampler {sampler!r} commits nothing")
         return bool(running)
 
+    def _cache_state(self, st: DecodeState, cols: tuple[int, int]) -> CacheState:
+        """What the cache is told before a forward on ``st`` (``cols``: the window's canvas columns)."""
+        lo, hi, B, T = st.lo, st.hi, st.x.shape[0], st.x.shape[1]
+        r_lo, r_hi = self.widen(lo, hi, st.P, T) if self.widen is not None else (lo, hi)  # each row's own window
+        return CacheState(st.x, lo, hi, st.active, st.step_in, cols, st.P, self.model.mask_id, self.shift,
+                          st.committed, st.nfe, st.key_mask, st.row_nfe, r_lo, torch.as_tensor(r_hi).expand(B))
+
     def _plan_next(self, st: DecodeState):
         """The cache's plan for the next step computed now (``KVCache.plan_mask``: no host sync), so that its two
-        numbers travel in this step's one host synchronisation; None for caches without it (or not yet filled)."""
+        numbers travel in this step's one host synchronisation; None for caches without it (or not yet filled).
+        The columns are a placeholder: the cache reads each row's own window (``read_lo`` / ``read_hi``)."""
         cache = self.cache
-        if not isinstance(cache, KVCache) or not cache.filled or not cache.hint_ok or type(cache).plan is not KVCache.plan:
+        if not isinstance(cache, KVCache) or not cache.filled or type(cache).plan is not KVCache.plan:
             return None
-        lo, hi, B = st.lo, st.hi, st.x.shape[0]
-        T = st.x.shape[1]
-        r_lo, r_hi = self.widen(lo, hi, st.P, T) if self.widen is not None else (lo, hi)
-        cstate = CacheState(st.x, lo, hi, st.active, st.step_in, (0, T), st.P, self.model.mask_id, self.shift,
-                            st.committed, st.nfe, st.key_mask, st.row_nfe, r_lo, torch.as_tensor(r_hi).expand(B))
-        return cache.plan_mask(cstate)
+        return cache.plan_mask(self._cache_state(st, (0, st.x.shape[1])))
 
     def _advance(self, st: DecodeState, x, lo, hi, committed):
         """Region bookkeeping after a step's commits, vectorised over rows: finished regions, EOS early stop,

@@ -34,10 +34,15 @@ from typing import Any
 
 import torch
 
+from dllm.caches.base import KVCache
 from dllm.config import GRAPH_MODES
 from dllm.kernels.dispatch import reset_rng_capture_state
+from dllm.models.transformer import Transformer
 
 log = logging.getLogger(__name__)
+
+
+_INPUTS = ("x", "positions", "key_mask", "logits_idx", "query_idx", "read_cols")  # a graph's static inputs
 
 
 @dataclass
@@ -48,7 +53,8 @@ class _Graph:
     logits_idx: torch.Tensor
     query_idx: torch.Tensor
     read_cols: torch.Tensor | None
-    out: torch.Tensor | None = None
+    captured: bool = False  # replays from now on (capture=False: the forward on the static buffers)
+    out: torch.Tensor | None = None  # the captured graph's static logits
     graph: Any = None  # torch.cuda.CUDAGraph, or None (not captured: replay runs the forward)
     seen: int = 0
     failed: bool = False  # the capture raised: this shape stays eager
@@ -91,9 +97,6 @@ class GraphRunner:
     # -- eligibility ------------------------------------------------------------------------------------------
     def eager_reason(self, cache, query_idx, cfg: bool) -> str | None:
         """Why this forward runs eagerly (None: it goes through a graph)."""
-        from dllm.caches.base import KVCache
-        from dllm.models.transformer import Transformer
-
         if query_idx is None:
             return "full forward"
         if cfg:
@@ -117,20 +120,23 @@ class GraphRunner:
                bool(cache.sparse_logits), x.device, self.model.dtype, id(cache),
                tuple(t.data_ptr() for t in bufs))
         g = self.graphs.get(key)
-        if g is None:
-            g = self.graphs[key] = self._static(x, positions, key_mask, logits_idx, query_idx, cache.read_cols)
+        live = (x, positions, key_mask, logits_idx, query_idx, cache.read_cols)
+        if g is None:  # static buffers like the live inputs (dense, whatever their strides)
+            g = self.graphs[key] = _Graph(*(None if t is None else torch.empty_like(t) for t in live))
             self._evict()
         else:
             self.graphs.move_to_end(key)
         g.seen += 1
-        self._load(g, x, positions, key_mask, logits_idx, query_idx, cache.read_cols)
+        for name, t in zip(_INPUTS, live):
+            if t is not None:
+                getattr(g, name).copy_(t)
         if g.failed:
             self.stats["eager:capture failed"] += 1
             return self._forward(g, cache)
-        if g.out is None and g.seen < self.capture_after:  # not seen often enough yet: eager on the static buffers
+        if not g.captured and g.seen < self.capture_after:  # not seen often enough yet: eager on the static buffers
             self.stats["eager:first sight"] += 1
             return self._forward(g, cache)
-        if g.out is None:
+        if not g.captured:
             out = self._capture(g, cache)
             self.stats["captures"] += 1
             return out
@@ -139,25 +145,6 @@ class GraphRunner:
             return self._forward(g, cache)
         g.graph.replay()
         return g.out.clone()
-
-    def _static(self, x, positions, key_mask, logits_idx, query_idx, read_cols) -> _Graph:
-        return _Graph(x=torch.empty_like(x), positions=torch.empty_like(positions),
-                      key_mask=None if key_mask is None else torch.empty_like(key_mask),
-                      logits_idx=torch.empty(logits_idx.shape, dtype=logits_idx.dtype, device=logits_idx.device),
-                      query_idx=torch.empty_like(query_idx),
-                      read_cols=None if read_cols is None else torch.empty(read_cols.shape, dtype=read_cols.dtype,
-                                                                             device=read_cols.device))
-
-    @staticmethod
-    def _load(g: _Graph, x, positions, key_mask, logits_idx, query_idx, read_cols) -> None:
-        g.x.copy_(x)
-        g.positions.copy_(positions)
-        if key_mask is not None:
-            g.key_mask.copy_(key_mask)
-        g.logits_idx.copy_(logits_idx)
-        g.query_idx.copy_(query_idx)
-        if read_cols is not None:
-            g.read_cols.copy_(read_cols)
 
     def _forward(self, g: _Graph, cache) -> torch.Tensor:
         live = cache.read_cols
@@ -170,8 +157,8 @@ class GraphRunner:
 
     def _capture(self, g: _Graph, cache) -> torch.Tensor:
         if not self.capture:
-            g.out = self._forward(g, cache)
-            return g.out.clone()
+            g.captured = True
+            return self._forward(g, cache)
         # warm-up on a side stream (lazy initialisations, autotuning, kernel choices happen here, never during
         # capture); it is this step's forward: its logits are returned and its K/V writes are the step's writes
         s = torch.cuda.Stream()
@@ -191,7 +178,7 @@ class GraphRunner:
                         type(exc).__name__, exc)
             g.out, g.graph, g.failed = None, None, True
             return out
-        g.graph = graph
+        g.graph, g.captured = graph, True
         log.info("captured a CUDA graph: batch %d, canvas %d, %d active rows, %d logits columns",
                  g.x.shape[0], g.x.shape[1], g.query_idx.shape[1], g.logits_idx.shape[1])
         return out

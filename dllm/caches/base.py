@@ -155,9 +155,6 @@ class KVCache(CacheBase):
     """
 
     name = "kv"
-    #: whether :meth:`plan_mask` may run one step ahead (its ``select`` / ``refresh_rows`` / ``read_rows`` read only
-    #: the state and what the previous plan and forward left)
-    hint_ok = True
     #: True for a policy whose partial forwards compute only the rows of the columns the sampler reads (the
     #: candidates), not every window column: the model then returns zero logits for the other columns.
     sparse_logits = False
@@ -193,19 +190,19 @@ class KVCache(CacheBase):
         pass
 
     def plan(self, state: CacheState, hint=None) -> tuple[torch.Tensor | None, int | None]:
-        """The active rows of this step's forward (``[B, Q]``) or a full forward. ``hint``: ``(mask, full_rows,
-        partial, Q)`` from :meth:`plan_mask` on this same state, its two numbers already on the host (the decode
-        loop reads them in the previous step's synchronisation); without it, one host sync here."""
+        """The active rows of this step's forward (``[B, Q]``) or a full forward. ``hint``: ``(mask, partial, Q)``
+        from :meth:`plan_mask` on this same state, its two numbers already on the host (the decode loop reads them in
+        the previous step's synchronisation); without it, one host sync here."""
         if not self.filled:
             return self._full(state)
         self.read_cols = read_cols(state)
         if hint is None:
-            mask, _, counts = self.plan_mask(state)
+            mask, counts = self.plan_mask(state)
             # one host sync: whether some unfinished row keeps a partial forward (else a full forward: the cheaper
             # shape for the same rows) and the size of the largest active set
             partial, Q = counts.tolist()
         else:
-            mask, _, partial, Q = hint
+            mask, partial, Q = hint
         if not partial:
             return self._full(state)
         self._rows = rows_from_mask(mask, Q)
@@ -214,10 +211,11 @@ class KVCache(CacheBase):
         self.after_plan(state, self._rows)
         return self._rows, None
 
-    def plan_mask(self, state: CacheState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(mask [B, T] bool, full_rows [B] bool, counts [2] int64)`` of a partial forward on ``state``: the rows
-        to compute, the rows refreshed in full, and on the device (partial forward or not, largest active set).
-        No host synchronisation and no side effect: the decode loop may call it one step ahead."""
+    def plan_mask(self, state: CacheState) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mask [B, T] bool, counts [2] int64)`` of a partial forward on ``state``: the rows to compute and, on
+        the device, whether some unfinished row keeps a partial forward and the largest active set. No host
+        synchronisation and no side effect (``select`` / ``refresh_rows`` / ``read_rows`` read only the state and what
+        the previous plan and forward left): the decode loop calls it one step ahead."""
         B, T = state.x.shape
         full_rows = self.refresh_rows(state)  # [B] bool: rows recomputed in full this step
         if self.refresh_every is not None:
@@ -229,7 +227,7 @@ class KVCache(CacheBase):
             mask = mask & state.valid
         mask[:, 0] |= ~mask.any(-1)  # a row needs at least one active position
         counts = torch.stack([(state.active & ~full_rows).any().long(), mask.sum(-1).max()])
-        return mask, full_rows, counts
+        return mask, counts
 
     def _full(self, state: CacheState):
         B, T = state.x.shape
