@@ -1,4 +1,5 @@
-"""Shared by the HTTP serving tests: a free loopback port and a uvicorn server run in a thread."""
+"""Shared by the HTTP serving tests: a free loopback port, a uvicorn server run in a thread, and the bundled
+``llada-tiny`` served behind it."""
 
 from __future__ import annotations
 
@@ -32,3 +33,21 @@ def running_server(app, port: int | None = None):
     finally:
         srv.should_exit = True
         th.join(10)
+
+
+@contextlib.contextmanager
+def served_llada_tiny(max_queue: int, **app_kw):
+    """The bundled ``llada-tiny`` (float32) in a started engine (4 rows) behind the app on a loopback port; yields
+    ``(model, engine, url)`` and stops both on exit. ``app_kw``: :func:`dllm.serve.server.create_app` options."""
+    import dllm
+    from dllm.serve import Engine
+    from dllm.serve.server import create_app
+
+    model = dllm.load_model("llada-tiny", dtype="float32")
+    engine = Engine(model, max_rows=4, max_queue=max_queue)
+    engine.start()
+    try:
+        with running_server(create_app(engine, "llada-tiny", **app_kw)) as url:
+            yield model, engine, url
+    finally:
+        engine.stop(drain=False)

@@ -15,11 +15,9 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from serve_helpers import running_server  # noqa: E402
+from serve_helpers import served_llada_tiny  # noqa: E402
 
 import dllm  # noqa: E402
-from dllm.serve import Engine  # noqa: E402
-from dllm.serve.server import create_app  # noqa: E402
 
 PROMPT = 'Please copy the list exactly: ["Ann Lee", "Bob Stone"]'
 CHAT = [{"role": "user", "content": PROMPT}]
@@ -28,12 +26,8 @@ BODY_LIMIT = 64 * 1024
 
 @pytest.fixture(scope="module")
 def server():
-    model = dllm.load_model("llada-tiny", dtype="float32")
-    engine = Engine(model, max_rows=4, max_queue=32)
-    engine.start()
-    with running_server(create_app(engine, "llada-tiny", max_body_bytes=BODY_LIMIT)) as url:
-        yield model, engine, url
-    engine.stop(drain=False)
+    with served_llada_tiny(32, max_body_bytes=BODY_LIMIT) as served:
+        yield served
 
 
 def _post(url, path, body, **kw):

@@ -15,12 +15,10 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from serve_helpers import free_port, running_server  # noqa: E402
+from serve_helpers import free_port, served_llada_tiny  # noqa: E402
 
 import dllm  # noqa: E402
 from dllm.generate import prepare_prompts  # noqa: E402
-from dllm.serve import Engine  # noqa: E402
-from dllm.serve.server import create_app  # noqa: E402
 
 KEY = "test-key"
 PROMPT = 'Please copy the list exactly: ["Ann Lee", "Bob Stone"]'
@@ -28,12 +26,8 @@ PROMPT = 'Please copy the list exactly: ["Ann Lee", "Bob Stone"]'
 
 @pytest.fixture(scope="module")
 def server():
-    model = dllm.load_model("llada-tiny", dtype="float32")
-    engine = Engine(model, max_rows=4, max_queue=6)
-    engine.start()
-    with running_server(create_app(engine, "llada-tiny", api_key=KEY)) as url:
-        yield model, engine, url
-    engine.stop(drain=False)
+    with served_llada_tiny(6, api_key=KEY) as served:
+        yield served
 
 
 def _solo(model, prompt, rid, chat=True, cache="none", **kw):
