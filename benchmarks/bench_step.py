@@ -9,7 +9,9 @@ cached steps replayed as CUDA graphs; ``compile``: ``torch.compile`` of the mode
 * the weight-read floor: the bytes of the weights divided by the bytes per second a device-to-device copy moves
   (reads and writes counted), measured in the same run; the step's multiple of it;
 * kernels launched per step and per layer, and host synchronisations per step (from the profiler on CUDA; on
-  CPU the aten operators dispatched and the calls that would synchronise on CUDA).
+  CPU the kernels the CUDA path would launch, ``tests/launch_counter.py``: ATen operators that are not views or
+  allocations, and Triton launches when the kernels run under ``TRITON_INTERPRET=1 DLLM_KERNELS=triton``, plus the
+  calls that would synchronise on CUDA).
 
 ``--e2e`` adds whole generations (prompt 512, gen 256, batch 1) with no cache, prefix and dual cache and the
 speed-up of each cache over none; ``--fastdllm DIR`` (a checkout of NVlabs/Fast-dLLM, its ``llada`` folder with
@@ -18,6 +20,7 @@ speed-up of each cache over none; ``--fastdllm DIR`` (a checkout of NVlabs/Fast-
     python benchmarks/bench_step.py                              # GPU: 32 layers, the shape above
     python benchmarks/bench_step.py --layers 8 --e2e --json out.json
     python benchmarks/bench_step.py                              # CPU: a small shape (the figures are counts)
+    TRITON_INTERPRET=1 DLLM_KERNELS=triton python benchmarks/bench_step.py --modes graph   # CPU: the CUDA path's kernels
 """
 
 from __future__ import annotations
@@ -118,13 +121,12 @@ def time_steps(model, B: int, a, cache: str, graphs: str):
 def count_step(a, dec, st):
     """(kernels launched, host syncs) of one more step."""
     if a.device != "cuda":
+        from launch_counter import LaunchCounter
         from sync_counter import SyncCounter
-        from torch.profiler import ProfilerActivity, profile
 
-        with SyncCounter() as c, profile(activities=[ProfilerActivity.CPU]) as prof:
+        with SyncCounter() as c, LaunchCounter() as launches:
             dec.step(st)
-        ops = sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None)
-        return ops, c.count
+        return launches.total, c.count
     from torch.profiler import ProfilerActivity, profile
 
     sync("cuda")
@@ -158,15 +160,18 @@ def forward_launches(a, dec, st) -> int:
             if rows is not None:
                 kw.update(cache=dec.cache, query_idx=rows)
             dec.model(st.x, **kw)
+    if a.device != "cuda":
+        from launch_counter import LaunchCounter
+
+        with LaunchCounter() as launches:
+            fn()
+        return launches.total
     sync(a.device)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device == "cuda" else [])
-    with profile(activities=acts) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         sync(a.device)
-    if a.device == "cuda":
-        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                   and not e.name.startswith(("Memcpy", "Memset")))
-    return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None)
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith(("Memcpy", "Memset")))
 
 
 def e2e(model, a, B: int = 1):

@@ -270,7 +270,8 @@ class DecodeState:
     generator: torch.Generator | None  # the run's generator (reference random streams)
     window: tuple[int, int]  # host copy of the next step's window (the union of the active rows' regions)
     # the cache's plan for the next step, read in the previous step's host sync: (canvas it was computed for, its
-    # version, active-row mask, partial?, largest active set); used only while the canvas is that same tensor
+    # version, active-row mask, partial?, largest active set, KVCache.plan_rows's tensors); used only while the
+    # canvas is that same tensor
     plan_hint: tuple | None = None
     state: dict = field(default_factory=dict)  # sampler scratch space
     trace: list = field(default_factory=list)
@@ -450,7 +451,7 @@ class Decoder:
         running, nonfinite, n_lo, n_hi = synced[:4]
         st.window = (n_lo, n_hi)
         if nxt is not None:
-            st.plan_hint = (st.x, st.x._version, nxt[0], synced[4], synced[5])
+            st.plan_hint = (st.x, st.x._version, nxt[0], synced[4], synced[5], nxt[2])
         if nonfinite:
             raise NonFiniteLogitsError.at(bad, st.nfe - 1, w_lo - P)
         if running and st.nfe >= self.max_iters:
@@ -471,7 +472,11 @@ class Decoder:
         cache = self.cache
         if not isinstance(cache, KVCache) or not cache.filled or type(cache).plan is not KVCache.plan:
             return None
-        return cache.plan_mask(self._cache_state(st, (0, st.x.shape[1])))
+        cstate = self._cache_state(st, (0, st.x.shape[1]))
+        mask, counts = cache.plan_mask(cstate)
+        # the rows at full width too (sliced to the largest active set after the sync): the work between the sync
+        # and the next forward's launch, while the device waits, is host work only
+        return mask, counts, cache.plan_rows(cstate, mask)
 
     def _advance(self, st: DecodeState, x, lo, hi, committed):
         """Region bookkeeping after a step's commits, vectorised over rows: finished regions, EOS early stop,

@@ -14,8 +14,9 @@ few hundred kernel launches.
   buckets). A key is captured the second time it is seen (a shape seen once, e.g. the last block of a prefix
   cache, runs eagerly), at most ``max_graphs`` graphs are kept (least recently used dropped);
 * the static inputs are the canvas, RoPE positions, key mask, active rows, logits columns and the cache's
-  ``read_cols``; each step copies the live tensors into them (device-to-device, no host synchronisation),
-  replays, and returns a copy of the static logits;
+  ``read_cols``; each step copies the live tensors into them (device-to-device, no host synchronisation; an input
+  that is the same tensor, unmodified, as the last copy's is not copied again), replays, and returns a copy of the
+  static logits;
 * full forwards (refreshes), caches with per-layer hooks (Elastic-Cache's ``layer_input`` / ``observe``),
   classifier-free guidance and models other than dllm's own Transformer run eagerly; :attr:`GraphRunner.stats`
   counts replays, captures and each eager reason, and the decode loop's trace records what each step did.
@@ -56,6 +57,9 @@ class _Graph:
     captured: bool = False  # replays from now on (capture=False: the forward on the static buffers)
     out: torch.Tensor | None = None  # the captured graph's static logits
     graph: Any = None  # torch.cuda.CUDAGraph, or None (not captured: replay runs the forward)
+    # per static input, what was copied into it last: (the live tensor's storage owner, kept alive so its memory is
+    # not reused, its address, shape, strides, version); the same again needs no copy
+    copied: dict = None
     seen: int = 0
     failed: bool = False  # the capture raised: this shape stays eager
 
@@ -127,9 +131,18 @@ class GraphRunner:
         else:
             self.graphs.move_to_end(key)
         g.seen += 1
+        if g.copied is None:
+            g.copied = {}
         for name, t in zip(_INPUTS, live):
             if t is not None:
-                getattr(g, name).copy_(t)
+                # positions, key mask and logits columns are usually the very tensors of the last step: their copy
+                # (a kernel in the gap before the replay, while the device waits) is skipped
+                owner = t if t._base is None else t._base
+                sig = (owner, t.data_ptr(), t.shape, t.stride(), t._version)
+                last = g.copied.get(name)
+                if last is None or last[0] is not owner or last[1:] != sig[1:]:
+                    getattr(g, name).copy_(t)
+                    g.copied[name] = sig
         if g.failed:
             self.stats["eager:capture failed"] += 1
             return self._forward(g, cache)

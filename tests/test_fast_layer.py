@@ -121,6 +121,54 @@ def test_rope_kernel_matches_its_twin_and_the_eager_layer(dtype, rope_dim, qk_no
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rope_dim,qk_norm", [(None, False), (6, True)])
+def test_rope_write_kernel_equals_rope_then_the_cache_scatter(dtype, rope_dim, qk_norm, triton_backend):
+    """rope_qk_write (RoPE with the keys and values written into the cache at the active columns) against its
+    twin, which is rope_qk followed by KVCache.update's two scatters; untouched cache columns keep their bits."""
+    B, T, Hq, Hkv, D, L = 2, 4, 4, 2, 10, 9
+    g = torch.Generator().manual_seed(11)
+    qkv = torch.randn(B, T, (Hq + 2 * Hkv) * D, generator=g).to(dtype)
+    cos, sin = rope_tables(torch.randint(0, 50, (B, T), generator=g), rope_dim or D, 10000.0)
+    norm_w = (1 + 0.5 * torch.randn(2, D, generator=g)).to(dtype) if qk_norm else None
+    rows = torch.tensor([[1, 4, 6, 6], [0, 2, 3, 8]])  # a repeated column (padding) carries the same values
+    qkv.view(B, T, -1)[0, 3] = qkv[0, 2]
+    k0, v0 = torch.randn(B, Hkv, L, D, generator=g).to(dtype), torch.randn(B, Hkv, L, D, generator=g).to(dtype)
+    # the twin is the unfused path, operation for operation
+    q, k, v = fused.rope_qk_ref(qkv, cos, sin, Hq, Hkv, norm_w, 1e-6)
+    k1, v1 = k0.clone(), v0.clone()
+    idx = rows[:, None, :, None].expand(-1, Hkv, -1, D)
+    k1.scatter_(2, idx, k)
+    v1.scatter_(2, idx, v)
+    k2, v2 = k0.clone(), v0.clone()
+    assert torch.equal(fused.rope_qk_write_ref(qkv, cos, sin, Hq, Hkv, norm_w, 1e-6, k2, v2, rows), q)
+    assert torch.equal(k2, k1) and torch.equal(v2, v1)
+    k3, v3 = k0.clone(), v0.clone()
+    tq = fused.rope_qk_write(qkv, cos, sin, Hq, Hkv, norm_w, 1e-6, k3, v3, rows)
+    assert tq.shape == q.shape
+    _close(tq, q, dtype)
+    _close(k3, k1, dtype)
+    assert torch.equal(v3, v1)  # values are copied, not computed
+    untouched = torch.ones(B, L, dtype=torch.bool)
+    untouched.scatter_(1, rows, False)
+    assert torch.equal(k3.transpose(1, 2)[untouched], k0.transpose(1, 2)[untouched])
+
+
+def test_rope_write_refuses_mismatched_caches():
+    qkv = torch.randn(1, 2, 8 * 4)
+    cos, sin = rope_tables(torch.zeros(1, 2, dtype=torch.long), 4, 1e4)
+    rows = torch.tensor([[0, 1]])
+    good = torch.zeros(1, 2, 5, 4)
+    with pytest.raises(ValueError, match=r"k_cache must be \[B=1, Hkv=2, L, D=4\]"):
+        fused.rope_qk_write(qkv, cos, sin, 4, 2, None, 1e-6, torch.zeros(1, 3, 5, 4), good, rows)
+    with pytest.raises(ValueError, match="v_cache must be"):
+        fused.rope_qk_write(qkv, cos, sin, 4, 2, None, 1e-6, good, good.double(), rows)
+    with pytest.raises(ValueError, match="differ"):
+        fused.rope_qk_write(qkv, cos, sin, 4, 2, None, 1e-6, good, torch.zeros(1, 2, 6, 4), rows)
+    with pytest.raises(ValueError, match="rows must be"):
+        fused.rope_qk_write(qkv, cos, sin, 4, 2, None, 1e-6, good, good.clone(), rows.int())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul_kernel_matches_its_twin_and_the_eager_mlp(dtype, triton_backend):
     gu = torch.randn(3, 4, 2 * 24, generator=torch.Generator().manual_seed(2)).to(dtype)
     g, u = gu[..., :24], gu[..., 24:]
@@ -323,6 +371,37 @@ def test_generate_on_the_bundled_model_gives_the_same_tokens():
     prompts = ["List three fruits.", "Name two colours, comma separated."]
     kw = dict(gen_length=32, block_length=16, sampler="fast-dllm")
     out0 = dllm.generate(eager, prompts, **kw)
+    out1 = dllm.generate(fast, prompts, **kw)
+    assert out1.sequences.tolist() == out0.sequences.tolist()
+
+
+def test_kv_cache_offers_its_buffers_to_the_fast_layer_only_where_update_is_the_plain_scatter():
+    from dllm.caches import get_cache
+
+    model = dllm.load_model("llada-tiny")
+    for name, offers in (("dual", True), ("prefix", True), ("elastic", False)):
+        cache = get_cache(name)
+        cache.reset(2, 12)
+        assert cache.write_buffers(0, 2) is None  # nothing stored yet: update names the problem
+        dllm.generate(model, ["One.", "Two."], gen_length=8, block_length=8, cache=cache)
+        got = cache.write_buffers(0, 2)
+        assert (got is not None) == offers, name
+        if offers:
+            assert got[0] is cache.k[0] and got[1] is cache.v[0] and got[0].is_contiguous()
+            assert cache.write_buffers(0, 3) is None  # another batch: update raises
+
+
+@pytest.mark.parametrize("cache", ["dual", "prefix"])
+def test_fast_model_with_the_triton_kernels_decodes_the_eager_tokens_with_a_cache(cache, triton_backend):
+    """The whole decode loop through the Triton kernels (interpreter): RoPE writing the cache's keys and values
+    itself, the attention output stored for a view into the output product."""
+    eager = dllm.load_model("llada-tiny")
+    fast = dllm.load_model("llada-tiny", fast=True)
+    prompts = ["List three fruits.", "Name two colours, comma separated."]
+    kw = dict(gen_length=16, block_length=8, sampler="fast-dllm", cache=cache)
+    kernels.set_backend("reference")
+    out0 = dllm.generate(eager, prompts, **kw)
+    kernels.set_backend("triton")
     out1 = dllm.generate(fast, prompts, **kw)
     assert out1.sequences.tolist() == out0.sequences.tolist()
 

@@ -61,6 +61,38 @@ def test_dual_cache_replays_one_graph_for_the_whole_generation():
         model.__dict__["_dllm_graphs"] = saved
 
 
+def test_inputs_changed_in_place_are_copied_again():
+    """The runner skips copying an input that is the very tensor it copied last, unmodified; a tensor changed in
+    place (a new version) or another tensor at the same address is copied again."""
+    model = cached_model("llada", 0)
+    runner = GraphRunner(model, capture=False, capture_after=1)
+    cache = get_cache("dual")
+    B, T = 2, 12
+    x = torch.randint(3, 60, (B, T), generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(T).expand(B, T).clone()
+    mask = torch.ones(B, T, dtype=torch.bool)
+    cols = torch.arange(T)[4:8].expand(B, -1)
+    rows = torch.arange(4, 8).expand(B, -1).contiguous()
+    cache.reset(B, T)
+    model(x, positions=positions, attn_mask=mask, cache=cache)  # fill the cache
+    cache.read_cols = None
+
+    def both():
+        got = runner(x, positions, mask, cols, cache, rows)
+        want = model(x, positions=positions, attn_mask=mask, logits_idx=cols, cache=cache, query_idx=rows)
+        assert torch.equal(got, want)
+        return got
+
+    first = both()
+    x[:, 5] = 7  # the canvas changed in place
+    assert not torch.equal(both(), first)
+    positions[1] += 1  # positions changed in place: a new version of the same tensor
+    moved = both()
+    mask[0, 0] = False  # the key mask too
+    assert not torch.equal(both(), moved)
+    assert len(runner.graphs) == 1 and runner.stats["captures"] == 1 and runner.stats["replays"] == 3
+
+
 def test_graph_keys_follow_the_cache_buffers_and_the_lru_bound():
     model = cached_model("llada", 0)
     runner = GraphRunner(model, capture=False, max_graphs=1)

@@ -398,7 +398,7 @@ def test_custom_ops_schema_and_fake(op):
     q, k, v = _inputs(1, 4, 1, 3, 40, 16, torch.float32)
     mask = _padding(1, 40)
     args = {"flash_attention": (q, k, v, mask), "splitk_attention": (q, k, v, mask, 3),
-            "confidence_stats": (_logits((3, 300), torch.float32), None, 0.0, 64, 2)}[op]
+            "confidence_stats": (_logits((3, 300), torch.float32), None, 0.0, 64, 2, 7)}[op]
     # under the interpreter the kernels cannot run on the fake tensors of the dispatch tests; schema and fake run
     utils = ("test_schema", "test_faketensor") if DEV == "cpu" else None
     kw = {} if utils is None else {"test_utils": utils}
@@ -409,8 +409,10 @@ def test_custom_ops_schema_and_fake(op):
         fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
         outs = getattr(torch.ops.dllm, op)(*fake)
     real = getattr(torch.ops.dllm, op)(*args)
-    for f, r in zip(outs, real):
-        assert f.shape == r.shape and f.dtype == r.dtype
+    for f, r in zip(outs, real):  # the strides too: the attention output is stored [B, Lq, Hq, D]
+        assert f.shape == r.shape and f.dtype == r.dtype and f.stride() == r.stride()
+    if op != "confidence_stats":
+        assert real[0].transpose(1, 2).is_contiguous()  # the layer's reshape into the output product is a view
 
 
 # ------------------------------------------------------------------------------------------- attention mass
@@ -538,6 +540,37 @@ def test_confidence_stats_second_stage_lane_and_split_ties():
     assert got.token.tolist()[:2] == [10, 700]
     with pytest.raises(ValueError, match="splits"):
         T._confidence_stats(x, 0.0, None, 16, 65)
+
+
+def test_confidence_stats_excluding_a_column_in_one_pass():
+    """``exclude`` (the mask token): never the proposal, still in the softmax, the top-2 and the entropy. The
+    kernel skips the column in its proposal; the reference corrects the statistics of a pass without it; both
+    against the full softmax in float64."""
+    x = _logits((4, 700), torch.float32, seed=5)
+    x[0, 42] = 30.0  # the excluded column is the largest logit: p_max is its probability, the token is another
+    x[1, 100] = x[1, 650] = 20.0  # a tie away from the column
+    x[2, 41] = 25.0
+    noise = torch.rand(700, generator=torch.Generator().manual_seed(6)).to(DEV)
+    for temperature, u in ((0.0, None), (1.5, noise)):
+        ref = R.confidence_stats(x, temperature, u, exclude=42)
+        assert not (ref.token == 42).any()
+        for splits in (1, 3, 11):
+            _check_stats(T._confidence_stats(x, temperature, u, 64, splits, 42), ref, 1e-5)
+        assert torch.equal(T.confidence_stats(x, temperature, u, exclude=42).token, ref.token)
+    ref = R.confidence_stats(x, exclude=42)
+    p = torch.softmax(x.double(), -1)
+    masked = x.clone()
+    masked[:, 42] = float("-inf")
+    token = masked.argmax(-1)
+    assert torch.equal(ref.token, token) and ref.token[1] == 100
+    torch.testing.assert_close(ref.p_token.double(), p.gather(-1, token[:, None]).squeeze(-1), atol=1e-6, rtol=1e-5)
+    top2 = p.topk(2, -1).values
+    torch.testing.assert_close(ref.p_max.double(), top2[:, 0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(ref.p_second.double(), top2[:, 1], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(ref.entropy.double(), -torch.special.xlogy(p, p).sum(-1), atol=1e-5, rtol=1e-5)
+    assert ref.p_max[0] > 0.99 and ref.p_token[0] < 0.01  # the excluded column holds the mass
+    for out_of_range in (None, -1, 700):  # no column excluded
+        _check_stats(T.confidence_stats(x, exclude=out_of_range), R.confidence_stats(x), 1e-6)
 
 
 def test_confidence_stats_reference_semantics():

@@ -97,9 +97,15 @@ def rows_from_mask(mask: torch.Tensor, Q: int | None = None) -> torch.Tensor:
         mask = mask.clone()
         mask[:, 0] |= ~mask.any(-1)  # a row needs at least one active position
         Q = int(mask.sum(-1).max())
-    order = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True)[:, :Q]
-    n = mask.sum(-1, keepdim=True)
-    pad = torch.arange(Q, device=mask.device)[None] >= n
+    return padded_rows(mask, mask.sum(-1))[:, :Q]
+
+
+def padded_rows(mask: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` int64: each row's active positions ascending, then its first active position repeated
+    (``counts``: ``mask.sum(-1)``); :func:`rows_from_mask` is its first ``Q`` columns. No host number needed, so
+    the decode loop builds it before the step's synchronisation."""
+    order = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True)
+    pad = torch.arange(mask.shape[1], device=mask.device)[None] >= counts[:, None]
     return torch.where(pad, order[:, :1].expand_as(order), order)
 
 
@@ -190,26 +196,34 @@ class KVCache(CacheBase):
         pass
 
     def plan(self, state: CacheState, hint=None) -> tuple[torch.Tensor | None, int | None]:
-        """The active rows of this step's forward (``[B, Q]``) or a full forward. ``hint``: ``(mask, partial, Q)``
-        from :meth:`plan_mask` on this same state, its two numbers already on the host (the decode loop reads them in
-        the previous step's synchronisation); without it, one host sync here."""
+        """The active rows of this step's forward (``[B, Q]``) or a full forward. ``hint``: ``(mask, partial, Q,
+        rows)`` from :meth:`plan_mask` and :meth:`plan_rows` on this same state, its two numbers already on the host
+        (the decode loop reads them in the previous step's synchronisation, after building ``rows``); without it,
+        one host sync here."""
         if not self.filled:
             return self._full(state)
-        self.read_cols = read_cols(state)
         if hint is None:
             mask, counts = self.plan_mask(state)
             # one host sync: whether some unfinished row keeps a partial forward (else a full forward: the cheaper
             # shape for the same rows) and the size of the largest active set
             partial, Q = counts.tolist()
+            prepared = None
         else:
-            mask, partial, Q = hint
+            mask, partial, Q, prepared = hint
         if not partial:
             return self._full(state)
-        self._rows = rows_from_mask(mask, Q)
-        self._counts = mask.sum(-1)
+        rows, self._counts, self.read_cols = prepared if prepared is not None else self.plan_rows(state, mask)
+        self._rows = rows[:, :Q]
         self._refresh_layer = -1
         self.after_plan(state, self._rows)
         return self._rows, None
+
+    def plan_rows(self, state: CacheState, mask: torch.Tensor):
+        """``(rows [B, T], counts [B], read_cols [B, T])`` of a partial forward on ``state`` with active ``mask``
+        (:meth:`plan_mask`): :func:`padded_rows` (the forward's ``query_idx`` is its first ``Q`` columns), the rows'
+        counts and the columns each row reads. Device work only: the decode loop does it before the host sync."""
+        counts = mask.sum(-1)
+        return padded_rows(mask, counts), counts, read_cols(state)
 
     def plan_mask(self, state: CacheState) -> tuple[torch.Tensor, torch.Tensor]:
         """``(mask [B, T] bool, counts [2] int64)`` of a partial forward on ``state``: the rows to compute and, on
@@ -260,7 +274,9 @@ class KVCache(CacheBase):
                 self.v.append(None)
             kb = self.k[layer]
             if kb is None or kb.shape != k.shape or kb.dtype != k.dtype or kb.device != k.device:
-                self.k[layer], self.v[layer] = torch.empty_like(k), torch.empty_like(v)
+                # contiguous [B, Hkv, T, D] whatever the producer's layout: attention reads rows of D
+                self.k[layer] = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+                self.v[layer] = torch.empty(v.shape, dtype=v.dtype, device=v.device)
             self.k[layer].copy_(k)
             self.v[layer].copy_(v)
             if layer == 0:
@@ -275,6 +291,18 @@ class KVCache(CacheBase):
         kb.scatter_(2, idx, k)
         vb.scatter_(2, idx, v)
         return kb, vb
+
+    def write_buffers(self, layer: int, batch: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The ``(k, v)`` buffers (``[B, Hkv, T, D]``) into which a partial forward of ``batch`` rows may write its
+        active rows' keys and values itself, in place of :meth:`update` (the fast layer's one kernel for RoPE and
+        both writes, :func:`dllm.kernels.fused.rope_qk_write`), or None where :meth:`update` must run: a policy
+        with its own ``update``, a layer not yet filled, another batch (``update`` then names the problem)."""
+        if type(self).update is not KVCache.update or not self.filled or layer >= len(self.k):
+            return None
+        kb = self.k[layer]
+        if kb is None or kb.shape[0] != batch:
+            return None
+        return kb, self.v[layer]
 
     # -- statistics ----------------------------------------------------------------------------------------
     def step_stats(self, n_layers: int) -> dict[str, Any]:

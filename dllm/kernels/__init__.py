@@ -97,11 +97,11 @@ def attention_mass(q, k, key_padding_mask=None, lse=None):
     return _module.attention_mass(q, k, key_padding_mask=key_padding_mask, lse=lse)
 
 
-def confidence_stats(logits, temperature=0.0, noise=None):
+def confidence_stats(logits, temperature=0.0, noise=None, exclude=None):
     """Dispatching wrapper; see :func:`dllm.kernels.reference.confidence_stats`."""
     if _module is None:
         get_backend()
-    return _module.confidence_stats(logits, temperature=temperature, noise=noise)
+    return _module.confidence_stats(logits, temperature=temperature, noise=noise, exclude=exclude)
 
 
 __all__ = ["ConfidenceStats", "attention", "attention_choices", "attention_mass", "confidence_stats", "dispatch",

@@ -74,6 +74,19 @@ def rope_qk_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads
     return rope_ref(q, cos, sin), rope_ref(k, cos, sin), v
 
 
+def rope_qk_write_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv_heads: int,
+                      norm_w: torch.Tensor | None, eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      rows: torch.Tensor) -> torch.Tensor:
+    """:func:`rope_qk_ref`, then the keys and values written into ``k_cache`` / ``v_cache`` ``[B, Hkv, L, D]`` at
+    the columns ``rows`` ``[B, T]`` (what :meth:`dllm.caches.base.KVCache.update` does in a partial forward);
+    returns the queries."""
+    q, k, v = rope_qk_ref(qkv, cos, sin, n_heads, n_kv_heads, norm_w, eps)
+    idx = rows[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+    k_cache.scatter_(2, idx, k)
+    v_cache.scatter_(2, idx, v)
+    return q
+
+
 def silu_mul_ref(gu: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gu = [gate, up]`` on the last dim."""
     g, u = gu.chunk(2, dim=-1)
@@ -123,26 +136,58 @@ def add_rms_norm(h: torch.Tensor, y: torch.Tensor, w: torch.Tensor, eps: float):
     return add_rms_norm_ref(h, y, w, eps)
 
 
-def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv_heads: int,
-            norm_w: torch.Tensor | None = None, eps: float = 1e-6):
-    """Queries and keys rotated (after their per-head norm when ``norm_w`` is given) and the values, from the
-    fused QKV output; see :func:`rope_qk_ref`."""
+def _check_rope(qkv, cos, sin, n_heads, n_kv_heads, norm_w, what="rope_qk") -> int:
+    """Validate :func:`rope_qk`'s inputs; returns the head size."""
     if qkv.dim() != 3 or qkv.shape[-1] % (n_heads + 2 * n_kv_heads):
-        raise ValueError(f"rope_qk: qkv must be [B, T, (Hq + 2 Hkv) * D] with Hq={n_heads}, Hkv={n_kv_heads}, got "
+        raise ValueError(f"{what}: qkv must be [B, T, (Hq + 2 Hkv) * D] with Hq={n_heads}, Hkv={n_kv_heads}, got "
                          f"{tuple(qkv.shape)}")
     B, T, _ = qkv.shape
     D = qkv.shape[-1] // (n_heads + 2 * n_kv_heads)
     R = cos.shape[-1]
     if cos.shape != sin.shape or cos.dim() != 4 or cos.shape[0] != B or cos.shape[2] != T or R > D or R % 2:
-        raise ValueError(f"rope_qk: cos/sin must be [B, 1, T, R] with B={B}, T={T}, even R <= D={D}, got "
+        raise ValueError(f"{what}: cos/sin must be [B, 1, T, R] with B={B}, T={T}, even R <= D={D}, got "
                          f"{tuple(cos.shape)} / {tuple(sin.shape)}")
     if norm_w is not None and tuple(norm_w.shape) != (2, D):
-        raise ValueError(f"rope_qk: norm_w must be [2, {D}] (query and key norm weights), got {tuple(norm_w.shape)}")
+        raise ValueError(f"{what}: norm_w must be [2, {D}] (query and key norm weights), got {tuple(norm_w.shape)}")
+    return D
+
+
+def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv_heads: int,
+            norm_w: torch.Tensor | None = None, eps: float = 1e-6):
+    """Queries and keys rotated (after their per-head norm when ``norm_w`` is given) and the values, from the
+    fused QKV output; see :func:`rope_qk_ref`."""
+    D = _check_rope(qkv, cos, sin, n_heads, n_kv_heads, norm_w)
+    B, T, _ = qkv.shape
     if _use_triton(qkv):
         qk = _ops().rope_qk(qkv, cos, sin, n_heads, n_kv_heads, norm_w, eps)
         v = qkv.view(B, T, n_heads + 2 * n_kv_heads, D)[:, :, n_heads + n_kv_heads:].transpose(1, 2)
         return qk[:, :n_heads], qk[:, n_heads:], v
     return rope_qk_ref(qkv, cos, sin, n_heads, n_kv_heads, norm_w, eps)
+
+
+def rope_qk_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv_heads: int,
+                  norm_w: torch.Tensor | None, eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  rows: torch.Tensor) -> torch.Tensor:
+    """:func:`rope_qk` for a partial forward over a K/V cache: the rotated keys and the values go straight into
+    ``k_cache`` / ``v_cache`` (``[B, Hkv, L, D]``, written in place) at the columns ``rows`` (``[B, T]`` int64, each
+    in ``[0, L)``; a repeated column must carry the same values, as padded active sets do); returns the queries
+    ``[B, Hq, T, D]``. On the Triton path one kernel replaces the rotation and the two scatters; see
+    :func:`rope_qk_write_ref`."""
+    D = _check_rope(qkv, cos, sin, n_heads, n_kv_heads, norm_w, "rope_qk_write")
+    B, T, _ = qkv.shape
+    want = (B, n_kv_heads, D)
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dim() != 4 or (c.shape[0], c.shape[1], c.shape[3]) != want or c.dtype != qkv.dtype or \
+                c.device != qkv.device:
+            raise ValueError(f"rope_qk_write: {name} must be [B={B}, Hkv={n_kv_heads}, L, D={D}] {qkv.dtype} on "
+                             f"{qkv.device}, got {tuple(c.shape)} {c.dtype} on {c.device}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"rope_qk_write: k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
+    if rows.shape != (B, T) or rows.dtype != torch.int64:
+        raise ValueError(f"rope_qk_write: rows must be [B={B}, T={T}] int64, got {tuple(rows.shape)} {rows.dtype}")
+    if _use_triton(qkv):
+        return _ops().rope_qk_write(qkv, cos, sin, n_heads, n_kv_heads, norm_w, eps, k_cache, v_cache, rows)
+    return rope_qk_write_ref(qkv, cos, sin, n_heads, n_kv_heads, norm_w, eps, k_cache, v_cache, rows)
 
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
@@ -198,8 +243,10 @@ def _build_triton_ops():
         tl.store(OUT + row * so + offs, (w * xn).to(OUT.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _rope_kernel(QKV, COS, SIN, NW, OUT, s_b, s_t, c_b, c_t, o_b, o_h, o_t, T, Hq, D, R, eps,
-                     HAS_NORM: tl.constexpr, BLOCK: tl.constexpr):
+    def _rope_kernel(QKV, COS, SIN, NW, OUT, KOUT, VOUT, ROWS, s_b, s_t, c_b, c_t, o_b, o_h, o_t, k_b, k_h, k_t,
+                     v_b, v_h, v_t, r_b, r_t, T, Hq, Hkv, D, R, eps, HAS_NORM: tl.constexpr, WRITE_KV: tl.constexpr,
+                     BLOCK: tl.constexpr):
+        # one program per (row, head); heads 0..Hq-1 are queries, then Hkv keys, then (WRITE_KV) Hkv values
         bt = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         b = bt // T
@@ -212,6 +259,7 @@ def _build_triton_ops():
         base = QKV + b * s_b + t * s_t + h * D
         x = tl.load(base + offs, mask=m, other=0.0).to(tl.float32)
         xp = tl.load(base + partner, mask=pm, other=0.0).to(tl.float32)
+        x_in = x
         if HAS_NORM:  # per-head RMSNorm (row 0 of NW for queries, row 1 for keys), as RMSNorm rounds it
             wrow = tl.where(h < Hq, 0, 1)
             r = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
@@ -223,7 +271,20 @@ def _build_triton_ops():
         s = tl.load(SIN + b * c_b + t * c_t + offs, mask=pm, other=0.0)
         rot = tl.where(offs < half, -xp, xp)
         y = tl.where(offs < R, x * c + rot * s, x)
-        tl.store(OUT + b * o_b + h * o_h + t * o_t + offs, y.to(OUT.dtype.element_ty), mask=m)
+        if WRITE_KV:  # queries to OUT [B, Hq, T, D]; keys and values into the caches at column ROWS[b, t]
+            col = tl.load(ROWS + b * r_b + t * r_t).to(tl.int64)
+            qh = tl.minimum(h, Hq - 1)
+            kh = tl.minimum(tl.maximum(h - Hq, 0), Hkv - 1)
+            vh = tl.minimum(tl.maximum(h - Hq - Hkv, 0), Hkv - 1)
+            # each head stores to one of the three places: the other two stores are masked off entirely
+            q_n = tl.where(h < Hq, D, 0)
+            k_n = tl.where((h >= Hq) & (h < Hq + Hkv), D, 0)
+            v_n = tl.where(h >= Hq + Hkv, D, 0)
+            tl.store(OUT + b * o_b + qh * o_h + t * o_t + offs, y.to(OUT.dtype.element_ty), mask=offs < q_n)
+            tl.store(KOUT + b * k_b + kh * k_h + col * k_t + offs, y.to(KOUT.dtype.element_ty), mask=offs < k_n)
+            tl.store(VOUT + b * v_b + vh * v_h + col * v_t + offs, x_in.to(VOUT.dtype.element_ty), mask=offs < v_n)
+        else:
+            tl.store(OUT + b * o_b + h * o_h + t * o_t + offs, y.to(OUT.dtype.element_ty), mask=m)
 
     @triton.jit
     def _silu_mul_kernel(GU, OUT, s_in, s_out, H, BLOCK: tl.constexpr):
@@ -283,10 +344,42 @@ def _build_triton_ops():
         if B * T:
             nw = norm_w if norm_w is not None else qkv
             wrap_triton(_rope_kernel)[(B * T, H)](
-                qkv, cos, sin, nw, out, qkv.stride(0), qkv.stride(1), cos.stride(0), cos.stride(2),
-                out.stride(0), out.stride(1), out.stride(2), T, n_heads, D, R, eps,
-                HAS_NORM=norm_w is not None, BLOCK=triton.next_power_of_2(D))
+                qkv, cos, sin, nw, out, out, out, cos, qkv.stride(0), qkv.stride(1), cos.stride(0), cos.stride(2),
+                out.stride(0), out.stride(1), out.stride(2), 0, 0, 0, 0, 0, 0, 0, 0, T, n_heads, n_kv_heads, D, R, eps,
+                HAS_NORM=norm_w is not None, WRITE_KV=False, BLOCK=triton.next_power_of_2(D))
         return out.to(dt) if back else out
+
+    @triton_op("dllm::fused_rope_qk_write", mutates_args={"k_cache", "v_cache"})
+    def rope_qk_write_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv_heads: int,
+                         norm_w: torch.Tensor | None, eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         rows: torch.Tensor) -> torch.Tensor:
+        dt = qkv.dtype
+        (qkv, norm_w), back = widen(qkv, norm_w)
+        kc, vc = (k_cache.float(), v_cache.float()) if back else (k_cache, v_cache)
+        if qkv.stride(-1) != 1:
+            qkv = qkv.contiguous()
+        B, T, F_ = qkv.shape
+        D = F_ // (n_heads + 2 * n_kv_heads)
+        R = cos.shape[-1]
+        cos, sin = cos.float(), sin.float()
+        if cos.stride(-1) != 1 or sin.stride() != cos.stride():
+            cos, sin = cos.contiguous(), sin.contiguous()
+        if kc.stride(-1) != 1 or vc.stride(-1) != 1:
+            raise ValueError("rope_qk_write: the K and V caches need unit stride on the last dim")
+        out = torch.empty((B, n_heads, T, D), dtype=qkv.dtype, device=qkv.device)
+        if B * T:
+            nw = norm_w if norm_w is not None else qkv
+            wrap_triton(_rope_kernel)[(B * T, n_heads + 2 * n_kv_heads)](
+                qkv, cos, sin, nw, out, kc, vc, rows, qkv.stride(0), qkv.stride(1), cos.stride(0), cos.stride(2),
+                out.stride(0), out.stride(1), out.stride(2), kc.stride(0), kc.stride(1), kc.stride(2),
+                vc.stride(0), vc.stride(1), vc.stride(2),
+                rows.stride(0), rows.stride(1), T, n_heads, n_kv_heads, D, R, eps,
+                HAS_NORM=norm_w is not None, WRITE_KV=True, BLOCK=triton.next_power_of_2(D))
+        if back:  # the interpreter's fp32 copies: untouched entries round-trip exactly
+            k_cache.copy_(kc)
+            v_cache.copy_(vc)
+            return out.to(dt)
+        return out
 
     @triton_op("dllm::fused_silu_mul", mutates_args={})
     def silu_mul_op(gu: torch.Tensor) -> torch.Tensor:
@@ -304,10 +397,13 @@ def _build_triton_ops():
     def rope_qk_call(qkv, cos, sin, n_heads, n_kv_heads, norm_w, eps):
         return rope_qk_op(qkv, cos, sin, n_heads, n_kv_heads, norm_w, float(eps))
 
+    def rope_qk_write_call(qkv, cos, sin, n_heads, n_kv_heads, norm_w, eps, k_cache, v_cache, rows):
+        return rope_qk_write_op(qkv, cos, sin, n_heads, n_kv_heads, norm_w, float(eps), k_cache, v_cache, rows)
+
     return types.SimpleNamespace(rms_norm=lambda x, w, eps: rms_norm_op(x, w, float(eps)),
                                  add_rms_norm=lambda h, y, w, eps: add_rms_norm_op(h, y, w, float(eps)),
-                                 rope_qk=rope_qk_call, silu_mul=silu_mul_op)
+                                 rope_qk=rope_qk_call, rope_qk_write=rope_qk_write_call, silu_mul=silu_mul_op)
 
 
-__all__ = ["add_rms_norm", "add_rms_norm_ref", "rms_norm", "rms_norm_ref", "rope_qk", "rope_qk_ref", "rope_ref", "silu_mul",
-           "silu_mul_ref"]
+__all__ = ["add_rms_norm", "add_rms_norm_ref", "rms_norm", "rms_norm_ref", "rope_qk", "rope_qk_ref", "rope_qk_write",
+           "rope_qk_write_ref", "rope_ref", "silu_mul", "silu_mul_ref"]

@@ -188,7 +188,8 @@ def confidence_noise(logits: torch.Tensor, temperature: float, noise: torch.Tens
     return noise
 
 
-def confidence_stats(logits: torch.Tensor, temperature: float = 0.0, noise: torch.Tensor | None = None):
+def confidence_stats(logits: torch.Tensor, temperature: float = 0.0, noise: torch.Tensor | None = None,
+                     exclude: int | None = None):
     """Proposal and confidence statistics of each position, in one pass over the vocabulary (Triton twin).
 
     The probabilities are always those of the *clean* logits, ``p = softmax(logits)`` in float32 (as LLaDA and
@@ -203,11 +204,20 @@ def confidence_stats(logits: torch.Tensor, temperature: float = 0.0, noise: torc
         noise: uniform ``(0, 1)`` noise broadcastable to ``[..., V]`` (any float dtype, used in float32); when
             ``T > 0`` and ``noise`` is None it is drawn with ``torch.rand`` (the global generator); ignored at
             ``T = 0``.
+        exclude: a column never proposed (the mask token) that stays in the probabilities: ``p_token``,
+            ``p_max``, ``p_second`` and ``entropy`` are those of the full softmax, ``p_max`` may be the excluded
+            column's (:func:`_confidence_stats_excluding`). None (or out of range): no column excluded.
 
     Returns:
         :class:`ConfidenceStats`: ``token`` ``[...]`` int64, ``p_token``/``p_max``/``p_second``/``entropy``
         ``[...]`` float32. Margin confidence is ``p_max - p_second``.
     """
+    if exclude is not None and 0 <= exclude < logits.shape[-1]:
+        return _confidence_stats_excluding(logits, temperature, noise, exclude)
+    return _confidence_stats(logits, temperature, noise)
+
+
+def _confidence_stats(logits: torch.Tensor, temperature: float, noise: torch.Tensor | None):
     noise = confidence_noise(logits, temperature, noise)
     x = logits.float()
     lse = torch.logsumexp(x, dim=-1, keepdim=True)
@@ -225,3 +235,25 @@ def confidence_stats(logits: torch.Tensor, temperature: float = 0.0, noise: torc
     p_token = logp.gather(-1, token[..., None]).squeeze(-1).exp()
     lse = lse.squeeze(-1)
     return ConfidenceStats(token, p_token, (top2[..., 0] - lse).exp(), (top2[..., 1] - lse).exp(), entropy)
+
+
+def _confidence_stats_excluding(logits: torch.Tensor, temperature: float, noise: torch.Tensor | None, exclude: int):
+    """:func:`confidence_stats` with column ``exclude`` never the proposal but kept in the probabilities (the
+    references' full-vocabulary softmax), from one pass with that column at ``-inf`` (in place, restored after)
+    and ``[...]``-sized corrections: with ``q`` the statistics without the column and ``k = 1 - p(exclude)``,
+    ``p = k q`` for every other token, ``H = k (H_q - log k) - p(exclude) log p(exclude)``, and the two largest
+    probabilities are taken among ``k q_max``, ``k q_second`` and ``p(exclude)``."""
+    saved = logits[..., exclude].clone()
+    logits[..., exclude] = float("-inf")
+    try:
+        q = _confidence_stats(logits, temperature, noise)
+    finally:
+        logits[..., exclude] = saved
+    l_mask = logits[..., exclude].float()
+    lse_q = logits.gather(-1, q.token[..., None]).squeeze(-1).float() - torch.log(q.p_token)
+    lse = torch.logaddexp(lse_q, l_mask)
+    keep, p_mask = torch.exp(lse_q - lse), torch.exp(l_mask - lse)
+    p1, p2 = q.p_max * keep, q.p_second * keep
+    top1, top2 = torch.maximum(p1, p_mask), torch.maximum(torch.minimum(p1, p_mask), p2)
+    entropy = keep * (q.entropy - torch.log(keep)) - torch.special.xlogy(p_mask, p_mask)
+    return ConfidenceStats(q.token, q.p_token * keep, top1, top2, entropy)

@@ -222,10 +222,17 @@ def _launch(kernel, traced: bool):
     return torch.library.wrap_triton(kernel) if traced else kernel
 
 
+def _out_like(q: torch.Tensor) -> torch.Tensor:
+    """The attention output ``[B, Hq, Lq, D]`` stored as ``[B, Lq, Hq, D]``: the layer's ``transpose(1, 2).reshape``
+    into ``[B, Lq, Hq * D]`` for the output product is then a view, not a copy kernel."""
+    B, Hq, Lq, D = q.shape
+    return q.new_empty((B, Lq, Hq, D)).transpose(1, 2)
+
+
 def _attention_lse(q, k, v, key_padding_mask, write_out: bool, traced: bool = False):
     B, Hq, Lq, D = q.shape
     Lk = k.shape[2]
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if write_out else q
+    out = _out_like(q) if write_out else q
     lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
     if q.numel() == 0:
         return out, lse
@@ -393,7 +400,7 @@ def _splitk_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_
                  num_splits: int, traced: bool = False):
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = _out_like(q)
     lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
     if q.numel() == 0:
         return out, lse
@@ -560,7 +567,7 @@ def attention_mass(q, k, key_padding_mask=None, lse=None):
 
 
 @triton.jit
-def _conf_lanes(m, z, s, t1, i1, t2, best, bidx, blog, HAS_NOISE: tl.constexpr):
+def _conf_lanes(m, z, s, t1, i1, t2, best, bidx, blog, TRACK: tl.constexpr):
     """Merge per-lane (or per-split) partial statistics along axis 0 into scalars; ties go to the smallest index."""
     NEG = float("-inf")
     mx = tl.max(m, 0)
@@ -573,7 +580,7 @@ def _conf_lanes(m, z, s, t1, i1, t2, best, bidx, blog, HAS_NOISE: tl.constexpr):
     big = 2147483647
     tok1 = tl.min(tl.where(t1 == top1, i1, big), 0)
     top2 = tl.maximum(tl.max(t2, 0), tl.max(tl.where(i1 == tok1, NEG, t1), 0))
-    if HAS_NOISE:
+    if TRACK:  # a proposal of its own (noise, an excluded column); else the argmax
         bmax = tl.max(best, 0)
         btok = tl.min(tl.where(best == bmax, bidx, big), 0)
         blg = tl.max(tl.where(bidx == btok, blog, NEG), 0)
@@ -588,8 +595,8 @@ def _conf_lanes(m, z, s, t1, i1, t2, best, bidx, blog, HAS_NOISE: tl.constexpr):
 def _conf_partial(
     L, U, Stats, Idx,
     slr, slv, sur, suv,
-    V, CHUNK, temperature,
-    HAS_NOISE: tl.constexpr, BLOCK_V: tl.constexpr,
+    V, CHUNK, temperature, EXCL,
+    HAS_NOISE: tl.constexpr, HAS_EXCL: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     # grid (rows, vocabulary splits). Every statistic is kept per lane (BLOCK_V lanes, lane j sees the indices
     # = j mod BLOCK_V of the split) with elementwise updates only; the lanes are merged once at the end.
@@ -630,16 +637,21 @@ def _conf_partial(
         up = x > t1
         i1 = tl.where(up, v, i1)
         t1 = tl.where(up, x, t1)
-        # proposal: Gumbel-perturbed argmax x - T log(-log u)
-        if HAS_NOISE:
-            u = tl.load(U + row * sur + v * suv, mask=ok, other=0.5).to(tl.float32)
-            g = (x - temperature * tl.log(-tl.log(u))).to(tl.float32)
-            g = tl.where(ok, g, NEG)
+        # proposal: Gumbel-perturbed argmax x - T log(-log u); never the excluded column (which stays in the
+        # softmax, the top-2 and the entropy above)
+        if HAS_NOISE or HAS_EXCL:
+            if HAS_NOISE:
+                u = tl.load(U + row * sur + v * suv, mask=ok, other=0.5).to(tl.float32)
+                g = (x - temperature * tl.log(-tl.log(u))).to(tl.float32)
+            else:
+                g = x
+            g = tl.where(ok & (v != EXCL), g, NEG)
             tk = g > best
             bidx = tl.where(tk, v, bidx)
             blog = tl.where(tk, x, blog)
             best = tl.where(tk, g, best)
-    mx, zt, st, top1, tok1, top2, bmax, btok, blg = _conf_lanes(m, z, s, t1, i1, t2, best, bidx, blog, HAS_NOISE)
+    mx, zt, st, top1, tok1, top2, bmax, btok, blg = _conf_lanes(m, z, s, t1, i1, t2, best, bidx, blog,
+                                                                HAS_NOISE or HAS_EXCL)
     base = Stats + (row * nsplit + split) * 7
     tl.store(base + 0, mx)
     tl.store(base + 1, zt)
@@ -656,7 +668,7 @@ def _conf_partial(
 @triton.jit
 def _conf_merge(
     Stats, Idx, Token, Out, N, S,
-    HAS_NOISE: tl.constexpr, BLOCK_S: tl.constexpr,
+    TRACK: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     # second stage, one program per row: merge the S split partials and write the outputs
     # (Token [N] int64; Out [4, N] float32: p_token, p_max, p_second, entropy)
@@ -674,7 +686,7 @@ def _conf_merge(
     blog = tl.load(base + 6, mask=ok, other=NEG)
     i1 = tl.load(Idx + (row * S + sp) * 2, mask=ok, other=2147483647)
     bidx = tl.load(Idx + (row * S + sp) * 2 + 1, mask=ok, other=2147483647)
-    mx, zt, st, top1, tok1, top2, bmax, btok, blg = _conf_lanes(m, z, s, t1, i1, t2, best, bidx, blog, HAS_NOISE)
+    mx, zt, st, top1, tok1, top2, bmax, btok, blg = _conf_lanes(m, z, s, t1, i1, t2, best, bidx, blog, TRACK)
     lz = tl.log(zt)
     lse = mx + lz
     token = tl.where(btok == 2147483647, 0, btok)  # a row without a finite logit: index 0, as torch.argmax
@@ -688,8 +700,10 @@ def _conf_merge(
 _CONF_MAX_SPLITS = 64
 
 
-def confidence_stats(logits, temperature=0.0, noise=None):
-    """Triton twin of :func:`dllm.kernels.reference.confidence_stats` (same arguments, outputs and semantics).
+def confidence_stats(logits, temperature=0.0, noise=None, exclude=None):
+    """Triton twin of :func:`dllm.kernels.reference.confidence_stats` (same arguments, outputs and semantics;
+    an excluded column is skipped by the proposal inside the one pass, where the reference corrects a second
+    statistic).
 
     Args:
         logits: ``[..., V]`` float16/bfloat16/float32, any strides (flattened to ``[N, V]``; the last dim is
@@ -697,13 +711,14 @@ def confidence_stats(logits, temperature=0.0, noise=None):
         temperature: Gumbel-max temperature ``T >= 0`` for the proposal.
         noise: uniform ``(0, 1)`` noise broadcastable to ``logits`` (any float dtype, read in fp32); drawn with
             ``torch.rand`` when ``T > 0`` and None; ignored at ``T = 0``.
+        exclude: a column never proposed but kept in the probabilities (the mask token), or None.
 
     Returns:
         :class:`~dllm.kernels.reference.ConfidenceStats` with ``token`` ``[...]`` int64 and ``p_token``,
         ``p_max``, ``p_second``, ``entropy`` ``[...]`` float32.
     """
     if not _usable(logits):
-        return reference.confidence_stats(logits, temperature=temperature, noise=noise)
+        return reference.confidence_stats(logits, temperature=temperature, noise=noise, exclude=exclude)
     noise = reference.confidence_noise(logits, temperature, noise)
     (logits,), _ = _widen(logits)
     V, N = logits.shape[-1], logits.numel() // max(logits.shape[-1], 1)
@@ -711,11 +726,12 @@ def confidence_stats(logits, temperature=0.0, noise=None):
     # enough programs to fill the GPU a few times over at a few rows, each with >= 4 tiles of the vocabulary
     splits = 1 if _interpreting() else max(1, min(_cdiv(V, 4 * block_v), _cdiv(4 * _num_sms(), max(N, 1)),
                                                   _CONF_MAX_SPLITS))
-    return _confidence_stats(logits, temperature, noise, block_v, splits)
+    excl = exclude if exclude is not None and 0 <= exclude < V else -1
+    return _confidence_stats(logits, temperature, noise, block_v, splits, excl)
 
 
 def _confidence_impl(x: torch.Tensor, u: torch.Tensor | None, temperature: float, block_v: int, splits: int,
-                     traced: bool = False):
+                     exclude: int = -1, traced: bool = False):
     N, V = x.shape
     noised = u is not None
     chunk = _cdiv(_cdiv(V, splits), block_v) * block_v
@@ -729,15 +745,15 @@ def _confidence_impl(x: torch.Tensor, u: torch.Tensor | None, temperature: float
     uu = u if noised else x
     _launch(_conf_partial, traced)[(N, nsplit)](
         x, uu, stats, idx, x.stride(0), x.stride(1), uu.stride(0), uu.stride(1),
-        V, chunk, float(temperature),
-        HAS_NOISE=noised, BLOCK_V=block_v, num_warps=4,
+        V, chunk, float(temperature), exclude,
+        HAS_NOISE=noised, HAS_EXCL=exclude >= 0, BLOCK_V=block_v, num_warps=4,
     )
-    _launch(_conf_merge, traced)[(N,)](stats, idx, token, out, N, nsplit, HAS_NOISE=noised,
+    _launch(_conf_merge, traced)[(N,)](stats, idx, token, out, N, nsplit, TRACK=noised or exclude >= 0,
                                BLOCK_S=max(2, _pow2(nsplit)), num_warps=1)
     return token, out
 
 
-def _confidence_stats(logits, temperature, noise, block_v: int, splits: int):
+def _confidence_stats(logits, temperature, noise, block_v: int, splits: int, exclude: int = -1):
     noised = noise is not None
     lead, V = logits.shape[:-1], logits.shape[-1]
     if not 1 <= splits <= _CONF_MAX_SPLITS:
@@ -745,9 +761,9 @@ def _confidence_stats(logits, temperature, noise, block_v: int, splits: int):
     x = logits.reshape(-1, V)
     u = noise.expand(logits.shape).reshape(-1, V) if noised else None
     if torch.compiler.is_compiling() and not _interpreting():
-        token, out = torch.ops.dllm.confidence_stats(x, u, float(temperature), block_v, splits)
+        token, out = torch.ops.dllm.confidence_stats(x, u, float(temperature), block_v, splits, exclude)
     else:
-        token, out = _confidence_impl(x, u, float(temperature), block_v, splits)
+        token, out = _confidence_impl(x, u, float(temperature), block_v, splits, exclude)
     return ConfidenceStats(token.reshape(lead), *(t.reshape(lead) for t in out.unbind(0)))
 
 
@@ -765,7 +781,7 @@ def _flash_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 @_flash_op.register_fake
 def _flash_fake(q, k, v, key_padding_mask):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return _out_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.triton_op("dllm::splitk_attention", mutates_args=())
@@ -776,16 +792,16 @@ def _splitk_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_ma
 
 @_splitk_op.register_fake
 def _splitk_fake(q, k, v, key_padding_mask, num_splits):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return _out_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.triton_op("dllm::confidence_stats", mutates_args=())
 def _confidence_op(logits: torch.Tensor, noise: Optional[torch.Tensor], temperature: float, block_v: int,  # noqa: UP045
-                   splits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return _confidence_impl(logits, noise, temperature, block_v, splits, traced=True)
+                   splits: int, exclude: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _confidence_impl(logits, noise, temperature, block_v, splits, exclude, traced=True)
 
 
 @_confidence_op.register_fake
-def _confidence_fake(logits, noise, temperature, block_v, splits):
+def _confidence_fake(logits, noise, temperature, block_v, splits, exclude):
     n = logits.shape[0]
     return logits.new_empty((n,), dtype=torch.int64), logits.new_empty((4, n), dtype=torch.float32)

@@ -10,6 +10,11 @@ published layout. A layer then runs (:func:`block_forward`):
 attention -> output product -> ``add_rms_norm`` (residual + MLP norm) -> gate/up product -> ``silu_mul`` -> down
 product -> residual add.
 
+In a partial forward over a :class:`~dllm.caches.base.KVCache` the cache update is no separate step:
+``rope_qk_write`` (the same kernel) writes the rotated keys and the values into the cache's buffers at the active
+rows (:meth:`~dllm.caches.base.KVCache.write_buffers`). The attention kernels store their output as ``[B, T, H, D]``,
+so the output product reads it without a copy. On CUDA a cached layer is ten kernels (``tests/test_launches.py``).
+
 The kernels (:mod:`dllm.kernels.fused`) are Triton on CUDA and their PyTorch twins elsewhere; the cache hooks,
 attention dispatch and block-diffusion attention are the eager layer's. The path has no host synchronisation and
 no data-dependent shape (mixture-of-experts layers keep their eager MLP, which has both). The eager layer
@@ -142,9 +147,17 @@ def block_forward(block, h, cos, sin, key_mask, layer_idx: int, cache=None, rows
         norm_w, norm_eps = block.qk_norm_weight, block.q_norm.eps
     else:
         norm_w, norm_eps = None, 0.0
-    q, k, v = fused.rope_qk(qkv, cos, sin, block.n_heads, block.n_kv_heads, norm_w, norm_eps)
-    if cache is not None:
-        k, v = cache.update(layer_idx, k, v) if rows is None else cache.update(layer_idx, k, v, rows)
+    targets = None
+    if cache is not None and rows is not None:  # a partial forward: RoPE writes K/V into the cache itself
+        write_buffers = getattr(cache, "write_buffers", None)
+        targets = write_buffers(layer_idx, B) if write_buffers is not None else None
+    if targets is not None:
+        k, v = targets
+        q = fused.rope_qk_write(qkv, cos, sin, block.n_heads, block.n_kv_heads, norm_w, norm_eps, k, v, rows)
+    else:
+        q, k, v = fused.rope_qk(qkv, cos, sin, block.n_heads, block.n_kv_heads, norm_w, norm_eps)
+        if cache is not None:
+            k, v = cache.update(layer_idx, k, v) if rows is None else cache.update(layer_idx, k, v, rows)
     if blocks is None:
         a = kernels.attention(q, k, v, key_padding_mask=key_mask)
     elif isinstance(blocks, torch.Tensor):

@@ -323,8 +323,10 @@ class Transformer(nn.Module):
                 D]`` post-RoPE keys/values (see :mod:`dllm.caches`), or ``None``. Optional hooks:
                 ``layer_input(layer, h, rows)`` (sees every layer's input; in a partial forward it may return
                 ``[B, T, d]`` hidden states to compute every row from this layer on, or ``(h, rows)`` to compute
-                other rows from this layer on (per-row refreshes), else None) and ``observe(layer, q, k, key_mask, rows)`` (sees the queries and
-                the full keys, e.g. for attention mass).
+                other rows from this layer on (per-row refreshes), else None), ``observe(layer, q, k, key_mask, rows)`` (sees the queries and
+                the full keys, e.g. for attention mass) and ``write_buffers(layer, batch)`` (the fast layer's partial
+                forwards: ``(k, v)`` buffers to write the active rows' keys/values into in place of ``update``, or
+                None).
             logits_idx: ``[B, R]`` int64 canvas columns whose *token* predictions are wanted; for families
                 with shifted logits (Dream) the prediction for column ``c`` comes from hidden row ``c - 1``.
                 ``None`` returns all ``T`` columns (shift applied the way the reference does it). In a partial

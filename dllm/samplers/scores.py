@@ -19,7 +19,6 @@ from dllm.samplers.base import (
     SOFTMAX_DTYPES,
     StepContext,
     canvas_rand,
-    mask_column_excluded,
     token_prob,
     top2_values,
 )
@@ -55,22 +54,9 @@ def confidence_score(logits: torch.Tensor, x0: torch.Tensor, kind: str, ctx: Ste
 
 def unmasked_confidence_stats(logits: torch.Tensor, mask_id: int | None) -> kernels.ConfidenceStats:
     """:func:`dllm.kernels.confidence_stats` at temperature 0 with ``mask_id`` never the proposal but kept in the
-    probabilities (the references' full-vocabulary softmax), from one kernel pass over the logits with the mask
-    column at ``-inf`` (restored after) and ``[...]``-sized corrections: with ``q`` the statistics without the
-    mask and ``k = 1 - p(mask)``, ``p = k q`` for every other token, ``H = k (H_q - log k) - p(mask) log p(mask)``,
-    and the two largest probabilities are taken among ``k q_max``, ``k q_second`` and ``p(mask)``."""
-    if mask_id is None or not 0 <= mask_id < logits.shape[-1]:
-        return kernels.confidence_stats(logits)
-    with mask_column_excluded(logits, mask_id):
-        q = kernels.confidence_stats(logits)
-    l_mask = logits[..., mask_id].float()
-    lse_q = logits.gather(-1, q.token[..., None]).squeeze(-1).float() - torch.log(q.p_token)
-    lse = torch.logaddexp(lse_q, l_mask)
-    keep, p_mask = torch.exp(lse_q - lse), torch.exp(l_mask - lse)
-    p1, p2 = q.p_max * keep, q.p_second * keep
-    top1, top2 = torch.maximum(p1, p_mask), torch.maximum(torch.minimum(p1, p_mask), p2)
-    entropy = keep * (q.entropy - torch.log(keep)) - torch.special.xlogy(p_mask, p_mask)
-    return kernels.ConfidenceStats(q.token, q.p_token * keep, top1, top2, entropy)
+    probabilities (the references' full-vocabulary softmax): ``exclude=mask_id``, one kernel pass on the Triton
+    path, the reference's corrections elsewhere (:func:`dllm.kernels.reference.confidence_stats`)."""
+    return kernels.confidence_stats(logits, exclude=mask_id)
 
 
 def fused_proposal(logits: torch.Tensor, kind: str, mask_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

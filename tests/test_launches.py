@@ -1,0 +1,83 @@
+"""Kernel launches of the fast layer's cached step, counted on the CPU (tests/launch_counter.py): what the CUDA
+path launches per layer in a partial forward over a K/V cache, the kernels of one forward at LLaDA-8B's depth, and
+the counter itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from launch_counter import LaunchCounter
+
+from dllm import kernels
+from dllm.config import GenerateConfig
+from dllm.generate import Decoder
+from dllm.models import LLADA, Transformer, TransformerConfig
+from dllm.models.fast import enable_fast_path
+from dllm.models.weights import init_weights
+from dllm.recipes import resolve
+
+
+@pytest.fixture
+def triton_backend():
+    old = kernels.get_backend()
+    kernels.set_backend("triton")
+    yield
+    kernels.set_backend(old)
+
+
+def test_the_counter_counts_kernels_not_views_or_allocations(triton_backend):
+    x = torch.randn(4, 8)
+    with LaunchCounter() as c:
+        y = x.view(8, 4).t().unsqueeze(0)  # views: nothing
+        torch.empty(3)  # an allocation: nothing
+        z = x + 1  # one kernel
+        x.transpose(0, 1).contiguous()  # one copy kernel
+        torch.nn.functional.linear(x, torch.randn(5, 8))  # composite: one product (and the weight's randn)
+    assert y.shape == (1, 4, 8) and z.shape == x.shape
+    assert dict(c.counts) == {"aten.add": 1, "aten.clone": 1, "aten.randn": 1, "aten.mm": 1}
+    from dllm.kernels import fused
+
+    w = torch.ones(8)
+    with LaunchCounter() as c:  # a Triton kernel is one launch; the interpreter's own tensor work is not counted
+        fused.rms_norm(x, w, 1e-6)
+    assert dict(c.counts) == {"triton._norm_kernel": 1}
+
+
+def _cached_forward_launches(layers: int, cache: str = "dual") -> LaunchCounter:
+    cfg = TransformerConfig(vocab_size=128, d_model=64, n_layers=layers, n_heads=4, n_kv_heads=4, mlp_hidden=96,
+                            max_seq_len=128)
+    torch.manual_seed(0)
+    model = Transformer(cfg, LLADA)
+    init_weights(model, std=0.5)
+    model.eval().requires_grad_(False)
+    model.mask_id, model.eos_id, model.eot_id, model.pad_id = 127, 1, 2, 1
+    enable_fast_path(model)
+    config = GenerateConfig(gen_length=16, block_length=8, steps=16, graphs="on")
+    sampler, cache_obj, policy, config = resolve(model, "llada", cache, None, config)
+    dec = Decoder(model, sampler, cache_obj, policy, config)
+    st = dec.start(torch.randint(3, 120, (1, 16), generator=torch.Generator().manual_seed(1)).tolist())
+    for _ in range(3):  # the full forward, then cached steps
+        dec.step(st)
+    lo, hi = st.window
+    cstate = dec._cache_state(st, (lo, hi))
+    rows, _ = dec.cache.plan(cstate)
+    assert rows is not None  # a partial forward
+    with LaunchCounter() as c:
+        dec.model(st.x, positions=st.positions, attn_mask=st.key_mask, logits_idx=dec.cols_all[lo:hi].expand(1, -1),
+                  cache=dec.cache, query_idx=rows)
+    return c
+
+
+@pytest.mark.parametrize("cache", ["dual", "prefix"])
+def test_the_cached_fast_layer_launches_ten_kernels(cache, triton_backend):
+    """Per layer (the difference between 3 and 2 layers): the norm, QKV product, RoPE writing K/V into the cache,
+    attention, output product, add + norm, gate/up product, SiLU-mul, down product, residual add. No scatter, no
+    copy of the attention output."""
+    two, three = _cached_forward_launches(2, cache), _cached_forward_launches(3, cache)
+    per_layer = {k: three.counts[k] - two.counts.get(k, 0) for k in three.counts}
+    per_layer = {k: n for k, n in per_layer.items() if n}
+    assert per_layer == {"triton._norm_kernel": 2, "aten.mm": 4, "triton._rope_kernel": 1, "triton._attn_fwd": 1,
+                         "triton._silu_mul_kernel": 1, "aten.add": 1}, per_layer
+    # at LLaDA-8B's depth the forward's own kernels (RoPE tables, embedding, logits) spread over 32 layers
+    outside = two.total - 2 * sum(per_layer.values())
+    assert (32 * sum(per_layer.values()) + outside) / 32 <= 15
