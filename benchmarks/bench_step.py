@@ -14,7 +14,8 @@ cached steps replayed as CUDA graphs; ``compile``: ``torch.compile`` of the mode
   calls that would synchronise on CUDA).
 
 ``--e2e`` adds whole generations (prompt 512, gen 256, batch 1) with no cache, prefix and dual cache and the
-speed-up of each cache over none; ``--fastdllm DIR`` (a checkout of NVlabs/Fast-dLLM, its ``llada`` folder with
+speed-up of each cache over none; ``--breakdown`` (CUDA) the kernels that take a full forward's and a cached step's
+device time, published layer against fast layer; ``--fastdllm DIR`` (a checkout of NVlabs/Fast-dLLM, its ``llada`` folder with
 ``generate.py`` and ``model/``) times Fast-dLLM's own ``generate_with_dual_cache`` on the same weights and steps.
 
     python benchmarks/bench_step.py                              # GPU: 32 layers, the shape above
@@ -118,6 +119,16 @@ def time_steps(model, B: int, a, cache: str, graphs: str):
     return statistics.mean(times), (statistics.median(partial) if partial else float("nan")), (dec, st)
 
 
+def to_cached_step(dec, st, limit: int) -> None:
+    """Step on until the next step is a partial (cached) forward: the plan read in the last step's sync says so
+    (a cache without one, e.g. none, is left as it is)."""
+    for _ in range(limit):
+        hint = st.plan_hint
+        if hint is None or hint[3]:
+            return
+        dec.step(st)
+
+
 def count_step(a, dec, st):
     """(kernels launched, host syncs) of one more step."""
     if a.device != "cuda":
@@ -172,6 +183,36 @@ def forward_launches(a, dec, st) -> int:
         sync(a.device)
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                and not e.name.startswith(("Memcpy", "Memset")))
+
+
+def breakdown(model, a, B: int = 1, top: int = 12):
+    """Where one full forward's (no cache) and one cached step's (dual cache) device time goes, in the published
+    layer (base) and the fast layer: the ``top`` kernels by total time, from the profiler (on CPU the operators'
+    CPU time: a check of the code path, not a figure)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rows = []
+    for mode in ("base", "fast"):
+        (disable_fast_path if mode == "base" else enable_fast_path)(model)
+        for cache in ("none", "dual"):
+            _, _, (dec, st) = time_steps(model, B, a, cache, "auto" if mode == "fast" else "off")
+            to_cached_step(dec, st, a.block)
+            gpu = a.device == "cuda"
+            kind = torch.autograd.DeviceType.CUDA if gpu else torch.autograd.DeviceType.CPU
+            sync(a.device)
+            with profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU]) as prof:
+                dec.step(st)
+                sync(a.device)
+            events = [e for e in prof.key_averages() if e.device_type == kind and (gpu or e.key.startswith("aten::"))]
+            t = (lambda e: e.self_device_time_total) if gpu else (lambda e: e.self_cpu_time_total)
+            events.sort(key=lambda e: -t(e))
+            r = {"what": "breakdown", "mode": mode, "cache": cache, "batch": B,
+                 "device_ms": round(sum(t(e) for e in events) / 1e3, 3),
+                 "kernels": [{"name": e.key[:90], "calls": e.count, "ms": round(t(e) / 1e3, 3)} for e in events[:top]]}
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+            del dec, st
+    return rows
 
 
 def e2e(model, a, B: int = 1):
@@ -256,6 +297,8 @@ def main(argv=None):
     p.add_argument("--none-steps", type=int, default=4, help="steps timed without a cache")
     p.add_argument("--e2e", action="store_true", help="whole generations: none / prefix / dual, batch 1")
     p.add_argument("--fastdllm", default=None, help="a Fast-dLLM checkout: time its generate_with_dual_cache")
+    p.add_argument("--breakdown", action="store_true",
+                   help="the kernels taking a full forward's and a cached step's time, base and fast layer")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     gpu = a.device == "cuda"
@@ -293,6 +336,7 @@ def main(argv=None):
                     graphs = "on"  # the static-buffer path without capture: counts only
                 try:
                     step_ms, partial_ms, (dec, st) = time_steps(m, B, a, cache, graphs)
+                    to_cached_step(dec, st, a.block)  # the counts are a cached step's (with a cache)
                     launches, syncs = count_step(a, dec, st)
                     fwd = forward_launches(a, dec, st)
                 except Exception as exc:  # one failing setting does not lose the others' figures
@@ -310,7 +354,7 @@ def main(argv=None):
                 rows.append(r)
                 print(json.dumps(r), flush=True)
                 del dec, st
-    for flag, fn in ((a.e2e, e2e), (a.fastdllm, fastdllm)):
+    for flag, fn in ((a.e2e, e2e), (a.fastdllm, fastdllm), (a.breakdown, breakdown)):
         if flag:
             try:
                 rows += fn(model, a)

@@ -25,7 +25,7 @@ extra=()
 if [ "${QUICK:-0}" = "1" ]; then
     extra+=(--batch 1 16 --modes base graph)
 fi
-timeout 240 python3 benchmarks/bench_step.py --e2e "${extra[@]}" --json "$OUT/step.json" 2>&1 \
+timeout 270 python3 benchmarks/bench_step.py --e2e --breakdown "${extra[@]}" --json "$OUT/step.json" 2>&1 \
     | grep --line-buffered -v USDT | tee "$OUT/bench_step.log"
 
 log gpu tests
