@@ -338,6 +338,26 @@ def test_fast_model_equals_the_eager_model_full_and_partial(family):
     assert torch.equal(fast(tokens, attn_mask=mask), eager(tokens, attn_mask=mask))
 
 
+def test_the_deferred_residual_add_keeps_hooks_and_cache_inputs_whole():
+    """A fast layer leaves its last residual add to the next layer's norm; a layer with a forward hook still
+    returns (and shows the hook) the whole hidden state, the same as the eager layer's to rounding."""
+    eager = _tiny("llada2")
+    fast = enable_fast_path(copy.deepcopy(eager))
+    tokens = torch.randint(3, 95, (2, 8), generator=torch.Generator().manual_seed(8))
+    seen = {}
+    for name, model in (("eager", eager), ("fast", fast)):
+        handle = model.layers[0].register_forward_hook(lambda m, args, out, name=name: seen.__setitem__(name, out))
+        try:
+            out = model(tokens)
+        finally:
+            handle.remove()
+        seen[name + " logits"] = out
+    assert isinstance(seen["fast"], torch.Tensor)
+    torch.testing.assert_close(seen["fast"], seen["eager"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(seen["fast logits"], seen["eager logits"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast(tokens), seen["fast logits"], atol=1e-5, rtol=1e-5)  # no hook: deferred adds
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_fast_forward_has_no_host_synchronisation_outside_the_moe(family):
     """Counted on the twins' path (the calls that would synchronise on CUDA); a mixture-of-experts layer keeps its
@@ -463,3 +483,22 @@ def test_bf16_fast_layer_kernels_on_cuda():
     fast = enable_fast_path(copy.deepcopy(model))
     tokens = torch.randint(3, 95, (2, 16), device="cuda")
     torch.testing.assert_close(fast(tokens).float(), model(tokens).float(), atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_write_kernel_on_cuda(dtype):
+    B, T, Hq, Hkv, D, L = 2, 32, 8, 2, 128, 300
+    g = torch.Generator().manual_seed(12)
+    qkv = torch.randn(B, T, (Hq + 2 * Hkv) * D, generator=g).to("cuda", dtype)
+    cos, sin = rope_tables(torch.randint(0, 300, (B, T), generator=g).cuda(), D, 10000.0)
+    rows = torch.stack([torch.randperm(L, generator=g)[:T] for _ in range(B)]).cuda()
+    k0 = torch.randn(B, Hkv, L, D, generator=g).to("cuda", dtype)
+    v0 = torch.randn(B, Hkv, L, D, generator=g).to("cuda", dtype)
+    k1, v1, k2, v2 = k0.clone(), v0.clone(), k0.clone(), v0.clone()
+    q1 = fused.rope_qk_write_ref(qkv, cos, sin, Hq, Hkv, None, 1e-6, k1, v1, rows)
+    q2 = fused.rope_qk_write(qkv, cos, sin, Hq, Hkv, None, 1e-6, k2, v2, rows)
+    _close(q2.float(), q1.float(), dtype)
+    _close(k2.float(), k1.float(), dtype)
+    assert torch.equal(v2, v1)

@@ -8,12 +8,14 @@ published layout. A layer then runs (:func:`block_forward`):
 
 ``rms_norm`` -> QKV product -> ``rope_qk`` (QK norm + RoPE of queries and keys, one kernel) -> cache update ->
 attention -> output product -> ``add_rms_norm`` (residual + MLP norm) -> gate/up product -> ``silu_mul`` -> down
-product -> residual add.
+product -> residual add. The last residual add is deferred to the next layer, whose first norm becomes
+``add_rms_norm`` (:meth:`~dllm.models.transformer.Transformer.forward` passes it on; a layer with forward hooks, or a
+cache's per-layer ``layer_input`` hook, sees the sum as before).
 
 In a partial forward over a :class:`~dllm.caches.base.KVCache` the cache update is no separate step:
 ``rope_qk_write`` (the same kernel) writes the rotated keys and the values into the cache's buffers at the active
 rows (:meth:`~dllm.caches.base.KVCache.write_buffers`). The attention kernels store their output as ``[B, T, H, D]``,
-so the output product reads it without a copy. On CUDA a cached layer is ten kernels (``tests/test_launches.py``).
+so the output product reads it without a copy. On CUDA a cached layer is nine kernels (``tests/test_launches.py``).
 
 The kernels (:mod:`dllm.kernels.fused`) are Triton on CUDA and their PyTorch twins elsewhere; the cache hooks,
 attention dispatch and block-diffusion attention are the eager layer's. The path has no host synchronisation and
@@ -134,11 +136,17 @@ def _still_views(block: nn.Module) -> bool:
     return True
 
 
-def block_forward(block, h, cos, sin, key_mask, layer_idx: int, cache=None, rows=None, blocks=None):
-    """:meth:`Block.forward` with fused weights and kernels; same inputs, same outputs (to rounding)."""
+def block_forward(block, h, cos, sin, key_mask, layer_idx: int, cache=None, rows=None, blocks=None, pending=None,
+                  defer: bool = False):
+    """:meth:`Block.forward` with fused weights and kernels; same inputs, same outputs (to rounding). ``pending``:
+    the previous layer's deferred residual (the input is ``h + pending``, added inside the norm's kernel);
+    ``defer``: return ``(h, y)`` and leave this layer's last add to the next one."""
     B, T, _ = h.shape
     eps = block.attn_norm.eps
-    x = fused.rms_norm(h, block.attn_norm.weight, eps)
+    if pending is None:
+        x = fused.rms_norm(h, block.attn_norm.weight, eps)
+    else:
+        h, x = fused.add_rms_norm(h, pending, block.attn_norm.weight, eps)
     if hasattr(block, "qkv"):  # fused by the checkpoint (LLaDA2)
         qkv = block.qkv(x)
     else:
@@ -170,5 +178,7 @@ def block_forward(block, h, cos, sin, key_mask, layer_idx: int, cache=None, rows
     h, x = fused.add_rms_norm(h, block.o(a.transpose(1, 2).reshape(B, T, -1)), block.mlp_norm.weight,
                               block.mlp_norm.eps)
     if hasattr(block, "moe"):
-        return h + block.moe(x)
-    return h + F.linear(fused.silu_mul(F.linear(x, block.gate_up_weight)), block.down.weight)
+        y = block.moe(x)
+    else:
+        y = F.linear(fused.silu_mul(F.linear(x, block.gate_up_weight)), block.down.weight)
+    return (h, y) if defer else h + y

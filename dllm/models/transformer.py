@@ -192,14 +192,22 @@ class Block(nn.Module):
             self.up = nn.Linear(d, cfg.mlp_hidden, bias=False)
             self.down = nn.Linear(cfg.mlp_hidden, d, bias=False)
 
-    def forward(self, h, cos, sin, key_mask, layer_idx: int, cache=None, rows=None, blocks=None):
+    def forward(self, h, cos, sin, key_mask, layer_idx: int, cache=None, rows=None, blocks=None, pending=None,
+                defer: bool = False):
         """``h``: ``[B, Q, d]`` hidden states of the computed rows (all ``T`` rows when ``rows`` is None, else
         the canvas rows ``rows`` ``[B, Q]``); ``cos``/``sin`` are the RoPE tables of those rows. Keys and
         values of the rows not computed come from ``cache.update``. ``blocks``: ``(query blocks [B, Q], key
         blocks [B, T])`` for block-diffusion attention (a query attends to keys of its block and earlier ones), or
-        an explicit ``[B, Q, T]`` bool pattern of which keys each query attends to."""
+        an explicit ``[B, Q, T]`` bool pattern of which keys each query attends to.
+
+        ``pending`` / ``defer`` (the fast path's residual fusion): the layer input is ``h + pending`` (the previous
+        layer's last residual add, done here inside the norm's kernel), and with ``defer`` the layer returns
+        ``(h, y)`` instead of ``h + y``, leaving its own last add to the next layer."""
         if self.fast:
-            return fast_path.block_forward(self, h, cos, sin, key_mask, layer_idx, cache, rows, blocks)
+            return fast_path.block_forward(self, h, cos, sin, key_mask, layer_idx, cache, rows, blocks, pending,
+                                           defer)
+        if pending is not None:
+            h = h + pending
         B, T, _ = h.shape
         x = self.attn_norm(h)
         if hasattr(self, "qkv"):  # one projection: queries, then keys, then values, per head
@@ -226,9 +234,8 @@ class Block(nn.Module):
             observe(layer_idx, q, k, key_mask, rows)
         h = h + self.o(a.transpose(1, 2).reshape(B, T, -1))
         x = self.mlp_norm(h)
-        if hasattr(self, "moe"):
-            return h + self.moe(x)
-        return h + self.down(F.silu(self.gate(x)) * self.up(x))
+        y = self.moe(x) if hasattr(self, "moe") else self.down(F.silu(self.gate(x)) * self.up(x))
+        return (h, y) if defer else h + y
 
     def _apply(self, fn, recurse=True):
         # moving or casting gives each published parameter its own storage again: rebuild the fused tensors
@@ -368,8 +375,11 @@ class Transformer(nn.Module):
         query_blocks = positions // bs if bs else None
         key_blocks = (query_blocks if key_positions is None else key_positions // bs) if bs else None
         layer_input = cache.layer_input if cache is not None else None
+        pending = None  # a fast layer's last residual add, done by the next layer inside its norm kernel
         for i, layer in enumerate(self.layers):
             if layer_input is not None:  # the cache sees each layer's input; it may switch to every row
+                if pending is not None:
+                    h, pending = h + pending, None
                 switch = layer_input(i, h, rows)
                 if switch is not None and rows is not None:  # every row ([B, T, d]) or new rows ((h, rows))
                     h, rows = switch if isinstance(switch, tuple) else (switch, None)
@@ -379,7 +389,12 @@ class Transformer(nn.Module):
             else:
                 blocks = None if bs is None else (query_blocks if rows is None else query_blocks.gather(1, rows),
                                                   key_blocks)
-            h = layer(h, cos, sin, attn_mask, i, cache, rows, blocks)
+            if layer.fast and not (layer._forward_hooks or layer._forward_pre_hooks):  # nobody sees layer outputs
+                h, pending = layer(h, cos, sin, attn_mask, i, cache, rows, blocks, pending, True)
+            else:
+                h, pending = layer(h, cos, sin, attn_mask, i, cache, rows, blocks, pending), None
+        if pending is not None:
+            h = h + pending
         if rows is None:
             if logits_idx is None:
                 idx = torch.arange(T, device=tokens.device).sub(shift).clamp_min(0).expand(B, T)
@@ -387,7 +402,7 @@ class Transformer(nn.Module):
                 idx = (logits_idx - shift).clamp_min(0)
             if not (logits_idx is None and shift == 0):
                 h = h.gather(1, idx[..., None].expand(-1, -1, h.shape[-1]))
-            return self.head(self.norm(h))
+            return self.head(self._final_norm(h))
         # Partial forward: the wanted rows must be among the computed ones, except with a cache that computes
         # only the rows whose logits the sampler reads (``cache.sparse_logits``, dKV-Cache-Decode: not the
         # tokens decoded two or more steps ago): their columns get all-zero logits, never candidates.
@@ -398,9 +413,11 @@ class Transformer(nn.Module):
         # be computed for this row: the cache's ``read_cols`` ([B, T] bool, when it has them) says which columns
         # each row reads; those must all be hit.
         need = cache.read_cols
-        missed = ~hit.any(-1)
+        uncovered = ~hit.any(-1)
+        missed = uncovered
         if need is not None:
-            need = need.repeat(B // need.shape[0], 1)  # classifier-free guidance doubles the batch
+            if need.shape[0] != B:
+                need = need.repeat(B // need.shape[0], 1)  # classifier-free guidance doubles the batch
             wanted_cols = torch.arange(T, device=tokens.device).expand(B, T) if logits_idx is None else logits_idx
             missed = missed & need.gather(1, wanted_cols.clamp(0, T - 1))
         if not cache.sparse_logits and not _no_row_missed(missed):
@@ -408,7 +425,13 @@ class Transformer(nn.Module):
                              "every row whose logits are read (for shifted-logit families, column c needs row c - 1)")
         pos = hit.to(torch.int8).argmax(-1)
         h = h.gather(1, pos[..., None].expand(-1, -1, h.shape[-1]))
-        return self.head(self.norm(h)).masked_fill(~hit.any(-1)[..., None], 0.0)
+        return self.head(self._final_norm(h)).masked_fill(uncovered[..., None], 0.0)
+
+    def _final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        """The last norm: the fused kernel on the fast path (its twin is ``RMSNorm.forward``'s operations)."""
+        if self.layers[-1].fast:
+            return fast_path.fused.rms_norm(h, self.norm.weight, self.norm.eps)
+        return self.norm(h)
 
 
 def _no_row_missed(missed: torch.Tensor) -> bool:
