@@ -393,7 +393,8 @@ class Decoder:
         in_region = (cols[None] >= lo[:, None]) & (cols[None] < hi[:, None])
         # Non-finite logits (NaN anywhere, +inf, or no finite entry) at a window position of an unfinished row: the
         # position's logits are zeroed so no sampler trips over them, and the step's host sync below raises.
-        bad = st.active[:, None] & ~torch.isfinite(logits.amax(-1))
+        top = logits.amax(-1)
+        bad = st.active[:, None] & ((top - top) != 0)  # not finite (NaN or inf), in two kernels where isfinite takes five
         if not _host_check_free(logits) or bool(bad.any()):  # on CPU the check spares a pass over the logits
             logits.masked_fill_(bad[..., None], 0.0)
         if self.refine is not None:
@@ -507,7 +508,7 @@ class Decoder:
             hi = torch.where(stopped, torch.full_like(hi, T), hi)
         new_lo = torch.where(done, hi if self.slide is None else torch.full_like(hi, T), lo)
         finished_now = done & (new_lo >= T)
-        st.finish = torch.where(finished_now, torch.full_like(st.finish, st.nfe), st.finish)
+        st.finish = st.finish.masked_fill(finished_now, st.nfe)
         st.active = st.active & ~finished_now
         advance = done & ~finished_now
         nhi, nsteps = self._next_region(new_lo, T, st.P - st.positions[:, st.P])
@@ -515,7 +516,7 @@ class Decoder:
         hi = torch.where(advance, nhi, hi)
         st.hi = hi
         st.steps = torch.where(advance, nsteps, st.steps)
-        st.step_in = torch.where(advance, torch.zeros_like(st.step_in), st.step_in)
+        st.step_in = st.step_in.masked_fill(advance, 0)
         new_masks = (masked & (cols_all[None] >= new_lo[:, None]) & (cols_all[None] < hi[:, None])).sum(-1)
         st.n_start = torch.where(advance, new_masks, st.n_start)
         return x, hi, committed

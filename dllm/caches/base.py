@@ -314,9 +314,10 @@ class KVCache(CacheBase):
         counts = self._counts.float()
         if self._refresh_layer == 0:
             frac = torch.ones_like(counts)
+        elif getattr(self, "_row_refresh", None) is None:  # no row refreshed in full: the computed rows' share
+            frac = counts / T
         else:
-            r = getattr(self, "_row_refresh", None)
-            r = torch.full_like(counts, -1.0) if r is None else r.float()
+            r = self._row_refresh.float()
             full = torch.where(r < 0, torch.zeros_like(r), n_layers - r)
             frac = ((n_layers - full) * counts + full * T) / (n_layers * T)
         self.last_stats = {"active": self._counts.clone(), "refresh_layer": self._refresh_layer, "computed": frac}
