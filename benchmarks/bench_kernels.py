@@ -8,6 +8,8 @@ each one's ratio ``t_sdpa / t`` (above 1: faster than SDPA):
 * ``sdpa``: ``F.scaled_dot_product_attention(q, k, v, enable_gqa=...)``;
 * ``triton``: :func:`dllm.kernels.triton_kernels.attention` (FlashAttention-2 forward);
 * ``splitk``: :func:`dllm.kernels.triton_kernels.attention_splitk` (flash-decoding, packed GQA groups);
+* ``splitk4``: the same with four times as many programs (``splitk_num_splits(..., waves=4)``, the dispatch's
+  ``"splitk-wide"`` candidate);
 * ``auto``: :func:`dllm.kernels.attention` on the Triton backend (the per-bucket measured choice, shown).
 
 Attention mass (batch 1, LSE given): reference against Triton. Confidence statistics at 32 positions x V = 126,464
@@ -97,15 +99,20 @@ def _attention_methods(tk, q, k, v):
     if tk is not None:
         methods["triton"] = lambda: tk.attention(q, k, v)
         methods["splitk"] = lambda: tk.attention_splitk(q, k, v)
+        wide = tk.splitk_num_splits(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.dtype, waves=4)
+        methods["splitk4"] = lambda: tk.attention_splitk(q, k, v, num_splits=wide)
         methods["auto"] = lambda: kernels.attention(q, k, v)
     return methods
+
+
+COLUMNS = ("sdpa", "triton", "splitk", "splitk4", "auto")
 
 
 def bench_attention(cfg, device, dtype, repeats, tk, rows):
     from dllm.kernels import dispatch
 
     print(f"\n## attention (Lq={cfg['lq']}, D={cfg['d']}, {dtype}): ms, and t_sdpa / t")
-    head = f"{'B':>2} {'Hq:Hkv':>7} {'Lk':>5} " + " ".join(f"{c:>15}" for c in ("sdpa", "triton", "splitk", "auto"))
+    head = f"{'B':>2} {'Hq:Hkv':>7} {'Lk':>5} " + " ".join(f"{c:>15}" for c in COLUMNS)
     print(head + "  auto's choice" + ("  (second line: the same call replayed from a CUDA graph)"
                                       if device.type == "cuda" else ""))
     for B in cfg["batches"]:
@@ -119,14 +126,14 @@ def bench_attention(cfg, device, dtype, repeats, tk, rows):
                 ms = {name: _time_ms(fn, repeats, device) for name, fn in methods.items()}
                 choice = dispatch.choose(tk, q, k, v) if tk is not None else "-"
                 cells = " ".join(f"{ms[c]:8.4f} {ms['sdpa'] / ms[c]:5.2f}x" if c in ms else f"{'-':>15}"
-                                 for c in ("sdpa", "triton", "splitk", "auto"))
+                                 for c in COLUMNS)
                 print(f"{B:>2} {hq:>3}:{hkv:<3} {lk:>5} {cells}  {choice}")
                 row = {"kernel": "attention", "B": B, "Hq": hq, "Hkv": hkv, "Lq": cfg["lq"], "Lk": lk, "D": cfg["d"],
                        "dtype": str(dtype), "ms": ms, "auto_choice": choice}
                 if device.type == "cuda":
                     g = {name: _time_ms(_graphed(fn), repeats, device) for name, fn in methods.items()}
                     cells = " ".join(f"{g[c]:8.4f} {g['sdpa'] / g[c]:5.2f}x" if c in g else f"{'-':>15}"
-                                     for c in ("sdpa", "triton", "splitk", "auto"))
+                                     for c in COLUMNS)
                     print(f"{'':>2} {'graph':>7} {lk:>5} {cells}")
                     row["graph_ms"] = g
                 rows.append(row)

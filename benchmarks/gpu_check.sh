@@ -33,6 +33,6 @@ timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_graphs.py
     tests/test_kernels.py 2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
 
 log bench_kernels
-timeout 75 python3 benchmarks/bench_kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/bench_kernels.log"
+timeout 100 python3 benchmarks/bench_kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/bench_kernels.log"
 
 log done

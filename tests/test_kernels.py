@@ -284,7 +284,7 @@ def attn_dispatch(monkeypatch):
     monkeypatch.setattr(D, "_timings", {})
     monkeypatch.setattr(D, "_on_gpu", lambda t: True)  # pretend the tensors are on a GPU
     monkeypatch.setattr(D, "_capturing", lambda: False)
-    fake = {"sdpa": 3.0, "triton": 2.0, "splitk": 1.0}
+    fake = {"sdpa": 3.0, "triton": 2.0, "splitk": 1.0, "splitk-wide": 0.5}
     measured = []
 
     def measure(fn):
@@ -312,7 +312,7 @@ def test_dispatch_times_each_bucket_once_and_keeps_the_fastest(attn_dispatch):
     torch.testing.assert_close(out, R.attention(q, k, v), atol=2e-2, rtol=2e-2)
     key = D.bucket(q, k, None, False)
     assert key == (1, 4, 1, 4, 64, 16, "bfloat16", False, False)
-    assert K.attention_choices()[key] == {"choice": "splitk", "ms": fake}
+    assert K.attention_choices()[key] == {"choice": "splitk", "ms": {c: fake[c] for c in ("sdpa", "triton", "splitk")}}
     _, k2, v2 = _inputs(1, 4, 1, 3, 50, 16, torch.bfloat16, seed=16)  # Lk 50: the same power-of-two bucket
     K.attention(q, k2, v2)
     assert len(measured) == 3
@@ -330,6 +330,27 @@ def test_dispatch_times_each_bucket_once_and_keeps_the_fastest(attn_dispatch):
     assert measured[6:] == ["triton", "splitk"] and lse.shape == (1, 4, 3)
     K.reset_attention_choices()
     assert K.attention_choices() == {}
+
+
+def test_dispatch_times_more_key_splits_where_that_is_another_count(attn_dispatch, monkeypatch):
+    """"splitk-wide" (four waves of programs over the SMs) is a candidate only where its split count differs from
+    split-K's own; chosen, it runs split-K with that count and gives the same attention."""
+    D, measured = attn_dispatch.D, attn_dispatch.measured
+    monkeypatch.setattr(T, "_num_sms", lambda: 2)  # a small GPU: one wave is 2 programs, four waves 8
+    q, k, v = _inputs(1, 4, 1, 3, 1024, 16, torch.bfloat16, seed=18)
+    assert T.splitk_num_splits(1, 4, 1, 3, 1024, torch.bfloat16) == 2
+    assert T.splitk_num_splits(1, 4, 1, 3, 1024, torch.bfloat16, waves=4) == 8
+    splits = []
+    real = T.attention_splitk
+    monkeypatch.setattr(T, "attention_splitk", lambda *a, **kw: splits.append(kw.get("num_splits")) or real(*a, **kw))
+    out = K.attention(q, k, v)
+    assert measured == ["sdpa", "triton", "splitk", "splitk-wide"]
+    assert K.attention_choices()[D.bucket(q, k, None, False)]["choice"] == "splitk-wide"
+    assert splits == [None, 8, 8]  # timed: split-K's own count, then 8; the chosen call: 8
+    torch.testing.assert_close(out, R.attention(q, k, v), atol=2e-2, rtol=2e-2)
+    q2, k2, v2 = _inputs(1, 4, 1, 3, 100, 16, torch.bfloat16, seed=19)  # 100 keys: one split either way
+    K.attention(q2, k2, v2)
+    assert measured[4:] == ["sdpa", "triton", "splitk"]
 
 
 def test_dispatch_fp32_is_a_fixed_choice_and_capture_never_times(attn_dispatch, monkeypatch):
@@ -351,7 +372,7 @@ def test_dispatch_fp32_is_a_fixed_choice_and_capture_never_times(attn_dispatch, 
 def test_dispatch_overrides(attn_dispatch, monkeypatch):
     D, measured = attn_dispatch.D, attn_dispatch.measured
     q, k, v = _inputs(1, 4, 1, 3, 40, 16, torch.bfloat16)
-    for name in ("sdpa", "triton", "splitk"):
+    for name in ("sdpa", "triton", "splitk-wide", "splitk"):
         monkeypatch.setenv("DLLM_ATTENTION", name)
         assert D.choose(T, q, k, v) == name
     assert D.choose(T, q, k, v, return_lse=True) == "splitk"

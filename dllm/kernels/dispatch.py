@@ -7,7 +7,10 @@
   masked rows are zeroed). It has no LSE, so ``return_lse=True`` never goes to it;
 * ``"triton"``: :func:`dllm.kernels.triton_kernels.attention` (FlashAttention-2 forward, one program per query tile
   and head);
-* ``"splitk"``: :func:`dllm.kernels.triton_kernels.attention_splitk` (flash-decoding: key splits plus a combine).
+* ``"splitk"``: :func:`dllm.kernels.triton_kernels.attention_splitk` (flash-decoding: key splits plus a combine),
+  with enough key splits to fill the GPU's SMs once; ``"splitk-wide"``: the same kernel with four times as many
+  programs (:func:`~dllm.kernels.triton_kernels.splitk_num_splits` with ``waves=4``; a candidate only where that is
+  another split count): few heads over long keys read K/V faster with more programs in flight.
 
 The rule (``"auto"``, the default):
 
@@ -23,7 +26,7 @@ The rule (``"auto"``, the default):
   Nothing is timed while a CUDA graph is being captured or ``torch.compile`` traces: the cached choice is used,
   else SDPA (the flash kernel when the LSE is asked for).
 
-``DLLM_ATTENTION=sdpa|triton|splitk|auto`` overrides the rule, :func:`set_attention_backend` overrides both; a
+``DLLM_ATTENTION=sdpa|triton|splitk|splitk-wide|auto`` overrides the rule, :func:`set_attention_backend` overrides both; a
 forced ``"sdpa"`` with ``return_lse=True`` runs the flash kernel. :func:`attention_choices` reports the decisions and
 their timings (benchmarks and logs).
 """
@@ -40,7 +43,8 @@ from dllm.kernels import reference
 
 log = logging.getLogger(__name__)
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "triton", "splitk")
+ATTENTION_BACKENDS = ("auto", "sdpa", "triton", "splitk", "splitk-wide")
+WIDE_WAVES = 4  # "splitk-wide": programs for this many waves over the SMs
 TIMED_CALLS = 10
 TIMED_ROUNDS = 3
 
@@ -106,7 +110,14 @@ def run(name: str, tk, q, k, v, key_padding_mask, return_lse):
         return reference.attention(q, k, v, key_padding_mask=key_padding_mask)
     if name == "splitk":
         return tk.attention_splitk(q, k, v, key_padding_mask=key_padding_mask, return_lse=return_lse)
+    if name == "splitk-wide":
+        return tk.attention_splitk(q, k, v, key_padding_mask=key_padding_mask, return_lse=return_lse,
+                                   num_splits=_splits(tk, q, k, WIDE_WAVES))
     return tk.attention(q, k, v, key_padding_mask=key_padding_mask, return_lse=return_lse)
+
+
+def _splits(tk, q, k, waves: int) -> int:
+    return tk.splitk_num_splits(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.dtype, waves)
 
 
 def reset_rng_capture_state() -> None:
@@ -173,6 +184,8 @@ def choose(tk, q, k, v, key_padding_mask=None, return_lse=False) -> str:
     if _tracing():
         return fallback
     candidates = ("triton", "splitk") if return_lse else ("sdpa", "triton", "splitk")
+    if _splits(tk, q, k, WIDE_WAVES) != _splits(tk, q, k, 1):
+        candidates += ("splitk-wide",)
     ms = {}
     for cand in candidates:
         try:

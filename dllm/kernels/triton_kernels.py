@@ -387,13 +387,14 @@ def _num_sms() -> int:
     return 132  # an H100 SXM
 
 
-def splitk_num_splits(B: int, Hq: int, Hkv: int, Lq: int, Lk: int, dtype: torch.dtype) -> int:
+def splitk_num_splits(B: int, Hq: int, Hkv: int, Lq: int, Lk: int, dtype: torch.dtype, waves: int = 1) -> int:
     """Key splits for :func:`attention_splitk`: enough (batch x KV head x packed query tile) programs to fill the
-    GPU's SMs once, at least 128 keys per split, at most 64 splits. In float32 the batch size is left out (a row's
-    fp32 output then never depends on the batch it was computed in)."""
+    GPU's SMs ``waves`` times (the dispatch also times four waves, where that is another count), at least 128 keys
+    per split, at most 64 splits. In float32 the batch size is left out (a row's fp32 output then never depends on
+    the batch it was computed in)."""
     rows = Lq * (Hq // max(Hkv, 1))
     base = _cdiv(max(rows, 1), 64) * Hkv * (1 if dtype == torch.float32 else max(B, 1))
-    return max(1, min(_cdiv(_num_sms(), base), _cdiv(max(Lk, 1), 128), _MAX_SPLITS))
+    return max(1, min(_cdiv(waves * _num_sms(), base), _cdiv(max(Lk, 1), 128), _MAX_SPLITS))
 
 
 def _splitk_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
