@@ -296,13 +296,14 @@ class KVCache(CacheBase):
         """The ``(k, v)`` buffers (``[B, Hkv, T, D]``) into which a partial forward of ``batch`` rows may write its
         active rows' keys and values itself, in place of :meth:`update` (the fast layer's one kernel for RoPE and
         both writes, :func:`dllm.kernels.fused.rope_qk_write`), or None where :meth:`update` must run: a policy
-        with its own ``update``, a layer not yet filled, another batch (``update`` then names the problem)."""
+        with its own ``update``, a layer not yet filled, another batch (``update`` then names the problem), buffers
+        whose last dimension is strided."""
         if type(self).update is not KVCache.update or not self.filled or layer >= len(self.k):
             return None
-        kb = self.k[layer]
-        if kb is None or kb.shape[0] != batch:
+        kb, vb = self.k[layer], self.v[layer]
+        if kb is None or kb.shape[0] != batch or kb.stride(-1) != 1 or vb.stride(-1) != 1:
             return None
-        return kb, self.v[layer]
+        return kb, vb
 
     # -- statistics ----------------------------------------------------------------------------------------
     def step_stats(self, n_layers: int) -> dict[str, Any]:

@@ -597,8 +597,9 @@ def _conf_partial(
     L, U, Stats, Idx,
     slr, slv, sur, suv,
     V, CHUNK, temperature, EXCL,
-    HAS_NOISE: tl.constexpr, HAS_EXCL: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_NOISE: tl.constexpr, HAS_EXCL: tl.constexpr, TRACK: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
+    # TRACK (HAS_NOISE or HAS_EXCL): the proposal is tracked apart from the top-2
     # grid (rows, vocabulary splits). Every statistic is kept per lane (BLOCK_V lanes, lane j sees the indices
     # = j mod BLOCK_V of the split) with elementwise updates only; the lanes are merged once at the end.
     row = tl.program_id(0)
@@ -640,7 +641,7 @@ def _conf_partial(
         t1 = tl.where(up, x, t1)
         # proposal: Gumbel-perturbed argmax x - T log(-log u); never the excluded column (which stays in the
         # softmax, the top-2 and the entropy above)
-        if HAS_NOISE or HAS_EXCL:
+        if TRACK:
             if HAS_NOISE:
                 u = tl.load(U + row * sur + v * suv, mask=ok, other=0.5).to(tl.float32)
                 g = (x - temperature * tl.log(-tl.log(u))).to(tl.float32)
@@ -651,8 +652,7 @@ def _conf_partial(
             bidx = tl.where(tk, v, bidx)
             blog = tl.where(tk, x, blog)
             best = tl.where(tk, g, best)
-    mx, zt, st, top1, tok1, top2, bmax, btok, blg = _conf_lanes(m, z, s, t1, i1, t2, best, bidx, blog,
-                                                                HAS_NOISE or HAS_EXCL)
+    mx, zt, st, top1, tok1, top2, bmax, btok, blg = _conf_lanes(m, z, s, t1, i1, t2, best, bidx, blog, TRACK)
     base = Stats + (row * nsplit + split) * 7
     tl.store(base + 0, mx)
     tl.store(base + 1, zt)
@@ -747,7 +747,7 @@ def _confidence_impl(x: torch.Tensor, u: torch.Tensor | None, temperature: float
     _launch(_conf_partial, traced)[(N, nsplit)](
         x, uu, stats, idx, x.stride(0), x.stride(1), uu.stride(0), uu.stride(1),
         V, chunk, float(temperature), exclude,
-        HAS_NOISE=noised, HAS_EXCL=exclude >= 0, BLOCK_V=block_v, num_warps=4,
+        HAS_NOISE=noised, HAS_EXCL=exclude >= 0, TRACK=noised or exclude >= 0, BLOCK_V=block_v, num_warps=4,
     )
     _launch(_conf_merge, traced)[(N,)](stats, idx, token, out, N, nsplit, TRACK=noised or exclude >= 0,
                                BLOCK_S=max(2, _pow2(nsplit)), num_warps=1)
