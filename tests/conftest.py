@@ -59,3 +59,14 @@ def ragged_prompts(n: int = 3, seed: int = 0, vocab: int = VOCAB) -> list[list[i
     g = torch.Generator().manual_seed(seed)
     lengths = [5, 9, 3, 7, 4][:n]
     return [torch.randint(3, vocab - 1, (L,), generator=g).tolist() for L in lengths]
+
+
+@pytest.fixture
+def triton_backend():
+    """The Triton kernel backend for the test (its kernels run under the interpreter on CPU), then the previous one."""
+    from dllm import kernels
+
+    old = kernels.get_backend()
+    kernels.set_backend("triton")
+    yield
+    kernels.set_backend(old)

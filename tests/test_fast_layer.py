@@ -22,14 +22,6 @@ from dllm.models.weights import init_weights
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.fixture
-def triton_backend():
-    old = kernels.get_backend()
-    kernels.set_backend("triton")
-    yield
-    kernels.set_backend(old)
-
-
 def _tiny(family: str, seed: int = 0) -> Transformer:
     """Random tiny models in each checkpoint family's shape, every optional piece switched on somewhere: QKV bias
     (Dream, SDAR), explicit head size, QK norm, output bias and block attention (SDAR), the checkpoint's fused QKV,

@@ -8,21 +8,12 @@ import pytest
 import torch
 from launch_counter import LaunchCounter
 
-from dllm import kernels
 from dllm.config import GenerateConfig
 from dllm.generate import Decoder
 from dllm.models import LLADA, Transformer, TransformerConfig
 from dllm.models.fast import enable_fast_path
 from dllm.models.weights import init_weights
 from dllm.recipes import resolve
-
-
-@pytest.fixture
-def triton_backend():
-    old = kernels.get_backend()
-    kernels.set_backend("triton")
-    yield
-    kernels.set_backend(old)
 
 
 def test_the_counter_counts_kernels_not_views_or_allocations(triton_backend):
