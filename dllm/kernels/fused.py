@@ -220,6 +220,8 @@ def _build_triton_ops():
     from dllm.kernels import triton_kernels
 
     interpreting = triton_kernels._interpreting()
+    # host-side helpers (Triton's cdiv / next_power_of_2 are jit functions: microseconds per host call, per launch)
+    cdiv, pow2 = triton_kernels._cdiv, triton_kernels._pow2
 
     def widen(*ts):
         """bf16 under the interpreter (no bf16 arithmetic there): compute in fp32, cast back."""
@@ -244,45 +246,46 @@ def _build_triton_ops():
 
     @triton.jit
     def _rope_kernel(QKV, COS, SIN, NW, OUT, KOUT, VOUT, ROWS, s_b, s_t, c_b, c_t, o_b, o_h, o_t, k_b, k_h, k_t,
-                     v_b, v_h, v_t, r_b, r_t, T, Hq, Hkv, D, R, eps, HAS_NORM: tl.constexpr, WRITE_KV: tl.constexpr,
-                     BLOCK: tl.constexpr):
-        # one program per (row, head); heads 0..Hq-1 are queries, then Hkv keys, then (WRITE_KV) Hkv values
+                     v_b, v_h, v_t, r_b, r_t, T, Hq, Hkv, NH, D, R, eps, HAS_NORM: tl.constexpr,
+                     WRITE_KV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK: tl.constexpr):
+        # one program per (row, BLOCK_H heads): the row's cos/sin are read once for its heads. Heads 0..Hq-1 are
+        # queries, then Hkv keys, then (WRITE_KV) Hkv values; NH heads in all
         bt = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
         b = bt // T
         t = bt % T
-        offs = tl.arange(0, BLOCK)
+        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
+        offs = tl.arange(0, BLOCK)[None, :]  # [1, BLOCK]
         half = R // 2
-        m = offs < D
+        rot_d = offs < R
+        m = (h < NH) & (offs < D)
         partner = tl.where(offs < half, offs + half, offs - half)
-        pm = m & (offs < R)
+        pm = m & rot_d
         base = QKV + b * s_b + t * s_t + h * D
         x = tl.load(base + offs, mask=m, other=0.0).to(tl.float32)
         xp = tl.load(base + partner, mask=pm, other=0.0).to(tl.float32)
         x_in = x
         if HAS_NORM:  # per-head RMSNorm (row 0 of NW for queries, row 1 for keys), as RMSNorm rounds it
             wrow = tl.where(h < Hq, 0, 1)
-            r = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+            r = tl.math.rsqrt(tl.sum(x * x, axis=1)[:, None] / D + eps)
             w = tl.load(NW + wrow * D + offs, mask=m, other=0.0).to(tl.float32)
             wp = tl.load(NW + wrow * D + partner, mask=pm, other=0.0).to(tl.float32)
             x = (w * (x * r).to(OUT.dtype.element_ty).to(tl.float32)).to(OUT.dtype.element_ty).to(tl.float32)
             xp = (wp * (xp * r).to(OUT.dtype.element_ty).to(tl.float32)).to(OUT.dtype.element_ty).to(tl.float32)
-        c = tl.load(COS + b * c_b + t * c_t + offs, mask=pm, other=1.0)
-        s = tl.load(SIN + b * c_b + t * c_t + offs, mask=pm, other=0.0)
+        c = tl.load(COS + b * c_b + t * c_t + offs, mask=rot_d, other=1.0)
+        s = tl.load(SIN + b * c_b + t * c_t + offs, mask=rot_d, other=0.0)
         rot = tl.where(offs < half, -xp, xp)
-        y = tl.where(offs < R, x * c + rot * s, x)
+        y = tl.where(rot_d, x * c + rot * s, x)
         if WRITE_KV:  # queries to OUT [B, Hq, T, D]; keys and values into the caches at column ROWS[b, t]
             col = tl.load(ROWS + b * r_b + t * r_t).to(tl.int64)
             qh = tl.minimum(h, Hq - 1)
             kh = tl.minimum(tl.maximum(h - Hq, 0), Hkv - 1)
             vh = tl.minimum(tl.maximum(h - Hq - Hkv, 0), Hkv - 1)
-            # each head stores to one of the three places: the other two stores are masked off entirely
-            q_n = tl.where(h < Hq, D, 0)
-            k_n = tl.where((h >= Hq) & (h < Hq + Hkv), D, 0)
-            v_n = tl.where(h >= Hq + Hkv, D, 0)
-            tl.store(OUT + b * o_b + qh * o_h + t * o_t + offs, y.to(OUT.dtype.element_ty), mask=offs < q_n)
-            tl.store(KOUT + b * k_b + kh * k_h + col * k_t + offs, y.to(KOUT.dtype.element_ty), mask=offs < k_n)
-            tl.store(VOUT + b * v_b + vh * v_h + col * v_t + offs, x_in.to(VOUT.dtype.element_ty), mask=offs < v_n)
+            # each head stores to one of the three places (the clamped indices of the other two are masked off)
+            tl.store(OUT + b * o_b + qh * o_h + t * o_t + offs, y.to(OUT.dtype.element_ty), mask=m & (h < Hq))
+            tl.store(KOUT + b * k_b + kh * k_h + col * k_t + offs, y.to(KOUT.dtype.element_ty),
+                     mask=m & (h >= Hq) & (h < Hq + Hkv))
+            tl.store(VOUT + b * v_b + vh * v_h + col * v_t + offs, x_in.to(VOUT.dtype.element_ty),
+                     mask=m & (h >= Hq + Hkv))
         else:
             tl.store(OUT + b * o_b + h * o_h + t * o_t + offs, y.to(OUT.dtype.element_ty), mask=m)
 
@@ -295,6 +298,12 @@ def _build_triton_ops():
         u = tl.load(GU + row * s_in + H + offs, mask=m, other=0.0).to(tl.float32)
         a = (g / (1.0 + tl.exp(-g))).to(OUT.dtype.element_ty).to(tl.float32)  # silu in the model dtype
         tl.store(OUT + row * s_out + offs, (a * u).to(OUT.dtype.element_ty), mask=m)
+
+    def _rope_blocks(D: int, heads: int) -> tuple[int, int]:
+        """(head tile, heads per program): about 2,048 elements per program, so a row's cos/sin are read once for
+        many heads and a long prompt is not tens of thousands of tiny programs."""
+        block = pow2(D)
+        return block, min(pow2(heads), max(1, 2048 // block))
 
     def rows(x):
         x2 = x.reshape(-1, x.shape[-1])
@@ -309,7 +318,7 @@ def _build_triton_ops():
         out = torch.empty(x.shape, dtype=torch.float32 if back else out_dtype, device=x.device)  # rows of N
         if x2.shape[0]:
             wrap_triton(_norm_kernel)[(x2.shape[0],)](x2, x2, w, out, out, x2.stride(0), 0, 0, N, N,
-                                                      eps, HAS_Y=False, BLOCK=triton.next_power_of_2(N))
+                                                      eps, HAS_Y=False, BLOCK=pow2(N))
         return out.to(out_dtype) if back else out
 
     @triton_op("dllm::fused_add_rms_norm", mutates_args={})
@@ -323,7 +332,7 @@ def _build_triton_ops():
         out = torch.empty(h.shape, dtype=torch.float32 if back else out_dtype, device=h.device)
         if h2.shape[0]:
             wrap_triton(_norm_kernel)[(h2.shape[0],)](h2, y2, w, res, out, h2.stride(0), y2.stride(0), N, N, N, eps,
-                                                      HAS_Y=True, BLOCK=triton.next_power_of_2(N))
+                                                      HAS_Y=True, BLOCK=pow2(N))
         return (res.to(dt), out.to(out_dtype)) if back else (res, out)
 
     @triton_op("dllm::fused_rope_qk", mutates_args={})
@@ -343,10 +352,11 @@ def _build_triton_ops():
         out = torch.empty((B, H, T, D), dtype=qkv.dtype, device=qkv.device)
         if B * T:
             nw = norm_w if norm_w is not None else qkv
-            wrap_triton(_rope_kernel)[(B * T, H)](
+            block, block_h = _rope_blocks(D, H)
+            wrap_triton(_rope_kernel)[(B * T, cdiv(H, block_h))](
                 qkv, cos, sin, nw, out, out, out, cos, qkv.stride(0), qkv.stride(1), cos.stride(0), cos.stride(2),
-                out.stride(0), out.stride(1), out.stride(2), 0, 0, 0, 0, 0, 0, 0, 0, T, n_heads, n_kv_heads, D, R, eps,
-                HAS_NORM=norm_w is not None, WRITE_KV=False, BLOCK=triton.next_power_of_2(D))
+                out.stride(0), out.stride(1), out.stride(2), 0, 0, 0, 0, 0, 0, 0, 0, T, n_heads, n_kv_heads, H, D, R,
+                eps, HAS_NORM=norm_w is not None, WRITE_KV=False, BLOCK_H=block_h, BLOCK=block)
         return out.to(dt) if back else out
 
     @triton_op("dllm::fused_rope_qk_write", mutates_args={"k_cache", "v_cache"})
@@ -369,12 +379,14 @@ def _build_triton_ops():
         out = torch.empty((B, n_heads, T, D), dtype=qkv.dtype, device=qkv.device)
         if B * T:
             nw = norm_w if norm_w is not None else qkv
-            wrap_triton(_rope_kernel)[(B * T, n_heads + 2 * n_kv_heads)](
+            nh = n_heads + 2 * n_kv_heads
+            block, block_h = _rope_blocks(D, nh)
+            wrap_triton(_rope_kernel)[(B * T, cdiv(nh, block_h))](
                 qkv, cos, sin, nw, out, kc, vc, rows, qkv.stride(0), qkv.stride(1), cos.stride(0), cos.stride(2),
                 out.stride(0), out.stride(1), out.stride(2), kc.stride(0), kc.stride(1), kc.stride(2),
                 vc.stride(0), vc.stride(1), vc.stride(2),
-                rows.stride(0), rows.stride(1), T, n_heads, n_kv_heads, D, R, eps,
-                HAS_NORM=norm_w is not None, WRITE_KV=True, BLOCK=triton.next_power_of_2(D))
+                rows.stride(0), rows.stride(1), T, n_heads, n_kv_heads, nh, D, R, eps,
+                HAS_NORM=norm_w is not None, WRITE_KV=True, BLOCK_H=block_h, BLOCK=block)
         if back:  # the interpreter's fp32 copies: untouched entries round-trip exactly
             k_cache.copy_(kc)
             v_cache.copy_(vc)
@@ -388,9 +400,9 @@ def _build_triton_ops():
         g2 = rows(gu)
         H = g2.shape[1] // 2
         out = torch.empty((*gu.shape[:-1], H), dtype=g2.dtype, device=gu.device)  # contiguous: rows of H
-        BLOCK = min(1024, triton.next_power_of_2(H))
+        BLOCK = min(1024, pow2(H))
         if g2.shape[0]:
-            wrap_triton(_silu_mul_kernel)[(g2.shape[0], triton.cdiv(H, BLOCK))](g2, out, g2.stride(0), H, H,
+            wrap_triton(_silu_mul_kernel)[(g2.shape[0], cdiv(H, BLOCK))](g2, out, g2.stride(0), H, H,
                                                                                BLOCK=BLOCK)
         return out.to(dt) if back else out
 
