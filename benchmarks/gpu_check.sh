@@ -5,11 +5,11 @@
 # repository root on a CUDA machine:
 #
 #     bash benchmarks/gpu_check.sh [FASTDLLM_DIR]     # FASTDLLM_DIR: a Fast-dLLM checkout (optional)
-#     QUICK=1 bash benchmarks/gpu_check.sh ...        # batch 1 and 16, fewer modes: for a short lease
+#     QUICK=1 bash benchmarks/gpu_check.sh ...        # batch 1 and 16, no/dual cache, two modes: a short lease
 #     PARTS="step tests" bash benchmarks/gpu_check.sh # some parts only (step tests caches kernels; default all)
 #
-# With QUICK=1 the parts take at most 270 + 100 + 120 + 100 seconds: where one command may run 600 seconds, run
-# PARTS="step tests" and then PARTS="caches kernels".
+# The parts take at most 300 + 100 + 120 + 100 seconds: where one command may run 600 seconds, run PARTS="step"
+# and then PARTS="tests caches kernels".
 # The figures go into docs/performance.md with the card, the command and the date.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,9 +30,9 @@ if want step; then
     extra=()
     [ -n "$FASTDLLM" ] && extra=(--fastdllm "$FASTDLLM")
     if [ "${QUICK:-0}" = "1" ]; then
-        extra+=(--batch 1 16 --modes base graph)
+        extra+=(--batch 1 16 --modes base graph --caches none dual)  # prefix: in the whole generations (--e2e)
     fi
-    timeout 270 python3 benchmarks/bench_step.py --e2e --breakdown "${extra[@]}" --json "$OUT/step.json" 2>&1 \
+    timeout 300 python3 benchmarks/bench_step.py --e2e --breakdown "${extra[@]}" --json "$OUT/step.json" 2>&1 \
         | grep --line-buffered -v USDT | tee "$OUT/bench_step.log"
 fi
 
