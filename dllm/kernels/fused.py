@@ -414,7 +414,9 @@ def _build_triton_ops():
 
     return types.SimpleNamespace(rms_norm=lambda x, w, eps: rms_norm_op(x, w, float(eps)),
                                  add_rms_norm=lambda h, y, w, eps: add_rms_norm_op(h, y, w, float(eps)),
-                                 rope_qk=rope_qk_call, rope_qk_write=rope_qk_write_call, silu_mul=silu_mul_op)
+                                 rope_qk=rope_qk_call, rope_qk_write=rope_qk_write_call, silu_mul=silu_mul_op,
+                                 # the jit functions themselves (tests compile them for GPU targets)
+                                 kernels={"norm": _norm_kernel, "rope": _rope_kernel, "silu_mul": _silu_mul_kernel})
 
 
 __all__ = ["add_rms_norm", "add_rms_norm_ref", "rms_norm", "rms_norm_ref", "rope_qk", "rope_qk_ref", "rope_qk_write",

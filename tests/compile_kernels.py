@@ -1,0 +1,90 @@
+"""Compile every Triton kernel of dllm for a GPU target on a machine without a GPU (run as a script, without
+``TRITON_INTERPRET``: the interpreter never compiles, so code that only the compiler rejects would pass the CPU
+tests). Prints one line per kernel, ``ok NAME`` or ``FAIL NAME: error``; exit status 1 when one failed.
+
+    python tests/compile_kernels.py [ARCH ...]      # default 90 (Hopper); e.g. 80 (Ampere)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from dllm.kernels import fused  # noqa: E402
+from dllm.kernels import triton_kernels as T  # noqa: E402
+
+FLOATS = {"eps", "temperature"}  # fp32 scalars; every other non-pointer argument is an int32
+
+
+def signature(fn, pointers: dict, constexprs: dict, ints64=()) -> dict:
+    """Triton signature of ``fn``: ``pointers`` maps pointer arguments to their element type."""
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in pointers:
+            sig[name] = "*" + pointers[name]
+        elif name in FLOATS:
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i64" if name in ints64 else "i32"
+    return sig
+
+
+def cases(dt: str):
+    """(name, jit function, pointer element types, constexprs) for the model dtype ``dt`` (bf16 or fp32)."""
+    ieee = dt == "fp32"
+    attn = dict(Q=dt, K=dt, V=dt, Out=dt, Lse="fp32", Mask="u8")
+    common = dict(QK_SCALE=0.12, HAS_MASK=True, IEEE=ieee, BLOCK_M=32, BLOCK_N=64, BLOCK_D=128)
+    yield "attention (flash)", T._attn_fwd, attn, dict(common, WRITE_OUT=True)
+    yield "attention (flash, LSE only)", T._attn_fwd, attn, dict(common, HAS_MASK=False, WRITE_OUT=False)
+    yield "attention (split-K)", T._attn_splitk, dict(attn, Out="fp32"), common
+    yield "attention (split-K combine)", T._attn_combine, dict(Part="fp32", PLse="fp32", Out=dt, Lse="fp32"), \
+        dict(BLOCK_S=16, BLOCK_D=128)
+    yield "attention mass", T._attn_mass, dict(Q=dt, K=dt, Lse="fp32", Mask="u8", Part="fp32"), \
+        dict(QK_SCALE=0.12, HAS_MASK=True, IEEE=ieee, BLOCK_M=32, BLOCK_N=64, BLOCK_D=128)
+    conf = dict(L=dt, U="fp32", Stats="fp32", Idx="i32")
+    for noise in (False, True):
+        for excl in (False, True):
+            yield f"confidence (noise={noise}, exclude={excl})", T._conf_partial, conf, \
+                dict(HAS_NOISE=noise, HAS_EXCL=excl, TRACK=noise or excl, BLOCK_V=1024)
+    yield "confidence merge", T._conf_merge, dict(Stats="fp32", Idx="i32", Token="i64", Out="fp32"), \
+        dict(TRACK=True, BLOCK_S=64)
+    k = fused._ops().kernels
+    for has_y in (False, True):
+        yield f"rms norm (add={has_y})", k["norm"], dict(X=dt, Y=dt, W=dt, RES=dt, OUT=dt), \
+            dict(HAS_Y=has_y, BLOCK=4096)
+    rope = dict(QKV=dt, COS="fp32", SIN="fp32", NW=dt, OUT=dt, KOUT=dt, VOUT=dt, ROWS="i64")
+    for norm in (False, True):
+        for write in (False, True):
+            yield f"rope (qk norm={norm}, write K/V={write})", k["rope"], rope, \
+                dict(HAS_NORM=norm, WRITE_KV=write, BLOCK_H=16, BLOCK=128)
+    yield "silu mul", k["silu_mul"], dict(GU=dt, OUT=dt), dict(BLOCK=1024)
+
+
+def main(archs) -> int:
+    failed = 0
+    for arch in archs:
+        target = GPUTarget("cuda", arch, 32)
+        for dt in ("bf16", "fp32"):
+            for name, fn, pointers, constexprs in cases(dt):
+                label = f"sm_{arch} {dt} {name}"
+                try:
+                    triton.compile(ASTSource(fn=fn, signature=signature(fn, pointers, constexprs),
+                                             constexprs=constexprs), target=target)
+                    print(f"ok {label}", flush=True)
+                except Exception as exc:  # report every kernel, then fail
+                    failed += 1
+                    print(f"FAIL {label}: {type(exc).__name__}: {str(exc)[:2000]}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main([int(a) for a in sys.argv[1:]] or [90]))
