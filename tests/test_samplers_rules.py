@@ -612,3 +612,24 @@ def test_entropy_threshold_commits_low_entropy_candidates_and_the_lowest_one():
             assert set(commit[b].nonzero().flatten().tolist()) == expect, (thr, b)
     with pytest.raises(ValueError, match="threshold"):
         EntropyThreshold(-1.0)
+
+
+@pytest.mark.parametrize("max_slack", [0.0, 0.05])
+def test_threshold_commits_already_progress_so_the_composed_sampler_skips_its_own_pass(max_slack):
+    """``Threshold.ensures_progress``: its commit lies within the candidates and holds each row's most confident one,
+    so ComposedSampler's ``ensure_progress(commit & cand, only_empty=True)`` would return it unchanged (it is skipped)."""
+    from dllm.samplers.base import ensure_progress
+    from dllm.samplers.rules import Threshold
+
+    g = torch.Generator().manual_seed(5)
+    for _ in range(20):
+        cand = torch.rand(6, 9, generator=g) < 0.5
+        cand[0] = False  # a row without candidates
+        conf = torch.rand(6, 9, generator=g)
+        conf[1] = 0.95  # ties above tau
+        conf[2, :4] = conf[2, 5:].max()  # ties at the row's best
+        rule = Threshold(0.8, max_slack)
+        commit, _ = rule.select(conf, make_ctx(cand))
+        assert rule.ensures_progress
+        assert torch.equal(ensure_progress(commit & cand, conf, cand, only_empty=True), commit)
+        assert not (commit & ~cand).any() and torch.equal(commit.any(-1), cand.any(-1))

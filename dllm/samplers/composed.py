@@ -106,7 +106,8 @@ class ComposedSampler(SamplerBase):
             info["eos_factor"] = g
         commit, rinfo = self.rule.select(conf, ctx, logits=logits, probs=probs)
         info.update(rinfo)
-        commit = ensure_progress(commit & ctx.cand, conf, ctx.cand, only_empty=True)
+        if not getattr(self.rule, "ensures_progress", False):  # else the rule's commit is already that
+            commit = ensure_progress(commit & ctx.cand, conf, ctx.cand, only_empty=True)
         return StepResult(torch.where(ctx.cand, x0, ctx.x), commit, info)
 
     def _rule_wants_probs(self) -> bool:

@@ -106,6 +106,9 @@ class Threshold:
 
     tau: float = 0.9
     max_slack: float = 0.0
+    #: ``select`` returns a commit within ``ctx.cand`` that already holds each row's most confident candidate:
+    #: :class:`~dllm.samplers.composed.ComposedSampler` skips its own ``ensure_progress`` (an identity here)
+    ensures_progress = True
 
     def __post_init__(self):
         _check_tau("tau", self.tau)
