@@ -10,8 +10,9 @@ more than on a trained model).
     python benchmarks/bench_caches.py --layers 4 --width 256 --steps 64   # CPU-sized
 
 The model runs as ``load_model`` runs it: the fast layer on CUDA (``--fast auto``), CUDA graphs for the cached
-steps (``GenerateConfig.graphs="auto"``). Before its timed run each cache decodes two blocks of the same prompts
-(kernel compilation, autotuning and the attention dispatch's timing happen there, not in the timed run).
+steps (``GenerateConfig.graphs="auto"``). Before its timed run each cache decodes the same prompts with two steps
+per block, so that kernel compilation, autotuning and the attention dispatch's timing of every block's shapes
+happen there, not in the timed run.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def main(argv=None):
         kw = dict(gen_length=a.gen, block_length=a.block, steps=a.steps, sampler=get_sampler("llada"))
         generate(model, prompts[:, :64], **{**kw, "gen_length": a.block, "steps": a.block // (a.gen // a.steps)})
         base_t, base_seq = None, None
-        warm = {**kw, "gen_length": 2 * a.block, "steps": 2 * a.block // (a.gen // a.steps)}
+        warm = {**kw, "steps": 2 * (a.gen // a.block)}  # every block once, two steps each: every block's shapes
         for name in ["none", *a.caches]:
             generate(model, prompts, cache=get_cache(name), **warm)  # compile, autotune, dispatch timing
             cache = get_cache(name)
