@@ -12,7 +12,7 @@ the bookkeeping every policy shares; a policy only implements :meth:`KVCache.sel
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -87,6 +87,8 @@ class CacheState:
     row_nfe: torch.Tensor | None = None
     read_lo: torch.Tensor | None = None
     read_hi: torch.Tensor | None = None
+    # read_cols(state), computed once per state (the plan's mask and its rows both need it)
+    read_cols_memo: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
 
 def rows_from_mask(mask: torch.Tensor, Q: int | None = None) -> torch.Tensor:
@@ -111,12 +113,17 @@ def padded_rows(mask: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
 
 def read_cols(state: CacheState) -> torch.Tensor:
     """``[B, T]`` bool: the canvas columns whose logits each row reads this step (its own window)."""
+    if state.read_cols_memo is not None:
+        return state.read_cols_memo
     B, T = state.x.shape
     cols = torch.arange(T, device=state.x.device)[None]
     if state.read_lo is None:
         c0, c1 = state.cols
-        return ((cols >= c0) & (cols < c1)).expand(B, T)
-    return (cols >= state.read_lo[:, None]) & (cols < state.read_hi[:, None])
+        out = ((cols >= c0) & (cols < c1)).expand(B, T)
+    else:
+        out = (cols >= state.read_lo[:, None]) & (cols < state.read_hi[:, None])
+    state.read_cols_memo = out
+    return out
 
 
 def logit_rows(state: CacheState) -> torch.Tensor:
