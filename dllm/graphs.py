@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -59,7 +59,7 @@ class _Graph:
     graph: Any = None  # torch.cuda.CUDAGraph, or None (not captured: replay runs the forward)
     # per static input, what was copied into it last: (the live tensor's storage owner, kept alive so its memory is
     # not reused, its address, shape, strides, version); the same again needs no copy
-    copied: dict = None
+    copied: dict = field(default_factory=dict)
     seen: int = 0
     failed: bool = False  # the capture raised: this shape stays eager
 
@@ -131,8 +131,6 @@ class GraphRunner:
         else:
             self.graphs.move_to_end(key)
         g.seen += 1
-        if g.copied is None:
-            g.copied = {}
         for name, t in zip(_INPUTS, live):
             if t is not None:
                 # positions, key mask and logits columns are usually the very tensors of the last step: their copy

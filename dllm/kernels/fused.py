@@ -335,28 +335,40 @@ def _build_triton_ops():
                                                       HAS_Y=True, BLOCK=pow2(N))
         return (res.to(dt), out.to(out_dtype)) if back else (res, out)
 
+    def rope_launch(qkv, cos, sin, n_heads, n_kv_heads, norm_w, eps, kc=None, vc=None, rows=None):
+        """The RoPE kernel on ``qkv`` (already widened): queries and keys into a new ``[B, Hq + Hkv, T, D]`` buffer,
+        or, given the caches ``kc`` / ``vc`` and ``rows``, queries into a new ``[B, Hq, T, D]`` buffer and the keys
+        and values into the caches at ``rows``."""
+        if qkv.stride(-1) != 1:
+            qkv = qkv.contiguous()
+        B, T, F_ = qkv.shape
+        D = F_ // (n_heads + 2 * n_kv_heads)
+        R = cos.shape[-1]
+        cos, sin = cos.float(), sin.float()
+        if cos.stride(-1) != 1 or sin.stride() != cos.stride():
+            cos, sin = cos.contiguous(), sin.contiguous()
+        write = kc is not None
+        if write and (kc.stride(-1) != 1 or vc.stride(-1) != 1):
+            raise ValueError("rope_qk_write: the K and V caches need unit stride on the last dim")
+        nh = n_heads + (2 if write else 1) * n_kv_heads  # heads the kernel handles
+        out = torch.empty((B, n_heads if write else nh, T, D), dtype=qkv.dtype, device=qkv.device)
+        if B * T:
+            nw = norm_w if norm_w is not None else qkv
+            kv_args = (*kc.stride()[:3], *vc.stride()[:3], *rows.stride()) if write else (0,) * 8
+            block, block_h = _rope_blocks(D, nh)
+            wrap_triton(_rope_kernel)[(B * T, cdiv(nh, block_h))](
+                qkv, cos, sin, nw, out, kc if write else out, vc if write else out, rows if write else cos,
+                qkv.stride(0), qkv.stride(1), cos.stride(0), cos.stride(2), out.stride(0), out.stride(1),
+                out.stride(2), *kv_args, T, n_heads, n_kv_heads, nh, D, R, eps,
+                HAS_NORM=norm_w is not None, WRITE_KV=write, BLOCK_H=block_h, BLOCK=block)
+        return out
+
     @triton_op("dllm::fused_rope_qk", mutates_args={})
     def rope_qk_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv_heads: int,
                    norm_w: torch.Tensor | None, eps: float) -> torch.Tensor:
         dt = qkv.dtype
         (qkv, norm_w), back = widen(qkv, norm_w)
-        if qkv.stride(-1) != 1:
-            qkv = qkv.contiguous()
-        B, T, F_ = qkv.shape
-        H = n_heads + n_kv_heads
-        D = F_ // (H + n_kv_heads)
-        R = cos.shape[-1]
-        cos, sin = cos.float(), sin.float()
-        if cos.stride(-1) != 1 or sin.stride() != cos.stride():
-            cos, sin = cos.contiguous(), sin.contiguous()
-        out = torch.empty((B, H, T, D), dtype=qkv.dtype, device=qkv.device)
-        if B * T:
-            nw = norm_w if norm_w is not None else qkv
-            block, block_h = _rope_blocks(D, H)
-            wrap_triton(_rope_kernel)[(B * T, cdiv(H, block_h))](
-                qkv, cos, sin, nw, out, out, out, cos, qkv.stride(0), qkv.stride(1), cos.stride(0), cos.stride(2),
-                out.stride(0), out.stride(1), out.stride(2), 0, 0, 0, 0, 0, 0, 0, 0, T, n_heads, n_kv_heads, H, D, R,
-                eps, HAS_NORM=norm_w is not None, WRITE_KV=False, BLOCK_H=block_h, BLOCK=block)
+        out = rope_launch(qkv, cos, sin, n_heads, n_kv_heads, norm_w, eps)
         return out.to(dt) if back else out
 
     @triton_op("dllm::fused_rope_qk_write", mutates_args={"k_cache", "v_cache"})
@@ -366,27 +378,7 @@ def _build_triton_ops():
         dt = qkv.dtype
         (qkv, norm_w), back = widen(qkv, norm_w)
         kc, vc = (k_cache.float(), v_cache.float()) if back else (k_cache, v_cache)
-        if qkv.stride(-1) != 1:
-            qkv = qkv.contiguous()
-        B, T, F_ = qkv.shape
-        D = F_ // (n_heads + 2 * n_kv_heads)
-        R = cos.shape[-1]
-        cos, sin = cos.float(), sin.float()
-        if cos.stride(-1) != 1 or sin.stride() != cos.stride():
-            cos, sin = cos.contiguous(), sin.contiguous()
-        if kc.stride(-1) != 1 or vc.stride(-1) != 1:
-            raise ValueError("rope_qk_write: the K and V caches need unit stride on the last dim")
-        out = torch.empty((B, n_heads, T, D), dtype=qkv.dtype, device=qkv.device)
-        if B * T:
-            nw = norm_w if norm_w is not None else qkv
-            nh = n_heads + 2 * n_kv_heads
-            block, block_h = _rope_blocks(D, nh)
-            wrap_triton(_rope_kernel)[(B * T, cdiv(nh, block_h))](
-                qkv, cos, sin, nw, out, kc, vc, rows, qkv.stride(0), qkv.stride(1), cos.stride(0), cos.stride(2),
-                out.stride(0), out.stride(1), out.stride(2), kc.stride(0), kc.stride(1), kc.stride(2),
-                vc.stride(0), vc.stride(1), vc.stride(2),
-                rows.stride(0), rows.stride(1), T, n_heads, n_kv_heads, nh, D, R, eps,
-                HAS_NORM=norm_w is not None, WRITE_KV=True, BLOCK_H=block_h, BLOCK=block)
+        out = rope_launch(qkv, cos, sin, n_heads, n_kv_heads, norm_w, eps, kc, vc, rows)
         if back:  # the interpreter's fp32 copies: untouched entries round-trip exactly
             k_cache.copy_(kc)
             v_cache.copy_(vc)
