@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+from contextlib import contextmanager
 
 import torch
 
@@ -70,3 +71,14 @@ def top2_values(x: torch.Tensor) -> torch.Tensor:
     if tail.shape[-1]:
         cands.append(torch.topk(tail, min(2, tail.shape[-1]), dim=-1).values)
     return torch.topk(torch.cat(cands, -1), 2, dim=-1).values
+
+
+@contextmanager
+def mask_column_excluded(x: torch.Tensor, mask_id: int):
+    """``x[..., mask_id] = -inf`` for the duration of the block, restored on exit (in place, no copy)."""
+    saved = x[..., mask_id].clone()
+    x[..., mask_id] = float("-inf")
+    try:
+        yield x
+    finally:
+        x[..., mask_id] = saved

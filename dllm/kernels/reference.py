@@ -13,6 +13,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from dllm.ops import mask_column_excluded
+
 
 def check_key_padding_mask(key_padding_mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> None:
     """Raise a ValueError unless ``key_padding_mask`` is None or a ``[B, Lk]`` bool tensor on ``q``'s device.
@@ -243,12 +245,8 @@ def _confidence_stats_excluding(logits: torch.Tensor, temperature: float, noise:
     and ``[...]``-sized corrections: with ``q`` the statistics without the column and ``k = 1 - p(exclude)``,
     ``p = k q`` for every other token, ``H = k (H_q - log k) - p(exclude) log p(exclude)``, and the two largest
     probabilities are taken among ``k q_max``, ``k q_second`` and ``p(exclude)``."""
-    saved = logits[..., exclude].clone()
-    logits[..., exclude] = float("-inf")
-    try:
+    with mask_column_excluded(logits, exclude):
         q = _confidence_stats(logits, temperature, noise)
-    finally:
-        logits[..., exclude] = saved
     l_mask = logits[..., exclude].float()
     lse_q = logits.gather(-1, q.token[..., None]).squeeze(-1).float() - torch.log(q.p_token)
     lse = torch.logaddexp(lse_q, l_mask)

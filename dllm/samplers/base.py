@@ -19,13 +19,12 @@ stream); those depend on the batch.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from dllm.ops import check_choice, check_range, fast_argmax, top2_values  # noqa: F401 (re-exported)
+from dllm.ops import check_choice, check_range, fast_argmax, mask_column_excluded, top2_values  # noqa: F401 (re-exported)
 
 NOISE_SCOPES = ("row", "region", "canvas")
 SOFTMAX_DTYPES = {"float32": torch.float32, "float64": torch.float64, "model": None}
@@ -207,17 +206,6 @@ def argmax_unmasked(x: torch.Tensor, mask_id: int | None) -> torch.Tensor:
         return fast_argmax(x)
     with mask_column_excluded(x, mask_id):
         return fast_argmax(x)
-
-
-@contextmanager
-def mask_column_excluded(x: torch.Tensor, mask_id: int):
-    """``x[..., mask_id] = -inf`` for the duration of the block, restored on exit (in place, no copy)."""
-    saved = x[..., mask_id].clone()
-    x[..., mask_id] = float("-inf")
-    try:
-        yield x
-    finally:
-        x[..., mask_id] = saved
 
 
 def gumbel_argmax(logits: torch.Tensor, temperature: float, ctx: StepContext, scope: str = "row"):
