@@ -227,6 +227,24 @@ def select_topk(conf: torch.Tensor, cand: torch.Tensor, k: torch.Tensor) -> torc
     return (ranks < k[:, None]) & cand
 
 
+def top_p_logits(logits: torch.Tensor, top_p: float, fill: float | None = None) -> torch.Tensor:
+    """Keep the smallest prefix of the sorted distribution whose mass exceeds ``top_p`` (first always kept); the
+    rest is set to ``fill`` (default the dtype's minimum, as Dream; SDAR and LLaDA2 use ``-inf``)."""
+    sorted_logits, sorted_idx = torch.sort(logits, descending=True)
+    cum = torch.cumsum(torch.softmax(sorted_logits, dim=-1), dim=-1)
+    remove = cum > top_p
+    remove = torch.cat([torch.zeros_like(remove[..., :1]), remove[..., :-1]], dim=-1)
+    mask = torch.zeros_like(remove).scatter_(-1, sorted_idx, remove)
+    return logits.masked_fill(mask, torch.finfo(logits.dtype).min if fill is None else fill)
+
+
+def top_k_logits(logits: torch.Tensor, top_k: int, fill: float | None = None) -> torch.Tensor:
+    """Keep the ``top_k`` largest logits (ties with the k-th kept); the rest is set to ``fill`` (as top_p_logits)."""
+    k = min(top_k, logits.shape[-1])
+    kth = torch.topk(logits, k).values[..., -1:]
+    return logits.masked_fill(logits < kth, torch.finfo(logits.dtype).min if fill is None else fill)
+
+
 def ensure_progress(commit: torch.Tensor, conf: torch.Tensor, cand: torch.Tensor, only_empty: bool = False) -> torch.Tensor:
     """Add each row's most confident candidate (rows with candidates always commit at least one); with
     ``only_empty`` only to rows that commit nothing."""

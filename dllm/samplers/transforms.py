@@ -19,6 +19,7 @@ from dllm.samplers.base import (
     check_range,
     row_forwards,
     token_prob,
+    top_p_logits,
 )
 
 EOS_PROGRESS = ("step", "step-total", "decoded", "ass")
@@ -188,10 +189,6 @@ class TopP(SamplerBase):
         check_range("top_p", self.top_p, 0, 1, lo_open=True, fix="; the nucleus mass, 0 < top_p <= 1 (1: no cut)")
 
     @property
-    def name(self) -> str:
-        return self.inner.name
-
-    @property
     def window_columns(self):
         return getattr(self.inner, "window_columns", None)
 
@@ -211,20 +208,13 @@ class TopP(SamplerBase):
 
 
 def nucleus(logits: torch.Tensor, top_p: float, mask_id: int | None = None) -> torch.Tensor:
-    """``logits`` with ``-inf`` outside the nucleus of mass ``top_p`` (see :class:`TopP`); the mask token is left
-    out of the distribution and gets ``-inf``."""
+    """``logits`` with ``-inf`` outside the nucleus of mass ``top_p`` (see :class:`TopP`): Dream's cut
+    (:func:`dllm.samplers.base.top_p_logits`) over the distribution without the mask token, which gets ``-inf``."""
     lf = logits.float()
     if mask_id is not None and 0 <= mask_id < lf.shape[-1]:
         lf = lf.clone()
         lf[..., mask_id] = float("-inf")
-    sorted_l, order = torch.sort(lf, dim=-1, descending=True)
-    before = torch.cumsum(torch.softmax(sorted_l, dim=-1), dim=-1) - torch.softmax(sorted_l, dim=-1)
-    drop_sorted = before > top_p  # the mass before a token already exceeds top_p: outside the nucleus (as Dream)
-    drop_sorted[..., 0] = False
-    drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
-    if mask_id is not None and 0 <= mask_id < lf.shape[-1]:
-        drop[..., mask_id] = True
-    return logits.masked_fill(drop, float("-inf"))
+    return logits.masked_fill(top_p_logits(lf, top_p, fill=float("-inf")) == float("-inf"), float("-inf"))
 
 
 def with_top_p(sampler, top_p: float):

@@ -308,13 +308,14 @@ def _move_cache(cache, d: int, keep: list[int] | None, n_new: int) -> None:
     them in full: every served cache refreshes a row at its first step)."""
     if not getattr(cache, "filled", False):
         return
+    idx = None if keep is None else torch.tensor(keep, dtype=torch.long)
     move = getattr(cache, "move_rows", None)  # a policy's own per-row state (FreeCache, Elastic-Cache)
     if move is not None:
-        move(d, None if keep is None else torch.tensor(keep, dtype=torch.long), n_new)
+        move(d, idx, n_new)
     final = getattr(cache, "final", None)  # the block cache: each row's column up to which its K/V are final
     if final is not None:
         if keep is not None:
-            final = final.index_select(0, torch.tensor(keep, dtype=torch.long, device=final.device))
+            final = final.index_select(0, idx.to(final.device))
         final = (final + d).clamp_min(0)
         cache.final = torch.cat([final, final.new_zeros(n_new)]) if n_new else final  # joining rows: none yet
     for layer in range(len(cache.k)):
@@ -323,7 +324,8 @@ def _move_cache(cache, d: int, keep: list[int] | None, n_new: int) -> None:
             if t is None:
                 continue
             if keep is not None:
-                t = t.index_select(0, torch.tensor(keep, dtype=torch.long, device=t.device))
+                idx = idx.to(t.device)  # copied to the device once
+                t = t.index_select(0, idx)
             if d > 0:
                 t = torch.cat([t.new_zeros(t.shape[0], t.shape[1], d, t.shape[3]), t], dim=2)
             elif d < 0:
@@ -351,7 +353,8 @@ def _move_state(state: dict, d: int, keep: list[int] | None, n_new: int, guided_
     for key in ("tok", "val", "region"):
         t = cr[key]
         if keep is not None:
-            t = t.index_select(0, torch.tensor(keep, dtype=torch.long, device=t.device))
+            idx = idx.to(t.device)
+            t = t.index_select(0, idx)
         if key == "region":
             t = t + d
         elif d > 0:
@@ -810,11 +813,14 @@ class Engine:
                 if req.handle.canvas:
                     cols = {j: rows[i][j] for j, c in enumerate(committed[i]) if c}
                     req.handle._put("canvas", {"step": row_nfe[i], "committed": cols})
+        record = None  # the logprobs record on the host, read once per tick when some row emits
         for i, req in enumerate(group.requests):
             final = next((j for j, m in enumerate(masked[i]) if m), len(masked[i]))
             if final > req.emitted:
                 if st.commit_conf is not None:
-                    req.handle._put("logprobs", self._logprobs(st, i, req.emitted, final))
+                    if record is None:
+                        record = self._record(st)
+                    req.handle._put("logprobs", self._logprobs(record, i, req.emitted, final))
                 req.handle._emit(rows[i][req.emitted:final])
                 req.emitted = final
 
@@ -847,7 +853,7 @@ class Engine:
             tokens = st.x[i, st.P:].tolist()
             nfe = int(st.row_nfe[i])
             if st.commit_conf is not None:
-                entries = self._logprobs(st, i, 0, len(tokens))
+                entries = self._logprobs(self._record(st, slice(i, i + 1)), 0, 0, len(tokens))
         if outcome == "cancelled":  # what the client has seen: the final prefix streamed so far
             final = next((j for j, t in enumerate(tokens) if t == self.model.mask_id), len(tokens))
             tokens = tokens[:min(req.emitted, final)]
@@ -875,17 +881,23 @@ class Engine:
         return result, (outcome, n, nfe if outcome in ("stop", "length") else 0, positions)
 
     @staticmethod
-    def _logprobs(st: DecodeState, i: int, a: int, b: int) -> list[tuple[float, list[tuple[int, float]]]]:
-        """Row ``i``'s entries for generation offsets ``a`` to ``b``: ``(log-probability of the token under its
-        committing step, [(id, log-probability)] of that step's top k)``; ``-inf`` for a probability that
-        underflowed to 0, NaN for a position no step committed (the EOS early-stop fill)."""
-        conf = st.commit_conf[i, st.P + a: st.P + b].tolist()
-        lps = [math.log(p) if p > 0 else (-math.inf if p == 0 else math.nan) for p in conf]
-        if st.commit_top_ids is None or st.commit_top_ids.shape[-1] == 0:
+    def _record(st: DecodeState, rows: slice = slice(None)) -> list:
+        """The logprobs record of ``rows`` over the generation on the host: ``commit_conf``, ``commit_top_ids``,
+        ``commit_top_logprobs`` (the last two None without top logprobs), one transfer each."""
+        return [None if t is None else t[rows, st.P:].tolist()
+                for t in (st.commit_conf, st.commit_top_ids, st.commit_top_logprobs)]
+
+    @staticmethod
+    def _logprobs(record: list, i: int, a: int, b: int) -> list[tuple[float, list[tuple[int, float]]]]:
+        """Row ``i``'s entries for generation offsets ``a`` to ``b`` from ``record`` (:meth:`_record`):
+        ``(log-probability of the token under its committing step, [(id, log-probability)] of that
+        step's top k)``; ``-inf`` for a probability that underflowed to 0, NaN for a position no step committed (the
+        EOS early-stop fill)."""
+        conf, ids, tops = record
+        lps = [math.log(p) if p > 0 else (-math.inf if p == 0 else math.nan) for p in conf[i][a:b]]
+        if ids is None:
             return [(lp, []) for lp in lps]
-        ids = st.commit_top_ids[i, st.P + a: st.P + b].tolist()
-        tops = st.commit_top_logprobs[i, st.P + a: st.P + b].tolist()
-        return [(lp, list(zip(d, t))) for lp, d, t in zip(lps, ids, tops)]
+        return [(lp, list(zip(d, t))) for lp, d, t in zip(lps, ids[i][a:b], tops[i][a:b])]
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
