@@ -214,6 +214,8 @@ def main(argv=None) -> int:
     th.start()
     while not srv.started:
         time.sleep(0.05)
+    # the solo check decodes on its own copy of the model: the engine's thread uses the served one (and the
+    # per-model state kept on it) at the same time; rss_mib_end counts both copies
     soak = Soak(f"http://127.0.0.1:{port}", args.max_body_bytes, dllm.load_model(args.model))
     until = time.monotonic() + args.seconds
     threads = [threading.Thread(target=soak.client, args=(args.seed * 1000 + i, until)) for i in range(args.clients)]
