@@ -50,7 +50,8 @@ def trajectory(out, row: int = 0, tokenizer=None) -> dict:
     (probability at commit or None), ``steps`` (the row's steps), ``starts`` (generation offsets where a region
     began), ``early`` (steps with an early commit), ``refresh`` (steps with a full cache refresh), ``delim``
     (offsets where a block begins because AdaBlock ended the one before at a delimiter), ``nfe`` (the row's
-    forwards) and ``tpf`` (its tokens per forward)."""
+    forwards), ``tpf`` (its tokens per forward) and ``counts`` (positions committed at each step 1..``steps``;
+    index 0 unused)."""
     stats = out.stats
     if not stats.commit_step:
         raise ValueError("this output has no commit_step record; generate it with this version of dllm.generate")
@@ -71,9 +72,14 @@ def trajectory(out, row: int = 0, tokenizer=None) -> dict:
                     and 0 < rec["hi"][row] - P < len(ids)})
     nfe = stats.row_nfe[row] if stats.row_nfe and row < len(stats.row_nfe) else stats.nfe
     tokens, labels, special = _token_texts(tokenizer, ids)
+    steps = max(max(step), 1)
+    counts = [0] * (steps + 1)
+    for s in step:
+        if s > 0:
+            counts[s] += 1
     return {"tokens": tokens, "labels": labels, "special": special, "ids": ids, "step": step, "conf": conf,
-            "steps": max(max(step), 1), "starts": starts, "early": early, "refresh": refresh, "delim": delim,
-            "nfe": nfe, "tpf": len(ids) / max(nfe, 1)}
+            "steps": steps, "starts": starts, "early": early, "refresh": refresh, "delim": delim,
+            "nfe": nfe, "tpf": len(ids) / max(nfe, 1), "counts": counts}
 
 
 def _token_texts(tok, ids: list[int]) -> tuple[list[str], list[str], list[bool]]:
@@ -151,8 +157,7 @@ def caption(t: dict, info: dict | None = None, label: str = "") -> list[str]:
     who += [f"{k} {v}" for k, v in info.items() if k not in ("prompt", "model", "sampler", "params", "cache")]
     if who:
         lines.append(" · ".join(who))
-    per = [t["step"].count(s) for s in range(1, t["steps"] + 1)]
-    lines.append(f"{_layout(t)} · NFE {t['nfe']} · {t['tpf']:.2f} tokens/forward · at most {max(per)} "
+    lines.append(f"{_layout(t)} · NFE {t['nfe']} · {t['tpf']:.2f} tokens/forward · at most {max(t['counts'])} "
                  f"committed in one step")
     return lines
 
@@ -473,14 +478,8 @@ def animate(out, path, row: int = 0, width: int = 32, fps: int = 4, tokenizer=No
 def _page_data(ts, infos, labels) -> dict:
     S = max(t["steps"] for t in ts)
     cols = _viridis(S)
-    runs = []
-    for t, info, label in zip(ts, infos, labels):
-        counts = [0] * (S + 1)
-        for s in t["step"]:
-            if 1 <= s <= S:
-                counts[s] += 1
-        runs.append({**t, "label": label, "caption": caption(t, info),
-                     "counts": counts})
+    runs = [{**t, "label": label, "caption": caption(t, info), "counts": t["counts"] + [0] * (S - t["steps"])}
+            for t, info, label in zip(ts, infos, labels)]
     return {"steps": S, "colors": cols, "ink": [_ink(c) for c in cols], "runs": runs}
 
 
@@ -534,7 +533,7 @@ function side(r,i){const t=R[r],s=t.step[i],p=t.conf[i];
 function build(){const host=document.getElementById('runs');
  R.forEach((t,r)=>{const sec=document.createElement('section');sec.className='run';
   if(R.length>1){const h=document.createElement('h2');h.textContent=t.label;sec.appendChild(h);}
-  t.caption.forEach((c,j)=>{if(R.length===1||c.startsWith('prompt:'))return;const p=document.createElement('p');
+  t.caption.forEach(c=>{if(R.length===1||c.startsWith('prompt:'))return;const p=document.createElement('p');
    p.className='cap';p.textContent=c;sec.appendChild(p);});
   const cnt=document.createElement('div');cnt.className='counts';cnt.title='positions committed per step';
   const mx=Math.max(...t.counts,1);
