@@ -223,21 +223,17 @@ _PITCH = 1.75  # vertical units per line: cell 1.0, confidence track 0.2, positi
 _LEFT = 1.6  # units left of a line for its position range
 
 
-def _panel_units(t: dict, width: int) -> float:
-    return len(_lines(t, width)) * _PITCH
-
-
 def _box(x: float, y: float, w: float, h: float) -> list:
     return [(x, y), (x + w, y), (x + w, y + h), (x, y + h)]
 
 
-def _draw(ax, t: dict, width: int, S: int, upto: int | None = None) -> dict:
-    """Draw one trajectory on ``ax`` (data units: one cell = 1; positions committed after step ``upto`` are shown
-    as masks). Returns the artists, which :func:`_show_upto` updates for another step (one collection for the
-    cells, one for the confidence bars: a long canvas draws in seconds)."""
+def _draw(ax, t: dict, lines: list, width: int, S: int, upto: int | None = None) -> dict:
+    """Draw one trajectory on ``ax`` in its ``lines`` (from :func:`_lines`) on a panel ``width`` cells wide (data
+    units: one cell = 1; positions committed after step ``upto`` are shown as masks). Returns the artists, which
+    :func:`_show_upto` updates for another step (one collection for the cells, one for the confidence bars: a
+    long canvas draws in seconds)."""
     from matplotlib.collections import LineCollection, PolyCollection
 
-    lines = _lines(t, width)
     nl = len(lines)
     starts, refresh = set(t["starts"]), set(t["refresh"])
     n = len(t["tokens"])
@@ -356,25 +352,25 @@ def _legend(ax, ts: list, S: int, width: int) -> None:
         ax.text(mx + 0.5, yy - 0.15, label, fontsize=6, va="center")
 
 
-def _figure(plt, ts: list, infos: list, labels: list, width: int, S: int, head: str = ""):
-    """A figure with a caption, one panel per trajectory and the legend; returns ``(fig, axes)``."""
-    cols = max(max(hi - lo for lo, hi in _lines(t, width)) for t in ts)
+def _figure(plt, ts: list, infos: list, labels: list, width: int, S: int, head: str = "", upto: int | None = None):
+    """A figure with a caption, one panel per trajectory (drawn by :func:`_draw`, showing step ``upto``) and the
+    legend; returns ``(fig, artists)``, the artists of each panel."""
+    lines = [_lines(t, width) for t in ts]
+    cols = max(hi - lo for ls in lines for lo, hi in ls)
     width = max(cols, 24)  # room for the legend
     wu = _LEFT + width + 0.3  # width in units
-    shared = [ln for ln in caption(ts[0], infos[0]) if ln.startswith("prompt:")] if len(ts) > 1 else []
-    caps = []
-    for t, info, label in zip(ts, infos, labels):
-        lines = caption(t, info, label)
-        caps.append([ln for ln in lines if ln not in shared])
+    caps = [caption(t, info, label) for t, info, label in zip(ts, infos, labels)]
+    shared = [ln for ln in caps[0] if ln.startswith("prompt:")] if len(ts) > 1 else []
+    caps = [[ln for ln in cap if ln not in shared] for cap in caps]
     text_u = 0.42  # vertical units per caption line
     heights = [(len(shared) + (1 if head else 0)) * text_u + 0.2]
-    for t, cap in zip(ts, caps):
-        heights += [len(cap) * text_u + 0.15, _panel_units(t, width)]
+    for ls, cap in zip(lines, caps):
+        heights += [len(cap) * text_u + 0.15, len(ls) * _PITCH]
     heights.append(3.1)
     hu = sum(heights)
     fig = plt.figure(figsize=(wu * CELL_IN, hu * CELL_IN))
     top = hu
-    axes = []
+    arts = []
 
     def box(h):
         nonlocal top
@@ -387,16 +383,16 @@ def _figure(plt, ts: list, infos: list, labels: list, width: int, S: int, head: 
     for k, ln in enumerate(head_lines):
         ax.text(0.012, 1 - (k + 0.5) / max(len(head_lines), 1) * 0.8, ln, fontsize=7.5 if k else 8.5,
                 fontweight="bold" if k == 0 else "normal", va="center", transform=ax.transAxes)
-    for cap, hh in zip(caps, zip(heights[1::2], heights[2::2])):
+    for t, ls, cap, hh in zip(ts, lines, caps, zip(heights[1::2], heights[2::2])):
         cax = box(hh[0])
         cax.axis("off")
         for k, ln in enumerate(cap):
             cax.text(0.012, 1 - (k + 0.6) / len(cap) * (1 - 0.15 / hh[0]), ln, fontsize=7,
                      fontweight="bold" if k == 0 and len(ts) > 1 else "normal", va="center", transform=cax.transAxes)
-        axes.append(box(hh[1]))
+        arts.append(_draw(box(hh[1]), t, ls, width, S, upto))
     lax = box(heights[-1])
     _legend(lax, ts, S, width)
-    return fig, axes, width
+    return fig, arts
 
 
 def heatmap(out, path, row: int = 0, width: int = 32, title: str = "", tokenizer=None, info: dict | None = None):
@@ -404,9 +400,7 @@ def heatmap(out, path, row: int = 0, width: int = 32, title: str = "", tokenizer
     ``path``."""
     plt = _require_mpl()
     t = trajectory(out, row, tokenizer)
-    fig, axes, w = _figure(plt, [t], [info], [""], width, t["steps"], head=title or "decoding trajectory")
-    _draw(axes[0], t, width, t["steps"])
-    axes[0].set_xlim(-_LEFT, w + 0.1)
+    fig, _ = _figure(plt, [t], [info], [""], width, t["steps"], head=title or "decoding trajectory")
     _save(fig, path)
     plt.close(fig)
     return path
@@ -426,10 +420,7 @@ def compare(outs, path, labels=None, row: int = 0, width: int = 32, tokenizer=No
     outs = list(outs)
     ts, infos, labels = _runs(outs, labels, row, tokenizer, infos)
     S = max(t["steps"] for t in ts)
-    fig, axes, w = _figure(plt, ts, infos, labels, width, S, head=title or "decoding trajectories compared")
-    for ax, t in zip(axes, ts):
-        _draw(ax, t, width, S)
-        ax.set_xlim(-_LEFT, w + 0.1)
+    fig, _ = _figure(plt, ts, infos, labels, width, S, head=title or "decoding trajectories compared")
     _save(fig, path)
     plt.close(fig)
     return path
@@ -455,10 +446,7 @@ def animate(out, path, row: int = 0, width: int = 32, fps: int = 4, tokenizer=No
     t = trajectory(out, row, tokenizer)
     S = t["steps"]
     head = title or "decoding trajectory"
-    fig, axes, w = _figure(plt, [t], [info], [""], width, S, head=f"{head}: after step {S} of {S}")
-    ax = axes[0]
-    artists = _draw(ax, t, width, S, upto=0)
-    ax.set_xlim(-_LEFT, w + 0.1)
+    fig, (artists,) = _figure(plt, [t], [info], [""], width, S, head=f"{head}: after step {S} of {S}", upto=0)
     head_text = fig.axes[0].texts[0]
 
     def frame(k):
