@@ -82,14 +82,15 @@ def cmd_generate(args) -> int:
         raise SystemExit("error: give a PROMPT or --batch-file")
     if args.trace_out:
         checks.picture_file(args.trace_out, "--trace-out")
-    if args.compare and not args.trace_out:
-        raise SystemExit("error: --compare draws a picture: give --trace-out FILE.png or FILE.html")
-    if args.compare and Path(args.trace_out).suffix.lower() not in (".png", ".html", ".htm"):
-        raise SystemExit("error: --compare draws FILE.png or FILE.html (a GIF shows one run)")
+    theirs = None
     if args.compare:
+        if not args.trace_out:
+            raise SystemExit("error: --compare draws a picture: give --trace-out FILE.png or FILE.html")
+        if Path(args.trace_out).suffix.lower() == ".gif":  # of checks.PICTURE_TYPES, the one a comparison lacks
+            raise SystemExit("error: --compare draws FILE.png or FILE.html (a GIF shows one run)")
         from dllm.samplers import get_sampler
 
-        get_sampler(args.compare)  # an unknown name is refused before the model loads
+        theirs = get_sampler(args.compare)  # an unknown name is refused before the model loads
     config, sampler = check_decode_args(args)  # before the model loads
     model = load_model_arg(args)
     if args.trace_out:
@@ -99,7 +100,7 @@ def cmd_generate(args) -> int:
     out = generate(model, prompts, config, sampler=sampler, cache=args.cache)
     s = out.stats
     if args.trace_out:
-        _draw_traces(args, model, prompts, config, sampler, out)
+        _draw_traces(args, model, prompts, config, sampler, theirs, out)
     guided = None
     if getattr(sampler, "name", None) == "guided" or args.sampler == "guided":
         from dllm.samplers.guided import guided_summary
@@ -123,22 +124,21 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _draw_traces(args, model, prompts, config, sampler, out) -> None:
-    """``--trace-out`` (and ``--compare``): one picture per prompt, captioned with the prompt, model, sampler and
-    its ``--param`` settings."""
+def _draw_traces(args, model, prompts, config, sampler, theirs, out) -> None:
+    """``--trace-out`` (and ``--compare``, whose sampler is ``theirs``): one picture per prompt, captioned with the
+    prompt, model, sampler and its ``--param`` settings."""
+    from dllm.assets import DEFAULT_MODEL
     from dllm.cli.common import parse_params
     from dllm.generate import default_sampler, generate
-    from dllm.samplers import get_sampler
     from dllm.viz import render, render_compare, run_info
 
     tok = getattr(model, "tokenizer", None)
-    name = args.model or "llada-tiny"
+    name = args.model or DEFAULT_MODEL
     main = sampler if sampler is not None else default_sampler(model)
-    infos = [run_info(p, name, main, parse_params(args.param), args.cache or getattr(main, "cache", None))
-             for p in prompts]
+    params, cache = parse_params(args.param), args.cache or getattr(main, "cache", None)
+    infos = [run_info(p, name, main, params, cache) for p in prompts]
     other = None
-    if args.compare:
-        theirs = get_sampler(args.compare)
+    if theirs is not None:
         other = generate(model, prompts, config, sampler=theirs)
         other_infos = [run_info(p, name, theirs, cache=getattr(theirs, "cache", None)) for p in prompts]
         s = other.stats
