@@ -3,6 +3,7 @@ model never loaded (every check runs before it)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -171,6 +172,9 @@ def test_eval_out_resumes_or_refuses_before_loading(tmp_path, capsys, monkeypatc
     with monkeypatch.context() as m:
         m.setattr(dllm.models, "load_model", refuse_loading)
         refused(capsys, [*EVAL, "--out", str(out), "--steps", "4"], "steps: None there, 4 now", "--overwrite")
+        # the scoring limits, sampler and cache the runner pins are checked here too, not after loading
+        refused(capsys, [*EVAL, "--out", str(out), "--timeout", "5"], "timeout: 10.0 there, 5.0 now", "--overwrite")
+        refused(capsys, [*EVAL, "--out", str(out), "--memory-mb", "512"], "memory_mb: 1024 there, 512 now")
         run_json = out / "run.json"
         good = run_json.read_text()
         run_json.write_text("{not json")
@@ -332,9 +336,19 @@ def test_parallelbench_run_refuses_other_settings_before_loading(tmp_path, capsy
     assert main(args) == 0
     assert main(args) == 0  # the same settings resume (the check lets them through)
     assert "[0 samples written, 1 already there" in capsys.readouterr().err
-    monkeypatch.setattr(dllm.models, "load_model", refuse_loading)
-    refused(capsys, [*args, "--gen-seed", "3"], "different sweep settings", "gen_seed: 0 there, 3 now", "--overwrite")
-    refused(capsys, [*args[:-3], "--gen-length", "8", "--no-report"], "gen_length: 16 there, 8 now")
-    refused(capsys, [*args, "--style", "full"], "data.style: 'short' there, 'full' now")
-    (out / "run.json").write_text("[1, 2]")
-    refused(capsys, args, "not a sweep's run file")
+    with monkeypatch.context() as m:
+        m.setattr(dllm.models, "load_model", refuse_loading)
+        refused(capsys, [*args, "--gen-seed", "3"], "different sweep settings", "gen_seed: 0 there, 3 now",
+                "--overwrite")
+        refused(capsys, [*args[:-3], "--gen-length", "8", "--no-report"], "gen_length: 16 there, 8 now")
+        refused(capsys, [*args, "--style", "full"], "data.style: 'short' there, 'full' now")
+        (out / "run.json").write_text("[1, 2]")
+        refused(capsys, args, "not a sweep's run file")
+        (out / "run.json").write_text("{broken")
+        refused(capsys, args, "not a sweep's run file", "--overwrite")
+    # what the refusal says to do works: --overwrite discards the results there and writes a new run file
+    assert main([*args, "--overwrite"]) == 0
+    assert "[1 samples written, 0 already there" in capsys.readouterr().err
+    assert json.loads((out / "run.json").read_text())["pinned"]["gen_seed"] == 0
+    assert main(args) == 0  # and the next run resumes it
+    assert "[0 samples written, 1 already there" in capsys.readouterr().err

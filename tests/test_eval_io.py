@@ -2,7 +2,7 @@
 
 import pytest
 
-from dllm.evals.io import ConfigChanged, JsonlStore, check_pinned, content_key, read_lines
+from dllm.evals.io import ConfigChanged, JsonlStore, check_pinned, content_key, pinned_state, read_lines, read_run_file
 
 
 def test_content_key_is_stable_and_order_free():
@@ -48,3 +48,20 @@ def test_check_pinned_names_each_changed_value_and_the_fix():
     msg = str(e.value)
     assert "d.x: 1 there, 3 now" in msg and "--overwrite" in msg and "another --out" in msg
     assert msg.count(" there, ") == 1  # d.y is unchanged; a new key that is None equals a missing one
+
+
+def test_run_file_read_and_pinned_state(tmp_path):
+    run = tmp_path / "run.json"
+    assert read_run_file(run) is None and pinned_state(None, {"a": 1}, tmp_path, overwrite=False) is None
+    run.write_text('{"a": 1}')
+    old = read_run_file(run)
+    assert pinned_state(old, {"a": 1}, tmp_path, overwrite=False) == "resume"
+    assert pinned_state(old, {"a": 2}, tmp_path, overwrite=True) == "discard"
+    with pytest.raises(ConfigChanged, match="a: 1 there, 2 now"):
+        pinned_state(old, {"a": 2}, tmp_path, overwrite=False)
+    run.write_text("{not json")
+    with pytest.raises(ValueError, match=r"run.json is not valid JSON"):
+        read_run_file(run)
+    run.write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"run.json holds no settings object"):
+        read_run_file(run)

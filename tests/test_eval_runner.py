@@ -167,6 +167,12 @@ def test_changed_decode_options_are_refused_or_overwritten(tiny, tmp_path):
     assert res.written == 2 and res.already_done == 0
     assert len(_lines(tmp_path / "out" / "samples.jsonl")) == 2
     assert json.loads((tmp_path / "out" / "run.json").read_text())["generate_config"]["block_length"] == 8
+    # a malformed run.json: refused naming it, with or without overwrite, nothing touched
+    (tmp_path / "out" / "run.json").write_text("{not json")
+    for overwrite in (False, True):
+        with pytest.raises(ValueError, match=r"run.json is not valid JSON .*another --out directory"):
+            _run_file(tiny, data, tmp_path / "out", config=other, overwrite=overwrite)
+    assert len(_lines(tmp_path / "out" / "samples.jsonl")) == 2
 
 
 def test_cli_refuses_changed_decode_options(tmp_path, capsys):

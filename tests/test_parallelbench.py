@@ -689,6 +689,36 @@ def test_resume_recomputes_rewritten_records_and_refuses_changed_settings(tiny, 
     assert again.written == 3 and again.already_done == 0 and len(S.load_samples(tmp_path / "out")) == 3
 
 
+def test_check_run_file_reads_only_and_overwrite_discards_a_malformed_run_file(tmp_path):
+    pinned = S.sweep_pinned("m", data_dir=None, seed=1, style="short", index_base=1, sort_by="last",
+                            sudoku_givens=(4, 12), text_data=None, gen_length=16, cache=None, gen_seed=0)
+    assert S.check_run_file(tmp_path, pinned, False) == (None, None)
+    run = tmp_path / S.RUN_FILE
+    run.write_text(json.dumps({"pinned": pinned, "tasks": ["t"], "settings": []}))
+    assert S.check_run_file(tmp_path, pinned, False) == ("resume", json.loads(run.read_text()))
+    with pytest.raises(ValueError, match=r"data.style: 'short' there, 'full' now.*--overwrite"):
+        S.check_run_file(tmp_path, {**pinned, "data": {**pinned["data"], "style": "full"}}, False)
+    for bad in ("{broken", "[1, 2]", '{"tasks": []}', '{"pinned": 3}'):
+        run.write_text(bad)
+        with pytest.raises(ValueError, match=r"not a sweep's run file; use another --out directory or --overwrite"):
+            S.check_run_file(tmp_path, pinned, False)
+        assert S.check_run_file(tmp_path, pinned, True) == ("discard", None)
+        assert run.read_text() == bad  # nothing touched
+
+
+def test_run_sweep_overwrite_replaces_a_malformed_run_file(tiny, tmp_path):
+    model, _ = tiny
+    out = tmp_path / "out"
+    kw = dict(n=1, style="short", gen_length=16)
+    assert S.run_sweep(model, out, ["topk:k=8"], "waiting_line/copy", **kw).written == 1
+    (out / S.RUN_FILE).write_text("{broken")
+    with pytest.raises(ValueError, match="not a sweep's run file"):
+        S.run_sweep(model, out, ["topk:k=8"], "waiting_line/copy", **kw)
+    again = S.run_sweep(model, out, ["topk:k=8"], "waiting_line/copy", **kw, overwrite=True)
+    assert again.written == 1 and again.already_done == 0 and len(S.load_samples(out)) == 1
+    assert json.loads((out / S.RUN_FILE).read_text())["pinned"]["gen_length"] == 16
+
+
 def test_run_style_defaults_to_the_bundled_models_prompts(tmp_path, capsys, monkeypatch):
     import argparse
 

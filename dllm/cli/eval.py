@@ -12,7 +12,6 @@ multi-node with accelerate's ``--num_machines/--machine_rank/--main_process_ip``
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from pathlib import Path
@@ -47,38 +46,10 @@ RESUME_HINT = ("--out names a results directory: a new one, or the directory of 
                "to resume it")
 
 
-def _check_resume(out: Path, settings: dict, overwrite: bool) -> str | None:
-    """Before the model loads: refuse an ``--out`` whose ``run.json`` was written with other settings (unless
-    ``--overwrite``), as the runner would after loading. Compares the settings the command line fixes (a subset
-    of what the runner pins, so a refusal here is one the runner would make too). Returns ``None`` (no earlier
-    run), ``"resume"`` or ``"discard"`` (other settings, ``--overwrite``)."""
-    from dllm.evals.io import ConfigChanged, check_pinned
-    from dllm.evals.standard.runner import UNPINNED
-
-    run = out / "run.json"
-    if not run.is_file():
-        return None
-    try:
-        old = json.loads(run.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"--out {out}: its run.json is not valid JSON ({exc}); use another --out directory or "
-                         "delete that run.json (the results there can then not be checked against it)") from None
-    if not isinstance(old, dict):
-        raise ValueError(f"--out {out}: its run.json holds no settings object; use another --out directory")
-    keys = [k for k in settings if k not in UNPINNED]
-    try:
-        check_pinned({k: old.get(k) for k in keys}, {k: settings[k] for k in keys}, out, what="settings")
-    except ConfigChanged:
-        if not overwrite:
-            raise
-        return "discard"
-    return "resume"
-
-
 def cmd_eval(args) -> int:
     from dllm.assets import model_path
     from dllm.evals.standard import build_prompts, get_standard_task, load_samples
-    from dllm.evals.standard.runner import run_standard_eval, summary_markdown
+    from dllm.evals.standard.runner import check_settings, pinned_settings, run_standard_eval, summary_markdown
     from dllm.generate import prepare_prompts
     from dllm.models import load_model
 
@@ -109,7 +80,9 @@ def cmd_eval(args) -> int:
         "dtype": args.dtype, "data": str(Path(args.data).resolve()) if args.data else task.hub,
         "fewshot_data": str(Path(args.fewshot_data).resolve()) if args.fewshot_data else None,
     }
-    resuming = _check_resume(out, settings, args.overwrite)
+    # everything the runner pins in run.json is known here: a run it would refuse is refused before the model loads
+    resuming = check_settings(out, pinned_settings(task, config, settings=settings, sampler=sampler, cache=args.cache,
+                                                   timeout=args.timeout, memory_mb=args.memory_mb), args.overwrite)
     samples, pool = load_samples(task, args.data, args.fewshot_data, shots)
     if args.limit is not None:
         samples = samples[: args.limit]

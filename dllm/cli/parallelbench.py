@@ -158,41 +158,12 @@ def cmd_score(args) -> int:
     return 0
 
 
-def _check_sweep_resume(args) -> None:
-    """Before the model loads: refuse an ``--out`` whose sweep was run with other settings (unless
-    ``--overwrite``), as :func:`~dllm.evals.parallelbench.sweep.run_sweep` would after loading. Compares only the
-    settings the command line fixes, so a refusal here is one the sweep would make too."""
-    from dllm.assets import model_path
-    from dllm.evals.io import check_pinned
-    from dllm.evals.parallelbench.sweep import RUN_FILE
-
-    run = Path(args.out) / RUN_FILE
-    if args.overwrite or not run.is_file():
-        return
-    try:
-        old = json.loads(run.read_text(encoding="utf-8"))["pinned"]
-        old_data = old.get("data") or {}
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise ValueError(f"--out {args.out}: its {RUN_FILE} is not a sweep's run file; use another --out directory "
-                         "or --overwrite") from None
-    if args.data_dir is not None:
-        data = {"data_dir": str(Path(args.data_dir).resolve())}
-    else:
-        data = {"seed": args.seed, "style": args.style, "index_base": args.index_base, "sort_by": args.sort_by,
-                "sudoku_givens": list(args.sudoku_givens)}
-    data["text_data"] = {k: str(Path(v).resolve()) for k, v in sorted(_text_data(args).items())}
-    mine = {"model": str(Path(model_path(args.model)).resolve()), "data": data, "gen_length": args.gen_length,
-            "cache": args.cache, "gen_seed": args.gen_seed}
-    theirs = {**{k: old.get(k) for k in mine if k != "data"}, "data": {k: old_data.get(k) for k in data}}
-    check_pinned(theirs, mine, args.out, what="sweep settings")
-
-
 def cmd_run(args) -> int:
     from tqdm import tqdm
 
     from dllm.assets import model_path
     from dllm.evals.parallelbench.report import write_report
-    from dllm.evals.parallelbench.sweep import parse_methods, run_sweep
+    from dllm.evals.parallelbench.sweep import check_run_file, parse_methods, run_sweep, sweep_pinned
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError("parallelbench run is single-process: every process would run the whole sweep; start it "
@@ -210,7 +181,12 @@ def cmd_run(args) -> int:
     checks.output_dir(args.out, "--out", hint="give a new directory, or the directory of an earlier sweep to "
                                               "resume it")
     args.style = _style(args)
-    _check_sweep_resume(args)
+    model_name = str(Path(model_path(args.model)).resolve())
+    data = {"data_dir": args.data_dir, "seed": args.seed, "style": args.style, "index_base": args.index_base,
+            "sort_by": args.sort_by, "sudoku_givens": args.sudoku_givens, "text_data": _text_data(args)}
+    # what the sweep pins in run.json is known here: a sweep it would refuse is refused before the model loads
+    check_run_file(args.out, sweep_pinned(model_name, **data, gen_length=args.gen_length, cache=args.cache,
+                                          gen_seed=args.gen_seed), args.overwrite)
     model = load_model_arg(args)
     bar = tqdm(total=0, desc="parallelbench", unit="sample", file=sys.stderr, dynamic_ncols=True)
 
@@ -225,14 +201,10 @@ def cmd_run(args) -> int:
         bar.update(1)
 
     try:
-        res = run_sweep(model, args.out, settings, args.tasks, data_dir=args.data_dir, n=args.n, seed=args.seed,
-                        style=args.style, index_base=args.index_base, sort_by=args.sort_by,
-                        sudoku_givens=args.sudoku_givens, text_data=_text_data(args), gen_length=args.gen_length,
-                        batch_size=args.batch_size, cache=args.cache,
-                        model_name=str(Path(model_path(args.model)).resolve()),
+        res = run_sweep(model, args.out, settings, args.tasks, n=args.n, **data, gen_length=args.gen_length,
+                        batch_size=args.batch_size, cache=args.cache, model_name=model_name,
                         allow_partial=args.partial_text_scores, gen_seed=args.gen_seed, overwrite=args.overwrite,
-                        on_start=on_start,
-                        on_sample=on_sample)
+                        on_start=on_start, on_sample=on_sample)
     finally:
         bar.close()
     for name, why in res.needs_data.items():

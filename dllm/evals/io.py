@@ -10,6 +10,8 @@
 * **Configuration pinned.** The decode configuration of a directory is pinned in its ``run.json``;
   :func:`check_pinned` refuses a run with another one, naming the fields that differ and the fix (another
   output directory, or ``overwrite``, which discards the old results: :meth:`JsonlStore.clear`).
+  :func:`read_run_file` reads it (a malformed file is a ``ValueError`` naming it) and :func:`pinned_state` says
+  what a run does with the directory, without touching it, so a command can check before loading its model.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ConfigChanged", "JsonlStore", "check_pinned", "content_key", "read_lines", "repair"]
+__all__ = ["ConfigChanged", "JsonlStore", "check_pinned", "content_key", "pinned_state", "read_lines", "read_run_file",
+           "repair"]
 
 
 def content_key(*parts: Any) -> str:
@@ -47,6 +50,37 @@ def check_pinned(old: Mapping, new: Mapping, where: str | Path, *, what: str = "
         changes = "; ".join(f"{k}: {old.get(k)!r} there, {new.get(k)!r} now" for k in diff)
         raise ConfigChanged(f"{where} holds results made with different {what} ({changes}); use another --out "
                             "directory, the same settings to resume, or --overwrite to discard those results")
+
+
+def pinned_state(old: Mapping | None, new: Mapping, where: str | Path, *, overwrite: bool,
+                 what: str = "decode settings") -> str | None:
+    """What a run with ``new`` does with a directory whose run file pinned ``old`` (``None``: no run file):
+    ``None`` (no earlier run), ``"resume"`` (the same settings) or ``"discard"`` (other settings and
+    ``overwrite``); other settings without ``overwrite`` raise :class:`ConfigChanged` (:func:`check_pinned`)."""
+    if old is None:
+        return None
+    try:
+        check_pinned(old, new, where, what=what)
+    except ConfigChanged:
+        if not overwrite:
+            raise
+        return "discard"
+    return "resume"
+
+
+def read_run_file(path: str | Path) -> dict | None:
+    """The JSON object of a run file (``run.json``); ``None`` when there is no such file. A file that is not
+    valid JSON, or holds something else than an object, raises ``ValueError`` naming it."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(old, dict):
+        raise ValueError(f"{path} holds no settings object")
+    return old
 
 
 def _flat(d: Mapping, prefix: str = "") -> dict:

@@ -42,12 +42,12 @@ from typing import Any
 
 from dllm.config import GenerateConfig
 from dllm.evals import parallelbench as PB
-from dllm.evals.io import ConfigChanged, JsonlStore, check_pinned, content_key, read_lines
+from dllm.evals.io import JsonlStore, content_key, pinned_state, read_lines, read_run_file
 from dllm.evals.runner import generate_batches
 from dllm.generate import answer_lengths
 
-__all__ = ["SAMPLES_FILE", "RUN_FILE", "Setting", "SweepResult", "load_samples", "parse_method", "parse_methods",
-           "parse_values", "run_sweep", "subset_indices"]
+__all__ = ["SAMPLES_FILE", "RUN_FILE", "Setting", "SweepResult", "check_run_file", "load_samples", "parse_method",
+           "parse_methods", "parse_values", "run_sweep", "subset_indices", "sweep_pinned"]
 
 SAMPLES_FILE = "samples.jsonl"
 RUN_FILE = "run.json"
@@ -303,19 +303,46 @@ def _resolve_tasks(tasks, data_dir, n, seed, style, index_base, sort_by, sudoku_
     return out, needs
 
 
-def _check_run_file(out: Path, pinned: dict, store: JsonlStore, overwrite: bool) -> dict:
-    path = out / RUN_FILE
-    if path.is_file():
-        old = json.loads(path.read_text(encoding="utf-8"))
-        try:
-            check_pinned(old.get("pinned", {}), pinned, out, what="sweep settings")
-        except ConfigChanged:
-            if not overwrite:
-                raise
-            log.warning("%s: sweep settings changed; discarding the results there (overwrite)", out)
-            store.clear()
-            return {"pinned": pinned, "tasks": [], "settings": []}
+def sweep_pinned(model_name: str | None, *, data_dir: str | Path | None, seed: int, style: str, index_base: int,
+                 sort_by: str, sudoku_givens: tuple[int, int], text_data: dict[str, str | Path] | None,
+                 gen_length: int | None, cache: str | None, gen_seed: int | None) -> dict:
+    """What a sweep pins in its ``run.json`` (:func:`run_sweep`'s arguments of the same names): the model, the data
+    options, the generation length override, the cache and the decoding seed."""
+    data = ({"data_dir": str(Path(data_dir).resolve())} if data_dir is not None else
+            {"seed": seed, "style": style, "index_base": index_base, "sort_by": sort_by,
+             "sudoku_givens": list(sudoku_givens)})
+    data["text_data"] = {k: str(Path(v).resolve()) for k, v in sorted((text_data or {}).items())}
+    return {"model": model_name, "data": data, "gen_length": gen_length, "cache": cache, "gen_seed": gen_seed}
+
+
+def check_run_file(out: str | Path, pinned: dict, overwrite: bool) -> tuple[str | None, dict | None]:
+    """Read-only: what a sweep with ``pinned`` (:func:`sweep_pinned`) does with ``out``, and its run file when
+    it resumes: ``(None, None)`` (no earlier sweep), ``("resume", run file)`` or ``("discard", None)`` (other
+    settings, or a run file that is not a sweep's, and ``overwrite``). Without ``overwrite`` other settings raise
+    :class:`~dllm.evals.io.ConfigChanged`, a run file that is not a sweep's a ``ValueError``."""
+    out = Path(out)
+    try:
+        old = read_run_file(out / RUN_FILE)
+        if old is not None and not isinstance(old.get("pinned"), dict):
+            raise ValueError("no pinned settings")
+    except ValueError:
+        if not overwrite:
+            raise ValueError(f"--out {out}: its {RUN_FILE} is not a sweep's run file; use another --out directory "
+                             "or --overwrite") from None
+        return "discard", None
+    state = pinned_state(None if old is None else old["pinned"], pinned, out, overwrite=overwrite,
+                         what="sweep settings")
+    return state, old if state == "resume" else None
+
+
+def _open_run_file(out: Path, pinned: dict, store: JsonlStore, overwrite: bool) -> dict:
+    state, old = check_run_file(out, pinned, overwrite)
+    if state == "resume":
         return old
+    if state == "discard":
+        log.warning("%s: other sweep settings (or an unreadable %s) there; discarding the results (overwrite)",
+                    out, RUN_FILE)
+        store.clear()
     return {"pinned": pinned, "tasks": [], "settings": []}
 
 
@@ -358,13 +385,11 @@ def run_sweep(model, out_dir: str | Path, methods: Sequence[str | Setting] | str
     task_data, needs = _resolve_tasks(tasks, data_dir, n, seed, style, index_base, sort_by, sudoku_givens, text_data)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    data_pin = ({"data_dir": str(Path(data_dir).resolve())} if data_dir is not None else
-                {"seed": seed, "style": style, "index_base": index_base, "sort_by": sort_by,
-                 "sudoku_givens": list(sudoku_givens)})
-    data_pin["text_data"] = {k: str(Path(v).resolve()) for k, v in sorted((text_data or {}).items())}
-    pinned = {"model": model_name, "data": data_pin, "gen_length": gen_length, "cache": cache, "gen_seed": gen_seed}
+    pinned = sweep_pinned(model_name, data_dir=data_dir, seed=seed, style=style, index_base=index_base,
+                          sort_by=sort_by, sudoku_givens=sudoku_givens, text_data=text_data, gen_length=gen_length,
+                          cache=cache, gen_seed=gen_seed)
     store = JsonlStore(out, ident=lambda x: (x["setting"], x["task"], int(x["index"])), name=SAMPLES_FILE)
-    run_info = _check_run_file(out, pinned, store, overwrite)
+    run_info = _open_run_file(out, pinned, store, overwrite)
     if model_name is None and run_info["pinned"].get("model") is not None:
         pinned["model"] = run_info["pinned"]["model"]
     samples_path = store.path

@@ -34,14 +34,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dllm.config import GenerateConfig
-from dllm.evals.io import ConfigChanged, JsonlStore, check_pinned, content_key
+from dllm.evals.io import JsonlStore, content_key, pinned_state, read_run_file
 from dllm.evals.standard import Sample, StandardTask
 from dllm.evals.standard.answers import truncate_at
 from dllm.evals.stats import fmt_ci, proportion_ci
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EvalSummary", "read_done", "run_standard_eval", "summarize", "summary_markdown"]
+__all__ = ["EvalSummary", "check_settings", "pinned_settings", "read_done", "run_standard_eval", "summarize",
+           "summary_markdown"]
 
 MERGED = "samples.jsonl"
 
@@ -79,21 +80,41 @@ def read_done(out: Path) -> dict[str, dict]:
     return done
 
 
-def _check_settings(out: Path, settings: dict, overwrite: bool) -> None:
-    path = out / "run.json"
-    if path.exists():
-        old = json.loads(path.read_text())
-        try:
-            check_pinned({k: v for k, v in old.items() if k not in UNPINNED},
-                         {k: v for k, v in settings.items() if k not in UNPINNED}, out, what="settings")
-        except ConfigChanged:
-            if not overwrite:
-                raise
-            log.warning("%s: settings changed; discarding the results there (overwrite)", out)
-            _store(out).clear()
-            for name in ("summary.json", "summary.md"):
-                (out / name).unlink(missing_ok=True)
-    path.write_text(json.dumps(settings, indent=2) + "\n")
+def _compared(settings: dict) -> dict:
+    return {k: v for k, v in settings.items() if k not in UNPINNED}
+
+
+def pinned_settings(task: StandardTask, config: GenerateConfig, *, settings: dict | None = None, sampler=None,
+                    cache=None, timeout: float = 10.0, memory_mb: int = 1024) -> dict:
+    """What :func:`run_standard_eval` pins in ``run.json``: ``settings`` plus the task, the decode configuration,
+    the sampler, the cache and the scoring limits (all known before the model loads)."""
+    return {**(settings or {}), "task": task.name, "generate_config": asdict(config),
+            "sampler_config": repr(sampler) if sampler is not None else None,
+            "cache_config": cache if cache is None or isinstance(cache, str) else repr(cache),
+            "timeout": timeout, "memory_mb": memory_mb}
+
+
+def check_settings(out: str | Path, pinned: dict, overwrite: bool) -> str | None:
+    """Read-only: what a run with ``pinned`` (:func:`pinned_settings`) does with ``out``: ``None`` (no earlier
+    run), ``"resume"`` or ``"discard"`` (other settings, ``overwrite``). Other settings without ``overwrite``
+    raise :class:`~dllm.evals.io.ConfigChanged`, a malformed ``run.json`` a ``ValueError``."""
+    out = Path(out)
+    try:
+        old = read_run_file(out / "run.json")
+    except ValueError as exc:
+        raise ValueError(f"{exc}; use another --out directory or delete that run.json (the results there can then "
+                         "not be checked against it)") from None
+    return pinned_state(None if old is None else _compared(old), _compared(pinned), out, overwrite=overwrite,
+                        what="settings")
+
+
+def _check_settings(out: Path, pinned: dict, overwrite: bool) -> None:
+    if check_settings(out, pinned, overwrite) == "discard":
+        log.info("%s: settings changed; discarding the results there (overwrite)", out)
+        _store(out).clear()
+        for name in ("summary.json", "summary.md"):
+            (out / name).unlink(missing_ok=True)
+    (out / "run.json").write_text(json.dumps(pinned, indent=2) + "\n")
 
 
 def _plain(prompt):
@@ -123,15 +144,13 @@ def run_standard_eval(model, task: StandardTask, samples: list[Sample], config: 
     world = accelerator.num_processes if accelerator is not None else 1
     main = rank == 0
     out = Path(out)
-    pinned = {**(settings or {}), "task": task.name, "generate_config": asdict(config),
-              "sampler_config": repr(sampler) if sampler is not None else None,
-              "cache_config": cache if cache is None or isinstance(cache, str) else repr(cache),
-              "timeout": timeout, "memory_mb": memory_mb}
+    pinned = pinned_settings(task, config, settings=settings, sampler=sampler, cache=cache, timeout=timeout,
+                             memory_mb=memory_mb)
     if main:
         out.mkdir(parents=True, exist_ok=True)
         _check_settings(out, pinned, overwrite)
     _barrier(accelerator)
-    decode = {k: v for k, v in pinned.items() if k not in UNPINNED}
+    decode = _compared(pinned)
     keys = {s.id: content_key(s.row, _plain(p), decode) for s, p in zip(samples, prompts)}
     store = _store(out)
     done, _, stale = store.current(keys)
