@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from dllm.evals.parallelbench.sweep import parse_scalar
 
@@ -75,12 +74,9 @@ def check_decode_args(args):
     checks.model_dir(args.model)
     guide = getattr(args, "guide", None)
     if guide is not None:
-        from dllm.samplers.guided import bundled_guides, guide_path
+        from dllm.samplers.guided import checked_guide_path
 
-        path = Path(guide_path(guide))
-        if not path.is_dir():
-            raise ValueError(f"--guide {guide}: not a directory, and not a bundled guide "
-                             f"({', '.join(bundled_guides())})")
+        path = checked_guide_path(guide)
         if not (path / "config.json").is_file():
             raise ValueError(f"--guide {guide}: no config.json there; give a causal LM checkpoint directory "
                              "(config.json, weights, the model's tokenizer) or the bundled 'ar-tiny'")

@@ -67,16 +67,23 @@ def guide_path(name_or_path) -> Path:
     return bundled_guides().get(str(name_or_path), Path(name_or_path))
 
 
+def checked_guide_path(name_or_path) -> Path:
+    """:func:`guide_path`, which must be a directory (else ``FileNotFoundError`` listing the bundled guides)."""
+    path = guide_path(name_or_path)
+    if not path.is_dir():
+        known = ", ".join(sorted(bundled_guides()))
+        raise FileNotFoundError(f"guide {str(name_or_path)!r} is neither a bundled guide ({known}) nor a checkpoint "
+                                "directory (not a directory)")
+    return path
+
+
 def load_guide(name_or_path, *, dtype=None, device=None):
     """``(model, tokenizer)`` of a causal LM checkpoint directory (or bundled name) via ``AutoModelForCausalLM``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = guide_path(name_or_path)
-    if not path.is_dir():
-        known = ", ".join(sorted(bundled_guides()))
-        raise FileNotFoundError(f"guide {str(name_or_path)!r} is neither a bundled guide ({known}) nor a directory")
     from dllm.models.loading import resolve_dtype
 
+    path = checked_guide_path(name_or_path)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=resolve_dtype(dtype) or "auto")
     model.eval().requires_grad_(False)
     if device is not None:
