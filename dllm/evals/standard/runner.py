@@ -110,7 +110,7 @@ def check_settings(out: str | Path, pinned: dict, overwrite: bool) -> str | None
 
 def _check_settings(out: Path, pinned: dict, overwrite: bool) -> None:
     if check_settings(out, pinned, overwrite) == "discard":
-        log.info("%s: settings changed; discarding the results there (overwrite)", out)
+        log.warning("%s: settings changed; discarding the results there (overwrite)", out)
         _store(out).clear()
         for name in ("summary.json", "summary.md"):
             (out / name).unlink(missing_ok=True)
