@@ -29,8 +29,9 @@ class GenerateConfig:
             before it decoded.
         seed: seed of the ``torch.Generator`` every random draw of the run comes from (``None``: unseeded).
         chat_template: apply the tokenizer's chat template to string prompts.
-        record_confidence: record in ``stats.commit_conf`` each committed token's probability (one extra
-            log-sum-exp over the window's logits per step; for trajectory pictures).
+        record_confidence: record in ``stats.commit_conf`` each committed token's probability and in
+            ``stats.commit_logprob`` its log-probability (one extra log-sum-exp over the window's logits per step;
+            for trajectory pictures and served logprobs).
         record_top_logprobs: ``k > 0`` records, per committed position, the ``k`` most probable tokens of the
             committing step's distribution (full-vocabulary softmax) and their log-probabilities in
             ``stats.commit_top_ids`` / ``stats.commit_top_logprobs`` (one log-sum-exp and one top-k over the

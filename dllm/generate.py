@@ -56,6 +56,9 @@ class GenerateStats:
     # [B][gen_length]: probability of the committed token under that step's logits (full-vocabulary softmax),
     # recorded with GenerateConfig(record_confidence=True); empty otherwise
     commit_conf: list[list[float]] = field(default_factory=list)
+    # [B][gen_length]: the same token's log-probability, recorded as a log (a tiny probability does not underflow
+    # to 0 as commit_conf's does); NaN where no step committed the position; empty without record_confidence
+    commit_logprob: list[list[float]] = field(default_factory=list)
     # [B][gen_length][k]: the k most probable tokens of the committing step's distribution at each committed
     # position (descending) and their log-probabilities, recorded with GenerateConfig(record_top_logprobs=k);
     # ids -1 and log-probabilities NaN where no step committed the position; empty otherwise
@@ -262,7 +265,7 @@ class DecodeState:
     row_nfe: torch.Tensor  # [B] forwards the row took part in
     committed: torch.Tensor  # [B, T] positions committed at the last step
     commit_step: torch.Tensor  # [B, T] step at which each position was committed (-1: never)
-    commit_conf: torch.Tensor | None  # [B, T] probability of the committed token (record_confidence)
+    commit_logprob: torch.Tensor | None  # [B, T] log-probability of the committed token (record_confidence)
     # [B, T, k] the committing step's k most probable tokens and their log-probabilities (record_top_logprobs)
     commit_top_ids: torch.Tensor | None
     commit_top_logprobs: torch.Tensor | None
@@ -335,7 +338,7 @@ class Decoder:
             row_nfe=torch.zeros(B, dtype=torch.long, device=device),
             committed=torch.zeros((B, T), dtype=torch.bool, device=device),
             commit_step=torch.full((B, T), -1, dtype=torch.long, device=device),
-            commit_conf=torch.full((B, T), float("nan"), device=device) if config.record_confidence else None,
+            commit_logprob=torch.full((B, T), float("nan"), device=device) if config.record_confidence else None,
             commit_top_ids=torch.full((B, T, K), -1, dtype=torch.long, device=device) if K else None,
             commit_top_logprobs=torch.full((B, T, K), float("nan"), device=device) if K else None,
             row_key=row_keys(rows, row_ids, config.seed).to(device), generator=generator, window=(P, T),
@@ -416,12 +419,12 @@ class Decoder:
             hi = torch.where(res.finish & st.active, torch.full_like(hi, T), hi)
         x[:, w_lo:w_hi] = torch.where(commit, res.proposal, xw)
         st.commit_step[:, w_lo:w_hi].masked_fill_(commit, st.nfe + 1)
-        if st.commit_conf is not None or st.commit_top_ids is not None:
+        if st.commit_logprob is not None or st.commit_top_ids is not None:
             lf = logits.float()
             lse = torch.logsumexp(lf, -1)
-            if st.commit_conf is not None:
-                p = (lf.gather(-1, res.proposal[..., None]).squeeze(-1) - lse).exp()
-                st.commit_conf[:, w_lo:w_hi] = torch.where(commit, p, st.commit_conf[:, w_lo:w_hi])
+            if st.commit_logprob is not None:
+                lp = lf.gather(-1, res.proposal[..., None]).squeeze(-1) - lse
+                st.commit_logprob[:, w_lo:w_hi] = torch.where(commit, lp, st.commit_logprob[:, w_lo:w_hi])
             if st.commit_top_ids is not None:
                 top, ids = lf.topk(st.commit_top_ids.shape[-1], -1)
                 keep = commit[..., None]
@@ -538,7 +541,8 @@ class Decoder:
             time_total=time_total,
             trace=[{k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in rec.items()} for rec in st.trace],
             commit_step=st.commit_step[:, st.P :].tolist(),
-            commit_conf=st.commit_conf[:, st.P :].tolist() if st.commit_conf is not None else [],
+            commit_conf=st.commit_logprob[:, st.P :].exp().tolist() if st.commit_logprob is not None else [],
+            commit_logprob=st.commit_logprob[:, st.P :].tolist() if st.commit_logprob is not None else [],
             commit_top_ids=st.commit_top_ids[:, st.P :].tolist() if st.commit_top_ids is not None else [],
             commit_top_logprobs=st.commit_top_logprobs[:, st.P :].tolist() if st.commit_top_logprobs is not None
             else [],

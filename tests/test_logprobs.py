@@ -29,12 +29,12 @@ def llada():
 
 
 def offline(model, prompt, k, sampler=None, params=None, cache="none", **kw):
-    """``dllm.generate`` of the request alone with the record on: (tokens, log(commit_conf), top-k pairs)."""
+    """``dllm.generate`` of the request alone with the record on: (tokens, commit_logprob, top-k pairs)."""
     s = dllm.get_sampler(sampler, **(params or {})) if sampler else None
     out = dllm.generate(model, [prompt], sampler=s, cache=cache, record_confidence=True, record_top_logprobs=k,
                         **kw)
     st = out.stats
-    lps = [math.log(p) if p > 0 else -math.inf for p in st.commit_conf[0]]
+    lps = st.commit_logprob[0]
     tops = [list(zip(i, v)) for i, v in zip(st.commit_top_ids[0], st.commit_top_logprobs[0])] if k else \
         [[] for _ in lps]
     return out.sequences[0].tolist(), lps, tops
@@ -71,6 +71,38 @@ def test_the_record_is_the_committing_steps_distribution_and_changes_nothing_els
                 not_argmax += 1
                 assert tops[0] >= lp - 1e-6
     assert not_argmax > 0  # sampling at temperature 1 takes tokens that are not the argmax
+
+
+class _Spread(torch.nn.Module):
+    """A model whose distribution puts all but ``e**-200`` of its mass on token 0: every other token's probability
+    underflows to 0 in float32 (its log-probability, -200 and a little, does not)."""
+
+    def __init__(self):
+        super().__init__()
+        self.unused = torch.nn.Parameter(torch.zeros(()))  # where the adapter reads the device
+
+    def forward(self, input_ids, attention_mask=None):
+        logits = torch.full((*input_ids.shape, 16), -200.0)
+        logits[..., 0] = 0.0
+        return logits
+
+
+def test_a_probability_that_underflows_keeps_its_log_probability():
+    from dllm.models.hf import HFModel
+
+    model = HFModel(_Spread(), mask_id=15, eos_id=14, pad_id=13)
+    kw = dict(gen_length=8, steps=8, seed=1)
+    hot = dllm.get_sampler("llada", temperature=100.0)  # Gumbel noise wide enough to take the unlikely tokens
+    out = dllm.generate(model, [[1, 2, 4]], sampler=hot, record_confidence=True, **kw)
+    tokens, conf, lps = out.sequences[0].tolist(), out.stats.commit_conf[0], out.stats.commit_logprob[0]
+    assert any(t != 0 for t in tokens)
+    for t, p, lp in zip(tokens, conf, lps):
+        assert (p, lp) == ((1.0, 0.0) if t == 0 else (0.0, -200.0))  # the probability underflows, its log does not
+    eng = Engine(model, max_rows=2)
+    h = eng.submit([1, 2, 4], logprobs=0, sampler="llada", params={"temperature": 100.0}, **kw)
+    eng.run_until_idle()
+    r = h.result(timeout=0)
+    assert r.tokens == tokens and r.logprobs == lps  # served as recorded, not -inf
 
 
 def test_record_top_logprobs_is_checked():

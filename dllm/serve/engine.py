@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import threading
 import time
 from collections import deque
@@ -261,7 +260,7 @@ def _repad(st: DecodeState, d: int, pad_id: int) -> DecodeState:
     st.key_mask = _pad_left(key_mask, d, False)
     st.committed = _pad_left(st.committed, d, False)
     st.commit_step = _pad_left(st.commit_step, d, -1)
-    st.commit_conf = _pad_left(st.commit_conf, d, float("nan"))
+    st.commit_logprob = _pad_left(st.commit_logprob, d, float("nan"))
     st.commit_top_ids = _pad_left(st.commit_top_ids, d, -1)
     st.commit_top_logprobs = _pad_left(st.commit_top_logprobs, d, float("nan"))
     st.P += d
@@ -270,7 +269,7 @@ def _repad(st: DecodeState, d: int, pad_id: int) -> DecodeState:
 
 
 _PER_ROW = ("x", "positions", "key_mask", "lo", "hi", "steps", "step_in", "n_start", "active", "finish",
-            "row_nfe", "committed", "commit_step", "commit_conf", "commit_top_ids", "commit_top_logprobs", "row_key")
+            "row_nfe", "committed", "commit_step", "commit_logprob", "commit_top_ids", "commit_top_logprobs", "row_key")
 
 
 def _cat(a: DecodeState, b: DecodeState) -> DecodeState:
@@ -423,8 +422,8 @@ class Engine:
         ``logprobs=k`` (0 to :data:`MAX_TOP_LOGPROBS`; ``None``: off) records each generated token's
         log-probability under the distribution (full-vocabulary softmax) of the step that committed it and that
         step's ``k`` most probable tokens at its position (:attr:`Result.logprobs`,
-        :meth:`RequestHandle.delta_logprobs`): ``log`` of ``dllm.generate(..., record_confidence=True)``'s
-        ``stats.commit_conf`` and its ``record_top_logprobs=k`` record (alone exactly; in a batch up to float32
+        :meth:`RequestHandle.delta_logprobs`): ``dllm.generate(..., record_confidence=True)``'s
+        ``stats.commit_logprob`` and its ``record_top_logprobs=k`` record (alone exactly; in a batch up to float32
         rounding). The tokens are the same with or without it."""
         with self._lock:
             if len(self.waiting) + sum(len(g.requests) for g in self.groups.values()) >= self.max_queue:
@@ -817,7 +816,7 @@ class Engine:
         for i, req in enumerate(group.requests):
             final = next((j for j, m in enumerate(masked[i]) if m), len(masked[i]))
             if final > req.emitted:
-                if st.commit_conf is not None:
+                if st.commit_logprob is not None:
                     if record is None:
                         record = self._record(st)
                     req.handle._put("logprobs", self._logprobs(record, i, req.emitted, final))
@@ -852,7 +851,7 @@ class Engine:
             st = group.state
             tokens = st.x[i, st.P:].tolist()
             nfe = int(st.row_nfe[i])
-            if st.commit_conf is not None:
+            if st.commit_logprob is not None:
                 entries = self._logprobs(self._record(st, slice(i, i + 1)), 0, 0, len(tokens))
         if outcome == "cancelled":  # what the client has seen: the final prefix streamed so far
             final = next((j for j, t in enumerate(tokens) if t == self.model.mask_id), len(tokens))
@@ -882,19 +881,18 @@ class Engine:
 
     @staticmethod
     def _record(st: DecodeState, rows: slice = slice(None)) -> list:
-        """The logprobs record of ``rows`` over the generation on the host: ``commit_conf``, ``commit_top_ids``,
+        """The logprobs record of ``rows`` over the generation on the host: ``commit_logprob``, ``commit_top_ids``,
         ``commit_top_logprobs`` (the last two None without top logprobs), one transfer each."""
         return [None if t is None else t[rows, st.P:].tolist()
-                for t in (st.commit_conf, st.commit_top_ids, st.commit_top_logprobs)]
+                for t in (st.commit_logprob, st.commit_top_ids, st.commit_top_logprobs)]
 
     @staticmethod
     def _logprobs(record: list, i: int, a: int, b: int) -> list[tuple[float, list[tuple[int, float]]]]:
         """Row ``i``'s entries for generation offsets ``a`` to ``b`` from ``record`` (:meth:`_record`):
         ``(log-probability of the token under its committing step, [(id, log-probability)] of that
-        step's top k)``; ``-inf`` for a probability that underflowed to 0, NaN for a position no step committed (the
-        EOS early-stop fill)."""
-        conf, ids, tops = record
-        lps = [math.log(p) if p > 0 else (-math.inf if p == 0 else math.nan) for p in conf[i][a:b]]
+        step's top k)``; NaN for a position no step committed (the EOS early-stop fill)."""
+        lps, ids, tops = record
+        lps = lps[i][a:b]
         if ids is None:
             return [(lp, []) for lp in lps]
         return [(lp, list(zip(d, t))) for lp, d, t in zip(lps, ids[i][a:b], tops[i][a:b])]

@@ -177,7 +177,7 @@ class _Text:
 
 
 def _json_logprob(lp: float) -> float | None:
-    """A log-probability for JSON: one that underflowed to -inf is -9999.0 (OpenAI's floor), NaN (no step
+    """A log-probability for JSON: -inf (a token whose logit is -inf) is -9999.0 (OpenAI's floor), NaN (no step
     committed the position; never an answer token) is null."""
     if math.isnan(lp):
         return None
