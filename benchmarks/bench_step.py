@@ -132,10 +132,10 @@ def to_cached_step(dec, st, limit: int) -> None:
 def count_step(a, dec, st):
     """(kernels launched, host syncs) of one more step."""
     if a.device != "cuda":
+        import importlib
+
         from launch_counter import LaunchCounter
         from sync_counter import SyncCounter
-
-        import importlib
 
         G = importlib.import_module("dllm.generate")  # the module (dllm.generate is also the function)
         free = G._host_check_free

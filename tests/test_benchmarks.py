@@ -1,0 +1,64 @@
+"""The benchmarks in ``benchmarks/`` run on the CPU at a small shape and print what they promise (the figures are
+not checked as speed: on a CPU they are counts and tokens only). A benchmark that crashes, or whose counts change
+meaning, fails here before a GPU run finds it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(script: str, *args: str, tmp_path: Path) -> list | dict:
+    out = tmp_path / f"{script}.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("TRITON_INTERPRET", None)
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args, "--json", str(out)], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_bench_step_counts_one_host_sync_per_step(tmp_path):
+    rows = run("bench_step.py", "--batch", "1", "2", "--modes", "base", "graph", "--caches", "none", "dual",
+               "--blocks", "1", tmp_path=tmp_path)
+    floor = [r for r in rows if r["what"] == "floor"]
+    assert len(floor) == 1 and floor[0]["floor_ms"] > 0
+    steps = [r for r in rows if r["what"] == "step"]
+    assert {(r["mode"], r["cache"], r["batch"]) for r in steps} == {
+        (m, c, b) for m in ("base", "graph") for c in ("none", "dual") for b in (1, 2)}
+    for r in steps:
+        assert r["syncs_per_step"] == 1, r  # the decode loop's one sync, as a CUDA run takes it
+        assert r["launches_per_step"] > r["forward_launches_per_layer"] * 2 > 0, r  # 2 layers and the loop's own
+        assert r["ms_per_step"] > 0
+        assert (r["ms_partial_step"] > 0) == (r["cache"] == "dual"), r
+    by = {(r["mode"], r["cache"], r["batch"]): r for r in steps}
+    for b in (1, 2):  # a cached step computes fewer positions but launches the cache's own kernels too
+        assert by[("graph", "dual", b)]["graphs"]["replays"] > 0  # the graph path's CPU twin ran the cached steps
+
+
+def test_bench_caches_compares_every_cache_with_none(tmp_path):
+    rows = run("bench_caches.py", "--layers", "2", "--width", "64", "--vocab", "256", "--prompt", "32", "--gen", "16",
+               "--block", "8", "--steps", "16", "--batch", "1", "--caches", "none", "prefix", "dual",
+               tmp_path=tmp_path)
+    assert [r["cache"] for r in rows] == ["none", "prefix", "dual"]  # the baseline once, though named
+    none, prefix, dual = rows
+    assert none["speedup"] == 1.0 and none["same_tokens"] == 1.0 and none["token_layers"] == 1.0
+    assert none["full_refreshes"] == none["nfe"] == 16
+    for r in (prefix, dual):
+        assert r["nfe"] == 16 and r["full_refreshes"] == 2  # one refresh per block of 8
+        assert 0 < r["token_layers"] < 1 and 0 <= r["same_tokens"] <= 1
+    assert dual["token_layers"] < prefix["token_layers"]  # the dual cache also skips the suffix
+
+
+def test_bench_kernels_runs_every_kernel(tmp_path):
+    report = run("bench_kernels.py", "--repeats", "1", tmp_path=tmp_path)
+    assert report["device"].startswith("cpu")
+    kinds = {r["kernel"] for r in report["rows"]}
+    assert kinds == {"attention", "attention_mass", "confidence_stats"}, kinds
+    for r in report["rows"]:
+        assert all(v > 0 for v in r["ms"].values()), r
