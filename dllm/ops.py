@@ -1,4 +1,5 @@
-"""Small tensor and argument helpers shared by samplers and block policies (no dllm imports)."""
+"""Small tensor and argument helpers shared by samplers, block policies, caches and the serving engine (no dllm
+imports)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,29 @@ def check_choice(name: str, value, choices) -> None:
     """Raise a ValueError naming the unknown value and listing the known ones."""
     if value not in choices:
         raise ValueError(f"unknown {name} {value!r}; known: {', '.join(choices)}")
+
+
+def moved_rows(t: torch.Tensor, keep: torch.Tensor | None, n_new: int = 0, *, d: int = 0, dim: int | None = None,
+               pad=0, shift: bool = False, fill=0) -> torch.Tensor:
+    """``t`` (rows along dimension 0, one per batch row) moved with the rows of its batch, as the serving engine
+    moves a running batch when requests leave or join, in this order: the ``keep`` rows selected (``[B']`` int64
+    indices, ``None``: all, in order); along ``dim``, a canvas-column dimension, ``d`` columns of ``pad`` added on
+    the left (``d < 0``: the first ``-d`` columns cropped; ``dim=None``: no column dimension); with ``shift`` the
+    values themselves plus ``d`` (canvas columns: region starts, cursors); then ``n_new`` rows of ``fill``
+    appended. Returns a contiguous tensor (``t`` itself when nothing moves and it is contiguous)."""
+    if keep is not None:
+        t = t.index_select(0, keep.to(t.device))
+    if dim is not None and d > 0:
+        shape = list(t.shape)
+        shape[dim] = d
+        t = torch.cat([t.new_full(shape, pad), t], dim=dim)
+    elif dim is not None and d < 0:
+        t = t.narrow(dim, -d, t.shape[dim] + d)
+    if shift and d:
+        t = t + d
+    if n_new:
+        t = torch.cat([t, t.new_full((n_new, *t.shape[1:]), fill)])
+    return t.contiguous()
 
 
 _BLOCK = 256  # chunk of the vocabulary for the blocked CPU reductions below

@@ -17,6 +17,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from dllm.ops import moved_rows
+
 
 @runtime_checkable
 class Cache(Protocol):
@@ -311,6 +313,17 @@ class KVCache(CacheBase):
         if kb is None or kb.shape[0] != batch or kb.stride(-1) != 1 or vb.stride(-1) != 1:
             return None
         return kb, vb
+
+    def move_rows(self, d: int, keep: torch.Tensor | None, n_new: int) -> None:
+        """Move a filled cache with the rows of its batch (the serving engine, as requests leave and join): the
+        ``keep`` rows selected (``None``: all), ``d`` columns of left padding added (``d < 0``: cropped), ``n_new``
+        empty rows appended for joining rows (their first forward recomputes them in full: every served cache
+        refreshes a row at its first step). Here the K/V buffers; a policy with per-row state of its own moves it
+        too (and calls this)."""
+        for buf in (self.k, self.v):
+            for layer, t in enumerate(buf):
+                if t is not None:
+                    buf[layer] = moved_rows(t, keep, n_new, d=d, dim=2)
 
     # -- statistics ----------------------------------------------------------------------------------------
     def step_stats(self, n_layers: int) -> dict[str, Any]:

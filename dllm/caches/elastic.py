@@ -21,6 +21,7 @@ import torch
 
 from dllm import kernels
 from dllm.caches.base import KVCache, logit_rows, rows_from_mask
+from dllm.ops import moved_rows
 
 
 def _probs(q: torch.Tensor, k: torch.Tensor, key_mask) -> torch.Tensor:
@@ -64,28 +65,14 @@ class ElasticCache(KVCache):
         return state.row_nfe == 0
 
     def move_rows(self, d: int, keep: torch.Tensor | None, n_new: int) -> None:
-        """Its per-row state with the rows of a filled cache (the stored layer inputs and queries, the tracked
-        tokens): ``keep`` rows selected, ``d`` columns of left padding added (``d < 0``: cropped), ``n_new``
-        empty rows appended (their first forward computes all their rows: :meth:`refresh_rows`)."""
+        """:meth:`KVCache.move_rows`, and its per-row state (the stored layer inputs and queries, the tracked
+        tokens; a joining row's first forward computes all its rows: :meth:`refresh_rows`)."""
+        super().move_rows(d, keep, n_new)
         B = self.batch
 
         def move(t: torch.Tensor, dim: int) -> torch.Tensor:
             r = t.shape[0] // B  # 2 under classifier-free guidance (the batch doubled)
-            parts = []
-            for j in range(r):
-                u = t[j * B:(j + 1) * B]
-                if keep is not None:
-                    u = u.index_select(0, keep.to(u.device))
-                if d > 0:
-                    shape = list(u.shape)
-                    shape[dim] = d
-                    u = torch.cat([u.new_zeros(shape), u], dim=dim)
-                elif d < 0:
-                    u = u.narrow(dim, -d, u.shape[dim] + d)
-                if n_new:
-                    u = torch.cat([u, u.new_zeros(n_new, *u.shape[1:])])
-                parts.append(u)
-            return torch.cat(parts).contiguous()
+            return torch.cat([moved_rows(t[j * B:(j + 1) * B], keep, n_new, d=d, dim=dim) for j in range(r)])
 
         self.xc = [move(t, 1) for t in self.xc]
         self.qc = [move(t, 2) for t in self.qc]

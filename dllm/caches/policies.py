@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from dllm.caches.base import CacheState, KVCache, logit_rows, read_cols, region_start
+from dllm.ops import moved_rows
 
 
 def _cols(state: CacheState) -> torch.Tensor:
@@ -133,13 +134,11 @@ class FreeCache(KVCache):
         self.cur_lo = state.lo.clone()
 
     def move_rows(self, d: int, keep: torch.Tensor | None, n_new: int) -> None:
-        """Its per-row state (each row's region start at the last plan, a canvas column) with the rows of a
-        filled cache: ``keep`` rows selected, shifted by ``d`` columns of left padding (``d < 0``: cropped),
-        ``n_new`` rows appended (their first forward is full: :meth:`refresh_rows`)."""
-        if self.cur_lo is None:
-            return
-        lo = self.cur_lo if keep is None else self.cur_lo.index_select(0, keep.to(self.cur_lo.device))
-        self.cur_lo = torch.cat([lo + d, lo.new_zeros(n_new)])
+        """:meth:`KVCache.move_rows`, and its per-row state: each row's region start at the last plan (a canvas
+        column, shifted by ``d``; a joining row's first forward is full: :meth:`refresh_rows`)."""
+        super().move_rows(d, keep, n_new)
+        if self.cur_lo is not None:
+            self.cur_lo = moved_rows(self.cur_lo, keep, n_new, d=d, shift=True)
 
     def select(self, state):
         start = torch.where(state.step_in == 0, self.cur_lo, state.lo)
@@ -192,6 +191,13 @@ class BlockExact(KVCache):
     def after_plan(self, state, rows):
         _, start = self._grid(state)
         self.final = self._first_open_block(state, start)  # every block before it is computed now, mask-free
+
+    def move_rows(self, d: int, keep: torch.Tensor | None, n_new: int) -> None:
+        """:meth:`KVCache.move_rows`, and each row's column up to which its K/V are final (shifted by ``d``, at
+        least 0; a joining row has none)."""
+        super().move_rows(d, keep, n_new)
+        if self.final is not None:
+            self.final = moved_rows(self.final, keep, n_new, d=d, shift=True).clamp_min(0)
 
     def select(self, state):
         _, start = self._grid(state)

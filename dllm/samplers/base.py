@@ -88,7 +88,8 @@ class StepResult:
 @runtime_checkable
 class Sampler(Protocol):
     """What the decode loop calls. Required: ``step``; the optional hooks are declared here with their no-op
-    defaults (:class:`SamplerBase`) and called directly by the loop."""
+    defaults (:class:`SamplerBase`) and called directly by the loop (the serving engine also calls
+    :meth:`SamplerBase.move_rows` where a sampler has it)."""
 
     name: str
     #: ``window_columns(win_lo, win_hi, gen_lo, canvas_len) -> (lo, hi)`` or None: canvas columns whose logits
@@ -109,6 +110,16 @@ class SamplerBase:
 
     def bind_model(self, model):
         return self
+
+    def move_rows(self, state: dict, d: int, keep: torch.Tensor | None, n_new: int, *,
+                  canvas: torch.Tensor | None = None, gen_lo: int = 0, eos_id: int | None = None) -> None:
+        """Move the per-row scratch state this sampler keeps in ``state`` (:attr:`StepContext.state`) with the rows
+        of its batch (the serving engine, as requests leave and join): the ``keep`` rows selected (``[B']`` int64
+        indices, ``None``: all), canvas columns shifted by ``d`` (left padding added, or cropped when ``d < 0``),
+        then ``n_new`` rows appended for joining requests, which start with the state their first step would
+        build. ``canvas`` (``[n_new, T]``, padded like the batch), ``gen_lo`` and ``eos_id``: the joining rows'
+        canvas, generation start and EOS id, for a sampler that builds their state from them (the AR guide).
+        Default: no per-row state, nothing to move (a sampler that wraps others forwards this to them)."""
 
 
 _M32 = 0xFFFFFFFF

@@ -110,6 +110,16 @@ class ComposedSampler(SamplerBase):
             commit = ensure_progress(commit & ctx.cand, conf, ctx.cand, only_empty=True)
         return StepResult(torch.where(ctx.cand, x0, ctx.x), commit, info)
 
+    def move_rows(self, state: dict, d: int, keep: torch.Tensor | None, n_new: int, **joining) -> None:
+        """Move the per-row state of its stages (:meth:`~dllm.samplers.base.SamplerBase.move_rows`): the credit
+        tables (:meth:`CreditFusion.move_rows`) and the rule's own (KLASS's kept steps,
+        :meth:`~dllm.samplers.rules.KLStable.move_rows`); joining rows start with none, so ``joining`` (their
+        canvas) is not read."""
+        for stage in (self.credit, self.rule):
+            move = getattr(stage, "move_rows", None)
+            if move is not None:
+                move(state, d, keep, n_new)
+
     def _rule_wants_probs(self) -> bool:
         return bool(getattr(self.rule, "needs_probs", False))
 

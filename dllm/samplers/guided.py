@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from dllm.ops import moved_rows
 from dllm.samplers.base import SamplerBase, StepContext, StepResult, check_choice, check_range, gumbel_argmax
 
 GUIDE_MODES = ("deterministic", "topk")
@@ -167,37 +168,6 @@ def _compact(st: dict, force: bool = False) -> None:
     st["slots"] = torch.arange(keep, device=slots.device)[None] < count[:, None]
 
 
-def move_rows(state: dict, d: int, keep: torch.Tensor | None, new: dict | None = None) -> None:
-    """Move the guided state (``state["guided"]``) with the rows of its batch (the serving engine): ``keep``
-    rows selected, canvas columns shifted by ``d`` (left padding added, or cropped when ``d < 0``; a row's guide
-    positions do not change), then the rows of ``new`` (:meth:`GuidedSampler.row_state` of rows joining the
-    batch) appended, with no valid slot in the guide's cache (masked-out slots, as a row's rejected drafts)."""
-    st = state.get("guided")
-    if st is None:
-        return
-    layers = getattr(st["cache"], "layers", None)
-    if layers is None:
-        raise TypeError("moving rows of the guide's cache needs a transformers cache with per-layer keys/values")
-    n_new = new["npad"].shape[0] if new is not None else 0
-
-    def rows(t: torch.Tensor, fill) -> torch.Tensor:
-        if keep is not None:
-            t = t.index_select(0, keep.to(t.device))
-        if n_new:
-            t = torch.cat([t, t.new_full((n_new, *t.shape[1:]), fill)])
-        return t.contiguous()
-
-    for la in layers:
-        if getattr(la, "keys", None) is None or la.keys.dim() != 4:  # not written yet
-            continue
-        la.keys, la.values = rows(la.keys, 0), rows(la.values, 0)
-    st["slots"] = rows(st["slots"], False)
-    st["stopped"] = rows(st["stopped"], False)
-    for name in ("npad", "fed"):
-        t = (st[name] if keep is None else st[name].index_select(0, keep.to(st[name].device))) + d
-        st[name] = torch.cat([t, new[name]]) if n_new else t
-
-
 class GuidedSampler(SamplerBase):
     """AR-guided unmasking. See the module docstring.
 
@@ -282,10 +252,36 @@ class GuidedSampler(SamplerBase):
 
     def row_state(self, canvas: torch.Tensor, gen_lo: int, eos_id: int | None) -> dict:
         """The state of rows that have not stepped yet (``canvas``: theirs, generation from column ``gen_lo``),
-        as their first step would start it; the serving engine appends it to a running batch's with
-        :func:`move_rows`."""
+        as their first step would start it (:meth:`move_rows` appends it for rows joining a running batch)."""
         pad = self.pad_id if self.pad_id is not None else eos_id
         return self._init_state(canvas, gen_lo, pad, canvas.device)
+
+    def move_rows(self, state: dict, d: int, keep: torch.Tensor | None, n_new: int, *,
+                  canvas: torch.Tensor | None = None, gen_lo: int = 0, eos_id: int | None = None) -> None:
+        """Move the guided state (``state["guided"]``) with the rows of its batch (the serving engine,
+        :meth:`~dllm.samplers.base.SamplerBase.move_rows`): ``keep`` rows selected, canvas columns shifted by ``d``
+        (left padding added, or cropped when ``d < 0``; a row's guide positions do not change), then ``n_new``
+        joining rows appended with the state their first step would start (:meth:`row_state` of their
+        ``canvas``, ``gen_lo`` and ``eos_id``), with no valid slot in the guide's cache (masked-out slots, as a
+        row's rejected drafts)."""
+        st = state.get("guided")
+        if st is None:
+            return
+        layers = getattr(st["cache"], "layers", None)
+        if layers is None:
+            raise TypeError("moving rows of the guide's cache needs a transformers cache with per-layer keys/values")
+        if n_new and (canvas is None or canvas.shape[0] != n_new):
+            raise ValueError(f"{n_new} joining rows need their canvas ([n_new, T]) to start their guide state")
+        for la in layers:
+            if getattr(la, "keys", None) is None or la.keys.dim() != 4:  # not written yet
+                continue
+            la.keys, la.values = moved_rows(la.keys, keep, n_new), moved_rows(la.values, keep, n_new)
+        st["slots"] = moved_rows(st["slots"], keep, n_new, fill=False)
+        st["stopped"] = moved_rows(st["stopped"], keep, n_new, fill=False)
+        new = self.row_state(canvas, gen_lo, eos_id) if n_new else None
+        for name in ("npad", "fed"):
+            t = moved_rows(st[name], keep, d=d, shift=True)
+            st[name] = torch.cat([t, new[name]]) if n_new else t
 
     def step(self, logits: torch.Tensor, ctx: StepContext) -> StepResult:
         g, gtok = self.guide_model()

@@ -118,6 +118,13 @@ class Prophet(SamplerBase):
         inner = self.inner.bind_model(model) if hasattr(self.inner, "bind_model") else self.inner
         return self if inner is self.inner else replace(self, inner=inner)
 
+    def move_rows(self, state: dict, d: int, keep: torch.Tensor | None, n_new: int, **joining) -> None:
+        """The inner sampler's :meth:`~dllm.samplers.base.SamplerBase.move_rows` (Prophet keeps no per-row state
+        of its own)."""
+        move = getattr(self.inner, "move_rows", None)
+        if move is not None:
+            move(state, d, keep, n_new, **joining)
+
     def window_columns(self, win_lo: int, win_hi: int, gen_lo: int, canvas_len: int) -> tuple[int, int]:
         """Canvas columns whose logits the decode loop computes: to the canvas end (the fill), from the
         regions' start or a fixed span's start, whichever is further left. ``win_lo`` / ``win_hi`` are ints (the

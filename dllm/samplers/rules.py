@@ -25,6 +25,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
+from dllm.ops import moved_rows
 from dllm.samplers.base import (
     SOFTMAX_DTYPES,
     StepContext,
@@ -322,30 +323,20 @@ class KLStable:
             probs = torch.softmax(logits.float(), dim=-1)
         return self.decide(conf, ctx, self.kl_step(logits, probs, ctx, conf), logits=logits, probs=probs)
 
-    @staticmethod
-    def move_rows(state: dict, d: int, keep: torch.Tensor | None, n_new: int) -> None:
+    def move_rows(self, state: dict, d: int, keep: torch.Tensor | None, n_new: int) -> None:
         """Move the kept history (``state["klass"]``, :class:`_KLHistory`) with the rows of its batch (the
-        serving engine): ``keep`` rows selected, canvas columns shifted by ``d`` (left padding added, or cropped
-        when ``d < 0``), ``n_new`` rows appended that have no history: their region at the kept steps is ``-1``
-        (left of the generation start, where it stays as the columns move: never a region start), so every KL
-        they would read there is ``inf``, as for a row with fewer than ``history`` earlier steps."""
+        serving engine, :meth:`~dllm.samplers.base.SamplerBase.move_rows` of the sampler holding this rule):
+        ``keep`` rows selected, canvas columns shifted by ``d`` (left padding added, or cropped when ``d < 0``),
+        ``n_new`` rows appended that have no history: their region at the kept steps is ``-1`` (left of the
+        generation start, where it stays as the columns move: never a region start), so every KL they would
+        read there is ``inf``, as for a row with fewer than ``history`` earlier steps."""
         st = state.get("klass")
         if not st or not st.get("steps"):
             return
-        moved = []
-        for s in st["steps"]:
-            parts = {"logits": s.logits, "region": s.region, "lse": s.lse, "kl": s.kl}
-            for name, t in parts.items():
-                if keep is not None:
-                    t = t.index_select(0, keep.to(t.device))
-                if name == "region":
-                    t = t + d
-                if n_new:
-                    fill = {"logits": 0.0, "region": -1, "lse": 0.0, "kl": math.inf}[name]
-                    t = torch.cat([t, t.new_full((n_new, *t.shape[1:]), fill)])
-                parts[name] = t
-            moved.append(_KLStep(parts["logits"], s.lo + d, parts["region"], parts["lse"], parts["kl"]))
-        st["steps"] = moved
+        st["steps"] = [_KLStep(moved_rows(s.logits, keep, n_new), s.lo + d,
+                               moved_rows(s.region, keep, n_new, d=d, shift=True, fill=-1),
+                               moved_rows(s.lse, keep, n_new), moved_rows(s.kl, keep, n_new, fill=math.inf))
+                       for s in st["steps"]]
 
 
 @dataclass(eq=False)

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from dllm.ops import moved_rows
 from dllm.samplers.base import (
     SOFTMAX_DTYPES,
     SamplerBase,
@@ -77,6 +78,19 @@ class CreditFusion:
         tok.scatter_(-1, slot, torch.where(upd, top, tok.gather(-1, slot).squeeze(-1))[..., None])
         val.scatter_(-1, slot, torch.where(upd, new_v, old_v)[..., None])
         return tok, val
+
+    def move_rows(self, state: dict, d: int, keep: torch.Tensor | None, n_new: int) -> None:
+        """Move the credit tables (``state["credit"]``: canvas-indexed ``[B, T, slots]`` tokens and credits, and
+        the rows' region starts, canvas columns) with the rows of its batch (the serving engine,
+        :meth:`~dllm.samplers.base.SamplerBase.move_rows` of the sampler holding this stage): ``keep`` rows
+        selected, canvas columns shifted by ``d`` (left padding added, or cropped when ``d < 0``), ``n_new`` rows
+        appended with empty tables."""
+        st = state.get("credit")
+        if not st or "tok" not in st:
+            return
+        st["tok"] = moved_rows(st["tok"], keep, n_new, d=d, dim=1)
+        st["val"] = moved_rows(st["val"], keep, n_new, d=d, dim=1)
+        st["region"] = moved_rows(st["region"], keep, n_new, d=d, shift=True)
 
     def apply(self, logits: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense path: ``(fused logits [B, W, V] float32, raw top-1 token [B, W])``; updates the credits."""
@@ -200,6 +214,12 @@ class TopP(SamplerBase):
     def bind_model(self, model) -> TopP:
         inner = self.inner.bind_model(model) if hasattr(self.inner, "bind_model") else self.inner
         return self if inner is self.inner else replace(self, inner=inner)
+
+    def move_rows(self, state: dict, d: int, keep: torch.Tensor | None, n_new: int, **joining) -> None:
+        """The inner sampler's :meth:`~dllm.samplers.base.SamplerBase.move_rows` (its per-row state)."""
+        move = getattr(self.inner, "move_rows", None)
+        if move is not None:
+            move(state, d, keep, n_new, **joining)
 
     def step(self, logits: torch.Tensor, ctx: StepContext):
         if self.top_p >= 1:

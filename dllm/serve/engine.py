@@ -13,15 +13,16 @@ and cache (float32; tested), whenever it arrives and whatever else runs.
   not recomputed. Leaving: finished rows are answered and removed from every per-row tensor
   (``index_select``); the canvas is cropped when the longest prompt left.
 * Caches: every registered cache is served (a preset's own by default: ``fast-dllm`` runs with ``dual``,
-  ``elastic`` with Elastic-Cache). The K/V buffers move with the rows (re-padded, selected, extended with the
-  newcomers' rows, which their first forward recomputes in full), and so does a cache's own per-row state (its
-  ``move_rows``: FreeCache's last region starts, Elastic-Cache's stored layer inputs, queries and tracked
-  tokens; the exact ``block`` cache of block-diffusion checkpoints, their default: its per-row count of final
-  columns, a joining row has none).
-* Samplers: every registered sampler is served; their per-row scratch state moves with the rows like the K/V
-  buffers: CreditDecoding's credit tables, KLASS's kept steps (a joining row has no history), the AR guide's
-  cache and cursors (a joining row gets the state its first step would build). Progress-driven samplers
-  (``prophet``, ``eoser``, ``ascending``) read each row's own forward count. ``noise_scope`` must be ``"row"``.
+  ``elastic`` with Elastic-Cache). The cache's ``move_rows`` moves its K/V buffers with the rows (re-padded,
+  selected, extended with the newcomers' rows, which their first forward recomputes in full) and its own per-row
+  state: FreeCache's last region starts, Elastic-Cache's stored layer inputs, queries and tracked tokens; the
+  exact ``block`` cache of block-diffusion checkpoints, their default: its per-row count of final columns, a
+  joining row has none.
+* Samplers: every registered sampler is served; the sampler's ``move_rows`` moves its per-row scratch state
+  with the rows like the K/V buffers (a composed sampler's stages and a wrapped sampler's own included):
+  CreditDecoding's credit tables, KLASS's kept steps (a joining row has no history), the AR guide's cache and
+  cursors (a joining row gets the state its first step would build). Progress-driven samplers (``prophet``,
+  ``eoser``, ``ascending``) read each row's own forward count. ``noise_scope`` must be ``"row"``.
 
 Use: ``engine.submit(prompt, gen_length=...)`` returns a :class:`RequestHandle` (``.result()``, ``.delta_ids()``
 for the left-to-right final prefix as it becomes final, ``.events()`` with the per-step canvas, ``.cancel()``); :meth:`Engine.step` runs one tick,
@@ -46,11 +47,11 @@ import torch
 
 from dllm.config import GenerateConfig
 from dllm.generate import Decoder, DecodeState, decode_texts, prepare_prompts, row_keys
+from dllm.ops import moved_rows
 from dllm.recipes import model_block_size, resolve
 from dllm.samplers import get_sampler
 from dllm.samplers import guided as _guided
 from dllm.samplers.registry import SAMPLERS
-from dllm.samplers.rules import KLStable
 from dllm.samplers.transforms import with_top_p
 
 log = logging.getLogger(__name__)
@@ -243,11 +244,7 @@ class _Group:
 def _pad_left(t: torch.Tensor | None, d: int, value) -> torch.Tensor | None:
     """``[B, T, ...]`` -> ``[B, T + d, ...]`` with ``d`` columns of ``value`` on the left (``d < 0``: crop ``-d``
     columns)."""
-    if t is None or d == 0:
-        return t
-    if d < 0:
-        return t[:, -d:]
-    return torch.cat([torch.full((t.shape[0], d, *t.shape[2:]), value, dtype=t.dtype, device=t.device), t], dim=1)
+    return t if t is None or d == 0 else moved_rows(t, None, d=d, dim=1, pad=value)
 
 
 def _repad(st: DecodeState, d: int, pad_id: int) -> DecodeState:
@@ -301,68 +298,24 @@ def _select(st: DecodeState, keep: list[int]) -> DecodeState:
     return st
 
 
-def _move_cache(cache, d: int, keep: list[int] | None, n_new: int) -> None:
-    """Move a filled K/V cache with the rows: ``keep`` rows selected, ``d`` columns of left padding added
-    (``d < 0``: cropped), ``n_new`` empty rows appended for joining requests (their first forward recomputes
-    them in full: every served cache refreshes a row at its first step)."""
-    if not getattr(cache, "filled", False):
-        return
-    idx = None if keep is None else torch.tensor(keep, dtype=torch.long)
-    move = getattr(cache, "move_rows", None)  # a policy's own per-row state (FreeCache, Elastic-Cache)
-    if move is not None:
-        move(d, idx, n_new)
-    final = getattr(cache, "final", None)  # the block cache: each row's column up to which its K/V are final
-    if final is not None:
-        if keep is not None:
-            final = final.index_select(0, idx.to(final.device))
-        final = (final + d).clamp_min(0)
-        cache.final = torch.cat([final, final.new_zeros(n_new)]) if n_new else final  # joining rows: none yet
-    for layer in range(len(cache.k)):
-        for buf in (cache.k, cache.v):
-            t = buf[layer]
-            if t is None:
-                continue
-            if keep is not None:
-                idx = idx.to(t.device)  # copied to the device once
-                t = t.index_select(0, idx)
-            if d > 0:
-                t = torch.cat([t.new_zeros(t.shape[0], t.shape[1], d, t.shape[3]), t], dim=2)
-            elif d < 0:
-                t = t[:, :, -d:]
-            if n_new:
-                t = torch.cat([t, t.new_zeros(n_new, *t.shape[1:])], dim=0)
-            buf[layer] = t.contiguous()
-
-
-def _move_state(state: dict, d: int, keep: list[int] | None, n_new: int, guided_new: dict | None = None) -> None:
-    """Move the sampler scratch state a served sampler keeps per row with the rows, like :func:`_move_cache`:
-    CreditDecoding's canvas-indexed credit tables (``[B, T, slots]``) and their regions (canvas columns), KLASS's
-    kept steps (:meth:`KLStable.move_rows`: a joining row has no history) and the AR guide's cache and cursors
-    (:func:`dllm.samplers.guided.move_rows`; ``guided_new``: the joining rows' own state)."""
-    idx = None
-    if keep is not None:
-        idx = torch.tensor(keep, dtype=torch.long)
-    if "klass" in state:
-        KLStable.move_rows(state, d, idx, n_new)
-    if "guided" in state:
-        _guided.move_rows(state, d, idx, guided_new)
-    cr = state.get("credit")
-    if not cr or "tok" not in cr:
-        return
-    for key in ("tok", "val", "region"):
-        t = cr[key]
-        if keep is not None:
-            idx = idx.to(t.device)
-            t = t.index_select(0, idx)
-        if key == "region":
-            t = t + d
-        elif d > 0:
-            t = torch.cat([t.new_zeros(t.shape[0], d, t.shape[2]), t], dim=1)
-        elif d < 0:
-            t = t[:, -d:]
-        if n_new:  # joining rows start with empty tables
-            t = torch.cat([t, t.new_zeros(n_new, *t.shape[1:])], dim=0)
-        cr[key] = t.contiguous()
+def _move_rows(dec: Decoder, st: DecodeState, d: int, keep: list[int] | None,
+               joining: DecodeState | None = None) -> None:
+    """Move what the decoder keeps per row beside the decode state ``st`` with the rows of its batch: the ``keep``
+    rows selected (``None``: all), ``d`` canvas columns of left padding added (``d < 0``: cropped), then the rows
+    of ``joining`` appended (their own state, re-padded to the batch's width). A filled cache moves its K/V
+    buffers and its own per-row state (:meth:`dllm.caches.base.KVCache.move_rows`; the joining rows' first
+    forward recomputes them in full), the sampler its scratch state in ``st.state``
+    (:meth:`dllm.samplers.base.SamplerBase.move_rows`: a joining row starts with the state its first step would
+    build)."""
+    idx = None if keep is None else torch.tensor(keep, dtype=torch.long, device=st.x.device)
+    n_new = 0 if joining is None else joining.x.shape[0]
+    if getattr(dec.cache, "filled", False):
+        dec.cache.move_rows(d, idx, n_new)
+    move = getattr(dec.sampler, "move_rows", None)
+    if move is not None and joining is None:
+        move(st.state, d, idx, 0)
+    elif move is not None:
+        move(st.state, d, idx, n_new, canvas=joining.x, gen_lo=joining.P, eos_id=dec.model.eos_id)
 
 
 class Engine:
@@ -723,11 +676,7 @@ class Engine:
         pad = self.model.pad_id if self.model.pad_id is not None else self.model.eos_id
         d_old = P - old.P
         old, st = _repad(old, d_old, pad), _repad(st, P - st.P, pad)
-        guided_new = None
-        if "guided" in old.state:  # the AR guide's state of the joining rows, as their first step would start it
-            guided_new = dec.sampler.row_state(st.x, st.P, self.model.eos_id)
-        _move_cache(group.decoder.cache, d_old, None, st.x.shape[0])
-        _move_state(old.state, d_old, None, st.x.shape[0], guided_new)
+        _move_rows(group.decoder, old, d_old, None, st)
         group.state = _cat(old, st)
         group.requests += reqs
         self._reset_width(group)
@@ -795,8 +744,7 @@ class Engine:
         if d < 0:  # the longest prompt left: crop the padding no row needs
             pad = self.model.pad_id if self.model.pad_id is not None else self.model.eos_id
             st = _repad(st, d, pad)
-        _move_cache(group.decoder.cache, min(d, 0), keep, 0)
-        _move_state(st.state, min(d, 0), keep, 0)
+        _move_rows(group.decoder, st, min(d, 0), keep)
         group.state = st
         self._reset_width(group)
 
