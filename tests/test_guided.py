@@ -268,6 +268,45 @@ def test_tokenizer_mismatch_is_a_clear_error():
         check_tokenizers(model, small, None)
 
 
+def test_guide_cache_shares_loaded_guides_and_drops_the_oldest(monkeypatch):
+    """GuideCache: one load per (guide, dtype); beyond max_size the guide loaded first is dropped (a sampler
+    holding it keeps it); samplers taking their guide from the cache share the model, the tokenizer and the
+    tokenizer check (once per dLLM); a guide given as a loaded model is not taken from the cache."""
+    from types import SimpleNamespace
+
+    from dllm.samplers import guided
+
+    loads, checks = [], []
+
+    def load(guide, dtype=None):
+        loads.append((str(guide), dtype))
+        return torch.nn.Linear(1, 1), "tok"
+
+    monkeypatch.setattr(guided, "load_guide", load)
+    monkeypatch.setattr(guided, "check_tokenizers", lambda model, g, tok: checks.append(id(model)))
+    cache = guided.GuideCache(max_size=2)
+    a = cache.get("a")
+    assert cache.get("a") is a and a.tokenizer == "tok" and loads == [("a", None)]
+    a16 = cache.get("a", "bfloat16")  # the dtype is part of the key
+    assert a16.model is not a.model
+    b = cache.get("b")  # a third guide: "a" (loaded first) is dropped
+    assert cache.get("a", "bfloat16") is a16 and cache.get("b") is b and len(loads) == 3
+    assert cache.get("a").model is not a.model and len(loads) == 4  # loaded again; now "a" in bfloat16 went
+    assert cache.get("a", "bfloat16") is not a16 and len(loads) == 5
+
+    s1, s2 = GuidedSampler("c"), GuidedSampler("c", mode="topk", chunk=4)
+    assert s1.use_guide_cache(cache) and s2.use_guide_cache(cache) and len(loads) == 6
+    assert s1.guide_model() == s2.guide_model() == (cache.get("c").model, "tok")
+    dllm_model = SimpleNamespace()  # no device: nothing to move
+    s1.bind_model(dllm_model)
+    s2.bind_model(dllm_model)
+    assert checks == [id(dllm_model)]  # the tokenizer check ran once for both
+    own = GuidedSampler((b.model, None))
+    assert not own.use_guide_cache(cache) and own.guide_model() == (b.model, None)
+    with pytest.raises(ValueError, match="max_size"):
+        guided.GuideCache(0)
+
+
 def test_ar_training_batch_labels_cover_answer_and_end_of_turn():
     from dllm.tiny.train_ar import IGNORE, make_batch
 

@@ -45,8 +45,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -92,6 +93,43 @@ def load_guide(name_or_path, *, dtype=None, device=None):
     tok = AutoTokenizer.from_pretrained(str(path)) if (path / "tokenizer.json").is_file() or (
         path / "tokenizer_config.json").is_file() else None
     return model, tok
+
+
+class SharedGuide(NamedTuple):
+    """A loaded guide that samplers share (:class:`GuideCache`): the model, its tokenizer (or ``None``) and the
+    ids of the dLLMs whose tokenizers were checked against it (:func:`check_tokenizers`, once per dLLM for every
+    sampler sharing it)."""
+
+    model: Any
+    tokenizer: Any
+    checked: set[int]
+
+
+class GuideCache:
+    """Loaded guides by checkpoint and dtype, for samplers that share them (the serving engine: requests naming
+    the same guide load it once). :meth:`get` loads a guide at its first request; at most ``max_size`` guides
+    are kept, the one loaded first dropped first (samplers already using it keep it). Safe to use from several
+    threads (a guide loads once, under the cache's lock)."""
+
+    def __init__(self, max_size: int = 2):
+        if not isinstance(max_size, int) or isinstance(max_size, bool) or max_size < 1:
+            raise ValueError(f"max_size={max_size!r} must be a positive integer (guides kept)")
+        self.max_size = max_size
+        self._guides: dict[tuple[str, str | None], SharedGuide] = {}
+        self._lock = threading.Lock()
+
+    def get(self, guide, dtype: str | None = None) -> SharedGuide:
+        """The loaded guide ``guide`` (a bundled name or a checkpoint directory, :func:`load_guide`) in ``dtype``
+        (``None``: the checkpoint's): the kept one, else loaded now (and the oldest dropped beyond
+        ``max_size``). Raises what :func:`load_guide` raises (a missing directory: ``FileNotFoundError``)."""
+        key = (str(guide), dtype)
+        with self._lock:
+            entry = self._guides.get(key)
+            if entry is None:
+                entry = self._guides[key] = SharedGuide(*load_guide(guide, dtype=dtype), set())
+                while len(self._guides) > self.max_size:
+                    self._guides.pop(next(iter(self._guides)))
+            return entry
 
 
 def vocab_fingerprint(tok) -> str:
@@ -219,6 +257,16 @@ class GuidedSampler(SamplerBase):
                 self._model, self._tok = g, None
             self._model.eval().requires_grad_(False)
         return self._model, self._tok
+
+    def use_guide_cache(self, cache: GuideCache) -> bool:
+        """Take this sampler's guide from ``cache`` (:meth:`GuideCache.get`, shared with every sampler that names
+        the same guide and ``guide_dtype``, its tokenizer check included) when the guide is a bundled name or a
+        checkpoint directory; returns whether it did (a guide given as a loaded model stays this sampler's own).
+        Raises what loading raises."""
+        if not isinstance(self.guide, (str, Path)):
+            return False
+        self._model, self._tok, self._checked = cache.get(self.guide, self.guide_dtype)
+        return True
 
     def bind_model(self, model) -> GuidedSampler:
         """Called by ``generate`` before decoding: load the guide, move it to the dLLM's device, check that

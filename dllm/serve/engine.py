@@ -40,7 +40,6 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -346,8 +345,7 @@ class Engine:
         self.groups: dict[tuple, _Group] = {}
         self.waiting: deque[_Request] = deque()
         self._lock = threading.Lock()
-        self._guides: dict[tuple, tuple] = {}  # loaded AR guides by (checkpoint, dtype), shared by requests
-        self._guide_lock = threading.Lock()
+        self._guides = _guided.GuideCache(self.MAX_GUIDES)  # loaded AR guides, shared by requests
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._stop = False
@@ -455,19 +453,12 @@ class Engine:
     MAX_GUIDES = 2  # loaded guides kept for later requests
 
     def _share_guide(self, recipe) -> None:
-        """AR-guided requests naming the same guide checkpoint share one loaded guide (loaded at the first such
-        request), instead of each request loading its own copy."""
+        """AR-guided requests naming the same guide checkpoint (and dtype) share one loaded guide from the engine's
+        :class:`~dllm.samplers.guided.GuideCache` (loaded at the first such request), instead of each request
+        loading its own copy."""
         s = getattr(recipe, "sampler", recipe)
-        if not isinstance(s, _guided.GuidedSampler) or not isinstance(s.guide, (str, Path)):
-            return
-        key = (str(s.guide), s.guide_dtype)
-        with self._guide_lock:
-            if key not in self._guides:
-                self._guides[key] = (*s.guide_model(), set())
-                while len(self._guides) > self.MAX_GUIDES:  # the oldest one goes (requests using it keep it)
-                    self._guides.pop(next(iter(self._guides)))
-            # the model, its tokenizer and the dLLMs its tokenizer was checked against (once)
-            s._model, s._tok, s._checked = self._guides[key]
+        if isinstance(s, _guided.GuidedSampler):
+            s.use_guide_cache(self._guides)
 
     def _least_tokens(self, prompt) -> int:
         """A lower bound of the prompt's token count without tokenising it: its UTF-8 length over the longest
