@@ -67,6 +67,10 @@ class GenerateStats:
     # how the cached steps ran (GenerateConfig.graphs): {"replays": n, "captures": n, "eager:<reason>": n, ...};
     # empty when graphs are off
     graphs: dict[str, int] = field(default_factory=dict)
+    # what ran, as resolved from the call (a block-diffusion model's default block cache, a preset's own cache):
+    # the sampler's and the cache's names ("none": no cache); empty in stats built elsewhere
+    sampler: str = ""
+    cache: str = ""
 
 
 @dataclass
@@ -548,8 +552,16 @@ class Decoder:
             else [],
             graphs={k: v - self._graph_stats0.get(k, 0) for k, v in self.graphs.stats.items()
                     if v != self._graph_stats0.get(k, 0)} if self.graphs is not None else {},
+            sampler=_name_of(self.sampler),
+            cache=_name_of(self.cache),
         )
         return GenerateOutput(seqs, decode_texts(self.model, seqs), [len(r) for r in st.rows], stats)
+
+
+def _name_of(part) -> str:
+    """A sampler's or cache's ``name``, else its class name (an object that implements only the protocol)."""
+    name = getattr(part, "name", None)
+    return name if isinstance(name, str) and name else type(getattr(part, "_obj", part)).__name__
 
 
 def row_keys(rows: list[list[int]], row_ids, seed: int | None) -> torch.Tensor:

@@ -197,6 +197,26 @@ def test_cli_trace_out(tmp_path, capsys):
     assert rc == 0 and (tmp_path / "b-0.png").exists() and (tmp_path / "b-1.png").exists()
 
 
+def test_captions_name_the_cache_that_ran(tmp_path, capsys):
+    """The caption reads the sampler and the cache ``generate`` resolved (``stats.sampler`` / ``stats.cache``), not
+    a guess from the options: a block-diffusion model decodes with its exact block cache by default."""
+    def caption(*args):
+        page = tmp_path / "t.html"
+        assert cli_main(["generate", PROMPT, "--gen-length", "16", "--steps", "16", *args, "--trace-out",
+                         str(page)]) == 0
+        return _page_data(page.read_text(encoding="utf-8"))["runs"][0]["caption"][1]
+
+    assert caption("--model", "sdar-tiny") == "model sdar-tiny · sampler llada (defaults) · cache block"
+    assert caption("--cache", "dual", "--block-length", "8") == \
+        "model llada-tiny · sampler llada (defaults) · cache dual"
+    assert caption("--cache", "none") == "model llada-tiny · sampler llada (defaults) · cache none"  # as named
+    out = dllm.generate(dllm.load_model("sdar-tiny"), [PROMPT], gen_length=16)
+    assert (out.stats.sampler, out.stats.cache) == ("llada", "block")
+    t = V.trajectory(out)
+    assert t["ran"] == {"sampler": "llada", "cache": "block"}
+    assert V.caption(t, V.run_info(PROMPT, "sdar-tiny", cache="dual"))[1].endswith("cache block")  # what ran wins
+
+
 def test_cli_compare(tmp_path, capsys):
     from PIL import Image
 

@@ -135,12 +135,13 @@ def _draw_traces(args, model, prompts, config, sampler, theirs, out) -> None:
     tok = getattr(model, "tokenizer", None)
     name = args.model or DEFAULT_MODEL
     main = sampler if sampler is not None else default_sampler(model)
-    params, cache = parse_params(args.param), args.cache or getattr(main, "cache", None)
-    infos = [run_info(p, name, main, params, cache) for p in prompts]
+    params = parse_params(args.param)
+    # the caption names the cache that ran (recorded in the output); --cache none is named too
+    infos = [run_info(p, name, main, params, args.cache) for p in prompts]
     other = None
     if theirs is not None:
         other = generate(model, prompts, config, sampler=theirs)
-        other_infos = [run_info(p, name, theirs, cache=getattr(theirs, "cache", None)) for p in prompts]
+        other_infos = [run_info(p, name, theirs) for p in prompts]
         s = other.stats
         print(f"[--compare {args.compare}: nfe {s.nfe}, {s.tokens_per_forward:.2f} tokens/forward]", file=sys.stderr)
     for row in range(len(prompts)):

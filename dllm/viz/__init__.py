@@ -50,8 +50,9 @@ def trajectory(out, row: int = 0, tokenizer=None) -> dict:
     (probability at commit or None), ``steps`` (the row's steps), ``starts`` (generation offsets where a region
     began), ``early`` (steps with an early commit), ``refresh`` (steps with a full cache refresh), ``delim``
     (offsets where a block begins because AdaBlock ended the one before at a delimiter), ``nfe`` (the row's
-    forwards), ``tpf`` (its tokens per forward) and ``counts`` (positions committed at each step 1..``steps``;
-    index 0 unused)."""
+    forwards), ``tpf`` (its tokens per forward), ``counts`` (positions committed at each step 1..``steps``;
+    index 0 unused) and ``ran`` (``{"sampler": name, "cache": name}``: what ``generate`` resolved and ran, from
+    ``stats.sampler`` / ``stats.cache``; empty for outputs that do not record it)."""
     stats = out.stats
     if not stats.commit_step:
         raise ValueError("this output has no commit_step record; generate it with this version of dllm.generate")
@@ -79,7 +80,8 @@ def trajectory(out, row: int = 0, tokenizer=None) -> dict:
             counts[s] += 1
     return {"tokens": tokens, "labels": labels, "special": special, "ids": ids, "step": step, "conf": conf,
             "steps": steps, "starts": starts, "early": early, "refresh": refresh, "delim": delim,
-            "nfe": nfe, "tpf": len(ids) / max(nfe, 1), "counts": counts}
+            "nfe": nfe, "tpf": len(ids) / max(nfe, 1), "counts": counts,
+            "ran": {k: v for k in ("sampler", "cache") if (v := getattr(stats, k, ""))}}
 
 
 def _token_texts(tok, ids: list[int]) -> tuple[list[str], list[str], list[bool]]:
@@ -139,8 +141,14 @@ def _layout(t: dict) -> str:
 def caption(t: dict, info: dict | None = None, label: str = "") -> list[str]:
     """The caption lines of one trajectory (``t`` from :func:`trajectory`, ``info`` from :func:`run_info`):
     the prompt (shortened), then model, sampler with its non-default parameters and cache, then generation /
-    block length, steps, NFE and tokens per forward."""
+    block length, steps, NFE and tokens per forward. The sampler and the cache are those the output records as
+    run (``t["ran"]``: a block-diffusion model's block cache, a preset's own cache), else ``info``'s; a cache is
+    named when one ran, or when ``info`` names it."""
     info = info or {}
+    ran = t.get("ran") or {}
+    cache = ran.get("cache") or info.get("cache")
+    info = {**info, "sampler": ran.get("sampler") or info.get("sampler"),
+            "cache": cache if cache != "none" or info.get("cache") else None}
     lines = []
     if info.get("prompt"):
         lines.append(f"prompt: “{_short(str(info['prompt']), 90)}”")
