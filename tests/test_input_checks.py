@@ -57,6 +57,11 @@ def test_sampler_parameters_refuse_nan_and_non_numbers():
         get_sampler("llada", temperature="hot")
     with pytest.raises(ValueError, match="window='wide' is not a number"):
         get_sampler("elastic", window="wide")
+    for name, flag in (("ascending", "per_region"), ("factor", "quirk"), ("llada", "eos_eot_quirk")):
+        for bad in (1, 0, "true", None):  # a flag takes True or False, from the API as from the command line
+            with pytest.raises(ValueError, match=rf"{name}: {flag}={bad!r} is not true or false; {flag} is a flag"):
+                get_sampler(name, **{flag: bad})
+        get_sampler(name, **{flag: True})
 
 
 def test_bytes_prompts_are_refused_with_the_fix(tiny):

@@ -115,6 +115,8 @@ def test_refusals_name_the_problem(llada):
         eng.submit(PROMPTS[0], sampler="threshold", params={"noise_scope": "canvas"})
     with pytest.raises(RequestError, match="unknown sampler"):
         eng.submit(PROMPTS[0], sampler="nope")
+    with pytest.raises(RequestError, match="per_region=3 is not true or false; per_region is a flag"):
+        eng.submit(PROMPTS[0], sampler="ascending", params={"per_region": 3})
     with pytest.raises(RequestError, match="context"):
         eng.submit(PROMPTS[0], gen_length=llada.max_seq_len)
     with pytest.raises(RequestError, match="block_length"):

@@ -10,10 +10,9 @@ from dllm.evals.parallelbench.sweep import parse_scalar
 def parse_params(items: list[str] | None, sampler: str | None = None) -> dict:
     """``["k=v", ...]`` -> dict with ints/floats/bools/None recognised.
 
-    With a registered ``sampler`` a value is read as its parameter's default is typed: a flag takes true/false
-    (else a ``ValueError`` naming the parameter and its default), a text parameter the text as written
-    (``--param delimiters=5`` is the text "5"). Numbers and unknown names are checked by
-    :func:`dllm.samplers.get_sampler`, which names the parameter and lists the sampler's parameters."""
+    With a registered ``sampler`` a text parameter keeps the text as written (``--param delimiters=5`` is the text
+    "5"). Numbers, flags (true/false) and unknown names are checked by :func:`dllm.samplers.get_sampler`, which
+    names the parameter and its default or lists the sampler's parameters."""
     from dllm.samplers import SAMPLERS
 
     defaults = SAMPLERS[sampler].params() if sampler in SAMPLERS else {}
@@ -23,13 +22,8 @@ def parse_params(items: list[str] | None, sampler: str | None = None) -> dict:
             raise SystemExit(f"error: --param expects key=value, got {item!r}")
         k, v = (x.strip() for x in item.split("=", 1))
         value = parse_scalar(v)
-        if k in defaults:
-            d = defaults[k]
-            if isinstance(d, bool):
-                if not isinstance(value, bool):
-                    raise ValueError(f"--param {k}={v}: {sampler}'s {k} takes true or false (default {d})")
-            elif isinstance(d, str) and value is not None:
-                value = v
+        if isinstance(defaults.get(k), str) and value is not None:
+            value = v
         out[k] = value
     return out
 

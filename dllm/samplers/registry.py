@@ -49,7 +49,9 @@ for _name, (_factory, _desc) in PRESETS.items():
 
 
 def get_sampler(name: str, **params) -> Sampler:
-    """Build a registered sampler; ``params`` override the entry's defaults."""
+    """Build a registered sampler; ``params`` override the entry's defaults. A parameter whose default is a number
+    takes a number, one whose default is ``True`` / ``False`` takes a bool (else ``ValueError`` naming the
+    parameter and its default)."""
     if name not in SAMPLERS:
         raise ValueError(f"unknown sampler {name!r}; known samplers: {', '.join(sorted(SAMPLERS))}")
     entry = SAMPLERS[name]
@@ -57,9 +59,12 @@ def get_sampler(name: str, **params) -> Sampler:
     bad = sorted(set(params) - set(known))
     if bad:
         raise ValueError(f"sampler {name!r} has no parameter(s) {bad}; its parameters: {', '.join(known)}")
-    for k, v in params.items():  # a number where the default is one (e.g. --param tau=abc from the command line)
+    for k, v in params.items():  # typed as the default is (e.g. --param tau=abc from the command line)
         d = known[k]
-        if isinstance(d, (int, float)) and not isinstance(d, bool) and isinstance(v, (str, bool)):
+        if isinstance(d, bool):  # every flag of the registry is a plain switch (nothing else is meant by it)
+            if not isinstance(v, bool):
+                raise ValueError(f"{name}: {k}={v!r} is not true or false; {k} is a flag (default {d!r})")
+        elif isinstance(d, (int, float)) and isinstance(v, (str, bool)):
             raise ValueError(f"{name}: {k}={v!r} is not a number; {k} takes a number (default {d!r})")
     return entry.factory(**{**entry.preset, **params, "name": name})
 
