@@ -16,17 +16,24 @@ Block-diffusion checkpoints (``config.block_size``, SDAR) differ in two defaults
 ``block_length`` from the caller the regions are the model's own blocks (:class:`~dllm.blocks.AlignedBlocks`),
 and with no cache from the caller the cache is the exact block cache (``block``) rather than the recipe's (the
 recipes' caches approximate bidirectional models). The ``block`` cache gets the model's block size.
+
+:func:`block_layout` is the block-policy part of the rule, from the recipe, the model's block size and the
+config alone: ``resolve`` uses it, and :func:`precheck_layout` runs it before a model is loaded (the command line
+reads the block size from the checkpoint's config.json).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
+from typing import Any
 
 from dllm.blocks import AlignedBlocks, BlockPolicyBase, FixedBlocks
 from dllm.config import GenerateConfig
 from dllm.samplers.recipe import Recipe, as_recipe, configure
 
-__all__ = ["Recipe", "as_recipe", "configure", "default_sampler", "model_block_size", "resolve"]
+__all__ = ["BlockLayout", "Recipe", "as_recipe", "block_layout", "configure", "default_sampler", "model_block_size",
+           "precheck_layout", "resolve"]
 
 
 def default_sampler(model):
@@ -73,24 +80,97 @@ def resolve(model, sampler, cache, block_policy, config: GenerateConfig):
     cache = _Declared.wrap(cache, CacheBase) if cache is not None else NoCache()
     if not isinstance(cache, NoCache) and not getattr(model, "supports_cache", False):
         raise ValueError(f"cache {cache.name!r} needs a dllm Transformer; this model supports no caches (use cache=None)")
-    policy, preset_bl = block_policy or recipe.block_policy, None
-    if policy is None and block_size and config.block_length is None:
-        policy = AlignedBlocks()
-    if policy is None:
-        bl = recipe.block_length
-        if bl and config.block_length is None and bl < config.gen_length:
-            preset_bl = bl
-            config = dataclasses.replace(config, block_length=bl)
-        policy = FixedBlocks()
-    policy = _Declared.wrap(policy, BlockPolicyBase).bind(model)
-    try:
-        policy.validate(config)
-    except ValueError as e:
-        if preset_bl is None:
-            raise
-        raise ValueError(f"{e} (block_length={preset_bl} is the preferred block length of sampler "
-                         f"{recipe.name!r}; pass block_length=... to choose another)") from None
-    return recipe.sampler, cache, policy, config
+    layout = block_layout(recipe, block_size, config, block_policy)
+    policy = _Declared.wrap(layout.policy, BlockPolicyBase).bind(model)
+    layout.validate(policy)
+    return recipe.sampler, cache, policy, layout.config
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """The block layout :func:`block_layout` picked: ``policy`` (not yet bound to a model), ``config`` (the
+    caller's, with the recipe's preferred ``block_length`` where that applies), ``source``, what decided it, and
+    ``recipe``, the recipe's name.
+
+    ``source`` is ``"caller"`` (the caller's ``block_policy``), ``"recipe"`` (the recipe's block policy),
+    ``"aligned"`` (the model's block grid: a block-diffusion model and no ``block_length`` from the caller),
+    ``"fixed"`` (fixed blocks of the caller's ``block_length``), ``"preferred"`` (fixed blocks of the recipe's
+    preferred ``block_length``) or ``"whole"`` (the whole canvas as one block)."""
+
+    policy: Any
+    config: GenerateConfig
+    source: str
+    recipe: str = ""
+
+    def validate(self, policy=None) -> None:
+        """``policy.validate(config)`` for ``policy`` (default: :attr:`policy`; ``resolve`` passes it bound to the
+        model). A ``ValueError`` of a layout of the recipe's preferred block length also names the recipe and how
+        to choose another length."""
+        try:
+            (self.policy if policy is None else policy).validate(self.config)
+        except ValueError as e:
+            if self.source != "preferred":
+                raise
+            raise ValueError(f"{e} (block_length={self.config.block_length} is the preferred block length of "
+                             f"sampler {self.recipe!r}; pass block_length=... to choose another)") from None
+
+    def needs_model(self) -> bool:
+        """Whether :attr:`policy` must be bound to a model before it can be validated: all but
+        :class:`~dllm.blocks.AlignedBlocks` with a block length and the policies that keep
+        :meth:`BlockPolicyBase.bind <dllm.blocks.BlockPolicyBase.bind>` (fixed blocks, a sliding window,
+        multi-block; AdaBlock reads its delimiters from the model's tokenizer)."""
+        if isinstance(self.policy, AlignedBlocks):
+            return self.policy.block_length is None
+        return not (isinstance(self.policy, BlockPolicyBase) and type(self.policy).bind is BlockPolicyBase.bind)
+
+
+def block_layout(recipe: Recipe | None, block_size: int | None, config: GenerateConfig,
+                 block_policy=None) -> BlockLayout:
+    """The block policy and config ``generate`` decodes with (the module docstring's rule), for ``recipe``
+    (``None``: the model family's baseline sampler, which prefers no layout) on a model of block size
+    ``block_size`` (:func:`model_block_size`; ``None``: not a block-diffusion model), given the caller's ``config``
+    and ``block_policy``. In order: the caller's ``block_policy``; the recipe's block policy; on a
+    block-diffusion model with no ``config.block_length``, :class:`~dllm.blocks.AlignedBlocks` of ``block_size``;
+    fixed blocks of ``config.block_length``; fixed blocks of the recipe's ``block_length`` when that is shorter
+    than ``gen_length`` (``config`` then carries it); else the whole canvas. Nothing is bound or validated
+    (:meth:`BlockLayout.validate`)."""
+    name = recipe.name if recipe is not None else ""
+    if block_policy is not None:
+        return BlockLayout(block_policy, config, "caller", name)
+    if recipe is not None and recipe.block_policy is not None:
+        return BlockLayout(recipe.block_policy, config, "recipe", name)
+    if block_size and config.block_length is None:
+        return BlockLayout(AlignedBlocks(block_size), config, "aligned", name)
+    if config.block_length is not None:
+        return BlockLayout(FixedBlocks(), config, "fixed", name)
+    bl = recipe.block_length if recipe is not None else None
+    if bl and bl < config.gen_length:
+        return BlockLayout(FixedBlocks(), dataclasses.replace(config, block_length=bl), "preferred", name)
+    return BlockLayout(FixedBlocks(), config, "whole", name)
+
+
+def precheck_layout(sampler, block_size: int | None, config: GenerateConfig) -> BlockLayout | None:
+    """The block layout of ``generate(model, ..., config, sampler=sampler)`` on a model of block size
+    ``block_size``, validated before the model is loaded (a command line's early check): the
+    :class:`BlockLayout`, or ``None`` where it cannot be known or validated without the model. ``sampler``: a
+    name, a recipe, a sampler object or ``None`` (the family's baseline). Raises the ``ValueError`` that
+    :func:`resolve` would raise for the layout.
+
+    Not known without the model: the layout of a recipe whose ``bind_model`` may change it (``klass``: its block
+    length follows the model family's style), unless the caller's ``block_length`` decides it; not validated: a
+    policy whose binding reads the model (:meth:`BlockLayout.needs_model`, e.g. AdaBlock)."""
+    if isinstance(sampler, str):
+        from dllm.samplers import get_sampler
+
+        sampler = get_sampler(sampler)
+    recipe = as_recipe(sampler).for_config(config) if sampler is not None else None
+    layout = block_layout(recipe, block_size, config)
+    if recipe is not None and type(recipe).bind_model is not Recipe.bind_model and layout.source != "fixed":
+        return None
+    if layout.needs_model():
+        return None
+    layout.validate()
+    return layout
 
 
 class _Declared:

@@ -442,3 +442,78 @@ def test_registry_and_cli_list_the_presets(capsys):
     assert "localleap: LocalLeap" in text and "    radius = 4" in text and "    tau = 0.75" in text
     assert get_sampler("threshold", tau=0.7).rule.tau == 0.7
     assert get_sampler("factor", factor=1.6, quirk=True).rule == Factor(1.6, True)
+
+
+# --------------------------------------------------------------------------------- block layout (recipes.block_layout)
+
+
+def test_block_layout_picks_the_policy_and_config_in_resolves_order():
+    from dllm.blocks import AdaBlock, AlignedBlocks
+    from dllm.config import GenerateConfig
+    from dllm.recipes import as_recipe, block_layout
+
+    cfg = GenerateConfig(gen_length=64)
+    fast = get_sampler("fast-dllm")
+    lay = block_layout(fast, None, cfg)
+    assert (lay.source, type(lay.policy), lay.config.block_length, lay.recipe) == ("preferred", FixedBlocks, 32,
+                                                                                   "fast-dllm")
+    assert block_layout(fast, None, GenerateConfig(gen_length=16)).source == "whole"  # 32 is not shorter
+    assert block_layout(None, None, cfg).source == "whole"
+    assert block_layout(as_recipe(get_sampler("llada")), None, cfg).source == "whole"
+    lay = block_layout(fast, 4, cfg)  # a block-diffusion model: its own grid wins over the preset's 32
+    assert lay.source == "aligned" and lay.policy == AlignedBlocks(4) and lay.config is cfg
+    lay = block_layout(fast, 4, GenerateConfig(gen_length=64, block_length=8))
+    assert lay.source == "fixed" and lay.policy == FixedBlocks() and lay.config.block_length == 8
+    assert block_layout(get_sampler("adablock"), 4, cfg).source == "recipe"
+    assert block_layout(fast, 4, cfg, FixedBlocks(block_length=16)).source == "caller"
+    assert isinstance(block_layout(get_sampler("adablock"), None, cfg).policy, AdaBlock)
+
+
+@pytest.mark.parametrize("model_name, sampler, kw", [
+    ("sdar-tiny", None, dict(gen_length=64, steps=5)),  # aligned blocks of 4: 5 * 4 is not a multiple of 64
+    ("sdar-tiny", None, dict(gen_length=64, block_length=5)),
+    ("sdar-tiny", "fast-dllm", dict(gen_length=64, steps=8, block_length=16)),
+    ("sdar-tiny", "fast-dllm", dict(gen_length=48, steps=6)),  # aligned (the preset's 32 does not apply)
+    ("llada-tiny", "fast-dllm", dict(gen_length=48)),  # the preset's 32 does not divide 48
+    ("llada-tiny", None, dict(gen_length=32, block_length=8, steps=6)),
+    ("llada-tiny", "multiblock", dict(gen_length=48)),
+    ("llada-tiny", "multiblock", dict(gen_length=64, block_length=24)),
+    ("llada-tiny", "elastic", dict(gen_length=16, steps=32)),
+    ("llada-tiny", "fast-dllm", dict(gen_length=64)),  # fine
+    ("sdar-tiny", None, dict(gen_length=64, steps=16)),  # fine
+])
+def test_the_layout_checked_before_loading_is_the_one_resolve_checks(model_name, sampler, kw):
+    """precheck_layout (config.json's block size, no model) refuses exactly what resolve refuses, in its words."""
+    import dllm.assets
+    from dllm.config import GenerateConfig
+    from dllm.models.loading import checkpoint_block_size
+    from dllm.recipes import precheck_layout, resolve
+
+    path = dllm.assets.model_path(model_name)
+    cfg = GenerateConfig(**kw)
+
+    def outcome(fn):
+        try:
+            fn()
+        except ValueError as e:
+            return str(e)
+        return None
+
+    model = dllm.load_model(str(path), dtype="float32")
+    early = outcome(lambda: precheck_layout(sampler, checkpoint_block_size(path), cfg))
+    late = outcome(lambda: resolve(model, sampler, None, None, cfg))
+    assert early == late
+
+
+def test_precheck_layout_leaves_what_needs_the_model_to_resolve():
+    from dllm.config import GenerateConfig
+    from dllm.recipes import precheck_layout
+
+    cfg = GenerateConfig(gen_length=64)
+    assert precheck_layout("adablock", None, cfg) is None  # AdaBlock reads its delimiters from the tokenizer
+    assert precheck_layout("klass", None, cfg) is None  # its block length follows the model family's style
+    assert precheck_layout("klass", None, GenerateConfig(gen_length=64, block_length=16)).source == "fixed"
+    with pytest.raises(ValueError, match="not a multiple of block_length"):
+        precheck_layout("klass", None, GenerateConfig(gen_length=64, block_length=24))
+    assert precheck_layout("fast-dllm", None, cfg).config.block_length == 32
+    assert precheck_layout("fast-dllm", 4, cfg).source == "aligned"

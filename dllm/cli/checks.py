@@ -120,10 +120,11 @@ def dtype_name(name: str | None) -> None:
         raise ValueError(f"--dtype: {exc}") from None
 
 
-def model_dir(name: str | None) -> None:
-    """``--model`` is a bundled name or a checkpoint directory with a readable config.json (the loader's own first
-    check, which reads no weights)."""
+def model_dir(name: str | None) -> int | None:
+    """``--model`` is a bundled name or a checkpoint directory with a readable config.json that the loader accepts
+    (its checks of config.json, which read no weights); returns the model's block size (block-diffusion
+    checkpoints; ``None`` for others)."""
     from dllm.assets import model_path
-    from dllm.models.loading import read_config
+    from dllm.models.loading import checkpoint_block_size
 
-    read_config(Path(model_path(name)))
+    return checkpoint_block_size(Path(model_path(name)))

@@ -59,13 +59,16 @@ def load_model_arg(args):
 
 def check_decode_args(args):
     """Every decoding option checked without loading the model (the checkpoint's config.json, ``--dtype``,
-    ``--cache``, the lengths, the sampler and its ``--param`` names and values); returns :func:`decode_setup`'s
-    pair. Commands call it before :func:`load_model_arg`."""
+    ``--cache``, the lengths, the sampler and its ``--param`` names and values, and the block layout
+    :func:`dllm.recipes.resolve` would pick for the checkpoint's block size, see
+    :func:`dllm.recipes.precheck_layout`); returns :func:`decode_setup`'s pair. Commands call it before
+    :func:`load_model_arg`."""
     from dllm.cli import checks
+    from dllm.recipes import precheck_layout
 
     checks.dtype_name(args.dtype)
     checks.cache_name(args.cache)
-    checks.model_dir(args.model)
+    block_size = checks.model_dir(args.model)
     guide = getattr(args, "guide", None)
     if guide is not None:
         from dllm.samplers.guided import checked_guide_path
@@ -75,13 +78,7 @@ def check_decode_args(args):
             raise ValueError(f"--guide {guide}: no config.json there; give a causal LM checkpoint directory "
                              "(config.json, weights, the model's tokenizer) or the bundled 'ar-tiny'")
     config, sampler = decode_setup(args)
-    if config.block_length is not None:  # fixed blocks of --block-length: their layout needs no model
-        from dllm.blocks import FixedBlocks
-        from dllm.samplers.recipe import Recipe, as_recipe
-
-        recipe = as_recipe(sampler) if sampler is not None else None
-        if recipe is None or (type(recipe) is Recipe and recipe.block_policy is None):
-            FixedBlocks().validate(config)
+    precheck_layout(sampler, block_size, config)
     return config, sampler
 
 

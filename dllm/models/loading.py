@@ -49,6 +49,15 @@ def read_config(path: Path) -> dict:
     return cfg
 
 
+def checkpoint_block_size(path: Path) -> int | None:
+    """The ``block_size`` of the model :func:`load_model` would build from the checkpoint directory ``path``
+    (block-diffusion formats: SDAR, LLaDA2, Fast-dLLM v2; ``None`` for LLaDA and Dream), read from config.json
+    alone, no weights. Raises what :func:`load_model` raises for a missing or unreadable config.json, an
+    unsupported ``model_type`` or a config field the model does not implement."""
+    hf_cfg = read_config(path)
+    return spec_for_model_type(hf_cfg.get("model_type")).config_from_hf(hf_cfg).block_size
+
+
 def read_index(path: Path) -> dict[str, str] | None:
     """The ``weight_map`` (tensor name -> shard file) of a sharded checkpoint, None for a single file."""
     index = path / "model.safetensors.index.json"
