@@ -18,7 +18,9 @@ def cmd_serve(args) -> int:
         try:
             get_sampler(args.sampler, **params)
         except (ValueError, TypeError) as exc:
-            raise SystemExit(f"error: --sampler {args.sampler}: {exc}") from None
+            msg = str(exc)  # named once: get_sampler's own messages start with the sampler's name
+            raise SystemExit(f"error: {msg}" if msg.startswith(f"{args.sampler}:") else
+                             f"error: --sampler {args.sampler}: {msg}") from None
     try:  # before the model loads
         check_port(args.port)
     except ValueError as exc:
