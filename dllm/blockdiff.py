@@ -82,7 +82,7 @@ import torch
 
 from dllm.generate import answer_lengths, prepare_prompts
 from dllm.models.transformer import default_positions
-from dllm.samplers.dream import top_k_logits, top_p_logits
+from dllm.samplers.base import top_k_logits, top_p_logits
 
 REMASKING = ("low_confidence_dynamic", "low_confidence_static", "sequential")
 STYLES = ("sdar", "llada2", "llada21", "fastdllm2", "fastdllm2_generate")

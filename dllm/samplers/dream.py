@@ -39,7 +39,7 @@ from dllm.samplers.base import (
     fused_enabled,
     select_topk,
     top2_values,
-    top_k_logits,  # noqa: F401 (re-exported: the block-diffusion decoder's cut)
+    top_k_logits,
     top_p_logits,
 )
 from dllm.samplers.composed import FUSED_CHOICES
