@@ -8,8 +8,8 @@ each one's ratio ``t_sdpa / t`` (above 1: faster than SDPA):
 * ``sdpa``: ``F.scaled_dot_product_attention(q, k, v, enable_gqa=...)``;
 * ``triton``: :func:`dllm.kernels.triton_kernels.attention` (FlashAttention-2 forward);
 * ``splitk``: :func:`dllm.kernels.triton_kernels.attention_splitk` (flash-decoding, packed GQA groups);
-* ``splitk4``: the same with four times as many programs (``splitk_num_splits(..., waves=4)``, the dispatch's
-  ``"splitk-wide"`` candidate);
+* ``splitk4``: the same with more splits, up to four waves of programs (``splitk_num_splits(..., waves=4)``, the
+  dispatch's ``"splitk-wide"`` candidate);
 * ``auto``: :func:`dllm.kernels.attention` on the Triton backend (the per-bucket measured choice, shown).
 
 Attention mass (batch 1, LSE given): reference against Triton. Confidence statistics at 32 positions x V = 126,464

@@ -332,6 +332,32 @@ def test_dispatch_times_each_bucket_once_and_keeps_the_fastest(attn_dispatch):
     assert K.attention_choices() == {}
 
 
+def test_splitk_split_count_fills_the_sms_in_whole_waves(monkeypatch):
+    """The split count of a GPU launch (132 SMs, whole 128-key tiles): the fewest splits whose waves x keys per split
+    is within 10% of the shortest, never a partial last wave that costs a whole one."""
+    monkeypatch.setattr(T, "_num_sms", lambda: 132)
+    monkeypatch.setattr(T, "_interpreting", lambda: False)
+    bf16 = torch.bfloat16
+    # 32:32 heads, batch 1: 32 programs. 5 splits (160 programs: two waves of 896 keys) lose to 4 (one of 1,024)
+    assert T.splitk_num_splits(1, 32, 32, 32, 4096, bf16) == 4
+    assert T.splitk_num_splits(1, 32, 32, 32, 4096, bf16, waves=4) == 16  # 512 programs of 256 keys: 4 waves
+    assert T.splitk_num_splits(1, 28, 4, 32, 4096, bf16) == 8  # 16 programs x 8 = 128: one wave of 512 keys
+    assert T.splitk_num_splits(1, 32, 32, 32, 768, bf16) == 3  # 768 keys: 3 x 256 in one wave (6 x 128 in two)
+    assert T.splitk_num_splits(4, 32, 32, 32, 4096, bf16) == 1  # 128 programs already fill the SMs
+    assert T.splitk_num_splits(16, 32, 32, 32, 4096, bf16) == 1  # 512: 4 waves whatever the count
+    for B, Hq, Hkv, Lk in ((1, 32, 32, 4096), (1, 28, 4, 2000), (2, 32, 8, 3000), (1, 32, 32, 300), (3, 28, 4, 4096)):
+        base = math.ceil(32 * (Hq // Hkv) / 64) * Hkv * B
+
+        def cost(n):
+            chunk = math.ceil(math.ceil(Lk / n) / 128) * 128  # the count that runs: ceil(Lk / chunk)
+            return math.ceil(base * math.ceil(Lk / chunk) / 132) * min(chunk, Lk)
+
+        n = T.splitk_num_splits(B, Hq, Hkv, 32, Lk, bf16)
+        best = min(cost(m) for m in range(1, min(math.ceil(Lk / 128), 64) + 1))
+        assert cost(n) <= 1.1 * best
+        assert all(cost(m) > 1.1 * best for m in range(1, n))
+
+
 def test_dispatch_times_more_key_splits_where_that_is_another_count(attn_dispatch, monkeypatch):
     """"splitk-wide" (four waves of programs over the SMs) is a candidate only where its split count differs from
     split-K's own; chosen, it runs split-K with that count and gives the same attention."""

@@ -8,9 +8,10 @@
 * ``"triton"``: :func:`dllm.kernels.triton_kernels.attention` (FlashAttention-2 forward, one program per query tile
   and head);
 * ``"splitk"``: :func:`dllm.kernels.triton_kernels.attention_splitk` (flash-decoding: key splits plus a combine),
-  with enough key splits to fill the GPU's SMs once; ``"splitk-wide"``: the same kernel with four times as many
-  programs (:func:`~dllm.kernels.triton_kernels.splitk_num_splits` with ``waves=4``; a candidate only where that is
-  another split count): few heads over long keys read K/V faster with more programs in flight.
+  with the split count whose programs fill the GPU's SMs in the fewest, fullest waves; ``"splitk-wide"``: the same
+  kernel with the most splits of that time that fit in four waves
+  (:func:`~dllm.kernels.triton_kernels.splitk_num_splits` with ``waves=4``; a candidate only where that is another
+  split count): few heads over long keys may read K/V faster with more programs in flight.
 
 The rule (``"auto"``, the default):
 

@@ -388,13 +388,37 @@ def _num_sms() -> int:
 
 
 def splitk_num_splits(B: int, Hq: int, Hkv: int, Lq: int, Lk: int, dtype: torch.dtype, waves: int = 1) -> int:
-    """Key splits for :func:`attention_splitk`: enough (batch x KV head x packed query tile) programs to fill the
-    GPU's SMs ``waves`` times (the dispatch also times four waves, where that is another count), at least 128 keys
-    per split, at most 64 splits. In float32 the batch size is left out (a row's fp32 output then never depends on
-    the batch it was computed in)."""
+    """Key splits for :func:`attention_splitk`: the count whose longest pass over the SMs is shortest.
+
+    ``base`` programs (batch x KV head x 64-row packed query tile) times ``n`` key ranges of ``chunk`` keys each run
+    in ``ceil(base * n / SMs)`` waves. Split-K is memory-bound, so an SM's time is the keys its programs read, and
+    the step's time is ``ceil(base * n / SMs) * chunk``: a partial last wave costs a whole one (at 32:32 heads,
+    batch 1, 4,096 keys, 5 splits are 160 programs on 132 SMs, two passes of 896 keys; 4 splits one pass of
+    1,024). Candidates are the split counts that run: at least 128 keys per split (whole 128-key tiles on a GPU),
+    at most 64 splits.
+
+    Counts within 10% of the shortest time are as good (more splits must save more than that to pay for their
+    partials and the combine):
+
+    * ``waves=1``: the fewest of them (1 where the base programs already fill the SMs);
+    * ``waves=w > 1`` (the dispatch's ``"splitk-wide"`` candidate, ``w = 4``): the most of them that fit in ``w``
+      waves: shorter key ranges, more programs in flight to hide memory latency.
+
+    In float32 the batch size is left out of ``base`` (a row's fp32 output then never depends on the batch it
+    was computed in)."""
     rows = Lq * (Hq // max(Hkv, 1))
     base = _cdiv(max(rows, 1), 64) * Hkv * (1 if dtype == torch.float32 else max(B, 1))
-    return max(1, min(_cdiv(waves * _num_sms(), base), _cdiv(max(Lk, 1), 128), _MAX_SPLITS))
+    sms, Lk = _num_sms(), max(Lk, 1)
+    align = 1 if _interpreting() else 128
+    chunks = {}  # split count that runs -> keys per split
+    for n in range(1, min(_cdiv(Lk, 128), _MAX_SPLITS) + 1):
+        chunk = _cdiv(_cdiv(Lk, n), align) * align
+        chunks[_cdiv(Lk, chunk)] = min(chunk, Lk)
+    cost = {n: _cdiv(base * n, sms) * chunk for n, chunk in chunks.items()}
+    # within 10% of the shortest: more splits must save more than that to pay for their partials and the combine
+    good = [n for n in sorted(cost) if 10 * cost[n] <= 11 * min(cost.values())]
+    wide = [n for n in good if base * n <= waves * sms]
+    return wide[-1] if waves > 1 and wide else good[0]
 
 
 def _splitk_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
