@@ -348,7 +348,7 @@ def test_splitk_split_count_fills_the_sms_in_whole_waves(monkeypatch):
     for B, Hq, Hkv, Lk in ((1, 32, 32, 4096), (1, 28, 4, 2000), (2, 32, 8, 3000), (1, 32, 32, 300), (3, 28, 4, 4096)):
         base = math.ceil(32 * (Hq // Hkv) / 64) * Hkv * B
 
-        def cost(n):
+        def cost(n, Lk=Lk, base=base):
             chunk = math.ceil(math.ceil(Lk / n) / 128) * 128  # the count that runs: ceil(Lk / chunk)
             return math.ceil(base * math.ceil(Lk / chunk) / 132) * min(chunk, Lk)
 
