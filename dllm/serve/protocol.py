@@ -103,7 +103,7 @@ class _Body(BaseModel):
     model: Str | None = None
     max_tokens: _int(1, fix="; max_tokens (-> gen_length) must be >= 1") | None = None
     temperature: _number(0.0, 100.0, "; use 0 for greedy decoding") | None = None
-    n: _int(1, MAX_N, f"; n from 1 to {MAX_N}") | None = None
+    n: _int(1, MAX_N, "; send several requests for more completions") | None = None
     stream: Bool | None = None
     stream_options: Dict | None = None
     stop: Annotated[Any, AfterValidator(_stop)] | None = None
@@ -174,7 +174,7 @@ class Message(BaseModel):
 class ChatRequest(_Body):
     messages: list[Message]
     logprobs: Bool | None = None
-    top_logprobs: _int(0, MAX_TOP_LOGPROBS, f"; the alternatives per token, 0 to {MAX_TOP_LOGPROBS}") | None = None
+    top_logprobs: _int(0, MAX_TOP_LOGPROBS, " (the alternatives per token)") | None = None
     max_completion_tokens: _int(1, fix="; max_completion_tokens (-> gen_length) must be >= 1") | None = None
     tools: _neutral("tools", *REFUSED["tools"]) | None = None
     tool_choice: _neutral("tool_choice", *REFUSED["tool_choice"]) | None = None
@@ -226,7 +226,7 @@ def _prompt(v):
 class CompletionRequest(_Body):
     prompt: Annotated[Any, AfterValidator(_prompt)]
     echo: Bool | None = None
-    logprobs: _int(0, MAX_TOP_LOGPROBS, f"; the alternatives per token, 0 to {MAX_TOP_LOGPROBS}") | None = None
+    logprobs: _int(0, MAX_TOP_LOGPROBS, " (the alternatives per token)") | None = None
     best_of: _neutral("best_of", *REFUSED["best_of"]) | None = None
     suffix: _neutral("suffix", *REFUSED["suffix"]) | None = None
 
