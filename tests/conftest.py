@@ -13,6 +13,16 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
+# Inductor's on-disk cache does not key its compiled CPU code by ATEN_CPU_CAPABILITY: a run with the portable kernels
+# (ATEN_CPU_CAPABILITY=default, as CI runs the golden tests) after a native run would load vectorised code that the
+# portable build's headers cannot compile. One cache per capability (unless the caller chose a cache).
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    _capability = os.environ.get("ATEN_CPU_CAPABILITY", "native").replace(os.sep, "_") or "native"
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+        tempfile.gettempdir(), f"torchinductor_uid{os.getuid()}_{_capability}")
+
 from dllm.models import DREAM, LLADA, Transformer, TransformerConfig
 from dllm.models.weights import init_weights
 
