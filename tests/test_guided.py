@@ -373,9 +373,11 @@ def test_guide_cache_with_holes_matches_clean_forward(compact):
     each row the logits of a clean forward over its own tokens."""
     from transformers import DynamicCache
 
+    from dllm.models.hf import cache_argument
     from dllm.samplers.guided import _compact, _crop
 
     guide = random_guide(seed=9)
+    kv = cache_argument(guide)  # the cache's argument name in this transformers version
     g = torch.Generator().manual_seed(0)
     r0, r1 = torch.randint(3, 90, (9,), generator=g), torch.randint(3, 90, (11,), generator=g)
     st = {"cache": DynamicCache(config=guide.config)}
@@ -383,13 +385,13 @@ def test_guide_cache_with_holes_matches_clean_forward(compact):
     ids = torch.stack([torch.cat([r0[:5], torch.tensor([7, 8, 9])]), r1[:8]])
     slots = torch.tensor([[1] * 5 + [0] * 3, [1] * 8], dtype=torch.bool)
     pos = torch.stack([torch.tensor([0, 1, 2, 3, 4, 0, 0, 0]), torch.arange(8)])
-    guide(input_ids=ids, attention_mask=slots.long(), position_ids=pos, past_key_values=st["cache"], use_cache=True)
+    guide(input_ids=ids, attention_mask=slots.long(), position_ids=pos, use_cache=True, **{kv: st["cache"]})
     # feed 2: row 0 continues (2 tokens), row 1 feeds 1 token + 1 junk slot
     ids2 = torch.stack([r0[5:7], torch.tensor([r1[8], 5])])
     new = torch.tensor([[1, 1], [1, 0]], dtype=torch.bool)
     att = torch.cat([slots, new], 1)
-    guide(input_ids=ids2, attention_mask=att.long(), position_ids=torch.tensor([[5, 6], [8, 0]]),
-          past_key_values=st["cache"], use_cache=True)
+    guide(input_ids=ids2, attention_mask=att.long(), position_ids=torch.tensor([[5, 6], [8, 0]]), use_cache=True,
+          **{kv: st["cache"]})
     st["slots"] = att
     if compact:
         _compact(st, force=True)
@@ -400,7 +402,7 @@ def test_guide_cache_with_holes_matches_clean_forward(compact):
     ids3 = torch.stack([r0[7:9], r1[9:11]])
     att3 = torch.cat([st["slots"], torch.ones(2, 2, dtype=torch.bool)], 1)
     out = guide(input_ids=ids3, attention_mask=att3.long(), position_ids=torch.tensor([[7, 8], [9, 10]]),
-                past_key_values=st["cache"], use_cache=True).logits
+                use_cache=True, **{kv: st["cache"]}).logits
     for b, r in enumerate((r0, r1)):
         clean = guide(input_ids=r[None]).logits[0, -2:]
         torch.testing.assert_close(out[b], clean, atol=1e-5, rtol=1e-5)
@@ -464,3 +466,30 @@ def test_train_tiny_ar_save_every_and_dllm_only_options(tmp_path, monkeypatch):
         with pytest.raises(SystemExit, match=extra[0]):
             main(["train-tiny", "--family", "ar", "--out", str(tmp_path / "x"), "--steps", "1", *extra])
     assert not (tmp_path / "x").exists()
+
+
+def test_guide_loads_and_runs_silently_on_the_current_transformers_api(capfd):
+    """Library code prints nothing: loading a guide shows no transformers progress bar (and leaves the caller's
+    setting as it was); the guide's forward takes its KV cache under the name this transformers version
+    expects (no deprecation warning)."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    from dllm.models import load_model
+    from dllm.samplers.guided import load_guide
+
+    model = load_model("llada-tiny")
+    capfd.readouterr()
+    for enabled in (True, False):
+        (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()
+        guide, gtok = load_guide("ar-tiny")
+        assert hf_logging.is_progress_bar_enabled() is enabled
+    hf_logging.enable_progress_bar()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        out = generate(model, ["Please copy the list exactly: [\"Alice Baker\"]"], gen_length=16, block_length=8,
+                       sampler=GuidedSampler(guide=(guide, gtok)))
+    assert guided_summary(out.stats)["ar_forwards"] > 0
+    assert capfd.readouterr() == ("", "")

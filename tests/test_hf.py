@@ -65,3 +65,24 @@ def test_wrapped_model_needs_mask_id():
     cfg = BertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64)
     with pytest.raises(ValueError, match="mask token id"):
         HFModel(BertForMaskedLM(cfg))
+
+
+def test_from_pretrained_loads_a_local_checkpoint_silently(tmp_path, capfd):
+    """``HFModel.from_pretrained``: a saved masked LM and its tokenizer from a local directory (special ids from the
+    tokenizer), the same logits as the model saved, string prompts decoded; nothing printed (no progress bar)."""
+    from transformers import BertTokenizerFast
+
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(V - 5)]
+    (tmp_path / "vocab.txt").write_text("\n".join(words) + "\n")
+    tok = BertTokenizerFast(vocab_file=str(tmp_path / "vocab.txt"))
+    saved = bert().hf
+    saved.save_pretrained(tmp_path / "ckpt")
+    tok.save_pretrained(tmp_path / "ckpt")
+    capfd.readouterr()
+    model = HFModel.from_pretrained(tmp_path / "ckpt")
+    assert capfd.readouterr() == ("", "")
+    assert (model.mask_id, model.eos_id, model.pad_id) == (4, 3, 0)  # [MASK]; [SEP] stands in for EOS; [PAD] is 0
+    ids = torch.tensor([[2, 7, 8, 9, 3]])
+    torch.testing.assert_close(model(ids), saved(input_ids=ids).logits, rtol=0, atol=0)
+    out = dllm.generate(model, [[7, 8, 9]], gen_length=8, block_length=4, steps=8)
+    assert out.sequences.shape == (1, 8) and not (out.sequences == 4).any()

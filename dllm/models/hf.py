@@ -7,10 +7,50 @@ checkpoint loaded with ``AutoModelForMaskedLM``.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 
 import torch
 from torch import nn
+
+
+@contextlib.contextmanager
+def quiet_loading():
+    """``transformers``' weight-loading progress bar off while a library call loads a checkpoint (library code
+    prints nothing); the caller's setting is restored after."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
+def _first(*ids):
+    """The first id that is not None (0 is an id)."""
+    return next((i for i in ids if i is not None), None)
+
+
+def cache_argument(model) -> str:
+    """The name under which ``model``'s forward takes its KV cache: ``cache`` (recent transformers, where
+    ``past_key_values`` is deprecated) or ``past_key_values`` (earlier versions); a forward that names neither
+    (a wrapper taking ``**kwargs``) gets the installed transformers' name."""
+    params = inspect.signature(model.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    return _installed_cache_argument()
+
+
+@functools.cache
+def _installed_cache_argument() -> str:
+    from transformers import LlamaForCausalLM
+
+    return "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
 
 
 class HFModel(nn.Module):
@@ -42,9 +82,9 @@ class HFModel(nn.Module):
         self.mask_id = mask_id if mask_id is not None else from_tok("mask_token_id")
         if self.mask_id is None:
             raise ValueError("HFModel needs a mask token id: pass mask_id= or a tokenizer with a mask token")
-        self.eos_id = eos_id if eos_id is not None else (from_tok("eos_token_id") or from_tok("sep_token_id"))
+        self.eos_id = eos_id if eos_id is not None else _first(from_tok("eos_token_id"), from_tok("sep_token_id"))
         self.eot_id = eot_id
-        self.pad_id = pad_id if pad_id is not None else (from_tok("pad_token_id") or self.eos_id or 0)
+        self.pad_id = pad_id if pad_id is not None else _first(from_tok("pad_token_id"), self.eos_id, 0)
         self._shift = shift_logits
         cfg = getattr(hf_model, "config", None)
         self._max_len = max_seq_len or getattr(cfg, "max_position_embeddings", None) or 4096
@@ -57,7 +97,8 @@ class HFModel(nn.Module):
         from transformers import AutoModelForMaskedLM, AutoTokenizer
 
         auto_class = auto_class or AutoModelForMaskedLM
-        model = auto_class.from_pretrained(str(path), dtype=dtype).eval()
+        with quiet_loading():
+            model = auto_class.from_pretrained(str(path), dtype=dtype).eval()
         return cls(model, AutoTokenizer.from_pretrained(str(path)), **kwargs)
 
     @property

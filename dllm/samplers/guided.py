@@ -51,6 +51,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from dllm.models.hf import cache_argument, quiet_loading
 from dllm.ops import moved_rows
 from dllm.samplers.base import SamplerBase, StepContext, StepResult, check_choice, check_range, gumbel_argmax
 
@@ -86,7 +87,8 @@ def load_guide(name_or_path, *, dtype=None, device=None):
     from dllm.models.loading import resolve_dtype
 
     path = checked_guide_path(name_or_path)
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=resolve_dtype(dtype) or "auto")
+    with quiet_loading():
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=resolve_dtype(dtype) or "auto")
     model.eval().requires_grad_(False)
     if device is not None:
         model = model.to(device)
@@ -390,8 +392,8 @@ class GuidedSampler(SamplerBase):
             ids = torch.where(new_valid, full.gather(1, feed_cols), torch.full_like(feed_cols, int(eos)))
             pos = torch.where(new_valid, feed_cols - st["npad"][:, None], torch.zeros_like(feed_cols))
             att = torch.cat([st["slots"], new_valid], 1)
-            out = g(input_ids=ids, attention_mask=att.long(), position_ids=pos, past_key_values=st["cache"],
-                    use_cache=True)
+            out = g(input_ids=ids, attention_mask=att.long(), position_ids=pos, use_cache=True,
+                    **{cache_argument(g): st["cache"]})
             ar_forwards += 1
             n = (u - v).clamp_min(0)
             K = int(n.max())
