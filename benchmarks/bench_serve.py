@@ -49,7 +49,8 @@ def answer_tokens(model, seq) -> int:
 
 
 def run_continuous(model, work, kw, max_rows):
-    engine = Engine(model, max_rows=max_rows, max_queue=10_000)
+    engine = Engine(model, max_rows=max_rows, max_queue=10_000, graphs=kw["graphs"])
+    paths0 = engine.stats()["graphs"]
     engine.start()
     lat, ttft, toks = [], [], 0
     lock = threading.Lock()
@@ -78,7 +79,8 @@ def run_continuous(model, work, kw, max_rows):
         th.join()
     wall = time.perf_counter() - t0
     engine.stop()
-    return wall, toks, lat, ttft
+    paths = {k: v - paths0.get(k, 0) for k, v in engine.stats()["graphs"].items() if v != paths0.get(k, 0)}
+    return wall, toks, lat, ttft, paths
 
 
 def run_static(model, work, kw):
@@ -88,7 +90,7 @@ def run_static(model, work, kw):
         batch = [w[k] for w in work if k < len(w)]
         tb = time.perf_counter()
         out = dllm.generate(model, batch, sampler=kw["sampler"], gen_length=kw["gen_length"],
-                            block_length=kw["block_length"], cache=kw["cache"])
+                            block_length=kw["block_length"], cache=kw["cache"], graphs=kw["graphs"])
         done = time.perf_counter() - tb
         lat += [done] * len(batch)  # every request of the batch waits for the whole batch
         toks += sum(answer_tokens(model, s) for s in out.sequences.tolist())
@@ -102,7 +104,7 @@ def run_sequential(model, work, kw):
         tb = time.perf_counter()
         for p in items:
             out = dllm.generate(model, [p], sampler=kw["sampler"], gen_length=kw["gen_length"],
-                                block_length=kw["block_length"], cache=kw["cache"])
+                                block_length=kw["block_length"], cache=kw["cache"], graphs=kw["graphs"])
             lat.append(time.perf_counter() - tb)  # its wait behind the earlier ones included
             toks += answer_tokens(model, out.sequences[0].tolist())
     return time.perf_counter() - t0, toks, lat, lat
@@ -131,10 +133,14 @@ def main() -> None:
     ap.add_argument("--block-length", type=int, default=8)
     ap.add_argument("--cache", default=None, help="cache for every mode (default: the preset's own, e.g. fast-dllm: dual)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--graphs", default="auto", choices=["auto", "on", "off"],
+                    help="CUDA graphs for the cached steps (on: the static-buffer path on the CPU too, to count how "
+                         "often a served batch's forward shape repeats)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = dllm.load_model(str(model_path(args.model)), dtype="float32")
-    kw = dict(sampler=args.sampler, gen_length=args.gen_length, block_length=args.block_length, cache=args.cache)
+    kw = dict(sampler=args.sampler, gen_length=args.gen_length, block_length=args.block_length, cache=args.cache,
+              graphs=args.graphs)
     dllm.generate(model, prompts(2), **kw)  # warm-up
     print(f"model {args.model}, sampler {args.sampler}, cache {args.cache or 'the preset default'}, gen "
           f"{args.gen_length}, block {args.block_length}, "
@@ -145,6 +151,7 @@ def main() -> None:
         cost = forward_cost_per_row(model, length, c)
         print(f"forward of {c} rows x {length} tokens: {cost * 1e3:.3f} ms per row; batching gains at most "
               f"{solo_cost / cost:.2f}x over one row at a time at this batch size")
+    paths = {}
     print("| clients | mode | answer tokens/s | latency p50 s | latency p99 s | first token p50 s | requests |")
     print("|---|---|---|---|---|---|---|")
     for c in args.concurrency:
@@ -154,9 +161,16 @@ def main() -> None:
                 "static batches": (run_static, (model, work, kw)),
                 "one at a time": (run_sequential, (model, work, kw))}
         for name, (fn, fargs) in runs.items():
-            wall, toks, lat, ttft = fn(*fargs)
+            wall, toks, lat, ttft, *rest = fn(*fargs)
             print(f"| {c} | {name} | {toks / wall:.1f} | {statistics.median(lat):.3f} | {pct(lat, 0.99):.3f} | "
                   f"{statistics.median(ttft):.3f} | {len(lat)} |", flush=True)
+            if rest:
+                paths[c] = rest[0]
+    # how the continuous engine's forwards ran (the graph runner's counts; none without a graph path)
+    for c, counts in paths.items():
+        print(f"continuous, {c} clients: forwards by path: "
+              + (", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "no graph path (graphs off, or CPU "
+                 "with auto)"))
 
 
 if __name__ == "__main__":

@@ -169,6 +169,34 @@ def test_cached_requests_joining_and_leaving_match_solo_runs(cache, llada):
         assert h.result().nfe == out.stats.row_nfe[0]
 
 
+def test_the_graph_path_serves_the_same_tokens_and_counts_how_forwards_ran():
+    """``Engine(graphs="on")`` on the CPU runs the cached steps through the graph runner's static buffers (no
+    capture): the same responses as eager forwards, and ``stats()["graphs"]`` (and /metrics) counts how every
+    forward ran. Refused values are named."""
+    model = dllm.load_model("llada-tiny", dtype="float32")  # its own: the runner's counts live on the model
+    for graphs in (None, "sometimes", True):
+        with pytest.raises(ValueError, match="graphs must be one of"):
+            Engine(model, graphs=graphs)
+    results = {}
+    for graphs in ("off", "on"):
+        eng = Engine(model, max_rows=3, graphs=graphs)
+        hs = []
+        for wave in range(3):
+            for k in range(2):
+                hs.append(eng.submit(PROMPTS[(k + wave) % len(PROMPTS)], gen_length=32, block_length=8,
+                                     sampler="fast-dllm"))
+            eng.step()
+        eng.run_until_idle()
+        results[graphs] = [h.result(timeout=0).tokens for h in hs]
+        stats = eng.stats()["graphs"]
+        if graphs == "off":
+            assert stats == {}
+        else:  # every forward counted once: replays or captures (a shape seen twice), eager with its reason
+            assert stats.get("eager:full forward", 0) >= 1
+            assert sum(stats.values()) - stats.get("evicted", 0) == eng.stats()["forwards"]
+    assert results["on"] == results["off"]
+
+
 # samplers and caches with per-row state beyond the K/V buffers: (sampler, params, cache, gen_length, block_length)
 STATEFUL = {
     "klass": [("klass", {}, None, 32, 8), ("klass", {"conf_threshold": 0.3, "kl_threshold": 0.05}, "prefix", 32, 16)],

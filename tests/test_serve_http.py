@@ -108,6 +108,24 @@ def test_errors_are_openai_shaped(server):
     assert httpx.get(f"{url}/health").json()["status"] == "ok"
     m = httpx.get(f"{url}/metrics").text
     assert "dllm_requests_total{outcome=\"stop\"}" in m and "dllm_request_nfe_total" in m and "dllm_queue_waiting" in m
+    assert "# TYPE dllm_forward_paths_total counter" in m
+
+
+def test_metrics_count_how_the_forwards_ran():
+    """/metrics' ``dllm_forward_paths{how=...}``: the engine's graph-runner counts (replays, captures, eager and
+    why), here the CPU's static-buffer graph path."""
+    from dllm.serve import Engine
+    from dllm.serve.server import _EngineCollector
+
+    engine = Engine(dllm.load_model("llada-tiny", dtype="float32"), max_rows=2, graphs="on")
+    for _ in range(2):
+        engine.submit(PROMPT, gen_length=16, block_length=8, sampler="fast-dllm")
+    engine.run_until_idle()
+    fam = {f.name: f for f in _EngineCollector(engine).collect()}["dllm_forward_paths"]
+    got = {s.labels["how"]: s.value for s in fam.samples if s.name == "dllm_forward_paths_total"}
+    counts = engine.stats()["graphs"]
+    assert got == {k: v for k, v in counts.items() if k != "evicted"} and got["eager:full forward"] >= 1
+    assert len(got) >= 2
 
 
 def test_a_full_queue_answers_429(server):
@@ -219,3 +237,17 @@ def test_serve_command_checks_its_default_sampler_before_listening():
         main(["serve", "--sampler", "nope"])
     with pytest.raises(SystemExit, match="no parameter"):
         main(["serve", "--sampler", "threshold", "--param", "threshold=0.3"])
+
+
+def test_serve_command_passes_its_graph_mode_to_the_engine(monkeypatch):
+    """``dllm serve --graphs off|on|auto`` reaches the engine (default auto); other values are refused."""
+    from dllm.cli import main
+    from dllm.serve import server
+
+    seen = []
+    monkeypatch.setattr(server, "serve", lambda model, **kw: seen.append(kw["graphs"]))
+    for argv, want in (([], "auto"), (["--graphs", "off"], "off"), (["--graphs", "on"], "on")):
+        assert main(["serve", "--port", "8123", *argv]) == 0
+        assert seen[-1] == want
+    with pytest.raises(SystemExit):
+        main(["serve", "--graphs", "sometimes"])

@@ -32,7 +32,7 @@ def cmd_serve(args) -> int:
     try:
         serve(model, host=args.host, port=args.port, model_name=args.served_name or args.model or "llada-tiny",
               api_key=args.api_key, max_rows=args.max_rows, max_queue=args.max_queue, sampler=args.sampler,
-              params=params, max_body_bytes=args.max_body_bytes)
+              params=params, max_body_bytes=args.max_body_bytes, graphs=args.graphs)
     except RequestError as exc:
         raise SystemExit(f"error: {exc}") from None
     return 0
@@ -54,4 +54,7 @@ def add_parser(sub) -> None:
     s.add_argument("--max-queue", type=int, default=256, help="requests waiting or running before 429 (default 256)")
     s.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
                    help="largest request body in bytes; larger ones get 413 (default 4 MiB)")
+    s.add_argument("--graphs", default="auto", choices=["auto", "on", "off"],
+                   help="CUDA graphs for the cached decode steps (default auto: on CUDA devices); off runs every "
+                        "forward eagerly (docs/serving.md: how often a served batch's shapes repeat)")
     s.set_defaults(func=cmd_serve)

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from dllm.config import GenerateConfig
+from dllm.config import GRAPH_MODES, GenerateConfig
 from dllm.generate import Decoder, DecodeState, decode_texts, prepare_prompts, row_keys
 from dllm.ops import moved_rows
 from dllm.recipes import model_block_size, resolve
@@ -321,14 +321,18 @@ class Engine:
     """Continuous-batching decoder for one model (see the module docstring). ``max_rows``: rows per group;
     ``max_queue``: requests waiting or running before :meth:`submit` raises :class:`QueueFull`; ``sampler`` and
     ``params``: the sampler of requests that name none (default: the model family's baseline), and its
-    parameters (a request naming no sampler, or this one, adds its own ``params`` over them).
+    parameters (a request naming no sampler, or this one, adds its own ``params`` over them); ``graphs``: the
+    cached steps through CUDA graphs (``GenerateConfig.graphs``: ``"auto"`` on CUDA; ``"on"`` on the CPU runs the
+    graph path's static buffers without capture; ``stats()["graphs"]`` counts how the cached forwards ran).
 
     No request can stop the engine: when serving a batch raises, the batch is dropped and its requests are
     retried alone (a request that fails alone ends with finish reason ``error``); an exception in the loop's
     tick fails the requests it held; the loop goes on."""
 
     def __init__(self, model, *, max_rows: int = 8, max_queue: int = 256, sampler: str | None = None,
-                 params: dict | None = None):
+                 params: dict | None = None, graphs: str = "auto"):
+        if not isinstance(graphs, str) or graphs not in GRAPH_MODES:
+            raise ValueError(f"graphs must be one of {', '.join(map(repr, GRAPH_MODES))}, got {graphs!r}")
         if not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows < 1:
             raise ValueError(f"max_rows={max_rows!r} must be a positive integer")
         if not isinstance(max_queue, int) or isinstance(max_queue, bool) or max_queue < 1:
@@ -341,7 +345,7 @@ class Engine:
             get_sampler(self.sampler, **self.params)
         except (ValueError, TypeError, KeyError) as exc:
             raise RequestError(str(exc)) from None
-        self.max_rows, self.max_queue = max_rows, max_queue
+        self.max_rows, self.max_queue, self.graphs = max_rows, max_queue, graphs
         self.groups: dict[tuple, _Group] = {}
         self.waiting: deque[_Request] = deque()
         self._lock = threading.Lock()
@@ -398,7 +402,8 @@ class Engine:
         try:
             config = GenerateConfig(gen_length=gen_length, block_length=block_length, steps=steps, seed=seed,
                                     eos_early_stop=eos_early_stop, chat_template=chat_template,
-                                    record_confidence=logprobs is not None, record_top_logprobs=logprobs or 0)
+                                    record_confidence=logprobs is not None, record_top_logprobs=logprobs or 0,
+                                    graphs=self.graphs)
         except (ValueError, TypeError) as exc:
             raise RequestError(str(exc)) from None
         least = self._least_tokens(prompt)  # before tokenising: a prompt already too long costs nothing
@@ -841,6 +846,8 @@ class Engine:
             waiting = len(self.waiting)
             groups = list(self.groups.values())
         running = sum(len(g.requests) for g in groups)
+        runner = self.model.__dict__.get("_dllm_graphs")  # how the cached forwards ran (GraphRunner.stats)
         return {**self.metrics, "waiting": waiting, "running": running, "groups": len(groups),
                 "alive": self.alive(),
-                "last_tick_age": None if self.last_tick is None else time.monotonic() - self.last_tick}
+                "last_tick_age": None if self.last_tick is None else time.monotonic() - self.last_tick,
+                "graphs": dict(runner.stats) if runner is not None else {}}

@@ -90,6 +90,14 @@ class _EngineCollector:
         yield CounterMetricFamily("dllm_answer_tokens", "answer tokens (before EOS) of finished requests "
                                   "(rate: answer tokens/s)", value=s["tokens"])
         yield CounterMetricFamily("dllm_step_seconds", "seconds spent in decode steps", value=s["step_seconds"])
+        how = CounterMetricFamily("dllm_forward_paths", "forwards by how they ran: CUDA graph replays and "
+                                  "captures, eager and why (full forwards included)", labels=["how"])
+        for k, v in sorted(s["graphs"].items()):
+            if k != "evicted":
+                how.add_metric([k], v)
+        yield how
+        yield CounterMetricFamily("dllm_graphs_evicted", "CUDA graphs dropped to keep the most recently used",
+                                  value=s["graphs"].get("evicted", 0))
 
 
 class _Auth:
@@ -518,14 +526,15 @@ def create_app(engine: Engine, model_name: str = "dllm", api_key: str | None = N
 def serve(model, *, host: str = "127.0.0.1", port: int = 8000, model_name: str = "dllm", api_key: str | None = None,
           max_rows: int = 8, max_queue: int = 256, sampler: str | None = None, params: dict | None = None,
           log_level: str = "info", max_body_bytes: int = MAX_BODY_BYTES,
-          shutdown_timeout: int = SHUTDOWN_TIMEOUT_S) -> None:
+          shutdown_timeout: int = SHUTDOWN_TIMEOUT_S, graphs: str = "auto") -> None:
     """Run the server until SIGINT / SIGTERM (uvicorn stops accepting and finishes the requests in flight, at
     most ``shutdown_timeout`` seconds: a client that never reads its stream cannot hold the shutdown).
-    ``sampler`` / ``params``: the default of requests that name no sampler (:class:`Engine`)."""
+    ``sampler`` / ``params``: the default of requests that name no sampler; ``graphs``: CUDA graphs for the cached
+    steps (:class:`Engine`)."""
     import uvicorn
 
     check_port(port)
-    engine = Engine(model, max_rows=max_rows, max_queue=max_queue, sampler=sampler, params=params)
+    engine = Engine(model, max_rows=max_rows, max_queue=max_queue, sampler=sampler, params=params, graphs=graphs)
     app = create_app(engine, model_name, api_key, max_body_bytes=max_body_bytes)
     engine.start()
     try:
