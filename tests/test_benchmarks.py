@@ -53,6 +53,19 @@ def test_bench_caches_compares_every_cache_with_none(tmp_path):
         assert r["nfe"] == 16 and r["full_refreshes"] == 2  # one refresh per block of 8
         assert 0 < r["token_layers"] < 1 and 0 <= r["same_tokens"] <= 1
     assert dual["token_layers"] < prefix["token_layers"]  # the dual cache also skips the suffix
+    for r in rows:  # LLaDA's even quota keeps a batch's rows in step: no padding
+        assert r["token_layers_run"] == r["token_layers"], r
+
+
+def test_bench_padding_shows_rows_out_of_step_widen_the_batch(tmp_path):
+    rows = run("bench_padding.py", "--batch", "1", "8", "--caches", "dual", tmp_path=tmp_path)
+    by = {(r["sampler"], r["batch"]): r for r in rows}
+    assert set(by) == {(s, b) for s in ("llada", "fast-dllm") for b in (1, 8)}
+    for r in rows:
+        assert r["run"] >= r["computed"] > 0 and r["full_width"] >= 4, r  # at least one refresh per block of 32
+    assert by[("llada", 8)]["run_per_computed"] == 1.0  # even quota: every row starts its blocks together
+    assert by[("fast-dllm", 1)]["run_per_computed"] == 1.0  # one row: nothing to pad
+    assert by[("fast-dllm", 8)]["run_per_computed"] > 1.2  # rows finish their blocks at their own steps
 
 
 def test_bench_kernels_runs_every_kernel(tmp_path):

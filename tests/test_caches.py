@@ -280,12 +280,21 @@ def test_invalid_refresh_every():
 def test_elastic_drift_test_sets_refresh_layer():
     model = cached_model("llada", 0)
     kw = dict(gen_length=16, block_length=8, steps=16, sampler="threshold")
-    never = generate(model, prompt_set(3, 0), cache=get_cache("elastic", gamma=0.0), **kw).stats.trace
+    out = generate(model, prompt_set(3, 0), cache=get_cache("elastic", gamma=0.0), **kw)
+    never = out.stats.trace
     always = generate(model, prompt_set(3, 0), cache=get_cache("elastic", gamma=1.0), **kw).stats.trace
     assert never[0]["refresh_layer"] == 0 and always[0]["refresh_layer"] == 0
     assert all(r["refresh_layer"] == -1 for r in never[1:])
     assert all(r["refresh_layer"] == 1 for r in always[1:])  # the first layer's test fails: layers 1.. in full
     assert all(a["computed"][0] > n["computed"][0] for a, n in zip(always[1:], never[1:]))
+    # what the batch ran, padding included: the largest active set for every row, from layer 1 on every position
+    T, L = max(out.prompt_lengths) + 16, model.config.n_layers
+    assert never[0]["run"] == always[0]["run"] == 1.0
+    for r in never[1:]:
+        assert r["run"] == max(r["active"]) / T and r["run"] >= max(r["computed"]) - 1e-6  # computed: float32
+    for r in always[1:]:
+        assert r["run"] == pytest.approx((max(r["active"]) + (L - 1) * T) / (L * T))
+        assert r["run"] >= max(r["computed"]) - 1e-6
 
 
 def test_presets_select_their_cache():

@@ -150,7 +150,8 @@ class NoCache(CacheBase):
         self.batch, self.canvas_len = batch, canvas_len
 
     def step_stats(self, n_layers: int) -> dict[str, Any]:
-        return {"active": [self.canvas_len] * self.batch, "refresh_layer": 0, "computed": [1.0] * self.batch}
+        return {"active": [self.canvas_len] * self.batch, "refresh_layer": 0, "computed": [1.0] * self.batch,
+                "run": 1.0}
 
     def plan(self, state: Any) -> tuple[None, int]:
         return None, 0
@@ -330,7 +331,10 @@ class KVCache(CacheBase):
         """Statistics of the forward just run (called by the decode loop). ``refresh_layer``: 0 for a full
         forward, else the first layer from which some row computed every row (Elastic-Cache), else -1;
         ``computed``: per row, the fraction of its token-layers computed (a row refreshed from layer ``r`` of a
-        partial forward counts ``T`` rows from there on)."""
+        partial forward counts ``T`` rows from there on); ``run``: the fraction of each row's token-layers the
+        batch's forward ran, padding included (a partial forward runs the largest active set for every row, and
+        from a refresh layer every row of every row): above the rows' mean ``computed`` when rows are out of
+        step, e.g. one row refreshing its block while the others reuse their cache."""
         T = self.canvas_len
         counts = self._counts.float()
         if self._refresh_layer == 0:
@@ -341,7 +345,13 @@ class KVCache(CacheBase):
             r = self._row_refresh.float()
             full = torch.where(r < 0, torch.zeros_like(r), n_layers - r)
             frac = ((n_layers - full) * counts + full * T) / (n_layers * T)
-        self.last_stats = {"active": self._counts.clone(), "refresh_layer": self._refresh_layer, "computed": frac}
+        # what the batch's forward ran per row, padding included: a partial forward computes Q rows of every row
+        # (the largest active set; the others padded with repeats), from a refresh layer on all T of every row
+        Q = T if self._rows is None else self._rows.shape[1]
+        r = self._refresh_layer
+        run = 1.0 if r == 0 else (Q / T if r < 0 else (r * Q + (n_layers - r) * T) / (n_layers * T))
+        self.last_stats = {"active": self._counts.clone(), "refresh_layer": self._refresh_layer, "computed": frac,
+                           "run": run}
         return self.last_stats
 
     @property
