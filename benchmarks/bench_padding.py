@@ -1,17 +1,18 @@
-"""What a cached batch computes beyond what its rows need: rows out of step widen every row's forward.
+"""What a cached batch computes beyond what its rows need, with its partial forwards padded and packed.
 
-A partial forward computes the same number of canvas positions for every row of the batch (the largest active
-set; the other rows are padded with repeats of a position), and a row that starts a block refreshes its whole
-canvas. When the rows of a batch move in step (LLaDA's even quota: every row commits one token per step, every
-row starts its blocks together) the padding is nil. With a confidence threshold (Fast-dLLM) each row finishes its
-blocks at its own step, so one row's refresh makes the whole batch compute every position of every row.
+A partial forward's active rows are ``[B, Q]``: the largest active set, shorter sets padded with repeats, and a
+row that starts a block refreshes its whole canvas. When the rows of a batch move in step (LLaDA's even quota:
+every row commits one token per step, every row starts its blocks together) the padding is nil. With a confidence
+threshold (Fast-dLLM) each row finishes its blocks at its own step, so one row's refresh pads every other row to
+the whole canvas. Packed (the default: ``KVCache.pack_rows``), the model's per-token work runs on the rows' own
+active sets and only attention on the padded rows; padded (``pack_rows = False``) it runs on every slot.
 
-Printed per sampler, cache and batch size, on the bundled tiny models (trained, so their confidences cross the
-thresholds as a real model's do), from ``generate``'s per-step statistics: forwards, the rows' mean share of
-token-layers computed (what each row's cache selected), the share the batch's forwards ran (padding included),
-their ratio, and the forwards that computed every position of every row. Counts, valid on any device; the time
-they cost is the device's (on a GPU a forward that computes every position of 16 rows is compute-bound, about 16
-times a cached step of one row).
+Printed per sampler, cache, batch size and path, on the bundled tiny models (trained, so their confidences cross
+the thresholds as a real model's do), from ``generate``'s per-step statistics: forwards, the rows' mean share of
+token-layers computed (what each row's cache selected), the share the batch's forwards ran, their ratio, the
+forwards that ran every position of every row, wall time (CPU: a ratio within one run) and whether the tokens are
+those of the padded run. Counts, valid on any device; on a GPU a forward that computes every position of 16 rows
+is compute-bound, many times a cached step.
 
     python benchmarks/bench_padding.py [--model llada-tiny] [--batch 1 4 16] [--samplers llada fast-dllm]
                                        [--caches dual prefix] [--gen 128] [--block 32]
@@ -21,10 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import torch
 
 import dllm
+from dllm.caches import get_cache
 from dllm.evals import tasks as T
 
 
@@ -38,14 +41,19 @@ def prompts(n: int, seed: int = 777) -> list:
     return out
 
 
-def measure(model, convs, sampler: str, cache: str, gen: int, block: int) -> dict:
-    out = dllm.generate(model, convs, gen_length=gen, block_length=block, sampler=sampler, cache=cache)
+def measure(model, convs, sampler: str, cache: str, gen: int, block: int, packed: bool) -> tuple[dict, torch.Tensor]:
+    c = get_cache(cache)
+    c.pack_rows = packed
+    t0 = time.perf_counter()
+    out = dllm.generate(model, convs, gen_length=gen, block_length=block, sampler=sampler, cache=c)
+    dt = time.perf_counter() - t0
     tr = out.stats.trace
     computed = sum(sum(r["computed"]) / len(r["computed"]) for r in tr) / len(tr)
     run = sum(r["run"] for r in tr) / len(tr)
-    return {"sampler": sampler, "cache": cache, "batch": len(convs), "forwards": out.stats.nfe,
-            "computed": round(computed, 3), "run": round(run, 3), "run_per_computed": round(run / computed, 2),
-            "full_width": sum(1 for r in tr if r["run"] >= 1.0)}
+    return {"sampler": sampler, "cache": cache, "batch": len(convs), "path": "packed" if packed else "padded",
+            "forwards": out.stats.nfe, "computed": round(computed, 3), "run": round(run, 3),
+            "run_per_computed": round(run / computed, 2), "full_width": sum(1 for r in tr if r["run"] >= 1.0),
+            "s": round(dt, 3)}, out.sequences
 
 
 def main(argv=None) -> list[dict]:
@@ -65,15 +73,21 @@ def main(argv=None) -> list[dict]:
     for sampler in a.samplers:
         for cache in a.caches:
             for B in a.batch:
-                rows.append(measure(model, prompts(B), sampler, cache, a.gen, a.block))
-                print(json.dumps(rows[-1]), flush=True)
+                convs = prompts(B)
+                measure(model, convs, sampler, cache, a.gen, a.block, True)  # warm-up
+                padded, seq = measure(model, convs, sampler, cache, a.gen, a.block, False)
+                packed, seq2 = measure(model, convs, sampler, cache, a.gen, a.block, True)
+                for r in (padded, packed):
+                    r["same_tokens"] = bool(torch.equal(seq, seq2))
+                    rows.append(r)
+                    print(json.dumps(r), flush=True)
     print()
-    print("| sampler | cache | batch | forwards | token-layers computed (rows' mean) | run (padding included) | "
-          "run / computed | forwards of every position |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| sampler | cache | batch | path | forwards | token-layers computed (rows' mean) | run | run / computed | "
+          "forwards of every position | s | same tokens |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['sampler']} | {r['cache']} | {r['batch']} | {r['forwards']} | {r['computed']:.1%} | "
-              f"{r['run']:.1%} | {r['run_per_computed']}x | {r['full_width']} |")
+        print(f"| {r['sampler']} | {r['cache']} | {r['batch']} | {r['path']} | {r['forwards']} | {r['computed']:.1%} | "
+              f"{r['run']:.1%} | {r['run_per_computed']}x | {r['full_width']} | {r['s']} | {r['same_tokens']} |")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

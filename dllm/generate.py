@@ -387,12 +387,16 @@ class Decoder:
         t0 = clock.mark()
         runner = self.graphs
         eager = runner.eager_reason(cache, query_idx, config.cfg_scale > 0) if runner is not None else None
+        # the rows of a partial forward without their padding (rows out of step: one refreshing its block, the
+        # others reading their cache), known from the plan's host numbers
+        n_query = cache.query_tokens if query_idx is not None else None
         if runner is not None and eager is None:
-            logits = runner(x, st.positions, st.key_mask, cols.expand(B, -1), cache, query_idx)
+            logits = runner(x, st.positions, st.key_mask, cols.expand(B, -1), cache, query_idx, n_query)
         else:
             if eager is not None:
                 runner.stats["eager:" + eager] += 1
-            logits = _forward(model, x, st.positions, st.key_mask, cols.expand(B, -1), config, cache, query_idx)
+            logits = _forward(model, x, st.positions, st.key_mask, cols.expand(B, -1), config, cache, query_idx,
+                              n_query)
         t1 = clock.mark()
         cstats = self.step_stats(self.n_layers) if self.step_stats is not None else {}
         xw = x[:, w_lo:w_hi]
@@ -459,7 +463,7 @@ class Decoder:
         running, nonfinite, n_lo, n_hi = synced[:4]
         st.window = (n_lo, n_hi)
         if nxt is not None:
-            st.plan_hint = (st.x, st.x._version, nxt[0], synced[4], synced[5], nxt[2])
+            st.plan_hint = (st.x, st.x._version, nxt[0], synced[4], synced[5], synced[6], nxt[2])
         if nonfinite:
             raise NonFiniteLogitsError.at(bad, st.nfe - 1, w_lo - P)
         if running and st.nfe >= self.max_iters:
@@ -596,10 +600,13 @@ def cfg_forward(model, x: torch.Tensor, prompt_len: int, scale: float, dtype: to
     return unc + (scale + 1) * (cond - unc)
 
 
-def _forward(model, x, positions, key_mask, logits_idx, config: GenerateConfig, cache, query_idx=None):
+def _forward(model, x, positions, key_mask, logits_idx, config: GenerateConfig, cache, query_idx=None,
+             query_tokens=None):
     kw = dict(positions=positions, attn_mask=key_mask, logits_idx=logits_idx, cache=cache)
     if query_idx is not None:
         kw["query_idx"] = query_idx
+    if query_tokens is not None:
+        kw["query_tokens"] = query_tokens * (2 if config.cfg_scale > 0 else 1)  # guidance stacks a second copy
     if config.cfg_scale > 0:
         return cfg_forward(model, x, x.shape[1] - config.gen_length, config.cfg_scale, **kw)
     return model(x, **kw)

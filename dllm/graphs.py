@@ -10,8 +10,9 @@ few hundred kernel launches.
 :class:`GraphRunner` does this for one model:
 
 * a graph is keyed by ``(B, T, Q, W, dtype, key mask present, sparse logits, the addresses of the cache's
-  K/V buffers)``: batch, canvas length, active rows, logits columns (the batch, active-width and canvas-length
-  buckets). A key is captured the second time it is seen (a shape seen once, e.g. the last block of a prefix
+  K/V buffers, N)``: batch, canvas length, active rows, logits columns (the batch, active-width and canvas-length
+  buckets), and the active rows over the batch without padding where the rows' active sets differ
+  (``query_tokens``: the per-token work runs on those rows packed). A key is captured the second time it is seen (a shape seen once, e.g. the last block of a prefix
   cache, runs eagerly), at most ``max_graphs`` graphs are kept (least recently used dropped);
 * the static inputs are the canvas, RoPE positions, key mask, active rows, logits columns and the cache's
   ``read_cols``; each step copies the live tensors into them (device-to-device, no host synchronisation; an input
@@ -62,6 +63,7 @@ class _Graph:
     copied: dict = field(default_factory=dict)
     seen: int = 0
     failed: bool = False  # the capture raised: this shape stays eager
+    query_tokens: int | None = None  # the active rows without padding (part of the key: it sets shapes)
 
 
 class GraphRunner:
@@ -116,17 +118,18 @@ class GraphRunner:
         return None
 
     # -- the step ---------------------------------------------------------------------------------------------
-    def __call__(self, x, positions, key_mask, logits_idx, cache, query_idx) -> torch.Tensor:
+    def __call__(self, x, positions, key_mask, logits_idx, cache, query_idx, query_tokens=None) -> torch.Tensor:
         """Logits of a partial forward ``model(x, positions=..., attn_mask=key_mask, logits_idx=...,
-        cache=cache, query_idx=query_idx)``, through a graph."""
+        cache=cache, query_idx=query_idx, query_tokens=query_tokens)``, through a graph."""
         bufs = [t for t in cache.k + cache.v if t is not None]
         key = (tuple(x.shape), query_idx.shape[1], logits_idx.shape[1], key_mask is None, cache.read_cols is None,
                bool(cache.sparse_logits), x.device, self.model.dtype, id(cache),
-               tuple(t.data_ptr() for t in bufs))
+               tuple(t.data_ptr() for t in bufs), query_tokens)
         g = self.graphs.get(key)
         live = (x, positions, key_mask, logits_idx, query_idx, cache.read_cols)
         if g is None:  # static buffers like the live inputs (dense, whatever their strides)
-            g = self.graphs[key] = _Graph(*(None if t is None else torch.empty_like(t) for t in live))
+            g = self.graphs[key] = _Graph(*(None if t is None else torch.empty_like(t) for t in live),
+                                          query_tokens=query_tokens)
             self._evict()
         else:
             self.graphs.move_to_end(key)
@@ -162,7 +165,7 @@ class GraphRunner:
         cache.read_cols = g.read_cols  # the forward reads the static copy (captured by address)
         try:
             return self.model(g.x, positions=g.positions, attn_mask=g.key_mask, logits_idx=g.logits_idx,
-                              cache=cache, query_idx=g.query_idx)
+                              cache=cache, query_idx=g.query_idx, query_tokens=g.query_tokens)
         finally:
             cache.read_cols = live
 

@@ -57,15 +57,18 @@ def test_bench_caches_compares_every_cache_with_none(tmp_path):
         assert r["token_layers_run"] == r["token_layers"], r
 
 
-def test_bench_padding_shows_rows_out_of_step_widen_the_batch(tmp_path):
+def test_bench_padding_shows_rows_out_of_step_widen_the_batch_unless_packed(tmp_path):
     rows = run("bench_padding.py", "--batch", "1", "8", "--caches", "dual", tmp_path=tmp_path)
-    by = {(r["sampler"], r["batch"]): r for r in rows}
-    assert set(by) == {(s, b) for s in ("llada", "fast-dllm") for b in (1, 8)}
+    by = {(r["sampler"], r["batch"], r["path"]): r for r in rows}
+    assert set(by) == {(s, b, p) for s in ("llada", "fast-dllm") for b in (1, 8) for p in ("padded", "packed")}
     for r in rows:
-        assert r["run"] >= r["computed"] > 0 and r["full_width"] >= 4, r  # at least one refresh per block of 32
-    assert by[("llada", 8)]["run_per_computed"] == 1.0  # even quota: every row starts its blocks together
-    assert by[("fast-dllm", 1)]["run_per_computed"] == 1.0  # one row: nothing to pad
-    assert by[("fast-dllm", 8)]["run_per_computed"] > 1.2  # rows finish their blocks at their own steps
+        assert r["same_tokens"], r  # packing changes what runs, never a token
+        assert r["run"] >= r["computed"] - 1e-6 and r["full_width"] >= 1, r  # the first forward is a full one
+    for path in ("padded", "packed"):
+        assert by[("llada", 8, path)]["run_per_computed"] == 1.0  # even quota: every row starts its blocks together
+        assert by[("fast-dllm", 1, path)]["run_per_computed"] == 1.0  # one row: nothing to pad
+    assert by[("fast-dllm", 8, "padded")]["run_per_computed"] > 1.2  # rows finish their blocks at their own steps
+    assert by[("fast-dllm", 8, "packed")]["run_per_computed"] == 1.0  # ... and packed run only their own rows
 
 
 def test_bench_kernels_runs_every_kernel(tmp_path):

@@ -35,6 +35,8 @@ class Cache(Protocol):
     read_cols: Any
     #: True: a partial forward computes only the rows the sampler reads; other columns get zero logits
     sparse_logits: bool
+    #: int or None: the active rows over the batch of the planned partial forward (its padding excluded)
+    query_tokens: Any
 
     def reset(self, batch: int, canvas_len: int) -> None:  # pragma: no cover - protocol
         """Start a new generate() call."""
@@ -56,6 +58,9 @@ class CacheBase:
     observe = None
     read_cols = None
     sparse_logits = False
+    #: the active rows over the batch of the planned partial forward (the model's ``query_tokens``: its per-token
+    #: work runs on these rows packed, without the padding of shorter active sets), or None
+    query_tokens = None
 
     def step_stats(self, n_layers: int) -> dict[str, Any]:
         return {}
@@ -174,6 +179,9 @@ class KVCache(CacheBase):
     #: True for a policy whose partial forwards compute only the rows of the columns the sampler reads (the
     #: candidates), not every window column: the model then returns zero logits for the other columns.
     sparse_logits = False
+    #: False: partial forwards run their per-token work on the padded rows too (``query_tokens`` stays None), the
+    #: readable path and the oracle of the packed one (same logits); set on an instance
+    pack_rows = True
 
     def __init__(self, refresh_every: int | None = None):
         if refresh_every is not None and (not isinstance(refresh_every, int) or refresh_every < 1):
@@ -215,15 +223,16 @@ class KVCache(CacheBase):
         if hint is None:
             mask, counts = self.plan_mask(state)
             # one host sync: whether some unfinished row keeps a partial forward (else a full forward: the cheaper
-            # shape for the same rows) and the size of the largest active set
-            partial, Q = counts.tolist()
+            # shape for the same rows), the size of the largest active set and the active rows over the batch
+            partial, Q, N = counts.tolist()
             prepared = None
         else:
-            mask, partial, Q, prepared = hint
+            mask, partial, Q, N, prepared = hint
         if not partial:
             return self._full(state)
         rows, self._counts, self.read_cols = prepared if prepared is not None else self.plan_rows(state, mask)
         self._rows = rows[:, :Q]
+        self.query_tokens = N if self.pack_rows else None
         self._refresh_layer = -1
         self.after_plan(state, self._rows)
         return self._rows, None
@@ -236,8 +245,9 @@ class KVCache(CacheBase):
         return padded_rows(mask, counts), counts, read_cols(state)
 
     def plan_mask(self, state: CacheState) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(mask [B, T] bool, counts [2] int64)`` of a partial forward on ``state``: the rows to compute and, on
-        the device, whether some unfinished row keeps a partial forward and the largest active set. No host
+        """``(mask [B, T] bool, counts [3] int64)`` of a partial forward on ``state``: the rows to compute and, on
+        the device, whether some unfinished row keeps a partial forward, the largest active set and the active rows
+        over the batch (the forward's ``query_tokens``: its per-token work skips the padding). No host
         synchronisation and no side effect (``select`` / ``refresh_rows`` / ``read_rows`` read only the state and what
         the previous plan and forward left): the decode loop calls it one step ahead."""
         B, T = state.x.shape
@@ -250,13 +260,14 @@ class KVCache(CacheBase):
         if state.valid is not None:
             mask = mask & state.valid
         mask[:, 0] |= ~mask.any(-1)  # a row needs at least one active position
-        counts = torch.stack([(state.active & ~full_rows).any().long(), mask.sum(-1).max()])
+        per_row = mask.sum(-1)
+        counts = torch.stack([(state.active & ~full_rows).any().long(), per_row.max(), per_row.sum()])
         return mask, counts
 
     def _full(self, state: CacheState):
         B, T = state.x.shape
         self._rows, self._counts, self._refresh_layer = None, torch.full((B,), T, device=state.x.device), 0
-        self.read_cols = None
+        self.read_cols, self.query_tokens = None, None
         self.after_plan(state, None)
         return None, 0
 
@@ -332,9 +343,9 @@ class KVCache(CacheBase):
         forward, else the first layer from which some row computed every row (Elastic-Cache), else -1;
         ``computed``: per row, the fraction of its token-layers computed (a row refreshed from layer ``r`` of a
         partial forward counts ``T`` rows from there on); ``run``: the fraction of each row's token-layers the
-        batch's forward ran, padding included (a partial forward runs the largest active set for every row, and
-        from a refresh layer every row of every row): above the rows' mean ``computed`` when rows are out of
-        step, e.g. one row refreshing its block while the others reuse their cache."""
+        batch's forward ran, padding included, as a mean over the batch's rows (a partial forward whose model packs
+        its per-token work, ``query_tokens``, runs the rows' active sets; with per-layer hooks it runs the largest
+        active set for every row, and from a refresh layer every row of every row)."""
         T = self.canvas_len
         counts = self._counts.float()
         if self._refresh_layer == 0:
@@ -346,8 +357,12 @@ class KVCache(CacheBase):
             full = torch.where(r < 0, torch.zeros_like(r), n_layers - r)
             frac = ((n_layers - full) * counts + full * T) / (n_layers * T)
         # what the batch's forward ran per row, padding included: a partial forward computes Q rows of every row
-        # (the largest active set; the others padded with repeats), from a refresh layer on all T of every row
+        # (the largest active set; the others padded with repeats) unless the model packs its per-token work into
+        # the N active rows (query_tokens; not with per-layer hooks), from a refresh layer on all T of every row
         Q = T if self._rows is None else self._rows.shape[1]
+        if self._rows is not None and self.query_tokens is not None and self.layer_input is None \
+                and self.observe is None:
+            Q = self.query_tokens / self._rows.shape[0]
         r = self._refresh_layer
         run = 1.0 if r == 0 else (Q / T if r < 0 else (r * Q + (n_layers - r) * T) / (n_layers * T))
         self.last_stats = {"active": self._counts.clone(), "refresh_layer": self._refresh_layer, "computed": frac,

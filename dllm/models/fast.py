@@ -137,11 +137,11 @@ def _still_views(block: nn.Module) -> bool:
 
 
 def block_forward(block, h, cos, sin, key_mask, layer_idx: int, cache=None, rows=None, blocks=None, pending=None,
-                  defer: bool = False):
+                  defer: bool = False, pack=None):
     """:meth:`Block.forward` with fused weights and kernels; same inputs, same outputs (to rounding). ``pending``:
     the previous layer's deferred residual (the input is ``h + pending``, added inside the norm's kernel);
-    ``defer``: return ``(h, y)`` and leave this layer's last add to the next one."""
-    B, T, _ = h.shape
+    ``defer``: return ``(h, y)`` and leave this layer's last add to the next one; ``pack``: ``h`` holds the active
+    rows packed (:class:`~dllm.models.transformer.RowPacking`), unpacked around attention."""
     eps = block.attn_norm.eps
     if pending is None:
         x = fused.rms_norm(h, block.attn_norm.weight, eps)
@@ -151,6 +151,9 @@ def block_forward(block, h, cos, sin, key_mask, layer_idx: int, cache=None, rows
         qkv = block.qkv(x)
     else:
         qkv = F.linear(x, block.qkv_weight, getattr(block, "qkv_bias", None))
+    if pack is not None:  # RoPE, the cache's writes and attention on the padded rows
+        qkv = pack.unpack(qkv)
+    B, T, _ = qkv.shape
     if hasattr(block, "q_norm"):
         norm_w, norm_eps = block.qk_norm_weight, block.q_norm.eps
     else:
@@ -175,7 +178,8 @@ def block_forward(block, h, cos, sin, key_mask, layer_idx: int, cache=None, rows
     observe = cache.observe if cache is not None else None
     if observe is not None:
         observe(layer_idx, q, k, key_mask, rows)
-    h, x = fused.add_rms_norm(h, block.o(a.transpose(1, 2).reshape(B, T, -1)), block.mlp_norm.weight,
+    a = a.transpose(1, 2).reshape(B, T, -1)
+    h, x = fused.add_rms_norm(h, block.o(a if pack is None else pack.pack(a)), block.mlp_norm.weight,
                               block.mlp_norm.eps)
     if hasattr(block, "moe"):
         y = block.moe(x)

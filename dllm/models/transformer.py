@@ -164,6 +164,36 @@ class MoE(nn.Module):
         return y.view(shape)
 
 
+class RowPacking:
+    """The active rows of a partial forward without their padding. ``rows`` ``[B, Q]`` pads a row's shorter active
+    set by repeating its first index; the per-token work of a layer (norms, products, MLP) runs on the ``N``
+    distinct rows packed as ``[1, N, ...]`` and only attention, RoPE and the cache's writes on the padded
+    ``[B, Q, ...]`` layout, whose padding repeats the row's first token (as computing it again would).
+
+    ``take`` ``[N]``: the padded slot of each packed row (row-major order); ``spread`` ``[B * Q]``: the packed row
+    of each slot (a padding slot: its row's first). Device work only: ``N`` comes from the host (the decode loop's
+    synchronisation), and a wrong ``N`` fails a device assertion."""
+
+    def __init__(self, rows: torch.Tensor, n: int):
+        B, Q = rows.shape
+        self.B, self.Q, self.N = B, Q, n
+        real = torch.ones_like(rows, dtype=torch.bool)
+        real[:, 1:] = rows[:, 1:] != rows[:, :1]
+        flat = real.flatten()
+        torch._assert_async(flat.sum() == n, "query_tokens is not the number of distinct active rows")
+        self.take = torch.argsort((~flat).to(torch.int8), stable=True)[:n]
+        packed = flat.long().cumsum(0) - 1
+        self.spread = torch.where(flat, packed, packed.view(B, Q)[:, :1].expand(B, Q).flatten())
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        """``[B, Q, ...]`` -> ``[1, N, ...]``."""
+        return t.reshape(self.B * self.Q, *t.shape[2:]).index_select(0, self.take)[None]
+
+    def unpack(self, t: torch.Tensor) -> torch.Tensor:
+        """``[1, N, ...]`` -> ``[B, Q, ...]`` (padding slots repeat their row's first)."""
+        return t[0].index_select(0, self.spread).view(self.B, self.Q, *t.shape[2:])
+
+
 class Block(nn.Module):
     fast = False  # run :func:`dllm.models.fast.block_forward` (set by :func:`dllm.models.fast.enable_fast_path`)
     fused = False  # q/k/v and gate/up parameters are views of fused buffers (:func:`dllm.models.fast.fuse_block`)
@@ -193,7 +223,7 @@ class Block(nn.Module):
             self.down = nn.Linear(cfg.mlp_hidden, d, bias=False)
 
     def forward(self, h, cos, sin, key_mask, layer_idx: int, cache=None, rows=None, blocks=None, pending=None,
-                defer: bool = False):
+                defer: bool = False, pack: RowPacking | None = None):
         """``h``: ``[B, Q, d]`` hidden states of the computed rows (all ``T`` rows when ``rows`` is None, else
         the canvas rows ``rows`` ``[B, Q]``); ``cos``/``sin`` are the RoPE tables of those rows. Keys and
         values of the rows not computed come from ``cache.update``. ``blocks``: ``(query blocks [B, Q], key
@@ -202,10 +232,12 @@ class Block(nn.Module):
 
         ``pending`` / ``defer`` (the fast path's residual fusion): the layer input is ``h + pending`` (the previous
         layer's last residual add, done here inside the norm's kernel), and with ``defer`` the layer returns
-        ``(h, y)`` instead of ``h + y``, leaving its own last add to the next layer."""
+        ``(h, y)`` instead of ``h + y``, leaving its own last add to the next layer. ``pack``: ``h`` (and
+        ``pending``) hold the active rows packed, ``[1, N, d]`` (:class:`RowPacking`); attention runs on the
+        padded rows."""
         if self.fast:
             return fast_path.block_forward(self, h, cos, sin, key_mask, layer_idx, cache, rows, blocks, pending,
-                                           defer)
+                                           defer, pack)
         if pending is not None:
             h = h + pending
         B, T, _ = h.shape
@@ -219,6 +251,9 @@ class Block(nn.Module):
             v = self.v(x).view(B, T, self.n_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):  # per head, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
+        if pack is not None:  # attention on the padded rows
+            q, k, v = pack.unpack(q), pack.unpack(k), pack.unpack(v)
+            B, T = pack.B, pack.Q
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
@@ -232,7 +267,8 @@ class Block(nn.Module):
         observe = cache.observe if cache is not None else None
         if observe is not None:  # optional hook (Elastic-Cache: attention mass, drift test)
             observe(layer_idx, q, k, key_mask, rows)
-        h = h + self.o(a.transpose(1, 2).reshape(B, T, -1))
+        a = a.transpose(1, 2).reshape(B, T, -1)
+        h = h + self.o(a if pack is None else pack.pack(a))
         x = self.mlp_norm(h)
         y = self.moe(x) if hasattr(self, "moe") else self.down(F.silu(self.gate(x)) * self.up(x))
         return (h, y) if defer else h + y
@@ -314,6 +350,7 @@ class Transformer(nn.Module):
         key_positions: torch.Tensor | None = None,
         block_size: int | None = None,
         attn_pattern: torch.Tensor | None = None,
+        query_tokens: int | None = None,
     ) -> torch.Tensor:
         """Logits for the positions the caller asks for.
 
@@ -351,6 +388,12 @@ class Transformer(nn.Module):
                 bidirectional default (padding keys still excluded); only for full forwards. Block-diffusion
                 training uses it: a noisy and a clean copy of the sequence in one forward attend by rules that
                 no block grid expresses (:mod:`dllm.tiny.train`).
+            query_tokens: with ``query_idx`` whose rows pad their shorter active sets by repeating their first
+                index: the number of distinct active rows over the batch (``N``, the sum of the rows' counts).
+                Below ``B x Q``, each layer's per-token work (norms, products, MLP) runs on those ``N`` rows only
+                and attention on the padded rows (:class:`RowPacking`): rows whose active sets differ (one row
+                refreshing its block, the others reading their cache) no longer compute their padding. Not with a
+                cache's ``layer_input`` / ``observe`` hooks (they see the padded rows). ``None``: the padded rows.
 
         Returns:
             ``[B, R, V]`` (or ``[B, T, V]``) logits in the model dtype.
@@ -375,6 +418,11 @@ class Transformer(nn.Module):
         query_blocks = positions // bs if bs else None
         key_blocks = (query_blocks if key_positions is None else key_positions // bs) if bs else None
         layer_input = cache.layer_input if cache is not None else None
+        pack = None
+        if (query_tokens is not None and rows is not None and query_tokens < rows.numel() and layer_input is None
+                and cache.observe is None):
+            pack = RowPacking(rows, query_tokens)
+            h = pack.pack(h)
         pending = None  # a fast layer's last residual add, done by the next layer inside its norm kernel
         for i, layer in enumerate(self.layers):
             if layer_input is not None:  # the cache sees each layer's input; it may switch to every row
@@ -390,9 +438,9 @@ class Transformer(nn.Module):
                 blocks = None if bs is None else (query_blocks if rows is None else query_blocks.gather(1, rows),
                                                   key_blocks)
             if layer.fast and not (layer._forward_hooks or layer._forward_pre_hooks):  # nobody sees layer outputs
-                h, pending = layer(h, cos, sin, attn_mask, i, cache, rows, blocks, pending, True)
+                h, pending = layer(h, cos, sin, attn_mask, i, cache, rows, blocks, pending, True, pack=pack)
             else:
-                h, pending = layer(h, cos, sin, attn_mask, i, cache, rows, blocks, pending), None
+                h, pending = layer(h, cos, sin, attn_mask, i, cache, rows, blocks, pending, pack=pack), None
         if pending is not None:
             h = h + pending
         if rows is None:
@@ -424,7 +472,10 @@ class Transformer(nn.Module):
             raise ValueError("logits were asked for rows outside query_idx; the cache's active set must contain "
                              "every row whose logits are read (for shifted-logit families, column c needs row c - 1)")
         pos = hit.to(torch.int8).argmax(-1)
-        h = h.gather(1, pos[..., None].expand(-1, -1, h.shape[-1]))
+        if pack is not None:  # the packed row of each wanted slot
+            h = h[0].index_select(0, pack.spread.view(B, -1).gather(1, pos).flatten()).view(B, -1, h.shape[-1])
+        else:
+            h = h.gather(1, pos[..., None].expand(-1, -1, h.shape[-1]))
         return self.head(self._final_norm(h)).masked_fill(uncovered[..., None], 0.0)
 
     def _final_norm(self, h: torch.Tensor) -> torch.Tensor:
