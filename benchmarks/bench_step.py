@@ -16,7 +16,10 @@ cached steps replayed as CUDA graphs; ``compile``: ``torch.compile`` of the mode
 ``--e2e`` adds whole generations (prompt 512, gen 256, batch 1) with no cache, prefix and dual cache and the
 speed-up of each cache over none; ``--breakdown`` (CUDA) the kernels that take a full forward's and a cached step's
 device time, published layer against fast layer; ``--fastdllm DIR`` (a checkout of NVlabs/Fast-dLLM, its ``llada`` folder with
-``generate.py`` and ``model/``) times Fast-dLLM's own ``generate_with_dual_cache`` on the same weights and steps.
+``generate.py`` and ``model/``) times Fast-dLLM's own ``generate_with_dual_cache`` on the same weights and steps;
+``--packing`` one partial forward of a batch of 16 rows out of step (one row refreshing its whole canvas, the others
+computing their block of the dual cache), padded (every row computes the whole canvas) against packed
+(``query_tokens``: each row its own active rows), the fast layer as ``load_model`` runs it on CUDA.
 
     python benchmarks/bench_step.py                              # GPU: 32 layers, the shape above
     python benchmarks/bench_step.py --layers 8 --e2e --json out.json
@@ -223,6 +226,49 @@ def breakdown(model, a, B: int = 1, top: int = 12):
     return rows
 
 
+def packing(model, a, B: int = 16, reps: int = 5):
+    """ms of one partial forward with rows out of step (row 0 refreshes its whole canvas, the others compute their
+    current block), padded and packed, and their ratio."""
+    from dllm.caches import get_cache
+    from dllm.caches.base import padded_rows
+
+    enable_fast_path(model)
+    T, lo, hi = a.prompt + a.gen, a.prompt, a.prompt + a.block
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(3, model.config.vocab_size - 1, (B, T), generator=g).to(a.device)
+    cache = get_cache("dual")
+    cache.reset(B, T)
+    with torch.no_grad():
+        model(x, cache=cache, logits_idx=torch.arange(lo, hi, device=a.device).expand(B, -1))  # fills the K/V
+    mask = torch.zeros(B, T, dtype=torch.bool, device=a.device)
+    mask[0] = True
+    mask[1:, lo:hi] = True
+    counts = mask.sum(-1)
+    rows = padded_rows(mask, counts)[:, :T]
+    logits_idx = torch.arange(lo, hi, device=a.device).expand(B, -1)
+    n = int(counts.sum())
+    ms = {}
+    for name, tokens in (("padded", None), ("packed", n)):
+        def fn(tokens=tokens):
+            with torch.no_grad():
+                model(x, cache=cache, query_idx=rows, logits_idx=logits_idx, query_tokens=tokens)
+        for _ in range(2):
+            fn()
+        times = []
+        for _ in range(reps):
+            sync(a.device)
+            t0 = time.perf_counter()
+            fn()
+            sync(a.device)
+            times.append((time.perf_counter() - t0) * 1e3)
+        ms[name] = statistics.median(times)
+    row = {"what": "packing", "batch": B, "rows_computed_padded": B * T, "rows_computed_packed": n,
+           "padded_ms": round(ms["padded"], 3), "packed_ms": round(ms["packed"], 3),
+           "speedup": round(ms["padded"] / ms["packed"], 2)}
+    print(json.dumps(row), flush=True)
+    return [row]
+
+
 def e2e(model, a, B: int = 1):
     rows = []
     g = torch.Generator().manual_seed(7)
@@ -307,6 +353,8 @@ def main(argv=None):
     p.add_argument("--none-steps", type=int, default=4, help="steps timed without a cache")
     p.add_argument("--e2e", action="store_true", help="whole generations: none / prefix / dual, batch 1")
     p.add_argument("--fastdllm", default=None, help="a Fast-dLLM checkout: time its generate_with_dual_cache")
+    p.add_argument("--packing", action="store_true",
+                   help="one partial forward of 16 rows out of step, padded against packed (query_tokens)")
     p.add_argument("--breakdown", action="store_true",
                    help="the kernels taking a full forward's and a cached step's time, base and fast layer")
     p.add_argument("--json", default=None)
@@ -364,7 +412,7 @@ def main(argv=None):
                 rows.append(r)
                 print(json.dumps(r), flush=True)
                 del dec, st
-    for flag, fn in ((a.e2e, e2e), (a.fastdllm, fastdllm), (a.breakdown, breakdown)):
+    for flag, fn in ((a.e2e, e2e), (a.fastdllm, fastdllm), (a.packing, packing), (a.breakdown, breakdown)):
         if flag:
             try:
                 rows += fn(model, a)

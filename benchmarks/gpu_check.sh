@@ -32,7 +32,7 @@ if want step; then
     if [ "${QUICK:-0}" = "1" ]; then
         extra+=(--batch 1 16 --modes base graph --caches none dual)  # prefix: in the whole generations (--e2e)
     fi
-    timeout 300 python3 benchmarks/bench_step.py --e2e --breakdown "${extra[@]}" --json "$OUT/step.json" 2>&1 \
+    timeout 300 python3 benchmarks/bench_step.py --e2e --packing --breakdown "${extra[@]}" --json "$OUT/step.json" 2>&1 \
         | grep --line-buffered -v USDT | tee "$OUT/bench_step.log"
 fi
 

@@ -25,7 +25,7 @@ def run(script: str, *args: str, tmp_path: Path) -> list | dict:
 
 def test_bench_step_counts_one_host_sync_per_step(tmp_path):
     rows = run("bench_step.py", "--batch", "1", "2", "--modes", "base", "graph", "--caches", "none", "dual",
-               "--blocks", "1", tmp_path=tmp_path)
+               "--blocks", "1", "--packing", tmp_path=tmp_path)
     floor = [r for r in rows if r["what"] == "floor"]
     assert len(floor) == 1 and floor[0]["floor_ms"] > 0
     steps = [r for r in rows if r["what"] == "step"]
@@ -39,6 +39,9 @@ def test_bench_step_counts_one_host_sync_per_step(tmp_path):
     by = {(r["mode"], r["cache"], r["batch"]): r for r in steps}
     for b in (1, 2):  # a cached step computes fewer positions but launches the cache's own kernels too
         assert by[("graph", "dual", b)]["graphs"]["replays"] > 0  # the graph path's CPU twin ran the cached steps
+    (pack,) = [r for r in rows if r["what"] == "packing"]  # 16 rows, one refreshing its canvas of 64
+    assert pack["rows_computed_padded"] == 16 * 64 and pack["rows_computed_packed"] == 64 + 15 * 8
+    assert pack["padded_ms"] > 0 and pack["packed_ms"] > 0
 
 
 def test_bench_caches_compares_every_cache_with_none(tmp_path):
