@@ -118,3 +118,11 @@ def test_block_diffusion_models_pack_their_exact_cache():
     assert torch.equal(outs[0].sequences, outs[1].sequences)
     assert outs[0].stats.row_nfe == outs[1].stats.row_nfe
     assert sum(r["run"] for r in outs[1].stats.trace) < sum(r["run"] for r in outs[0].stats.trace)
+
+
+def test_guidance_packs_both_copies(llada_tiny):
+    """Classifier-free guidance stacks an unconditional copy of the batch: the packed count doubles with it."""
+    padded = _run(llada_tiny, "dual", False, cfg_scale=0.5)
+    packed = _run(llada_tiny, "dual", True, cfg_scale=0.5)
+    assert torch.equal(padded.sequences, packed.sequences)
+    assert sum(r["run"] for r in packed.stats.trace) < sum(r["run"] for r in padded.stats.trace)
