@@ -126,3 +126,21 @@ def test_guidance_packs_both_copies(llada_tiny):
     packed = _run(llada_tiny, "dual", True, cfg_scale=0.5)
     assert torch.equal(padded.sequences, packed.sequences)
     assert sum(r["run"] for r in packed.stats.trace) < sum(r["run"] for r in padded.stats.trace)
+
+
+def test_query_tokens_is_checked_and_layer_hooks_see_padded_rows():
+    model = random_model("llada")
+    x, cache, rows, logits_idx, n = _partial_inputs(model)
+    for bad in (0, rows.numel() + 1, 2.0, True):
+        with pytest.raises(ValueError, match="query_tokens"):
+            model(x, cache=copy.deepcopy(cache), query_idx=rows, logits_idx=logits_idx, query_tokens=bad)
+    with pytest.raises(ValueError, match="given only with query_idx"):
+        model(x, query_tokens=5)
+    shapes = []
+    handle = model.layers[0].register_forward_hook(lambda mod, args, out: shapes.append(tuple(args[0].shape)))
+    try:
+        hooked = model(x, cache=copy.deepcopy(cache), query_idx=rows, logits_idx=logits_idx, query_tokens=n)
+    finally:
+        handle.remove()
+    assert shapes == [tuple(rows.shape) + (model.config.d_model,)]  # not packed: the hook sees [B, Q, d]
+    assert torch.equal(hooked, model(x, cache=copy.deepcopy(cache), query_idx=rows, logits_idx=logits_idx))

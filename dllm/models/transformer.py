@@ -393,7 +393,8 @@ class Transformer(nn.Module):
                 Below ``B x Q``, each layer's per-token work (norms, products, MLP) runs on those ``N`` rows only
                 and attention on the padded rows (:class:`RowPacking`): rows whose active sets differ (one row
                 refreshing its block, the others reading their cache) no longer compute their padding. Not with a
-                cache's ``layer_input`` / ``observe`` hooks (they see the padded rows). ``None``: the padded rows.
+                cache's ``layer_input`` / ``observe`` hooks or a layer's forward hooks (they see the padded rows).
+                ``None``: the padded rows.
 
         Returns:
             ``[B, R, V]`` (or ``[B, T, V]``) logits in the model dtype.
@@ -419,10 +420,15 @@ class Transformer(nn.Module):
         key_blocks = (query_blocks if key_positions is None else key_positions // bs) if bs else None
         layer_input = cache.layer_input if cache is not None else None
         pack = None
-        if (query_tokens is not None and rows is not None and query_tokens < rows.numel() and layer_input is None
-                and cache.observe is None):
-            pack = RowPacking(rows, query_tokens)
-            h = pack.pack(h)
+        if query_tokens is not None:
+            if rows is None or isinstance(query_tokens, bool) or not isinstance(query_tokens, int) \
+                    or not 0 < query_tokens <= rows.numel():
+                raise ValueError(f"query_tokens={query_tokens!r}: the number of distinct active rows of query_idx "
+                                 f"(1 to B x Q), given only with query_idx")
+            hooked = any(layer._forward_hooks or layer._forward_pre_hooks for layer in self.layers)
+            if query_tokens < rows.numel() and layer_input is None and cache.observe is None and not hooked:
+                pack = RowPacking(rows, query_tokens)  # layer hooks and cache hooks see the padded rows
+                h = pack.pack(h)
         pending = None  # a fast layer's last residual add, done by the next layer inside its norm kernel
         for i, layer in enumerate(self.layers):
             if layer_input is not None:  # the cache sees each layer's input; it may switch to every row
