@@ -6,10 +6,10 @@
 #
 #     bash benchmarks/gpu_check.sh [FASTDLLM_DIR]     # FASTDLLM_DIR: a Fast-dLLM checkout (optional)
 #     QUICK=1 bash benchmarks/gpu_check.sh ...        # batch 1 and 16, no/dual cache, two modes: a short lease
-#     PARTS="step tests" bash benchmarks/gpu_check.sh # some parts only (step tests caches kernels; default all)
+#     PARTS="step tests" bash benchmarks/gpu_check.sh # some parts only (step extra tests caches kernels; default all)
 #
-# The parts take at most 300 + 100 + 120 + 100 seconds: where one command may run 600 seconds, run PARTS="step"
-# and then PARTS="tests caches kernels".
+# The parts take at most 300 + 120 + 100 + 120 + 100 seconds: where one command may run 600 seconds, run
+# PARTS="step" and then PARTS="extra tests caches kernels".
 # The figures go into docs/performance.md with the card, the command and the date.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +17,7 @@ OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 FASTDLLM=${1:-}
-PARTS=${PARTS:-step tests caches kernels}
+PARTS=${PARTS:-step extra tests caches kernels}
 log() { echo "== $* ($(date -u +%H:%M:%S))"; }
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 
@@ -32,8 +32,14 @@ if want step; then
     if [ "${QUICK:-0}" = "1" ]; then
         extra+=(--batch 1 16 --modes base graph --caches none dual)  # prefix: in the whole generations (--e2e)
     fi
-    timeout 300 python3 benchmarks/bench_step.py --e2e --packing --breakdown "${extra[@]}" --json "$OUT/step.json" 2>&1 \
+    timeout 300 python3 benchmarks/bench_step.py --e2e "${extra[@]}" --json "$OUT/step.json" 2>&1 \
         | grep --line-buffered -v USDT | tee "$OUT/bench_step.log"
+fi
+
+if want extra; then
+    log bench_step packing and breakdown
+    timeout 120 python3 benchmarks/bench_step.py --modes graph --caches dual --batch 1 --packing --breakdown \
+        --json "$OUT/step_extra.json" 2>&1 | grep --line-buffered -v USDT | tee "$OUT/bench_step_extra.log"
 fi
 
 if want tests; then
