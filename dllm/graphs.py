@@ -94,11 +94,16 @@ class GraphRunner:
             raise ValueError(f"graphs={mode!r}: expected one of {', '.join(GRAPH_MODES)}")
         if mode == "off" or (mode == "auto" and getattr(model, "device", torch.device("cpu")).type != "cuda"):
             return None
-        runner = model.__dict__.get("_dllm_graphs")
+        runner = cls.of(model)
         if runner is None:
             runner = cls(model)
             model.__dict__["_dllm_graphs"] = runner
         return runner
+
+    @staticmethod
+    def of(model) -> GraphRunner | None:
+        """The runner :meth:`for_model` keeps on ``model``, or None where none was made."""
+        return model.__dict__.get("_dllm_graphs")
 
     # -- eligibility ------------------------------------------------------------------------------------------
     def eager_reason(self, cache, query_idx, cfg: bool) -> str | None:

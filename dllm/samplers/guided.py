@@ -380,6 +380,7 @@ class GuidedSampler(SamplerBase):
         hit_stop = torch.zeros(B, dtype=torch.bool, device=dev)
         ar_forwards = 0
         Vc = min(V, g.config.vocab_size if isinstance(getattr(g.config, "vocab_size", None), int) else V)
+        kv = cache_argument(g)  # the name the guide's forward takes its KV cache under
         while bool(open_.any()):
             _compact(st)
             u = torch.minimum(v + self.chunk, end)  # verify [v, u)
@@ -392,8 +393,7 @@ class GuidedSampler(SamplerBase):
             ids = torch.where(new_valid, full.gather(1, feed_cols), torch.full_like(feed_cols, int(eos)))
             pos = torch.where(new_valid, feed_cols - st["npad"][:, None], torch.zeros_like(feed_cols))
             att = torch.cat([st["slots"], new_valid], 1)
-            out = g(input_ids=ids, attention_mask=att.long(), position_ids=pos, use_cache=True,
-                    **{cache_argument(g): st["cache"]})
+            out = g(input_ids=ids, attention_mask=att.long(), position_ids=pos, use_cache=True, **{kv: st["cache"]})
             ar_forwards += 1
             n = (u - v).clamp_min(0)
             K = int(n.max())

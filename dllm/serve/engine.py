@@ -46,6 +46,7 @@ import torch
 
 from dllm.config import GRAPH_MODES, GenerateConfig
 from dllm.generate import Decoder, DecodeState, decode_texts, prepare_prompts, row_keys
+from dllm.graphs import GraphRunner
 from dllm.ops import moved_rows
 from dllm.recipes import model_block_size, resolve
 from dllm.samplers import get_sampler
@@ -846,7 +847,7 @@ class Engine:
             waiting = len(self.waiting)
             groups = list(self.groups.values())
         running = sum(len(g.requests) for g in groups)
-        runner = self.model.__dict__.get("_dllm_graphs")  # how the cached forwards ran (GraphRunner.stats)
+        runner = GraphRunner.of(self.model)  # how the cached forwards ran (GraphRunner.stats)
         return {**self.metrics, "waiting": waiting, "running": running, "groups": len(groups),
                 "alive": self.alive(),
                 "last_tick_age": None if self.last_tick is None else time.monotonic() - self.last_tick,
