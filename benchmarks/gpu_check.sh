@@ -8,7 +8,7 @@
 #     QUICK=1 bash benchmarks/gpu_check.sh ...        # batch 1 and 16, no/dual cache, two modes: a short lease
 #     PARTS="step tests" bash benchmarks/gpu_check.sh # some parts only (step extra tests caches kernels; default all)
 #
-# The parts take at most 300 + 120 + 100 + 120 + 100 seconds: where one command may run 600 seconds, run
+# The parts take at most 300 + 180 + 100 + 120 + 100 seconds: where one command may run 600 seconds, run
 # PARTS="step" and then PARTS="extra tests caches kernels".
 # The figures go into docs/performance.md with the card, the command and the date.
 set -uo pipefail
@@ -40,6 +40,9 @@ if want extra; then
     log bench_step packing and breakdown
     timeout 120 python3 benchmarks/bench_step.py --modes graph --caches dual --batch 1 --packing --breakdown \
         --json "$OUT/step_extra.json" 2>&1 | grep --line-buffered -v USDT | tee "$OUT/bench_step_extra.log"
+    log bench_graph_keys
+    timeout 60 python3 benchmarks/bench_graph_keys.py --calls 4 --batch 1 4 --configs llada:dual llada:dkv-decode \
+        --json "$OUT/graph_keys.json" 2>&1 | grep --line-buffered -v USDT | tee "$OUT/bench_graph_keys.log"
 fi
 
 if want tests; then

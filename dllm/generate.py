@@ -13,6 +13,7 @@ from dllm.caches.base import CacheState, KVCache
 from dllm.config import GenerateConfig
 from dllm.graphs import GraphRunner
 from dllm.models.spec import vocab_size
+from dllm.ops import shape_bucket
 from dllm.recipes import resolve
 from dllm.samplers.base import StepContext, row_key_words
 
@@ -243,10 +244,13 @@ def generate(
         raise ValueError("the model has no mask token id; set model.mask_id")
     rows = prepare_prompts(model, prompts, attention_mask, config.chat_template)
     dec = Decoder(model, sampler, cache, policy, config)
-    st = dec.start(rows, row_ids)
-    while dec.step(st):
-        pass
-    return dec.output(st)
+    try:
+        st = dec.start(rows, row_ids)
+        while dec.step(st):
+            pass
+        return dec.output(st)
+    finally:
+        dec.release()
 
 
 @dataclass
@@ -304,6 +308,23 @@ class Decoder:
         self.clock = _Clock(self.device)
         self.graphs = GraphRunner.for_model(model, config.graphs) if isinstance(cache, KVCache) else None
         self._graph_stats0 = dict(self.graphs.stats) if self.graphs is not None else {}
+        if self.graphs is not None:  # the graph path's shapes rounded up, its K/V buffers lent by the runner's pool
+            cache.buckets, cache.pool = self.graphs.buckets, self.graphs.buffers
+
+    def prompt_width(self, longest: int) -> int:
+        """The canvas column where generation starts for prompts of at most ``longest`` tokens: ``longest``, or on
+        the graph path the canvas length rounded up to a :func:`~dllm.ops.shape_bucket` size (within the model's
+        context) less ``gen_length``: more left padding, masked out as every shorter prompt's is, so that a few
+        canvas lengths (and their graphs) serve every prompt length."""
+        G = self.config.gen_length
+        if self.graphs is None or not self.graphs.buckets:
+            return longest
+        return shape_bucket(longest + G, self.model.max_seq_len) - G
+
+    def release(self) -> None:
+        """The end of a generation: a cache's K/V buffers lent by the graph path's pool go back to it."""
+        if self.graphs is not None and isinstance(self.cache, KVCache):
+            self.cache.release()
 
     def start(self, rows: list[list[int]], row_ids=None) -> DecodeState:
         model, config, device = self.model, self.config, self.device
@@ -316,6 +337,8 @@ class Decoder:
                 f"longest prompt ({P} tokens) + gen_length ({G}) = {T} exceeds the model's context of "
                 f"{model.max_seq_len} tokens; shorten the prompt or lower gen_length"
             )
+        P = self.prompt_width(P)
+        T = P + G
         pad = model.pad_id if model.pad_id is not None else model.eos_id
         x = torch.full((B, T), model.mask_id, dtype=torch.long, device=device)
         valid = torch.ones((B, T), dtype=torch.bool, device=device)

@@ -10,10 +10,20 @@ few hundred kernel launches.
 :class:`GraphRunner` does this for one model:
 
 * a graph is keyed by ``(B, T, Q, W, dtype, key mask present, sparse logits, the addresses of the cache's
-  K/V buffers, N)``: batch, canvas length, active rows, logits columns (the batch, active-width and canvas-length
-  buckets), and the active rows over the batch without padding where the rows' active sets differ
-  (``query_tokens``: the per-token work runs on those rows packed). A key is captured the second time it is seen (a shape seen once, e.g. the last block of a prefix
-  cache, runs eagerly), at most ``max_graphs`` graphs are kept (least recently used dropped);
+  K/V buffers, N)``: batch, canvas length, active rows, logits columns, and the active rows over the batch without
+  padding where the rows' active sets differ (``query_tokens``: the per-token work runs on those rows packed). A key
+  is captured the second time it is seen (a shape seen once runs eagerly), at most ``max_graphs`` graphs are kept
+  (least recently used dropped);
+* shapes are bucketed (``buckets``, default on): the decode loop rounds the canvas up to a
+  :func:`~dllm.ops.shape_bucket` length (more left padding, masked out like any shorter prompt's), the cache rounds
+  ``Q`` and ``N`` up (more repeats of each row's first active row, computed and dropped), and the runner the logits
+  columns (the last one repeated, its logits dropped); so a few graphs serve every prompt length, a width that
+  falls step by step (dKV-Cache-Decode) and rows out of step. Each size is at most 12.5% above the exact one past
+  64 (below it the next power of two: a GPU step of that few rows costs what one row costs);
+* the K/V buffers are lent by the runner's :class:`BufferPool` (the decode loop gives them back at the end of a
+  generation, the serving engine when a batch ends): the fresh cache of the next call takes the same buffers, so a
+  graph captured in one call replays in the next. A cache whose writes are ``KVCache.update``'s touches only those
+  buffers inside the forward, so its graphs are keyed by the buffers, not by the cache object;
 * the static inputs are the canvas, RoPE positions, key mask, active rows, logits columns and the cache's
   ``read_cols``; each step copies the live tensors into them (device-to-device, no host synchronisation; an input
   that is the same tensor, unmodified, as the last copy's is not copied again), replays, and returns a copy of the
@@ -30,21 +40,64 @@ the captured graph gives the same logits as that forward (the same kernels, repl
 from __future__ import annotations
 
 import logging
-from collections import Counter, OrderedDict
+import threading
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from dllm.caches.base import KVCache
+from dllm.caches.base import KVCache, storage_of
 from dllm.config import GRAPH_MODES
 from dllm.kernels.dispatch import reset_rng_capture_state
 from dllm.models.transformer import Transformer
+from dllm.ops import shape_bucket
 
 log = logging.getLogger(__name__)
 
 
 _INPUTS = ("x", "positions", "key_mask", "logits_idx", "query_idx", "read_cols")  # a graph's static inputs
+
+
+class BufferPool:
+    """K/V buffers lent to the caches of a model's graph path, so that the caches of successive ``generate`` calls
+    (a fresh cache object per call) write into the same memory: the graphs captured on one call's buffers replay on
+    the next call's. A cache takes a buffer of a shape (:meth:`take`, the oldest free one of that shape: a cache
+    that gives its buffers back in layer order takes the same ones again in that order) and gives its buffers back
+    when its generation ends (:meth:`give`); a buffer is lent to one cache at a time. Free buffers are kept for the
+    ``max_shapes`` shapes given back last (the others are freed)."""
+
+    def __init__(self, max_shapes: int = 4):
+        self.max_shapes = max_shapes
+        self.free: OrderedDict[tuple, deque] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def take(self, shape, dtype, device) -> torch.Tensor:
+        key = (tuple(shape), dtype, torch.device(device))
+        with self.lock:
+            q = self.free.get(key)
+            if q:
+                t = q.popleft()
+                if not q:
+                    del self.free[key]
+                return t
+        return torch.empty(key[0], dtype=dtype, device=device)
+
+    def give(self, tensors) -> None:
+        with self.lock:
+            for t in tensors:
+                if t is None or not t.is_contiguous() or t._base is not None:
+                    continue
+                key = (tuple(t.shape), t.dtype, t.device)
+                self.free.setdefault(key, deque()).append(t)
+                self.free.move_to_end(key)
+            while len(self.free) > self.max_shapes:
+                self.free.popitem(last=False)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the free buffers."""
+        return sum(t.numel() * t.element_size() for q in self.free.values() for t in q)
 
 
 @dataclass
@@ -73,7 +126,8 @@ class GraphRunner:
     static-buffer path without capturing (the CPU twin). ``capture_after``: how many times a shape must be seen
     before it is captured (2: the second time). ``max_graphs``: graphs kept per runner."""
 
-    def __init__(self, model, capture: bool | None = None, capture_after: int = 2, max_graphs: int = 32):
+    def __init__(self, model, capture: bool | None = None, capture_after: int = 2, max_graphs: int = 32,
+                 buckets: bool = True):
         if capture_after < 1 or max_graphs < 1:
             raise ValueError(f"capture_after ({capture_after}) and max_graphs ({max_graphs}) must be >= 1")
         self.model = model
@@ -85,6 +139,11 @@ class GraphRunner:
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self.stats: Counter = Counter()
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        #: shapes rounded up to :func:`shape_bucket` sizes (the decode loop's canvas length, the cache's active and
+        #: packed rows, the logits columns here), so that a few graphs serve the shapes a generation goes through
+        self.buckets = bool(buckets)
+        #: the K/V buffers lent to the caches of this model's graph path (:class:`BufferPool`)
+        self.buffers = BufferPool()
 
     @classmethod
     def for_model(cls, model, mode: str) -> GraphRunner | None:
@@ -127,13 +186,26 @@ class GraphRunner:
         """Logits of a partial forward ``model(x, positions=..., attn_mask=key_mask, logits_idx=...,
         cache=cache, query_idx=query_idx, query_tokens=query_tokens)``, through a graph."""
         bufs = [t for t in cache.k + cache.v if t is not None]
-        key = (tuple(x.shape), query_idx.shape[1], logits_idx.shape[1], key_mask is None, cache.read_cols is None,
-               bool(cache.sparse_logits), x.device, self.model.dtype, id(cache),
+        B, W = logits_idx.shape
+        Wb = shape_bucket(W, x.shape[1]) if self.buckets else W  # logits columns: the last one repeated up to Wb
+        # a batch in a bucket's buffers (KVCache.batch_buckets) runs as the bucket: the extra rows copy row 0 (their
+        # writes land in the buffers' spare rows, their logits are dropped); the packed rows count them in full
+        Bb = max(B, cache.capacity())
+        if Bb > B and query_tokens is not None:
+            Q = query_idx.shape[1]
+            query_tokens = shape_bucket(min(query_tokens + (Bb - B) * Q, Bb * Q), Bb * Q)
+        # a cache whose writes are KVCache.update's touches nothing but its K/V buffers inside the forward: its
+        # graphs are keyed by the buffers' addresses (any cache object holding them, e.g. the next call's, from
+        # the pool); a policy with its own update (state of its own, captured by address) by the object too
+        owner_id = None if type(cache).update is KVCache.update else id(cache)
+        key = ((Bb, *x.shape[1:]), query_idx.shape[1], Wb, key_mask is None, cache.read_cols is None,
+               bool(cache.sparse_logits), x.device, self.model.dtype, owner_id,
                tuple(t.data_ptr() for t in bufs), query_tokens)
         g = self.graphs.get(key)
         live = (x, positions, key_mask, logits_idx, query_idx, cache.read_cols)
-        if g is None:  # static buffers like the live inputs (dense, whatever their strides)
-            g = self.graphs[key] = _Graph(*(None if t is None else torch.empty_like(t) for t in live),
+        if g is None:  # static buffers like the live inputs (dense, whatever their strides), at the bucket's sizes
+            shapes = [None if t is None else (Bb, Wb if t is logits_idx else t.shape[1]) for t in live]
+            g = self.graphs[key] = _Graph(*(None if t is None else t.new_empty(n) for t, n in zip(live, shapes)),
                                           query_tokens=query_tokens)
             self._evict()
         else:
@@ -147,32 +219,34 @@ class GraphRunner:
                 sig = (owner, t.data_ptr(), t.shape, t.stride(), t._version)
                 last = g.copied.get(name)
                 if last is None or last[0] is not owner or last[1:] != sig[1:]:
-                    getattr(g, name).copy_(t)
+                    _fill(getattr(g, name), t)
                     g.copied[name] = sig
         if g.failed:
             self.stats["eager:capture failed"] += 1
-            return self._forward(g, cache)
+            return _narrow(self._forward(g, cache), B, W)
         if not g.captured and g.seen < self.capture_after:  # not seen often enough yet: eager on the static buffers
             self.stats["eager:first sight"] += 1
-            return self._forward(g, cache)
+            return _narrow(self._forward(g, cache), B, W)
         if not g.captured:
             out = self._capture(g, cache)
             self.stats["captures"] += 1
-            return out
+            return _narrow(out, B, W)
         self.stats["replays"] += 1
         if g.graph is None:  # capture=False: the same forward on the same static buffers
-            return self._forward(g, cache)
+            return _narrow(self._forward(g, cache), B, W)
         g.graph.replay()
-        return g.out.clone()
+        return g.out[:B, :W].clone()
 
     def _forward(self, g: _Graph, cache) -> torch.Tensor:
-        live = cache.read_cols
+        live, k, v = cache.read_cols, cache.k, cache.v
         cache.read_cols = g.read_cols  # the forward reads the static copy (captured by address)
+        if g.x.shape[0] > (k[0].shape[0] if k else 0):  # a batch bucket: the forward reads and writes the buffers whole
+            cache.k, cache.v = [storage_of(t) for t in k], [storage_of(t) for t in v]
         try:
             return self.model(g.x, positions=g.positions, attn_mask=g.key_mask, logits_idx=g.logits_idx,
                               cache=cache, query_idx=g.query_idx, query_tokens=g.query_tokens)
         finally:
-            cache.read_cols = live
+            cache.read_cols, cache.k, cache.v = live, k, v
 
     def _capture(self, g: _Graph, cache) -> torch.Tensor:
         if not self.capture:
@@ -212,4 +286,20 @@ class GraphRunner:
         self.graphs.clear()
 
 
-__all__ = ["GRAPH_MODES", "GraphRunner"]
+def _fill(static: torch.Tensor, t: torch.Tensor) -> None:
+    """Copy the ``[B, n]`` live input ``t`` into its ``[Bb, nb]`` static buffer: the columns beyond ``n`` repeat the
+    last one (logits columns of a wider bucket), the rows beyond ``B`` repeat row 0 (a batch bucket's spare rows)."""
+    B, n = t.shape
+    static[:B, :n].copy_(t)
+    if static.shape[1] > n:
+        static[:B, n:].copy_(t[:, -1:].expand(-1, static.shape[1] - n))
+    if static.shape[0] > B:
+        static[B:].copy_(static[:1].expand(static.shape[0] - B, -1))
+
+
+def _narrow(out: torch.Tensor, B: int, W: int) -> torch.Tensor:
+    """The logits of the ``B`` rows and ``W`` columns asked for (a bucket's extra rows and columns dropped)."""
+    return out if out.shape[:2] == (B, W) else out[:B, :W].contiguous()
+
+
+__all__ = ["GRAPH_MODES", "BufferPool", "GraphRunner", "shape_bucket"]

@@ -28,6 +28,19 @@ def check_choice(name: str, value, choices) -> None:
         raise ValueError(f"unknown {name} {value!r}; known: {', '.join(choices)}")
 
 
+def shape_bucket(n: int, cap: int | None = None) -> int:
+    """The size a graph is captured at for a size ``n`` (active rows, packed rows, logits columns, canvas length):
+    the next power of two up to 64 (a GPU step of that few rows costs what one row costs: it reads the weights once),
+    above it ``n`` rounded up to an eighth of its power of two (at most 12.5% more work, eight sizes per doubling);
+    never above ``cap`` (then ``cap``, or ``n`` where ``n`` exceeds it)."""
+    if n <= 64:
+        b = 1 << max(0, n - 1).bit_length()
+    else:
+        step = 1 << ((n - 1).bit_length() - 4)
+        b = -(-n // step) * step
+    return b if cap is None or b <= cap else max(cap, n)
+
+
 def moved_rows(t: torch.Tensor, keep: torch.Tensor | None, n_new: int = 0, *, d: int = 0, dim: int | None = None,
                pad=0, shift: bool = False, fill=0) -> torch.Tensor:
     """``t`` (rows along dimension 0, one per batch row) moved with the rows of its batch, as the serving engine

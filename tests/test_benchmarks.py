@@ -74,6 +74,20 @@ def test_bench_padding_shows_rows_out_of_step_widen_the_batch_unless_packed(tmp_
     assert by[("fast-dllm", 8, "packed")]["run_per_computed"] == 1.0  # ... and packed run only their own rows
 
 
+def test_bench_graph_keys_counts_replays_with_bucketed_and_exact_shapes(tmp_path):
+    rows = run("bench_graph_keys.py", "--calls", "3", "--batch", "1", "--gen", "32", "--block", "16", "--configs",
+               "llada:dual", "llada:dkv-decode", tmp_path=tmp_path)
+    by = {(r["cache"], r["shapes"]): r for r in rows}
+    assert set(by) == {(c, s) for c in ("dual", "dkv-decode") for s in ("exact, own buffers", "bucketed, pooled")}
+    for r in rows:
+        assert r["same_tokens"], r  # the graph path (static buffers on the CPU) decodes the eager tokens
+        assert r["replays"] + r["captures"] + r["first_sight"] + r["full"] + r["other_eager"] == r["forwards"], r
+    exact, bucketed = by[("dkv-decode", "exact, own buffers")], by[("dkv-decode", "bucketed, pooled")]
+    assert exact["replays"] == 0 and bucketed["replayed"] > 0.5  # its width falls every step: exact never repeats
+    # dual: every call's fresh cache captures its own graph; pooled, the later calls replay the first's
+    assert by[("dual", "exact, own buffers")]["captures"] == 3 and by[("dual", "bucketed, pooled")]["captures"] < 3
+
+
 def test_bench_kernels_runs_every_kernel(tmp_path):
     report = run("bench_kernels.py", "--repeats", "1", tmp_path=tmp_path)
     assert report["device"].startswith("cpu")

@@ -7,6 +7,8 @@ replay. It must decode exactly what the eager path decodes. The ``gpu`` tests ca
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 from conftest import ragged_prompts
@@ -14,7 +16,8 @@ from helpers_parity import cached_model
 
 import dllm
 from dllm.caches import get_cache
-from dllm.graphs import GraphRunner
+from dllm.caches.base import CacheState
+from dllm.graphs import BufferPool, GraphRunner, shape_bucket
 
 CACHED = ["prefix", "dual", "dkv-decode", "dkv-greedy", "freecache"]
 
@@ -45,7 +48,7 @@ def test_static_buffer_path_decodes_what_the_eager_path_decodes(family, cache):
 
 def test_dual_cache_replays_one_graph_for_the_whole_generation():
     model = cached_model("llada", 0)
-    cache = get_cache("dual")  # one cache object: its buffers (and so the graphs' keys) persist across calls
+    cache = get_cache("dual")
     runner = GraphRunner(model, capture=False)
     model.__dict__["_dllm_graphs"], saved = runner, model.__dict__.get("_dllm_graphs")
     try:
@@ -59,6 +62,119 @@ def test_dual_cache_replays_one_graph_for_the_whole_generation():
         assert torch.equal(first.sequences, second.sequences)
     finally:
         model.__dict__["_dllm_graphs"] = saved
+
+
+@contextmanager
+def own_runner(model, **kw):
+    """A fresh runner (static-buffer path) on the model for the block, then the model's own again."""
+    runner = GraphRunner(model, capture=False, **kw)
+    saved = model.__dict__.get("_dllm_graphs")
+    model.__dict__["_dllm_graphs"] = runner
+    try:
+        yield runner
+    finally:
+        model.__dict__["_dllm_graphs"] = saved
+
+
+def test_shape_buckets():
+    assert [shape_bucket(n) for n in (1, 2, 3, 5, 17, 33, 64)] == [1, 2, 4, 8, 32, 64, 64]
+    assert [shape_bucket(n) for n in (65, 72, 73, 129, 600)] == [72, 72, 80, 144, 640]
+    for n in range(1, 3000):  # never below n, past 64 at most an eighth above it
+        b = shape_bucket(n)
+        assert n <= b and (n <= 64 or b <= n * 1.125), n
+    assert len({shape_bucket(n) for n in range(1, 1025)}) == 7 + 4 * 8  # powers of two, then 8 per doubling
+    assert shape_bucket(33, cap=36) == 36 and shape_bucket(40, cap=36) == 40  # capped, never below n
+
+
+def test_buffer_pool_lends_a_buffer_to_one_cache_at_a_time_and_in_order():
+    pool = BufferPool(max_shapes=2)
+    a, b = (pool.take((2, 3), torch.float32, "cpu") for _ in range(2))
+    assert a.data_ptr() != b.data_ptr()
+    pool.give([a, b])
+    c, d, e = (pool.take((2, 3), torch.float32, "cpu") for _ in range(3))
+    assert c is a and d is b and e is not a and e is not b  # the oldest first; none lent twice
+    pool.give([torch.zeros(1), torch.zeros(4, 4)[:, :2], None])  # a view (not its own memory) is not kept
+    assert [len(q) for q in pool.free.values()] == [1]
+    pool.give([torch.zeros(2), torch.zeros(3)])  # a third shape: the one given back longest ago is freed
+    assert len(pool.free) == 2 and ((1,), torch.float32, torch.device("cpu")) not in pool.free
+    assert pool.nbytes == 5 * 4
+
+
+def test_fresh_caches_of_later_calls_replay_the_first_calls_graphs():
+    """Each call builds a fresh cache (by name); the caches take the same K/V buffers from the runner's pool, and
+    prompt lengths whose canvases round up to one bucket share a canvas length, so a later call with another prompt
+    length replays what the first captured. Exact shapes capture again."""
+    model = cached_model("llada", 0)
+    kw = dict(gen_length=32, block_length=8, steps=32)
+    five, seven = [ragged_prompts(1, 1)[0]], [ragged_prompts(4, 2)[3]]
+    assert (len(five[0]), len(seven[0])) == (5, 7)  # canvases of 37 and 39 columns: one bucket of 64
+    with own_runner(model) as runner:
+        first = _gen(model, "dual", "on", "llada", prompts=five, **kw)
+        assert first.stats.graphs.get("captures") == 1
+        assert runner.buffers.nbytes > 0  # the call's buffers went back to the pool
+        cache = get_cache("dual")
+        second = _gen(model, cache, "on", "llada", prompts=seven, **kw)
+        assert second.stats.graphs == {"eager:full forward": 4, "replays": 28}
+        assert len(runner.graphs) == 1
+        assert cache.k == [] and not cache.filled  # released at the end of the call
+    assert torch.equal(first.sequences, _gen(model, "dual", "off", "llada", prompts=five, **kw).sequences)
+    assert torch.equal(second.sequences, _gen(model, "dual", "off", "llada", prompts=seven, **kw).sequences)
+    with own_runner(model, buckets=False) as runner:  # exact canvases: the other length is another graph
+        _gen(model, "dual", "on", "llada", prompts=five, **kw)
+        assert _gen(model, "dual", "on", "llada", prompts=seven, **kw).stats.graphs.get("captures") == 1
+        assert len(runner.graphs) == 2
+
+
+def test_bucketed_widths_replay_where_exact_widths_change_every_step():
+    """dKV-Cache-Decode computes only the rows the sampler reads (the masks left): its active width falls at every
+    step, a new exact shape each time. Bucketed, the widths share a few graphs, with the eager path's tokens."""
+    model = cached_model("llada", 0)
+    kw = dict(prompts=ragged_prompts(2, 1), gen_length=32, block_length=32, steps=32)
+    eager = _gen(model, "dkv-decode", "off", "llada", **kw)
+    stats = {}
+    for buckets in (False, True):
+        with own_runner(model, buckets=buckets, max_graphs=64) as runner:
+            out = _gen(model, "dkv-decode", "on", "llada", **kw)
+            assert torch.equal(out.sequences, eager.sequences) and out.stats.nfe == eager.stats.nfe
+            stats[buckets] = (out.stats.graphs, len(runner.graphs))
+    (exact, n_exact), (bucketed, n_bucketed) = stats[False], stats[True]
+    assert exact.get("replays", 0) == 0 and n_exact >= 20  # every cached step a shape of its own
+    assert n_bucketed <= 8 and bucketed["replays"] >= 3 * n_bucketed, bucketed
+
+
+@pytest.mark.filterwarnings("ignore:AdaBlock delimiters")
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_every_sampler_decodes_on_the_graph_path_what_it_decodes_eagerly(family):
+    """Every registered sampler (its preset) with the prefix and dual caches, ragged prompts: the graph path's
+    bucketed canvas (more left padding), widths, packed rows and logits columns, and its pooled buffers, decode the
+    eager path's tokens in as many forwards."""
+    model = cached_model(family, 0)
+    for name in dllm.SAMPLERS:
+        for cache in ("dual", "prefix"):
+            kw = dict(gen_length=16, block_length=8, steps=16, seed=1, sampler=name, cache=cache)
+            eager = dllm.generate(model, ragged_prompts(3, 1), graphs="off", **kw)
+            graph = dllm.generate(model, ragged_prompts(3, 1), graphs="on", **kw)
+            assert torch.equal(eager.sequences, graph.sequences), (name, cache)
+            assert eager.stats.nfe == graph.stats.nfe and eager.stats.commit_step == graph.stats.commit_step
+
+
+def test_the_plan_rounds_the_active_width_and_packed_rows_up_with_repeats():
+    model = cached_model("llada", 0)
+    B, T = 2, 40
+    x = torch.randint(3, 60, (B, T), generator=torch.Generator().manual_seed(0))
+    x[:, 20:] = model.mask_id
+    cache = get_cache("dual")
+    cache.reset(B, T)
+    model(x, cache=cache)
+    lo = torch.tensor([20, 30])
+    state = CacheState(x, lo, lo + 5, torch.ones(B, dtype=torch.bool), torch.ones(B, dtype=torch.long), (20, 35), 20,
+                       model.mask_id, 0, torch.zeros(B, T, dtype=torch.bool), 1, read_lo=lo, read_hi=lo + 5)
+    exact, _ = cache.plan(state)
+    assert exact.shape == (B, 5) and cache.query_tokens == 10  # no padding: every slot a real row
+    cache.buckets = True
+    rows, _ = cache.plan(state)
+    assert rows.shape == (B, 8) and cache.query_tokens == 16
+    assert torch.equal(rows[:, :5], exact) and torch.equal(rows[:, 5:], exact[:, :1].expand(B, 3))
 
 
 def test_inputs_changed_in_place_are_copied_again():
@@ -168,6 +284,24 @@ def test_cuda_graphs_decode_what_the_eager_path_decodes(cache):
     assert "eager:capture failed" not in graph.stats.graphs, graph.stats.graphs
     assert torch.equal(eager.sequences, graph.sequences)
     torch.rand(4, device="cuda")  # the device's random generator is usable after the captures
+
+
+@pytest.mark.gpu
+@gpu
+def test_cuda_graphs_of_one_call_replay_in_the_next():
+    """Real captures: a later call (a fresh cache, another prompt length in the same canvas bucket, dKV-Cache-Decode's
+    falling widths bucketed) replays the graphs the first call captured, with the eager path's tokens."""
+    model = dllm.load_model("llada-tiny", device="cuda", dtype="bfloat16")
+    kw = dict(gen_length=32, block_length=16, steps=32, sampler="llada")
+    first, second = ["What is 12 + 30?"], ["What is 112 + 30?"]
+    for cache in ("dual", "dkv-decode"):
+        a = dllm.generate(model, first, graphs="auto", cache=cache, **kw)
+        b = dllm.generate(model, second, graphs="auto", cache=cache, **kw)
+        assert "eager:capture failed" not in a.stats.graphs, a.stats.graphs
+        assert b.stats.graphs.get("replays", 0) >= 8 and b.stats.graphs.get("captures", 0) <= 1, b.stats.graphs
+        for prompts, out in ((first, a), (second, b)):
+            assert torch.equal(dllm.generate(model, prompts, graphs="off", cache=cache, **kw).sequences,
+                               out.sequences)
 
 
 @pytest.mark.gpu

@@ -61,9 +61,28 @@ def test_packed_partial_forward_with_the_triton_kernels(triton_backend):
 def test_a_wrong_query_token_count_is_refused():
     model = random_model("llada")
     x, cache, rows, logits_idx, n = _partial_inputs(model)
-    for wrong in (n - 1, n + 1):
-        with pytest.raises(RuntimeError, match="query_tokens is not the number of distinct active rows"):
+    for wrong in (n - 1, 1):
+        with pytest.raises(RuntimeError, match="query_tokens is below the number of distinct active rows"):
             model(x, cache=copy.deepcopy(cache), query_idx=rows, logits_idx=logits_idx, query_tokens=wrong)
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["eager", "fast"])
+def test_more_query_tokens_than_distinct_rows_pack_padding_slots_too(fast):
+    """A count above the distinct rows (the graph path's bucketed sizes) packs that many slots, the extra ones
+    padding: the logits and the cache's writes are still the padded forward's."""
+    model = random_model("llada")
+    if fast:
+        enable_fast_path(model)
+    x, cache, rows, logits_idx, n = _partial_inputs(model, seed=2)
+    padded_cache = copy.deepcopy(cache)
+    padded = model(x, cache=padded_cache, query_idx=rows, logits_idx=logits_idx)
+    for more in (n + 1, rows.numel() - 1):
+        assert n < more < rows.numel()
+        packed_cache = copy.deepcopy(cache)
+        packed = model(x, cache=packed_cache, query_idx=rows, logits_idx=logits_idx, query_tokens=more)
+        assert torch.equal(padded, packed)
+        for a, b in zip(padded_cache.k + padded_cache.v, packed_cache.k + packed_cache.v):
+            assert torch.equal(a, b)
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,9 @@ import pytest
 import torch
 
 import dllm
+from dllm.caches.base import storage_of
+from dllm.graphs import GraphRunner
+from dllm.ops import shape_bucket
 from dllm.serve import Engine, QueueFull, RequestError
 
 PROMPTS = [
@@ -186,7 +189,12 @@ def test_the_graph_path_serves_the_same_tokens_and_counts_how_forwards_ran():
                 hs.append(eng.submit(PROMPTS[(k + wave) % len(PROMPTS)], gen_length=32, block_length=8,
                                      sampler="fast-dllm"))
             eng.step()
+            for group in eng.groups.values():  # on the graph path the canvas is a bucket's length
+                T = max(len(r) for r in group.state.rows) + 32
+                assert group.state.x.shape[1] == (shape_bucket(T, model.max_seq_len) if graphs == "on" else T)
         eng.run_until_idle()
+        if graphs == "on":  # the batches' K/V buffers went back to the graph path's pool as they ended
+            assert GraphRunner.of(model).buffers.nbytes > 0
         results[graphs] = [h.result(timeout=0).tokens for h in hs]
         stats = eng.stats()["graphs"]
         if graphs == "off":
@@ -195,6 +203,36 @@ def test_the_graph_path_serves_the_same_tokens_and_counts_how_forwards_ran():
             assert stats.get("eager:full forward", 0) >= 1
             assert sum(stats.values()) - stats.get("evicted", 0) == eng.stats()["forwards"]
     assert results["on"] == results["off"]
+
+
+def test_a_served_batch_moves_within_its_bucket_and_keeps_its_graphs():
+    """On the graph path a batch's K/V buffers are sized for its bucket (3 rows: 4): a row joining moves within them,
+    the buffers stay where they are, and the graphs captured for the bucket replay before and after; the runner runs
+    the bucket's batch (its spare rows copies of row 0). Every answer is the request's alone."""
+    model = dllm.load_model("llada-tiny", dtype="float32")
+    eng = Engine(model, max_rows=4, graphs="on")
+    kw = dict(gen_length=32, block_length=8, sampler="llada", params={"temperature": 0.7}, cache="dual")
+    hs = [eng.submit(PROMPTS[2], sample=k, **kw) for k in range(3)]
+    for _ in range(4):
+        eng.step()
+    cache = next(iter(eng.groups.values())).decoder.cache
+    assert cache.k[0].shape[0] == 3 and cache.capacity() == 4
+    where = [storage_of(t).data_ptr() for t in cache.k + cache.v]
+    before = dict(eng.stats()["graphs"])
+    assert before.get("replays", 0) >= 1
+    hs.append(eng.submit(PROMPTS[2], sample=3, **kw))  # the same canvas: the fourth row joins the bucket
+    eng.step()
+    assert cache.k[0].shape[0] == 4 and [storage_of(t).data_ptr() for t in cache.k + cache.v] == where
+    for _ in range(3):
+        eng.step()
+    after = eng.stats()["graphs"]
+    assert after.get("replays", 0) >= before["replays"] + 2 and after.get("captures", 0) == before.get("captures", 0)
+    eng.run_until_idle()
+    assert eng.stats()["joins"] == 1 and eng.stats()["retried"] == 0
+    for k, h in enumerate(hs):
+        out = dllm.generate(model, [PROMPTS[2]] * (k + 1), gen_length=32, block_length=8, seed=0, cache="dual",
+                            sampler=dllm.get_sampler("llada", temperature=0.7))
+        assert h.result(timeout=0).tokens == out.sequences[k].tolist(), k
 
 
 # samplers and caches with per-row state beyond the K/V buffers: (sampler, params, cache, gen_length, block_length)
@@ -212,16 +250,18 @@ def _alone(model, prompt, sampler, params, cache, G, B, seed):
     return out.sequences[0].tolist(), out.stats.row_nfe[0]
 
 
+@pytest.mark.parametrize("graphs", ["off", "on"])
 @pytest.mark.parametrize("family", ["llada", "dream"])
 @pytest.mark.parametrize("kind", list(STATEFUL))
-def test_stateful_samplers_and_caches_join_and_leave_exactly(kind, family, llada, dream):
+def test_stateful_samplers_and_caches_join_and_leave_exactly(kind, family, graphs, llada, dream):
     """KLASS's kept steps, the AR guide's cache and cursors (guide ``ar-tiny``), FreeCache's and Elastic-Cache's
     per-row state move with the rows: requests joining running groups mid-decode with longer and shorter prompts,
     others leaving, and the longest prompt cancelled mid-decode (the canvas cropped); every response equals the
-    request alone, and no batch failed (a failed batch is retried alone, which would hide a wrong move)."""
+    request alone, and no batch failed (a failed batch is retried alone, which would hide a wrong move). On the
+    graph path (static buffers on the CPU) too: bucketed canvases, K/V buffers moved through the runner's pool."""
     model = llada if family == "llada" else dream
     settings = STATEFUL[kind]
-    eng = Engine(model, max_rows=3)
+    eng = Engine(model, max_rows=3, graphs=graphs)
     reqs = []
     for wave in range(3):
         for k, (sampler, params, cache, G, B) in enumerate(settings):
@@ -247,7 +287,12 @@ def test_stateful_samplers_and_caches_join_and_leave_exactly(kind, family, llada
     long.cancel()
     eng.step()  # the long row leaves before the forward: the canvas is cropped, then the short row steps on
     assert long.result(timeout=0).finish_reason == "cancelled"
-    assert short.done() or next(iter(eng.groups.values())).state.x.shape[1] < width
+    if not short.done():
+        group = next(iter(eng.groups.values()))
+        left, bucketed = group.state, group.decoder.graphs is not None  # the graph path: caches with K/V buffers
+        T = len(left.rows[0]) + G  # exact: cropped; on the graph path the bucket of what is left
+        assert left.x.shape[1] == (shape_bucket(T, model.max_seq_len) if bucketed else T) and T < width
+        assert bucketed == (graphs == "on" and kind in ("freecache", "elastic"))
     eng.run_until_idle()
     reqs.append((short, PROMPTS[2], sampler, params, cache, G, B, 0))
     assert eng.stats()["retried"] == 0 and eng.stats()["engine_errors"] == 0
@@ -288,15 +333,17 @@ def test_the_engine_default_sampler_and_params_apply_to_requests_that_name_none(
         Engine(llada, sampler="nope")
 
 
+@pytest.mark.parametrize("graphs", ["off", "on"])
 @pytest.mark.parametrize("family", ["sdar", "llada2", "fastdllm2"])
-def test_block_diffusion_requests_join_and_leave_exactly(family):
+def test_block_diffusion_requests_join_and_leave_exactly(family, graphs):
     """Block-diffusion checkpoints (SDAR, LLaDA2's mixture of experts, Fast-dLLM v2's token shift): their own
     blocks and exact block cache by default; requests of mixed samplers, lengths and join times each equal
-    dllm.generate of the request alone."""
+    dllm.generate of the request alone (on the graph path too: bucketed canvases, the blocks still on the model's
+    grid)."""
     import golden_models as gm
 
     sdar = {"sdar": gm.sdar_tiny, "llada2": gm.llada2_tiny, "fastdllm2": gm.fastdllm2_tiny}[family](0)
-    eng = Engine(sdar, max_rows=3)
+    eng = Engine(sdar, max_rows=3, graphs=graphs)
     reqs = []
     for wave in range(3):
         for k, (sampler, params) in enumerate([("llada", {}), ("threshold", {"tau": 0.5}),
@@ -309,6 +356,8 @@ def test_block_diffusion_requests_join_and_leave_exactly(family):
         eng.step()
     eng.run_until_idle()
     assert eng.stats()["joins"] >= 2
+    if graphs == "on" and not sdar.config.n_experts:  # a mixture of experts runs eagerly (its routing's shapes)
+        assert sum(v for k, v in eng.stats()["graphs"].items() if k in ("replays", "captures", "eager:first sight"))
     for h, prompt, rid, sampler, params, G, seed in reqs:
         out = dllm.generate(sdar, [prompt], gen_length=G, steps=G, sampler=dllm.get_sampler(sampler, **params),
                             seed=seed)

@@ -17,7 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from dllm.ops import moved_rows
+from dllm.ops import moved_rows, shape_bucket
 
 
 @runtime_checkable
@@ -182,6 +182,18 @@ class KVCache(CacheBase):
     #: False: partial forwards run their per-token work on the padded rows too (``query_tokens`` stays None), the
     #: readable path and the oracle of the packed one (same logits); set on an instance
     pack_rows = True
+    #: True: a partial forward's active width (``Q``) and packed rows (``query_tokens``) are rounded up to
+    #: :func:`~dllm.ops.shape_bucket` sizes, more repeats of each row's first active row (the graph path: a few
+    #: graphs serve the widths a generation goes through; the decode loop sets it where a graph runner is used)
+    buckets = False
+    #: where the K/V buffers come from: None (allocated here) or a :class:`~dllm.graphs.BufferPool` (the graph
+    #: path's: the next cache takes the same buffers, so that graphs captured on them replay); see :meth:`release`
+    pool = None
+    #: True: the K/V buffers are views of the first rows of buffers whose batch is rounded up to a
+    #: :func:`~dllm.ops.shape_bucket` size (:meth:`capacity`), and rows that join or leave move within them while
+    #: the bucket holds: the graph runner then runs a batch of that bucket, its extra rows copies of row 0, and a
+    #: served batch whose size changes keeps its graphs (the serving engine sets it on the graph path)
+    batch_buckets = False
 
     def __init__(self, refresh_every: int | None = None):
         if refresh_every is not None and (not isinstance(refresh_every, int) or refresh_every < 1):
@@ -231,6 +243,10 @@ class KVCache(CacheBase):
         if not partial:
             return self._full(state)
         rows, self._counts, self.read_cols = prepared if prepared is not None else self.plan_rows(state, mask)
+        if self.buckets:  # rows beyond a row's own count repeat its first active row: padding, written identically
+            B, T = rows.shape
+            Q = shape_bucket(Q, T)
+            N = shape_bucket(N, B * Q)
         self._rows = rows[:, :Q]
         self.query_tokens = N if self.pack_rows else None
         self._refresh_layer = -1
@@ -296,8 +312,10 @@ class KVCache(CacheBase):
             kb = self.k[layer]
             if kb is None or kb.shape != k.shape or kb.dtype != k.dtype or kb.device != k.device:
                 # contiguous [B, Hkv, T, D] whatever the producer's layout: attention reads rows of D
-                self.k[layer] = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-                self.v[layer] = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+                if self.pool is not None:
+                    self.pool.give([storage_of(kb), storage_of(self.v[layer])])
+                self.k[layer] = self._buffer(k.shape, k.dtype, k.device)
+                self.v[layer] = self._buffer(v.shape, v.dtype, v.device)
             self.k[layer].copy_(k)
             self.v[layer].copy_(v)
             if layer == 0:
@@ -312,6 +330,36 @@ class KVCache(CacheBase):
         kb.scatter_(2, idx, k)
         vb.scatter_(2, idx, v)
         return kb, vb
+
+    def release(self) -> None:
+        """Give the K/V buffers back to :attr:`pool` (the decode loop does at the end of a generation on the graph
+        path, the serving engine when a batch ends): the cache holds none after, and its next first forward takes
+        buffers from the pool again (those it gave back, if no other cache took them). Without a pool, nothing."""
+        if self.pool is None:
+            return
+        pairs = [storage_of(t) for kv in zip(self.k, self.v) for t in kv]  # layer order: taken again in that order
+        self.k, self.v, self.filled = [], [], False
+        self.pool.give(pairs)
+
+    def _buffer(self, shape, dtype, device, reuse: torch.Tensor | None = None) -> torch.Tensor:
+        """A contiguous ``[B, Hkv, T, D]`` K/V buffer: from :attr:`pool` (or new), with :attr:`batch_buckets` the first
+        ``B`` rows of one whose batch is rounded up; ``reuse``: a buffer already of that storage shape, used again."""
+        rows = shape[0]
+        cap = shape_bucket(rows) if self.batch_buckets else rows
+        full = (cap, *shape[1:])
+        if reuse is not None and tuple(reuse.shape) == full and reuse.dtype == dtype and reuse.device == device:
+            t = reuse
+        elif self.pool is not None:
+            t = self.pool.take(full, dtype, device)
+        else:
+            t = torch.empty(full, dtype=dtype, device=device)
+        return t if cap == rows else t[:rows]
+
+    def capacity(self) -> int:
+        """The rows of the storage behind the K/V buffers (the batch, or with :attr:`batch_buckets` its bucket); 0
+        before the first full forward."""
+        rows = [storage_of(t).shape[0] for t in self.k + self.v if t is not None]
+        return min(rows) if rows else 0
 
     def write_buffers(self, layer: int, batch: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The ``(k, v)`` buffers (``[B, Hkv, T, D]``) into which a partial forward of ``batch`` rows may write its
@@ -334,8 +382,18 @@ class KVCache(CacheBase):
         too (and calls this)."""
         for buf in (self.k, self.v):
             for layer, t in enumerate(buf):
-                if t is not None:
-                    buf[layer] = moved_rows(t, keep, n_new, d=d, dim=2)
+                if t is None:
+                    continue
+                moved = moved_rows(t, keep, n_new, d=d, dim=2)  # a new tensor where anything moved
+                if moved is t:
+                    continue
+                # into the same storage while its shape holds (a batch bucket's rows: the graphs captured on it
+                # replay), else the pool's buffer of the new shape (a batch back at a size it had keeps its graphs)
+                old = storage_of(t)
+                dst = self._buffer(moved.shape, moved.dtype, moved.device, reuse=old)
+                if self.pool is not None and storage_of(dst) is not old:
+                    self.pool.give([old])
+                buf[layer] = dst.copy_(moved)
 
     # -- statistics ----------------------------------------------------------------------------------------
     def step_stats(self, n_layers: int) -> dict[str, Any]:
@@ -371,8 +429,13 @@ class KVCache(CacheBase):
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the K/V buffers."""
-        return sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None)
+        """Bytes held by the K/V buffers (their storage: with :attr:`batch_buckets` the bucket's rows)."""
+        return sum(storage_of(t).numel() * t.element_size() for t in self.k + self.v if t is not None)
+
+
+def storage_of(t: torch.Tensor | None) -> torch.Tensor | None:
+    """The buffer a K/V view was cut from (the tensor itself when it is no view)."""
+    return t if t is None or t._base is None else t._base
 
 
 def region_start(state: CacheState) -> torch.Tensor:

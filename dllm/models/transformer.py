@@ -168,11 +168,13 @@ class RowPacking:
     """The active rows of a partial forward without their padding. ``rows`` ``[B, Q]`` pads a row's shorter active
     set by repeating its first index; the per-token work of a layer (norms, products, MLP) runs on the ``N``
     distinct rows packed as ``[1, N, ...]`` and only attention, RoPE and the cache's writes on the padded
-    ``[B, Q, ...]`` layout, whose padding repeats the row's first token (as computing it again would).
+    ``[B, Q, ...]`` layout, whose padding repeats the row's first token (as computing it again would). ``n`` above the
+    number of distinct rows packs that many slots, the extra ones padding slots (computed and dropped: the graph
+    path's bucketed sizes).
 
     ``take`` ``[N]``: the padded slot of each packed row (row-major order); ``spread`` ``[B * Q]``: the packed row
     of each slot (a padding slot: its row's first). Device work only: ``N`` comes from the host (the decode loop's
-    synchronisation), and a wrong ``N`` fails a device assertion."""
+    synchronisation), and an ``N`` below the distinct rows fails a device assertion."""
 
     def __init__(self, rows: torch.Tensor, n: int):
         B, Q = rows.shape
@@ -180,7 +182,8 @@ class RowPacking:
         real = torch.ones_like(rows, dtype=torch.bool)
         real[:, 1:] = rows[:, 1:] != rows[:, :1]
         flat = real.flatten()
-        torch._assert_async(flat.sum() == n, "query_tokens is not the number of distinct active rows")
+        torch._assert_async(flat.sum() <= n, "query_tokens is below the number of distinct active rows")
+        # the real rows first (row-major), then, where n exceeds their count (a graph's bucket), padding slots
         self.take = torch.argsort((~flat).to(torch.int8), stable=True)[:n]
         packed = flat.long().cumsum(0) - 1
         self.spread = torch.where(flat, packed, packed.view(B, Q)[:, :1].expand(B, Q).flatten())
@@ -389,7 +392,8 @@ class Transformer(nn.Module):
                 training uses it: a noisy and a clean copy of the sequence in one forward attend by rules that
                 no block grid expresses (:mod:`dllm.tiny.train`).
             query_tokens: with ``query_idx`` whose rows pad their shorter active sets by repeating their first
-                index: the number of distinct active rows over the batch (``N``, the sum of the rows' counts).
+                index: the number of distinct active rows over the batch (``N``, the sum of the rows' counts), or
+                more (the extra rows are padding slots, computed and dropped: the graph path's bucketed sizes).
                 Below ``B x Q``, each layer's per-token work (norms, products, MLP) runs on those ``N`` rows only
                 and attention on the padded rows (:class:`RowPacking`): rows whose active sets differ (one row
                 refreshing its block, the others reading their cache) no longer compute their padding. Not with a

@@ -610,11 +610,12 @@ class Engine:
                 self.waiting.extendleft(reversed(retry))
 
     def _drop(self, group: _Group) -> list[_Request]:
-        """Remove the batch; returns its requests."""
+        """Remove the batch; returns its requests. Its cache's K/V buffers go back to the graph path's pool."""
         reqs, group.requests = group.requests, []
         with self._lock:
             if self.groups.get(group.key) is group:
                 del self.groups[group.key]
+        group.decoder.release()
         return reqs
 
     def _admit(self) -> None:
@@ -655,6 +656,8 @@ class Engine:
         recipe = reqs[0].recipe
         sampler, cache, policy, config = resolve(self.model, recipe, reqs[0].sampler_spec[2], None, reqs[0].config)
         dec = Decoder(self.model, sampler, cache, policy, config)
+        if dec.graphs is not None:  # the graph path: the K/V buffers sized for a batch bucket, rows move within
+            dec.cache.batch_buckets = True
         dec.max_iters = float("inf")  # rows come and go; each row's own progress is checked in _step_group
         st = dec.start([r.rows for r in reqs], None)
         # each row's random stream keyed by (seed, its prompt, its sample index), as generate keys a prompt
@@ -736,7 +739,7 @@ class Engine:
             return
         st = _select(group.state, keep)
         group.requests = [group.requests[i] for i in keep]
-        P = max(len(r) for r in st.rows)
+        P = group.decoder.prompt_width(max(len(r) for r in st.rows))  # on the graph path a bucketed canvas
         d = P - st.P
         if d < 0:  # the longest prompt left: crop the padding no row needs
             pad = self.model.pad_id if self.model.pad_id is not None else self.model.eos_id
