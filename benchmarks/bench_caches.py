@@ -99,7 +99,7 @@ def main(argv=None):
             row = {"batch": B, "cache": name, "time_s": round(dt, 3), "speedup": round(base_t / dt, 2),
                    "token_layers": round(computed, 3), "token_layers_run": round(run, 3), "nfe": out.stats.nfe,
                    "full_refreshes": sum(r["refresh_layer"] == 0 for r in tr),
-                   "kv_mib": round(getattr(cache, "nbytes", 0) / 2**20, 1),
+                   "kv_mib": round(out.stats.cache_bytes / 2**20, 1),
                    "same_tokens": round(float((out.sequences == base_seq).float().mean()), 3)}
             if a.device == "cuda":
                 row["peak_mib"] = round(torch.cuda.max_memory_allocated() / 2**20)

@@ -39,7 +39,10 @@ class GenerateConfig:
         graphs: run the cached steps (partial forwards) as replayed CUDA graphs: ``"auto"`` (default) on CUDA
             devices, ``"off"`` never, ``"on"`` also off CUDA, where the same static-buffer path runs without
             capture (the CPU twin of the graph path). Full forwards, Elastic-Cache's hooked forwards and
-            classifier-free guidance always run eagerly (:mod:`dllm.graphs`).
+            classifier-free guidance always run eagerly (:mod:`dllm.graphs`). On the graph path the shapes are
+            rounded up to a few sizes (the canvas gets more left padding; the tokens are the same) and the cache's
+            K/V buffers are lent by the model's graph runner and given back at the end of the call (a cache passed
+            in holds none afterwards; its next call takes them again).
     """
 
     gen_length: int = 128

@@ -72,6 +72,9 @@ class GenerateStats:
     # the sampler's and the cache's names ("none": no cache); empty in stats built elsewhere
     sampler: str = ""
     cache: str = ""
+    # bytes the cache's K/V buffers held at the end of decoding (0 without buffers; on the graph path they go back to
+    # the runner's pool when the call ends)
+    cache_bytes: int = 0
 
 
 @dataclass
@@ -308,7 +311,10 @@ class Decoder:
         self.clock = _Clock(self.device)
         self.graphs = GraphRunner.for_model(model, config.graphs) if isinstance(cache, KVCache) else None
         self._graph_stats0 = dict(self.graphs.stats) if self.graphs is not None else {}
-        if self.graphs is not None:  # the graph path's shapes rounded up, its K/V buffers lent by the runner's pool
+        # the graph path's shapes rounded up and its K/V buffers lent by the runner's pool, where its cached steps can
+        # replay at all (not with guidance, per-layer hooks, mixtures of experts, other models)
+        self.graphed = self.graphs is not None and self.graphs.setting_reason(cache, config.cfg_scale > 0) is None
+        if self.graphed:
             cache.buckets, cache.pool = self.graphs.buckets, self.graphs.buffers
 
     def prompt_width(self, longest: int) -> int:
@@ -317,13 +323,13 @@ class Decoder:
         context) less ``gen_length``: more left padding, masked out as every shorter prompt's is, so that a few
         canvas lengths (and their graphs) serve every prompt length."""
         G = self.config.gen_length
-        if self.graphs is None or not self.graphs.buckets:
+        if not self.graphed or not self.graphs.buckets:
             return longest
         return shape_bucket(longest + G, self.model.max_seq_len) - G
 
     def release(self) -> None:
         """The end of a generation: a cache's K/V buffers lent by the graph path's pool go back to it."""
-        if self.graphs is not None and isinstance(self.cache, KVCache):
+        if self.graphed:
             self.cache.release()
 
     def start(self, rows: list[list[int]], row_ids=None) -> DecodeState:
@@ -581,6 +587,7 @@ class Decoder:
                     if v != self._graph_stats0.get(k, 0)} if self.graphs is not None else {},
             sampler=_name_of(self.sampler),
             cache=_name_of(self.cache),
+            cache_bytes=int(getattr(self.cache, "nbytes", 0) or 0),
         )
         return GenerateOutput(seqs, decode_texts(self.model, seqs), [len(r) for r in st.rows], stats)
 

@@ -169,6 +169,11 @@ class GraphRunner:
         """Why this forward runs eagerly (None: it goes through a graph)."""
         if query_idx is None:
             return "full forward"
+        return self.setting_reason(cache, cfg)
+
+    def setting_reason(self, cache, cfg: bool) -> str | None:
+        """Why every cached step of this model with this cache (and guidance) runs eagerly (None: they go through
+        graphs; the decode loop buckets its shapes and borrows the pool's buffers only then)."""
         if cfg:
             return "classifier-free guidance"
         if not isinstance(self.model, Transformer):

@@ -111,7 +111,7 @@ def test_fresh_caches_of_later_calls_replay_the_first_calls_graphs():
     with own_runner(model) as runner:
         first = _gen(model, "dual", "on", "llada", prompts=five, **kw)
         assert first.stats.graphs.get("captures") == 1
-        assert runner.buffers.nbytes > 0  # the call's buffers went back to the pool
+        assert 0 < first.stats.cache_bytes <= runner.buffers.nbytes  # the call's buffers went back to the pool
         cache = get_cache("dual")
         second = _gen(model, cache, "on", "llada", prompts=seven, **kw)
         assert second.stats.graphs == {"eager:full forward": 4, "replays": 28}
@@ -260,7 +260,8 @@ def test_graph_options_are_checked():
 def test_cache_buffers_are_reused_across_resets():
     model = cached_model("llada", 0)
     cache = get_cache("dual")
-    _gen(model, cache, "off", "llada")
+    out = _gen(model, cache, "off", "llada")
+    assert out.stats.cache_bytes == cache.nbytes > 0  # off the graph path the cache keeps its buffers
     ptrs = [t.data_ptr() for t in cache.k + cache.v]
     _gen(model, cache, "off", "llada")
     assert [t.data_ptr() for t in cache.k + cache.v] == ptrs

@@ -656,7 +656,7 @@ class Engine:
         recipe = reqs[0].recipe
         sampler, cache, policy, config = resolve(self.model, recipe, reqs[0].sampler_spec[2], None, reqs[0].config)
         dec = Decoder(self.model, sampler, cache, policy, config)
-        if dec.graphs is not None:  # the graph path: the K/V buffers sized for a batch bucket, rows move within
+        if dec.graphed:  # the graph path: the K/V buffers sized for a batch bucket, rows move within
             dec.cache.batch_buckets = True
         dec.max_iters = float("inf")  # rows come and go; each row's own progress is checked in _step_group
         st = dec.start([r.rows for r in reqs], None)
