@@ -94,6 +94,11 @@ class BufferPool:
             while len(self.free) > self.max_shapes:
                 self.free.popitem(last=False)
 
+    def clear(self) -> None:
+        """Free the free buffers."""
+        with self.lock:
+            self.free.clear()
+
     @property
     def nbytes(self) -> int:
         """Bytes held by the free buffers."""
@@ -142,8 +147,9 @@ class GraphRunner:
         #: shapes rounded up to :func:`shape_bucket` sizes (the decode loop's canvas length, the cache's active and
         #: packed rows, the logits columns here), so that a few graphs serve the shapes a generation goes through
         self.buckets = bool(buckets)
-        #: the K/V buffers lent to the caches of this model's graph path (:class:`BufferPool`)
-        self.buffers = BufferPool()
+        #: the K/V buffers lent to the caches of this model's graph path (:class:`BufferPool`; None: each cache
+        #: allocates its own). Between calls the pool holds the last calls' buffers: :meth:`clear` frees them
+        self.buffers: BufferPool | None = BufferPool()
 
     @classmethod
     def for_model(cls, model, mode: str) -> GraphRunner | None:
@@ -287,8 +293,10 @@ class GraphRunner:
             self.stats["evicted"] += 1
 
     def clear(self) -> None:
-        """Drop every graph (and its memory)."""
+        """Drop every graph (and its memory) and the pool's free K/V buffers (buffers lent to a cache stay with it)."""
         self.graphs.clear()
+        if self.buffers is not None:
+            self.buffers.clear()
 
 
 def _fill(static: torch.Tensor, t: torch.Tensor) -> None:

@@ -117,6 +117,8 @@ def test_fresh_caches_of_later_calls_replay_the_first_calls_graphs():
         assert second.stats.graphs == {"eager:full forward": 4, "replays": 28}
         assert len(runner.graphs) == 1
         assert cache.k == [] and not cache.filled  # released at the end of the call
+        runner.clear()  # the graphs and the pool's free buffers
+        assert not runner.graphs and runner.buffers.nbytes == 0
     assert torch.equal(first.sequences, _gen(model, "dual", "off", "llada", prompts=five, **kw).sequences)
     assert torch.equal(second.sequences, _gen(model, "dual", "off", "llada", prompts=seven, **kw).sequences)
     with own_runner(model, buckets=False) as runner:  # exact canvases: the other length is another graph
