@@ -201,11 +201,14 @@ def main(argv=None) -> int:
     ap.add_argument("--max-body-bytes", type=int, default=64 * 1024)
     ap.add_argument("--health-limit", type=float, default=1.0, help="slowest acceptable /health answer (s)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--graphs", default="auto", choices=["auto", "on", "off"],
+                    help="the engine's graph path (on: its static buffers on the CPU too: bucketed batches, pooled "
+                         "K/V buffers)")
     args = ap.parse_args(argv)
 
     rss0 = rss_mib()
     model = dllm.load_model(args.model)
-    engine = Engine(model, max_rows=args.max_rows, max_queue=64)
+    engine = Engine(model, max_rows=args.max_rows, max_queue=64, graphs=args.graphs)
     engine.start()
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(create_app(engine, args.model, max_body_bytes=args.max_body_bytes),
@@ -238,7 +241,7 @@ def main(argv=None) -> int:
     th.join(10)
     engine.stop(drain=False, timeout=10)
     report = {"requests": dict(soak.counts), "outcomes": s["requests"], "engine_errors": s["engine_errors"],
-              "forwards": s["forwards"], "distinct_deterministic_requests": len(soak.answers),
+              "forwards": s["forwards"], "graphs": s["graphs"], "distinct_deterministic_requests": len(soak.answers),
               "problems": soak.problems[:20], "n_problems": len(soak.problems),
               "rss_mib_start": round(rss0), "rss_mib_end": round(rss_mib())}
     print(json.dumps(report, indent=1))

@@ -23,11 +23,16 @@ def _soak():
     return mod
 
 
-def test_a_short_soak_finds_no_problem(capsys):
-    rc = _soak().main(["--seconds", "6", "--clients", "3", "--health-limit", "5"])
+@pytest.mark.parametrize("graphs", ["auto", "on"])
+def test_a_short_soak_finds_no_problem(capsys, graphs):
+    """``on``: the graph path's static buffers on the CPU (bucketed batches and canvases, K/V buffers moved within
+    their bucket and through the pool) under the same hostile clients."""
+    rc = _soak().main(["--seconds", "6", "--clients", "3", "--health-limit", "5", "--graphs", graphs])
     report = json.loads(capsys.readouterr().out)
     assert rc == 0, report["problems"]
     assert report["n_problems"] == 0 and report["engine_errors"] == 0
     counts = report["requests"]
     assert counts.get("valid", 0) > 0 and counts.get("bad", 0) + counts.get("garbage", 0) > 0
     assert counts.get("exact_vs_solo", 0) > 0  # some greedy answers were checked against generate alone
+    if graphs == "on":
+        assert report["graphs"].get("replays", 0) + report["graphs"].get("eager:first sight", 0) > 0
