@@ -22,6 +22,7 @@ import json
 import time
 
 import torch
+from _common import print_table, write_json
 
 from dllm import generate, get_sampler
 from dllm.caches import CACHES, get_cache
@@ -106,16 +107,12 @@ def main(argv=None):
             rows.append(row)
             print(json.dumps(row), flush=True)
     print()
-    print("| batch | cache | time (s) | speedup | token-layers computed | run (padding included) | full refreshes | "
-          "K/V MiB | same tokens |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['batch']} | {r['cache']} | {r['time_s']} | {r['speedup']}x | {r['token_layers']:.1%} | "
-              f"{r['token_layers_run']:.1%} | "
-              f"{r['full_refreshes']}/{r['nfe']} | {r['kv_mib']} | {r['same_tokens']:.1%} |")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    print_table(["batch", "cache", "time (s)", "speedup", "token-layers computed", "run (padding included)",
+                 "full refreshes", "K/V MiB", "same tokens"],
+                [[r["batch"], r["cache"], r["time_s"], f"{r['speedup']}x", f"{r['token_layers']:.1%}",
+                  f"{r['token_layers_run']:.1%}", f"{r['full_refreshes']}/{r['nfe']}", r["kv_mib"],
+                  f"{r['same_tokens']:.1%}"] for r in rows])
+    write_json(a.json, rows)
 
 
 if __name__ == "__main__":

@@ -26,19 +26,13 @@ import json
 import time
 
 import torch
+from _common import print_table, task_prompts, write_json
 
 import dllm
-from dllm.evals import tasks as T
 from dllm.graphs import GraphRunner
 
 CONFIGS = [("llada", "dual"), ("llada", "prefix"), ("llada", "dkv-decode"), ("fast-dllm", "dual"),
            ("threshold", "freecache")]
-
-
-def prompts(n: int, seed: int = 4242) -> list:
-    """``n`` chat prompts of the synthetic tasks (held-out seed, different lengths)."""
-    names = T.task_names("waiting_line")
-    return [T.get_task(names[i % len(names)]).generate(1, seed + i)[0].messages[-1:] for i in range(n)]
 
 
 def run(model, sampler: str, cache: str, batch: int, calls: int, gen: int, block: int, buckets: bool | None):
@@ -50,7 +44,7 @@ def run(model, sampler: str, cache: str, batch: int, calls: int, gen: int, block
         if not buckets:  # exact shapes and each call's cache its own buffers: the runner without either
             runner.buffers = None
         model.__dict__["_dllm_graphs"] = runner
-    work = prompts(batch * calls)
+    work = task_prompts(batch * calls, 4242)
     seqs, nfe = [], 0
     try:
         if model.device.type == "cuda":
@@ -114,16 +108,12 @@ def main(argv=None) -> list[dict]:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     print()
-    print("| sampler | cache | batch | shapes | forwards | full | first sight | captures | replays | replayed share of "
-          "cached forwards | graphs kept | evicted | s (eager s) | same tokens |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['sampler']} | {r['cache']} | {r['batch']} | {r['shapes']} | {r['forwards']} | {r['full']} | "
-              f"{r['first_sight']} | {r['captures']} | {r['replays']} | {r['replayed']:.0%} | {r['graphs']} | "
-              f"{r['evicted']} | {r['s']} ({r['eager_s']}) | {r['same_tokens']} |")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    print_table(["sampler", "cache", "batch", "shapes", "forwards", "full", "first sight", "captures", "replays",
+                 "replayed share of cached forwards", "graphs kept", "evicted", "s (eager s)", "same tokens"],
+                [[r["sampler"], r["cache"], r["batch"], r["shapes"], r["forwards"], r["full"], r["first_sight"],
+                  r["captures"], r["replays"], f"{r['replayed']:.0%}", r["graphs"], r["evicted"],
+                  f"{r['s']} ({r['eager_s']})", r["same_tokens"]] for r in rows])
+    write_json(a.json, rows)
     return rows
 
 

@@ -25,20 +25,10 @@ import json
 import time
 
 import torch
+from _common import print_table, task_prompts, write_json
 
 import dllm
 from dllm.caches import get_cache
-from dllm.evals import tasks as T
-
-
-def prompts(n: int, seed: int = 777) -> list:
-    """``n`` chat prompts of the synthetic list tasks (held-out seed, prompts of different lengths)."""
-    names = T.task_names("waiting_line")
-    out = []
-    for i in range(n):
-        ex = T.get_task(names[i % len(names)]).generate(1, seed + i)[0]
-        out.append(ex.messages[-1:])
-    return out
 
 
 def measure(model, convs, sampler: str, cache: str, gen: int, block: int, packed: bool) -> tuple[dict, torch.Tensor]:
@@ -73,7 +63,7 @@ def main(argv=None) -> list[dict]:
     for sampler in a.samplers:
         for cache in a.caches:
             for B in a.batch:
-                convs = prompts(B)
+                convs = task_prompts(B, 777)
                 measure(model, convs, sampler, cache, a.gen, a.block, True)  # warm-up
                 padded, seq = measure(model, convs, sampler, cache, a.gen, a.block, False)
                 packed, seq2 = measure(model, convs, sampler, cache, a.gen, a.block, True)
@@ -82,15 +72,12 @@ def main(argv=None) -> list[dict]:
                     rows.append(r)
                     print(json.dumps(r), flush=True)
     print()
-    print("| sampler | cache | batch | path | forwards | token-layers computed (rows' mean) | run | run / computed | "
-          "forwards of every position | s | same tokens |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['sampler']} | {r['cache']} | {r['batch']} | {r['path']} | {r['forwards']} | {r['computed']:.1%} | "
-              f"{r['run']:.1%} | {r['run_per_computed']}x | {r['full_width']} | {r['s']} | {r['same_tokens']} |")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    print_table(["sampler", "cache", "batch", "path", "forwards", "token-layers computed (rows' mean)", "run",
+                 "run / computed", "forwards of every position", "s", "same tokens"],
+                [[r["sampler"], r["cache"], r["batch"], r["path"], r["forwards"], f"{r['computed']:.1%}",
+                  f"{r['run']:.1%}", f"{r['run_per_computed']}x", r["full_width"], r["s"], r["same_tokens"]]
+                 for r in rows])
+    write_json(a.json, rows)
     return rows
 
 

@@ -20,22 +20,12 @@ import threading
 import time
 
 import torch
+from _common import task_prompts
 
 import dllm
 from dllm.assets import model_path
-from dllm.evals import tasks as T
 from dllm.generate import prepare_prompts
 from dllm.serve import Engine
-
-
-def prompts(n: int) -> list:
-    """``n`` chat prompts of the synthetic tasks (different lengths), held-out seed."""
-    out = []
-    names = T.task_names("waiting_line")
-    for i in range(n):
-        ex = T.get_task(names[i % len(names)]).generate(1, 1000 + i)[0]
-        out.append(ex.messages[-1:])
-    return out
 
 
 def pct(xs, q):
@@ -141,11 +131,11 @@ def main() -> None:
     model = dllm.load_model(str(model_path(args.model)), dtype="float32")
     kw = dict(sampler=args.sampler, gen_length=args.gen_length, block_length=args.block_length, cache=args.cache,
               graphs=args.graphs)
-    dllm.generate(model, prompts(2), **kw)  # warm-up
+    dllm.generate(model, task_prompts(2, 1000), **kw)  # warm-up
     print(f"model {args.model}, sampler {args.sampler}, cache {args.cache or 'the preset default'}, gen "
           f"{args.gen_length}, block {args.block_length}, "
           f"{args.requests} requests per client, torch threads {torch.get_num_threads()}")
-    length = max(len(p) for p in prepare_prompts(model, prompts(16), None, True)) + args.gen_length
+    length = max(len(p) for p in prepare_prompts(model, task_prompts(16, 1000), None, True)) + args.gen_length
     solo_cost = forward_cost_per_row(model, length, 1)
     for c in args.concurrency:
         cost = forward_cost_per_row(model, length, c)
@@ -155,7 +145,7 @@ def main() -> None:
     print("| clients | mode | answer tokens/s | latency p50 s | latency p99 s | first token p50 s | requests |")
     print("|---|---|---|---|---|---|---|")
     for c in args.concurrency:
-        ps = prompts(c * args.requests)
+        ps = task_prompts(c * args.requests, 1000)
         work = [ps[i * args.requests:(i + 1) * args.requests] for i in range(c)]
         runs = {"continuous": (run_continuous, (model, work, kw, max(c, 1))),
                 "static batches": (run_static, (model, work, kw)),
