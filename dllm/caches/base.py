@@ -358,8 +358,8 @@ class KVCache(CacheBase):
     def capacity(self) -> int:
         """The rows of the storage behind the K/V buffers (the batch, or with :attr:`batch_buckets` its bucket); 0
         before the first full forward."""
-        rows = [storage_of(t).shape[0] for t in self.k + self.v if t is not None]
-        return min(rows) if rows else 0
+        first = next((t for t in self.k if t is not None), None)  # every layer's buffers are sized alike
+        return 0 if first is None else storage_of(first).shape[0]
 
     def write_buffers(self, layer: int, batch: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The ``(k, v)`` buffers (``[B, Hkv, T, D]``) into which a partial forward of ``batch`` rows may write its
