@@ -126,6 +126,9 @@ def test_metrics_count_how_the_forwards_ran():
     counts = engine.stats()["graphs"]
     assert got == {k: v for k, v in counts.items() if k != "evicted"} and got["eager:full forward"] >= 1
     assert len(got) >= 2
+    # the batch's K/V buffers went back to the graph path's pool when it ended
+    pool = {f.name: f for f in _EngineCollector(engine).collect()}["dllm_graph_pool_bytes"]
+    assert pool.samples[0].value == engine.stats()["graph_pool_bytes"] > 0
 
 
 def test_a_full_queue_answers_429(server):

@@ -854,4 +854,6 @@ class Engine:
         return {**self.metrics, "waiting": waiting, "running": running, "groups": len(groups),
                 "alive": self.alive(),
                 "last_tick_age": None if self.last_tick is None else time.monotonic() - self.last_tick,
-                "graphs": dict(runner.stats) if runner is not None else {}}
+                "graphs": dict(runner.stats) if runner is not None else {},
+                # bytes of free K/V buffers the graph path's pool keeps for later batches (GraphRunner.clear frees)
+                "graph_pool_bytes": runner.buffers.nbytes if runner is not None and runner.buffers is not None else 0}

@@ -98,6 +98,8 @@ class _EngineCollector:
         yield how
         yield CounterMetricFamily("dllm_graphs_evicted", "CUDA graphs dropped to keep the most recently used",
                                   value=s["graphs"].get("evicted", 0))
+        yield GaugeMetricFamily("dllm_graph_pool_bytes", "free K/V buffers the graph path keeps for later batches",
+                                value=s["graph_pool_bytes"])
 
 
 class _Auth:
