@@ -274,6 +274,15 @@ def test_cache_buffers_are_reused_across_resets():
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+def uncaptured(model, prompts, **kw):
+    """``generate`` on the graph path without capture: the same bucketed shapes, static buffers and kernels as the
+    captured path, each forward run instead of replayed. On CUDA in bf16 a product's rows may round differently with
+    the number of rows it is computed with, so this twin, not ``graphs="off"`` (exact shapes), is the captured path's
+    oracle there; that the bucketed shapes decode the exact shapes' tokens is the CPU tests' (float32)."""
+    with own_runner(model):
+        return dllm.generate(model, prompts, graphs="on", **kw)
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("cache", ["dual", "prefix"])
@@ -281,7 +290,7 @@ def test_cuda_graphs_decode_what_the_eager_path_decodes(cache):
     model = dllm.load_model("llada-tiny", device="cuda", dtype="bfloat16")
     prompts = ["What is 12 + 30?", "Please reverse the order of the list:\n[\"Alice Adams\", \"Brian Baker\"]"]
     kw = dict(gen_length=32, block_length=8, steps=32, sampler="llada", cache=cache)
-    eager = dllm.generate(model, prompts, graphs="off", **kw)
+    eager = uncaptured(model, prompts, **kw)
     graph = dllm.generate(model, prompts, graphs="auto", **kw)
     assert graph.stats.graphs.get("captures", 0) >= 1 and graph.stats.graphs.get("replays", 0) >= 1
     assert "eager:capture failed" not in graph.stats.graphs, graph.stats.graphs
@@ -303,8 +312,7 @@ def test_cuda_graphs_of_one_call_replay_in_the_next():
         assert "eager:capture failed" not in a.stats.graphs, a.stats.graphs
         assert b.stats.graphs.get("replays", 0) >= 8 and b.stats.graphs.get("captures", 0) <= 1, b.stats.graphs
         for prompts, out in ((first, a), (second, b)):
-            assert torch.equal(dllm.generate(model, prompts, graphs="off", cache=cache, **kw).sequences,
-                               out.sequences)
+            assert torch.equal(uncaptured(model, prompts, cache=cache, **kw).sequences, out.sequences)
 
 
 @pytest.mark.gpu
@@ -314,7 +322,7 @@ def test_cuda_graphs_on_block_diffusion_checkpoints(name):
     model = dllm.load_model(name, device="cuda", dtype="bfloat16")
     prompts = ["What is 12 + 30?", "Please reverse the order of the list:\n[\"Alice Adams\", \"Brian Baker\"]"]
     kw = dict(gen_length=32, sampler="threshold", cache="block")
-    eager = dllm.generate(model, prompts, graphs="off", **kw)
+    eager = uncaptured(model, prompts, **kw)
     graph = dllm.generate(model, prompts, graphs="auto", **kw)
     assert "eager:capture failed" not in graph.stats.graphs, graph.stats.graphs
     assert torch.equal(eager.sequences, graph.sequences)
