@@ -11,6 +11,12 @@ from dataclasses import dataclass
 GRAPH_MODES = ("auto", "on", "off")
 
 
+def check_graphs(mode) -> None:
+    """Raise a ValueError naming ``mode`` unless it is one of :data:`GRAPH_MODES`."""
+    if mode not in GRAPH_MODES:
+        raise ValueError(f"graphs must be one of {', '.join(map(repr, GRAPH_MODES))}, got {mode!r}")
+
+
 @dataclass(frozen=True)
 class GenerateConfig:
     """What the decode loop needs beyond the sampler, cache and block policy.
@@ -73,8 +79,7 @@ class GenerateConfig:
         if isinstance(c, bool) or not isinstance(c, numbers.Real) or not math.isfinite(c) or c < 0:
             raise ValueError(f"cfg_scale must be >= 0 and finite (0: no guidance), got {c!r}")
         object.__setattr__(self, "cfg_scale", float(c))
-        if self.graphs not in GRAPH_MODES:
-            raise ValueError(f"graphs must be one of {', '.join(map(repr, GRAPH_MODES))}, got {self.graphs!r}")
+        check_graphs(self.graphs)
         if self.seed is not None:
             if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):
                 raise ValueError(f"seed must be an integer (Python or numpy) or None, got {self.seed!r}")

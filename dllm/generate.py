@@ -311,9 +311,11 @@ class Decoder:
         self.clock = _Clock(self.device)
         self.graphs = GraphRunner.for_model(model, config.graphs) if isinstance(cache, KVCache) else None
         self._graph_stats0 = dict(self.graphs.stats) if self.graphs is not None else {}
-        # the graph path's shapes rounded up and its K/V buffers lent by the runner's pool, where its cached steps can
-        # replay at all (not with guidance, per-layer hooks, mixtures of experts, other models)
-        self.graphed = self.graphs is not None and self.graphs.setting_reason(cache, config.cfg_scale > 0) is None
+        # why every cached step runs eagerly, decided once (None: through the graphs); where they can replay at all
+        # (not with guidance, per-layer hooks, mixtures of experts, other models) the graph path's shapes are rounded
+        # up and its K/V buffers lent by the runner's pool
+        self._eager_setting = None if self.graphs is None else self.graphs.setting_reason(cache, config.cfg_scale > 0)
+        self.graphed = self.graphs is not None and self._eager_setting is None
         if self.graphed:
             cache.buckets, cache.pool = self.graphs.buckets, self.graphs.buffers
 
@@ -415,7 +417,7 @@ class Decoder:
         st.plan_hint = None
         t0 = clock.mark()
         runner = self.graphs
-        eager = runner.eager_reason(cache, query_idx, config.cfg_scale > 0) if runner is not None else None
+        eager = None if runner is None else ("full forward" if query_idx is None else self._eager_setting)
         # the rows of a partial forward without their padding (rows out of step: one refreshing its block, the
         # others reading their cache), known from the plan's host numbers
         n_query = cache.query_tokens if query_idx is not None else None

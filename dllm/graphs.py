@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from dllm.caches.base import KVCache, storage_of
-from dllm.config import GRAPH_MODES
+from dllm.config import GRAPH_MODES, check_graphs
 from dllm.kernels.dispatch import reset_rng_capture_state
 from dllm.models.transformer import Transformer
 from dllm.ops import shape_bucket
@@ -155,8 +155,7 @@ class GraphRunner:
     def for_model(cls, model, mode: str) -> GraphRunner | None:
         """The model's runner for ``GenerateConfig.graphs`` (created once per model and kept on it), or None
         when the mode is ``off`` (or ``auto`` off CUDA)."""
-        if mode not in GRAPH_MODES:
-            raise ValueError(f"graphs={mode!r}: expected one of {', '.join(GRAPH_MODES)}")
+        check_graphs(mode)
         if mode == "off" or (mode == "auto" and getattr(model, "device", torch.device("cpu")).type != "cuda"):
             return None
         runner = cls.of(model)
@@ -171,15 +170,10 @@ class GraphRunner:
         return model.__dict__.get("_dllm_graphs")
 
     # -- eligibility ------------------------------------------------------------------------------------------
-    def eager_reason(self, cache, query_idx, cfg: bool) -> str | None:
-        """Why this forward runs eagerly (None: it goes through a graph)."""
-        if query_idx is None:
-            return "full forward"
-        return self.setting_reason(cache, cfg)
-
     def setting_reason(self, cache, cfg: bool) -> str | None:
         """Why every cached step of this model with this cache (and guidance) runs eagerly (None: they go through
-        graphs; the decode loop buckets its shapes and borrows the pool's buffers only then)."""
+        graphs; the decode loop buckets its shapes and borrows the pool's buffers only then). Full forwards always
+        run eagerly ("full forward")."""
         if cfg:
             return "classifier-free guidance"
         if not isinstance(self.model, Transformer):
@@ -226,7 +220,7 @@ class GraphRunner:
             if t is not None:
                 # positions, key mask and logits columns are usually the very tensors of the last step: their copy
                 # (a kernel in the gap before the replay, while the device waits) is skipped
-                owner = t if t._base is None else t._base
+                owner = storage_of(t)
                 sig = (owner, t.data_ptr(), t.shape, t.stride(), t._version)
                 last = g.copied.get(name)
                 if last is None or last[0] is not owner or last[1:] != sig[1:]:

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from dllm.config import GRAPH_MODES, GenerateConfig
+from dllm.config import GenerateConfig, check_graphs
 from dllm.generate import Decoder, DecodeState, decode_texts, prepare_prompts, row_keys
 from dllm.graphs import GraphRunner
 from dllm.ops import moved_rows
@@ -332,8 +332,7 @@ class Engine:
 
     def __init__(self, model, *, max_rows: int = 8, max_queue: int = 256, sampler: str | None = None,
                  params: dict | None = None, graphs: str = "auto"):
-        if not isinstance(graphs, str) or graphs not in GRAPH_MODES:
-            raise ValueError(f"graphs must be one of {', '.join(map(repr, GRAPH_MODES))}, got {graphs!r}")
+        check_graphs(graphs)
         if not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows < 1:
             raise ValueError(f"max_rows={max_rows!r} must be a positive integer")
         if not isinstance(max_queue, int) or isinstance(max_queue, bool) or max_queue < 1:
