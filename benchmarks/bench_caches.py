@@ -8,6 +8,7 @@ more than on a trained model).
 
     python benchmarks/bench_caches.py                        # 12 layers, width 1024 (GPU-sized)
     python benchmarks/bench_caches.py --layers 4 --width 256 --steps 64   # CPU-sized
+    python benchmarks/bench_caches.py --layers 8 --width 4096 --mlp 12288 --vocab 126464 --batch 1   # LLaDA-8B's layer
 
 The model runs as ``load_model`` runs it: the fast layer on CUDA (``--fast auto``), CUDA graphs for the cached
 steps (``GenerateConfig.graphs="auto"``). Before its timed run each cache decodes the same prompts with two steps
@@ -31,14 +32,21 @@ from dllm.models.fast import enable_fast_path, wants_fast
 from dllm.models.weights import init_weights
 
 
-def build(layers: int, width: int, heads: int, vocab: int, max_len: int, device, dtype) -> Transformer:
+def build(layers: int, width: int, heads: int, vocab: int, max_len: int, device, dtype,
+          mlp: int | None = None) -> Transformer:
     cfg = TransformerConfig(vocab_size=vocab, d_model=width, n_layers=layers, n_heads=heads, n_kv_heads=heads,
-                            mlp_hidden=(8 * width // 3 + 63) // 64 * 64, max_seq_len=max_len)
+                            mlp_hidden=mlp or (8 * width // 3 + 63) // 64 * 64, max_seq_len=max_len)
     torch.manual_seed(0)
-    model = Transformer(cfg, LLADA)
-    init_weights(model, std=0.5)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):  # built where it runs, in its dtype: LLaDA-8B's layers never pass through the host
+            model = Transformer(cfg, LLADA)
+            init_weights(model, std=0.5)
+    finally:
+        torch.set_default_dtype(prev)
     model.mask_id, model.eos_id, model.eot_id, model.pad_id = vocab - 1, 1, 2, 1
-    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return model.eval().requires_grad_(False)
 
 
 def main(argv=None):
@@ -46,6 +54,7 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--heads", type=int, default=None, help="default width // 64")
+    p.add_argument("--mlp", type=int, default=None, help="MLP width (default 8/3 of the width, rounded up to 64)")
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--gen", type=int, default=256)
@@ -64,7 +73,8 @@ def main(argv=None):
     if a.threads:
         torch.set_num_threads(a.threads)
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if a.device == "cuda" else torch.float32)
-    model = build(a.layers, a.width, a.heads or max(a.width // 64, 1), a.vocab, a.prompt + a.gen, a.device, dtype)
+    model = build(a.layers, a.width, a.heads or max(a.width // 64, 1), a.vocab, a.prompt + a.gen, a.device, dtype,
+                  a.mlp)
     fast = wants_fast({"on": True, "off": False}.get(a.fast, a.fast), model)
     if fast:
         enable_fast_path(model)
@@ -102,6 +112,7 @@ def main(argv=None):
                    "full_refreshes": sum(r["refresh_layer"] == 0 for r in tr),
                    "kv_mib": round(out.stats.cache_bytes / 2**20, 1),
                    "same_tokens": round(float((out.sequences == base_seq).float().mean()), 3)}
+            row["device"] = torch.cuda.get_device_name() if a.device == "cuda" else "CPU"
             if a.device == "cuda":
                 row["peak_mib"] = round(torch.cuda.max_memory_allocated() / 2**20)
             rows.append(row)

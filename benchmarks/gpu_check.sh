@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # The GPU check, as one short script: the decode-step benchmark first (the figures that matter most), then the
-# gpu-marked tests, every cache against none at batch 1 and the kernel benchmark, each bounded in time; every log
-# is written under $OUT (or ./gpu-out) as it goes, so a run cut short still returns what it measured. From the
-# repository root on a CUDA machine:
+# kernel benchmark, the gpu-marked tests, every cache against none at batch 1 and the step's extra figures, each
+# bounded in time; every log is written under $OUT (or ./gpu-out) as it goes, so a run cut short still returns what
+# it measured, and the issue's goals are judged at the end (benchmarks/gpu_goals.py). From the repository root on a
+# CUDA machine:
 #
 #     bash benchmarks/gpu_check.sh [FASTDLLM_DIR]     # FASTDLLM_DIR: a Fast-dLLM checkout (optional)
 #     QUICK=1 bash benchmarks/gpu_check.sh ...        # batch 1 and 16, no/dual cache, two modes: a short lease
-#     PARTS="step tests" bash benchmarks/gpu_check.sh # some parts only (step extra tests caches kernels; default all)
+#     PARTS="step tests" bash benchmarks/gpu_check.sh # some parts only (step kernels tests caches extra; default all)
 #
-# The parts take at most 300 + 180 + 100 + 120 + 100 seconds: where one command may run 600 seconds, run
-# PARTS="step" and then PARTS="extra tests caches kernels".
+# The parts take at most 300 + 100 + 100 + 120 + 180 seconds: where one command may run 600 seconds, run
+# PARTS="step kernels" and then PARTS="tests caches extra" (each call's goals table judges that call's files; copy
+# both calls' files into one folder and run `python benchmarks/gpu_goals.py FOLDER` for the whole table).
+# At the end every file is packed into $OUT/gpu-check.tgz, beside the goals table $OUT/goals.md.
 # The figures go into docs/performance.md with the card, the command and the date.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +20,7 @@ OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 FASTDLLM=${1:-}
-PARTS=${PARTS:-step extra tests caches kernels}
+PARTS=${PARTS:-step kernels tests caches extra}
 log() { echo "== $* ($(date -u +%H:%M:%S))"; }
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 
@@ -36,13 +39,9 @@ if want step; then
         | grep --line-buffered -v USDT | tee "$OUT/bench_step.log"
 fi
 
-if want extra; then
-    log bench_step packing and breakdown
-    timeout 120 python3 benchmarks/bench_step.py --modes graph --caches dual --batch 1 --packing --breakdown \
-        --json "$OUT/step_extra.json" 2>&1 | grep --line-buffered -v USDT | tee "$OUT/bench_step_extra.log"
-    log bench_graph_keys
-    timeout 60 python3 benchmarks/bench_graph_keys.py --calls 4 --batch 1 4 --configs llada:dual llada:dkv-decode \
-        --json "$OUT/graph_keys.json" 2>&1 | grep --line-buffered -v USDT | tee "$OUT/bench_graph_keys.log"
+if want kernels; then
+    log bench_kernels
+    timeout 100 python3 benchmarks/bench_kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/bench_kernels.log"
 fi
 
 if want tests; then
@@ -53,13 +52,24 @@ fi
 
 if want caches; then
     log bench_caches
-    timeout 120 python3 benchmarks/bench_caches.py --batch 1 --json "$OUT/caches.json" 2>&1 \
+    # LLaDA-8B's layer (d 4096, 32 heads, MLP 12,288, its vocabulary) at 8 layers, prompt 512, gen 256, batch 1
+    timeout 120 python3 benchmarks/bench_caches.py --layers 8 --width 4096 --heads 32 --mlp 12288 --vocab 126464 \
+        --batch 1 --json "$OUT/caches.json" 2>&1 \
         | grep --line-buffered -v USDT | tee "$OUT/bench_caches.log"
 fi
 
-if want kernels; then
-    log bench_kernels
-    timeout 100 python3 benchmarks/bench_kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/bench_kernels.log"
+if want extra; then
+    log bench_step packing and breakdown
+    timeout 120 python3 benchmarks/bench_step.py --modes graph --caches dual --batch 1 --packing --breakdown \
+        --json "$OUT/step_extra.json" 2>&1 | grep --line-buffered -v USDT | tee "$OUT/bench_step_extra.log"
+    log bench_graph_keys
+    timeout 60 python3 benchmarks/bench_graph_keys.py --calls 4 --batch 1 4 --configs llada:dual llada:dkv-decode \
+        --json "$OUT/graph_keys.json" 2>&1 | grep --line-buffered -v USDT | tee "$OUT/bench_graph_keys.log"
 fi
 
+log goals
+python3 benchmarks/gpu_goals.py "$OUT" --json "$OUT/goals.json" | tee "$OUT/goals.md"
+# every file in one archive beside the goals table (the device tool returns at most 8 files from $OUT)
+(cd "$OUT" && tar -czf gpu-check.tgz --exclude=gpu-check.tgz --exclude=goals.md -- * \
+    && find . -maxdepth 1 -type f ! -name gpu-check.tgz ! -name goals.md -delete)
 log done

@@ -11,6 +11,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gpu_goals  # noqa: E402
 
 
 def run(script: str, *args: str, tmp_path: Path) -> list | dict:
@@ -42,6 +45,14 @@ def test_bench_step_counts_one_host_sync_per_step(tmp_path):
     (pack,) = [r for r in rows if r["what"] == "packing"]  # 16 rows, one refreshing its canvas of 64
     assert pack["rows_computed_padded"] == 16 * 64 and pack["rows_computed_packed"] == 64 + 15 * 8
     assert pack["padded_ms"] > 0 and pack["packed_ms"] > 0
+    # the goals table reads these figures: on the CPU the host syncs are judged, the timings are not
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "step.json").write_text(json.dumps(rows))
+    by_goal = {g["goal"]: g for g in gpu_goals.goals(tmp_path / "out")}
+    assert by_goal["host synchronisations per step"]["status"] == "met"
+    assert by_goal["dual-cache step, batch 1, graph path"]["status"] == "not measured (CPU)"
+    assert "x the floor" in by_goal["dual-cache step, batch 1, graph path"]["measured"]
+    assert by_goal["kernels per layer, captured forward (32 layers)"]["status"] == "not measured (2 layers)"
 
 
 def test_bench_caches_compares_every_cache_with_none(tmp_path):
@@ -58,6 +69,10 @@ def test_bench_caches_compares_every_cache_with_none(tmp_path):
     assert dual["token_layers"] < prefix["token_layers"]  # the dual cache also skips the suffix
     for r in rows:  # LLaDA's even quota keeps a batch's rows in step: no padding
         assert r["token_layers_run"] == r["token_layers"], r
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "caches.json").write_text(json.dumps(rows))
+    (goal,) = [g for g in gpu_goals.goals(tmp_path / "out") if g["goal"].startswith("every cache pays")]
+    assert goal["status"] == "not measured (CPU)" and goal["measured"].startswith("prefix "), goal
 
 
 def test_bench_padding_shows_rows_out_of_step_widen_the_batch_unless_packed(tmp_path):
@@ -95,3 +110,53 @@ def test_bench_kernels_runs_every_kernel(tmp_path):
     assert kinds == {"attention", "attention_mass", "confidence_stats"}, kinds
     for r in report["rows"]:
         assert all(v > 0 for v in r["ms"].values()), r
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "kernels.json").write_text(json.dumps(report))
+    goals = gpu_goals.goals(tmp_path / "out")
+    conf = [g for g in goals if g["goal"].startswith("confidence statistics,")]
+    assert conf and all(g["status"] == "not measured (CPU)" and g["measured"].endswith("x") for g in conf)
+
+
+def _gpu_figures(folder: Path, x_floor=1.4, fastdllm=2.5, splitk=0.025, caches=1.1,
+                 tests="22 passed, 113 deselected in 40s"):
+    """The files gpu_check.sh writes, in the benchmarks' formats, with figures chosen by the test."""
+    folder.mkdir(exist_ok=True)
+    step = [{"what": "floor", "device": "NVIDIA H100 80GB HBM3", "layers": 32, "floor_ms": 5.33},
+            {"what": "step", "mode": "graph", "cache": "dual", "batch": 1, "ms_partial_step": round(5.33 * x_floor, 2),
+             "x_floor_partial": x_floor, "forward_launches_per_layer": 10.0, "syncs_per_step": 1},
+            {"what": "step", "mode": "graph", "cache": "none", "batch": 1, "x_floor_partial": None,
+             "forward_launches_per_layer": 9.0, "syncs_per_step": 1},
+            {"what": "e2e", "cache": "none", "s": 7.5, "speedup_vs_none": 1.0},
+            {"what": "e2e", "cache": "dual", "s": 2.0, "speedup_vs_none": 3.75},
+            {"what": "fastdllm", "impl": "speed-up of dllm", "ratio": fastdllm, "same_tokens": 1.0}]
+    att = {"kernel": "attention", "B": 1, "Hq": 32, "Hkv": 32, "Lq": 32, "Lk": 4096, "D": 128,
+           "dtype": "torch.bfloat16", "auto_choice": "splitk",
+           "ms": {"sdpa": 0.055, "triton": 0.048, "splitk": 0.07, "splitk4": 0.06, "auto": 0.055},
+           "graph_ms": {"sdpa": 0.055, "triton": 0.048, "splitk": splitk, "splitk4": 0.03, "auto": 0.03}}
+    conf = {"kernel": "confidence_stats", "N": 32, "V": 126464, "dtype": "torch.bfloat16",
+            "ms": {"torch": 0.2, "reference": 0.2, "triton": 0.033}}
+    caches = [{"batch": 1, "cache": c, "speedup": s, "device": "NVIDIA H100 80GB HBM3"}
+              for c, s in (("none", 1.0), ("dual", 3.2), ("elastic", caches))]
+    (folder / "step.json").write_text(json.dumps(step))
+    (folder / "kernels.json").write_text(json.dumps({"device": "NVIDIA H100 80GB HBM3", "rows": [att, conf]}))
+    (folder / "caches.json").write_text(json.dumps(caches))
+    (folder / "gpu_tests.log").write_text(f"...\n{'=' * 10} {tests} {'=' * 10}\n")
+    return folder
+
+
+def test_gpu_goals_judges_each_goal_against_its_target(tmp_path):
+    status = {g["goal"]: g["status"] for g in gpu_goals.goals(_gpu_figures(tmp_path / "good"))}
+    assert set(status.values()) == {"met"}, status
+    assert len(status) == 10  # step, e2e, Fast-dLLM, kernels, syncs, split-K, dispatch, confidence, caches, tests
+    bad = {g["goal"]: g for g in gpu_goals.goals(_gpu_figures(
+        tmp_path / "bad", x_floor=1.56, fastdllm=1.9, splitk=0.05, caches=0.8, tests="3 failed, 19 passed in 56s"))}
+    for goal in ("dual-cache step, batch 1, graph path", "against Fast-dLLM's generate_with_dual_cache, same weights",
+                 "every cache pays at batch 1 (bench_caches.py)", "gpu tests"):
+        assert bad[goal]["status"] == "NOT met", bad[goal]
+    split = bad["split-K attention, Lq 32, Lk 4096, bf16, 32:32 heads"]
+    assert split["status"] == "met" and split["measured"].startswith("1.83x (splitk4)")  # the better split count
+    assert {g["status"] for g in gpu_goals.goals(tmp_path / "nothing")} == {"not measured"}
+    out = tmp_path / "goals.json"
+    assert gpu_goals.main([str(tmp_path / "bad"), "--json", str(out)]) == 0
+    assert [g["status"] for g in json.loads(out.read_text())].count("NOT met") == 4
+    assert "elastic 0.8x" in bad["every cache pays at batch 1 (bench_caches.py)"]["measured"]
