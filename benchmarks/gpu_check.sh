@@ -25,7 +25,8 @@ log() { echo "== $* ($(date -u +%H:%M:%S))"; }
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 
 log env
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/env.txt"
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi: no GPU"; } \
+    | tee "$OUT/env.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/env.txt"
 
 if want step; then

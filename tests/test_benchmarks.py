@@ -160,3 +160,23 @@ def test_gpu_goals_judges_each_goal_against_its_target(tmp_path):
     assert gpu_goals.main([str(tmp_path / "bad"), "--json", str(out)]) == 0
     assert [g["status"] for g in json.loads(out.read_text())].count("NOT met") == 4
     assert "elastic 0.8x" in bad["every cache pays at batch 1 (bench_caches.py)"]["measured"]
+
+
+def test_gpu_check_runs_its_parts_and_judges_what_they_wrote(tmp_path):
+    """The GPU check's own plumbing, on the CPU: the parts asked for run, the goals table is written, every file is
+    packed into one archive beside it (the device returns few files)."""
+    import tarfile
+
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PARTS": "step", "QUICK": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    p = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert sorted(f.name for f in out.iterdir()) == ["goals.md", "gpu-check.tgz"]
+    with tarfile.open(out / "gpu-check.tgz") as tar:
+        assert {"env.txt", "bench_step.log", "step.json", "goals.json"} <= set(tar.getnames())
+    table = (out / "goals.md").read_text()
+    assert "| host synchronisations per step | <= 1 | 1 at most (CPU) | met |" in table
+    assert "| gpu tests | all pass | - | not measured |" in table  # a part not asked for
+    assert "== done" in p.stdout
