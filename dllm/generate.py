@@ -190,7 +190,14 @@ def _encode(tok, p, chat_template: bool) -> list[int]:
     return tok(p)["input_ids"]
 
 
-@torch.no_grad()
+def decoding(fn):
+    """Run ``fn`` the way the decode loop runs: without autograd, and outside inference mode even under a caller's
+    ``torch.inference_mode()`` (the loop and the graph path read tensors' version counters, which inference tensors
+    do not keep; the tensors the loop makes are then ordinary ones, and the caller's are only read)."""
+    return torch.inference_mode(False)(torch.no_grad()(fn))
+
+
+@decoding
 def generate(
     model,
     prompts,

@@ -114,3 +114,21 @@ def test_eos_early_stop_with_a_sliding_window():
     for b in range(3):
         if not (base.sequences[b] == eos).any():
             assert torch.equal(out.sequences[b], base.sequences[b])
+
+
+def test_generate_under_inference_mode_decodes_what_it_decodes_outside():
+    """A caller's ``torch.inference_mode()`` (a common way to call a model): the loop runs outside it (it reads
+    tensors' version counters, which inference tensors do not keep), with every cache and on the graph path's
+    static buffers, and gives the same tokens."""
+    model = dllm.load_model("llada-tiny")
+    kw = dict(gen_length=16, block_length=8, steps=16, sampler="llada")
+    prompts = ["What is 12 + 30?", "What is 407 + 2185?"]
+    for cache in ("none", "prefix", "dual", "dkv-decode", "freecache", "elastic"):
+        for graphs in ("off", "on"):
+            ref = dllm.generate(model, prompts, cache=cache, graphs=graphs, **kw)
+            with torch.inference_mode():
+                tensor_prompt = torch.tensor([model.tokenizer("What is 12 + 30?")["input_ids"]])  # an inference tensor
+                out = dllm.generate(model, prompts, cache=cache, graphs=graphs, **kw)
+                dllm.generate(model, tensor_prompt, cache=cache, graphs=graphs, **kw)
+            assert torch.equal(out.sequences, ref.sequences), (cache, graphs)
+            assert not out.sequences.is_inference()

@@ -132,6 +132,31 @@ def test_refusals_name_the_problem(llada):
     assert eng.stats()["requests"]["stop"] + eng.stats()["requests"]["length"] == 2
 
 
+def test_the_engine_decodes_without_autograd_whatever_the_callers_mode():
+    """The engine's thread starts with autograd on, and a caller may step it under ``torch.inference_mode()``:
+    either way a model whose parameters require gradients decodes without recording them, with the same tokens."""
+    model = dllm.load_model("llada-tiny", dtype="float32").requires_grad_(True)
+    seen = []
+    hook = model.register_forward_pre_hook(lambda m, a: seen.append((torch.is_grad_enabled(),
+                                                                     torch.is_inference_mode_enabled())))
+    try:
+        want, _ = solo(model, PROMPTS[2], "r", gen_length=8, block_length=8, sampler="threshold")
+        for mode in (torch.enable_grad, torch.inference_mode):
+            eng = Engine(model, graphs="on")
+            h = eng.submit(PROMPTS[2], gen_length=8, block_length=8, sampler="threshold", request_id="r")
+            with mode():
+                eng.run_until_idle()
+            assert h.result(timeout=0).tokens == want
+        eng = Engine(model, graphs="on")  # the background thread
+        eng.start()
+        h = eng.submit(PROMPTS[2], gen_length=8, block_length=8, sampler="threshold", request_id="r")
+        assert h.result(timeout=60).tokens == want
+        eng.stop()
+    finally:
+        hook.remove()
+    assert seen and set(seen) == {(False, False)}, set(seen)
+
+
 def test_a_failing_group_fails_only_its_requests(llada, monkeypatch):
     eng = Engine(llada)
     bad = eng.submit(PROMPTS[0], gen_length=16, sampler="factor", request_id="bad")

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from dllm.config import GenerateConfig, check_graphs
-from dllm.generate import Decoder, DecodeState, decode_texts, prepare_prompts, row_keys
+from dllm.generate import Decoder, DecodeState, decode_texts, decoding, prepare_prompts, row_keys
 from dllm.graphs import GraphRunner
 from dllm.ops import moved_rows
 from dllm.recipes import model_block_size, resolve
@@ -494,6 +494,7 @@ class Engine:
             raise RequestError("noise_scope must be 'row' when serving (per-request random streams)", "params")
 
     # ------------------------------------------------------------------------------------------ the loop
+    @decoding  # no autograd (the engine's thread starts with it on), whatever the caller's inference mode
     def step(self) -> bool:
         """One tick: admit waiting requests into their groups, then one forward for every group. Returns
         whether any request is still waiting or running. A batch whose serving raises fails its own requests."""
