@@ -13,7 +13,9 @@ few hundred kernel launches.
   K/V buffers, N)``: batch, canvas length, active rows, logits columns, and the active rows over the batch without
   padding where the rows' active sets differ (``query_tokens``: the per-token work runs on those rows packed). A key
   is captured the second time it is seen (a shape seen once runs eagerly), at most ``max_graphs`` graphs are kept
-  (least recently used dropped);
+  (least recently used dropped); a graph reads the weights by address, so each generation first checks that the
+  model's tensors and layer path are those the graphs captured (:meth:`GraphRunner.check_model`; else they are
+  dropped);
 * shapes are bucketed (``buckets``, default on): the decode loop rounds the canvas up to a
   :func:`~dllm.ops.shape_bucket` length (more left padding, masked out like any shorter prompt's), the cache rounds
   ``Q`` and ``N`` up (more repeats of each row's first active row, computed and dropped), and the runner the logits
@@ -150,6 +152,7 @@ class GraphRunner:
         #: the K/V buffers lent to the caches of this model's graph path (:class:`BufferPool`; None: each cache
         #: allocates its own). Between calls the pool holds the last calls' buffers: :meth:`clear` frees them
         self.buffers: BufferPool | None = BufferPool()
+        self._signature = self._model_signature()  # the model's tensors the graphs read (check_model)
 
     @classmethod
     def for_model(cls, model, mode: str) -> GraphRunner | None:
@@ -162,7 +165,24 @@ class GraphRunner:
         if runner is None:
             runner = cls(model)
             model.__dict__["_dllm_graphs"] = runner
+        runner.check_model()
         return runner
+
+    def _model_signature(self) -> tuple:
+        m = self.model
+        return (tuple(p.data_ptr() for p in m.parameters()), tuple(b.data_ptr() for b in m.buffers()),
+                tuple(getattr(layer, "fast", False) for layer in getattr(m, "layers", ())))
+
+    def check_model(self) -> None:
+        """Drop every graph if the model's tensors moved or its layers changed path since the last check (a graph
+        reads the weights by address and replays the kernels it captured: after the projections were fused again,
+        the parameters replaced or moved, or the fast path switched, it would read freed memory or run the other
+        path). Called once per generation (:meth:`for_model`), not per step."""
+        sig = self._model_signature()
+        if sig != self._signature and self.graphs:
+            self.stats["evicted"] += len(self.graphs)
+            self.graphs.clear()
+        self._signature = sig
 
     @staticmethod
     def of(model) -> GraphRunner | None:

@@ -359,3 +359,32 @@ def test_load_model_compile_option():
     assert torch.equal(a.sequences, b.sequences)
     assert b.stats.graphs.get("replays", 0) + b.stats.graphs.get("captures", 0) >= 1
     torch._dynamo.reset()
+
+
+def test_graphs_are_dropped_when_the_weights_they_read_move():
+    """A graph reads the weights by address and replays the kernels it captured: fusing the projections again,
+    replacing the parameters or switching the fast path makes the next generation drop the model's graphs (the
+    static-buffer path counts them like captured ones) instead of replaying them on freed memory."""
+    from dllm.models.fast import disable_fast_path, enable_fast_path
+
+    model = dllm.load_model("llada-tiny")
+    enable_fast_path(model)
+    qkv = [layer.qkv_weight.data_ptr() for layer in model.layers]
+    enable_fast_path(model)  # idempotent: the same fused tensors
+    assert [layer.qkv_weight.data_ptr() for layer in model.layers] == qkv
+    kw = dict(gen_length=16, block_length=8, steps=16, sampler="llada", cache="dual", graphs="on")
+    with own_runner(model) as runner:
+        want = dllm.generate(model, ["What is 12 + 30?"], **kw).sequences
+        assert runner.graphs and runner.stats["evicted"] == 0
+        dllm.generate(model, ["What is 12 + 30?"], **kw)  # nothing moved: the graphs stay and replay
+        assert runner.stats["evicted"] == 0
+        n = len(runner.graphs)
+        sd = {k: v.clone() for k, v in model.state_dict().items()}
+        model.load_state_dict(sd, assign=True)  # new tensors: the layers fuse again
+        assert [layer.qkv_weight.data_ptr() for layer in model.layers] != qkv
+        out = dllm.generate(model, ["What is 12 + 30?"], **kw)
+        assert runner.stats["evicted"] == n and torch.equal(out.sequences, want)
+        dropped, n = runner.stats["evicted"], len(runner.graphs)
+        disable_fast_path(model)  # the eager layer: the fast layer's graphs must not replay
+        out = dllm.generate(model, ["What is 12 + 30?"], **kw)
+        assert n > 0 and runner.stats["evicted"] == dropped + n and torch.equal(out.sequences, want)

@@ -58,7 +58,8 @@ def enable_fast_path(model: nn.Module) -> nn.Module:
     if layers is None:
         raise ValueError(f"enable_fast_path needs a dllm Transformer (with .layers), got {type(model).__name__}")
     for layer in layers:
-        fuse_block(layer)
+        if not (getattr(layer, "fused", False) and _still_views(layer)):  # fused already: the same tensors stay
+            fuse_block(layer)
         layer.fast = True
     params = list(model.parameters())
     if params:

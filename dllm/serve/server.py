@@ -96,7 +96,8 @@ class _EngineCollector:
             if k != "evicted":
                 how.add_metric([k], v)
         yield how
-        yield CounterMetricFamily("dllm_graphs_evicted", "CUDA graphs dropped to keep the most recently used",
+        yield CounterMetricFamily("dllm_graphs_evicted", "CUDA graphs dropped to keep the most recently used (or "
+                                  "because the model's weights moved)",
                                   value=s["graphs"].get("evicted", 0))
         yield GaugeMetricFamily("dllm_graph_pool_bytes", "free K/V buffers the graph path keeps for later batches",
                                 value=s["graph_pool_bytes"])
