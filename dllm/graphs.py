@@ -51,7 +51,8 @@ import torch
 
 from dllm.caches.base import KVCache, storage_of
 from dllm.config import GRAPH_MODES, check_graphs
-from dllm.kernels.dispatch import reset_rng_capture_state
+from dllm.kernels.device import on_device
+from dllm.kernels.dispatch import capture_graph
 from dllm.models.transformer import Transformer
 from dllm.ops import shape_bucket
 
@@ -200,6 +201,8 @@ class GraphRunner:
             return "not a dllm Transformer"
         if self.model.config.n_experts:
             return "mixture-of-experts routing (data-dependent shapes)"
+        if len({p.device for p in self.model.parameters()}) > 1:  # one capture stream records one device's work
+            return "model spread over several devices"
         if not isinstance(cache, KVCache):
             return "cache without K/V buffers"
         if cache.layer_input is not None or cache.observe is not None:
@@ -210,6 +213,10 @@ class GraphRunner:
     def __call__(self, x, positions, key_mask, logits_idx, cache, query_idx, query_tokens=None) -> torch.Tensor:
         """Logits of a partial forward ``model(x, positions=..., attn_mask=key_mask, logits_idx=...,
         cache=cache, query_idx=query_idx, query_tokens=query_tokens)``, through a graph."""
+        with on_device(x):  # capture and replay on the model's device, whichever is current (dllm.kernels.device)
+            return self._step(x, positions, key_mask, logits_idx, cache, query_idx, query_tokens)
+
+    def _step(self, x, positions, key_mask, logits_idx, cache, query_idx, query_tokens) -> torch.Tensor:
         bufs = [t for t in cache.k + cache.v if t is not None]
         B, W = logits_idx.shape
         Wb = shape_bucket(W, x.shape[1]) if self.buckets else W  # logits columns: the last one repeated up to Wb
@@ -281,16 +288,15 @@ class GraphRunner:
         # capture); it is this step's forward: its logits are returned and its K/V writes are the step's writes
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            out = self._forward(g, cache)
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(s):
+                out = self._forward(g, cache)
+        finally:  # the default stream waits for the warm-up's writes even where it raised
+            torch.cuda.current_stream().wait_stream(s)
         try:
             # thread_local: CUDA calls of other threads (a server's event loop) do not invalidate the capture
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                g.out = self._forward(g, cache)
+            graph, g.out = capture_graph(lambda: self._forward(g, cache), pool=self.pool)
         except Exception as exc:  # an operation that cannot be captured: this shape stays eager
-            reset_rng_capture_state()
             log.warning("CUDA graph capture failed for batch %d, canvas %d, %d active rows (%s: %s); running "
                         "that shape eagerly", g.x.shape[0], g.x.shape[1], g.query_idx.shape[1],
                         type(exc).__name__, exc)

@@ -388,3 +388,32 @@ def test_graphs_are_dropped_when_the_weights_they_read_move():
         disable_fast_path(model)  # the eager layer: the fast layer's graphs must not replay
         out = dllm.generate(model, ["What is 12 + 30?"], **kw)
         assert n > 0 and runner.stats["evicted"] == dropped + n and torch.equal(out.sequences, want)
+
+
+def test_triton_launches_and_graphs_go_to_the_tensors_device(monkeypatch):
+    """Triton launches on the current CUDA device, not its tensors' (PyTorch's operators switch): with several
+    GPUs, on_device makes the tensor's device current around the launches and a graph's capture and replay; with one
+    GPU, for CPU tensors and where it already is current it is a null context. A model spread over several devices
+    (device_map) runs its cached steps eagerly: one capture stream records one device's work."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from dllm.kernels import device
+
+    on_1 = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 1))
+    if not device.MULTI_GPU:  # one GPU (or none): nothing to switch
+        assert isinstance(device.on_device(on_1), nullcontext)
+    monkeypatch.setattr(device, "MULTI_GPU", True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    ctx = device.on_device(on_1)
+    assert isinstance(ctx, torch.cuda.device) and ctx.idx == 1
+    assert isinstance(device.on_device(torch.zeros(1)), nullcontext)  # a CPU tensor
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert isinstance(device.on_device(on_1), nullcontext)  # already current
+
+    model = dllm.load_model("llada-tiny")
+    runner = GraphRunner(model, capture=False)
+    cache = get_cache("dual")
+    assert runner.setting_reason(cache, False) is None
+    model.layers[1].to("meta")  # a layer elsewhere, as device_map places them
+    assert runner.setting_reason(cache, False) == "model spread over several devices"

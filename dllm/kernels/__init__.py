@@ -22,6 +22,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from dllm.kernels import dispatch, reference
+from dllm.kernels.device import on_device
 from dllm.kernels.dispatch import attention_choices, reset_attention_choices, set_attention_backend
 from dllm.kernels.reference import ConfidenceStats
 
@@ -87,21 +88,24 @@ def attention(q, k, v, key_padding_mask=None, return_lse=False):
         get_backend()
     if _module is reference:
         return reference.attention(q, k, v, key_padding_mask=key_padding_mask, return_lse=return_lse)
-    return dispatch.attention(_module, q, k, v, key_padding_mask=key_padding_mask, return_lse=return_lse)
+    with on_device(q):  # Triton launches on the current device (dllm.kernels.device)
+        return dispatch.attention(_module, q, k, v, key_padding_mask=key_padding_mask, return_lse=return_lse)
 
 
 def attention_mass(q, k, key_padding_mask=None, lse=None):
     """Dispatching wrapper; see :func:`dllm.kernels.reference.attention_mass`."""
     if _module is None:
         get_backend()
-    return _module.attention_mass(q, k, key_padding_mask=key_padding_mask, lse=lse)
+    with on_device(q):
+        return _module.attention_mass(q, k, key_padding_mask=key_padding_mask, lse=lse)
 
 
 def confidence_stats(logits, temperature=0.0, noise=None, exclude=None):
     """Dispatching wrapper; see :func:`dllm.kernels.reference.confidence_stats`."""
     if _module is None:
         get_backend()
-    return _module.confidence_stats(logits, temperature=temperature, noise=noise, exclude=exclude)
+    with on_device(logits):
+        return _module.confidence_stats(logits, temperature=temperature, noise=noise, exclude=exclude)
 
 
 __all__ = ["ConfidenceStats", "attention", "attention_choices", "attention_mass", "confidence_stats", "dispatch",

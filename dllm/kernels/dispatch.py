@@ -125,12 +125,30 @@ def reset_rng_capture_state() -> None:
     """After a capture that raised, CUDA's default generator can be left in its capturing state (the capture's
     epilogue never ran), and every later random draw on the device then fails ("Offset increment outside graph
     capture"). Capturing an empty graph runs a prologue and an epilogue again, which clears that state."""
+    stream = torch.cuda.current_stream()
     try:
         torch.cuda.synchronize()
-        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+        with torch.cuda.graph(torch.cuda.CUDAGraph(), capture_error_mode="thread_local"):
             pass
     except Exception as exc:  # pragma: no cover - depends on the CUDA state
+        torch.cuda.set_stream(stream)
         log.warning("could not reset the CUDA generator after a failed capture: %s", exc)
+
+
+def capture_graph(fn, pool=None):
+    """``(graph, fn())``: ``fn``'s kernels captured in a new CUDA graph, in thread-local mode (CUDA calls of other
+    threads, a server's, do not invalidate the capture). Where the capture raises, the thread is put back on the
+    stream it was on (``torch.cuda.graph`` leaves it on the capture stream when the capture's end fails too) and
+    CUDA's generator made usable again (:func:`reset_rng_capture_state`), and the error is raised."""
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.current_stream()
+    try:
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            out = fn()
+    except Exception:
+        torch.cuda.set_stream(stream)
+        reset_rng_capture_state()
+        raise
+    return graph, out
 
 
 def _graphed(fn):
@@ -138,12 +156,9 @@ def _graphed(fn):
     matter run as CUDA graph replays (:mod:`dllm.graphs`), where a kernel's time is its device time, without the
     host's launch cost that an eager timing charges (and that favours the one-launch SDPA)."""
     try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # other threads (a server's) go on
-            fn()
+        graph, _ = capture_graph(fn)
         return graph.replay
     except Exception as exc:  # pragma: no cover - depends on the device
-        reset_rng_capture_state()
         log.info("timing an attention candidate eagerly (its capture failed: %s)", exc)
         return None
 

@@ -33,6 +33,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dllm.kernels.device import on_device
+
 # ------------------------------------------------------------------------------------------------ twins
 
 
@@ -122,7 +124,8 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim; Triton kernel or :func:`rms_norm_ref`."""
     _check_norm(x, w, "rms_norm")
     if _use_triton(x):
-        return _ops().rms_norm(x, w, eps)
+        with on_device(x):
+            return _ops().rms_norm(x, w, eps)
     return rms_norm_ref(x, w, eps)
 
 
@@ -132,7 +135,8 @@ def add_rms_norm(h: torch.Tensor, y: torch.Tensor, w: torch.Tensor, eps: float):
     if h.shape != y.shape or h.dtype != y.dtype:
         raise ValueError(f"add_rms_norm: h {tuple(h.shape)} {h.dtype} and y {tuple(y.shape)} {y.dtype} must agree")
     if _use_triton(h):
-        return _ops().add_rms_norm(h, y, w, eps)
+        with on_device(h):
+            return _ops().add_rms_norm(h, y, w, eps)
     return add_rms_norm_ref(h, y, w, eps)
 
 
@@ -159,7 +163,8 @@ def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: in
     D = _check_rope(qkv, cos, sin, n_heads, n_kv_heads, norm_w)
     B, T, _ = qkv.shape
     if _use_triton(qkv):
-        qk = _ops().rope_qk(qkv, cos, sin, n_heads, n_kv_heads, norm_w, eps)
+        with on_device(qkv):
+            qk = _ops().rope_qk(qkv, cos, sin, n_heads, n_kv_heads, norm_w, eps)
         v = qkv.view(B, T, n_heads + 2 * n_kv_heads, D)[:, :, n_heads + n_kv_heads:].transpose(1, 2)
         return qk[:, :n_heads], qk[:, n_heads:], v
     return rope_qk_ref(qkv, cos, sin, n_heads, n_kv_heads, norm_w, eps)
@@ -186,7 +191,8 @@ def rope_qk_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_hea
     if rows.shape != (B, T) or rows.dtype != torch.int64:
         raise ValueError(f"rope_qk_write: rows must be [B={B}, T={T}] int64, got {tuple(rows.shape)} {rows.dtype}")
     if _use_triton(qkv):
-        return _ops().rope_qk_write(qkv, cos, sin, n_heads, n_kv_heads, norm_w, eps, k_cache, v_cache, rows)
+        with on_device(qkv):
+            return _ops().rope_qk_write(qkv, cos, sin, n_heads, n_kv_heads, norm_w, eps, k_cache, v_cache, rows)
     return rope_qk_write_ref(qkv, cos, sin, n_heads, n_kv_heads, norm_w, eps, k_cache, v_cache, rows)
 
 
@@ -195,7 +201,8 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     if gu.shape[-1] % 2:
         raise ValueError(f"silu_mul: the last dim ({gu.shape[-1]}) must hold gate and up halves (even)")
     if _use_triton(gu):
-        return _ops().silu_mul(gu)
+        with on_device(gu):
+            return _ops().silu_mul(gu)
     return silu_mul_ref(gu)
 
 
