@@ -92,7 +92,11 @@ def _host_check_free(t: torch.Tensor) -> bool:
 
 class _Clock:
     """Time buckets (model / sampler / cache). On CUDA, events recorded on the stream: no synchronisation during
-    decoding; the elapsed times are read once, at the end (:meth:`totals`)."""
+    decoding; the elapsed times are read at the end (:meth:`totals`), and along the way those of spans whose events
+    have completed (``Event.query``, no synchronisation), so that a decoder stepped for hours (the serving
+    engine's) holds at most about :attr:`MAX_SPANS` spans."""
+
+    MAX_SPANS = 192
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -109,8 +113,21 @@ class _Clock:
     def add(self, bucket: str, start, end) -> None:
         if self.cuda:
             self.spans.append((bucket, start, end))
+            if len(self.spans) >= self.MAX_SPANS:
+                self._fold()
         else:
             self.t[bucket] += end - start
+
+    def _fold(self) -> None:
+        """Add up the spans, oldest first, whose end event has completed (recorded in order on one stream, so
+        their start has too), and drop them."""
+        done = 0
+        for bucket, a, b in self.spans:
+            if not b.query():
+                break
+            self.t[bucket] += a.elapsed_time(b) / 1000.0
+            done += 1
+        del self.spans[:done]
 
     def totals(self) -> dict[str, float]:
         if self.cuda:

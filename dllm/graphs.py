@@ -104,8 +104,10 @@ class BufferPool:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the free buffers."""
-        return sum(t.numel() * t.element_size() for q in self.free.values() for t in q)
+        """Bytes held by the free buffers (read under the lock: a server's metrics thread asks while the engine's
+        thread takes and gives)."""
+        with self.lock:
+            return sum(t.numel() * t.element_size() for q in self.free.values() for t in q)
 
 
 @dataclass

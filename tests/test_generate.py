@@ -132,3 +132,44 @@ def test_generate_under_inference_mode_decodes_what_it_decodes_outside():
                 dllm.generate(model, tensor_prompt, cache=cache, graphs=graphs, **kw)
             assert torch.equal(out.sequences, ref.sequences), (cache, graphs)
             assert not out.sequences.is_inference()
+
+
+def test_the_cuda_clock_holds_few_events_in_a_long_lived_decoder(monkeypatch):
+    """On CUDA the step clock records events (no synchronisation) and reads them at the end; a decoder stepped for
+    hours (the serving engine's, which never asks for the totals) folds the spans whose events completed along the
+    way, so it holds a bounded number; the totals are those of every span."""
+    from dllm.generate import _Clock
+
+    class Event:  # a CUDA event whose completion the test controls; 1 ms between consecutive records
+        clock, pending = 0, []
+
+        def __init__(self, enable_timing=False):
+            self.t, self.done = None, False
+
+        def record(self):
+            Event.clock += 1
+            self.t = Event.clock
+            Event.pending.append(self)
+
+        def query(self):
+            return self.done
+
+        def elapsed_time(self, other):
+            assert self.done and other.done
+            return float(other.t - self.t)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    clock = _Clock(torch.device("cuda"))
+    steps = 3 * _Clock.MAX_SPANS
+    for i in range(steps):
+        a, b, c = clock.mark(), clock.mark(), clock.mark()
+        clock.add("model", a, b)
+        clock.add("sampler", b, c)
+        if i % 10 == 9:  # the device catches up now and then
+            for ev in Event.pending:
+                ev.done = True
+        assert len(clock.spans) <= _Clock.MAX_SPANS + 20
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: [setattr(ev, "done", True) for ev in Event.pending])
+    totals = clock.totals()
+    assert abs(totals["model"] - steps / 1000.0) < 1e-9 and abs(totals["sampler"] - steps / 1000.0) < 1e-9
+    assert clock.spans == []
