@@ -147,6 +147,8 @@ class GraphRunner:
                              "use capture=False (the static-buffer path without capture) or graphs='off'")
         self.capture_after, self.max_graphs = capture_after, max_graphs
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        #: ``(id(cache), graph)`` of the last call: the graph a cache's last cached step ran (benchmarks profile it)
+        self.last: tuple[int, _Graph] | None = None
         self.stats: Counter = Counter()
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         #: shapes rounded up to :func:`shape_bucket` sizes (the decode loop's canvas length, the cache's active and
@@ -245,6 +247,7 @@ class GraphRunner:
         else:
             self.graphs.move_to_end(key)
         g.seen += 1
+        self.last = (id(cache), g)
         for name, t in zip(_INPUTS, live):
             if t is not None:
                 # positions, key mask and logits columns are usually the very tensors of the last step: their copy
