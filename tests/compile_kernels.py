@@ -69,6 +69,22 @@ def cases(dt: str):
     yield "silu mul", k["silu_mul"], dict(GU=dt, OUT=dt), dict(BLOCK=1024)
 
 
+# program ids that index a batch, head or row and so multiply large strides: each must be widened to int64 before
+# it does (an int32 product passes 2^31 at LLaDA-8B's size: a batch stride of a view of the fused QKV output,
+# rows x a 126,464-word vocabulary)
+WIDE = {T._attn_fwd: ("y",), T._attn_splitk: ("y", "z"), T._attn_combine: ("x",), T._attn_mass: ("y",),
+        T._conf_partial: ("x",), T._conf_merge: ("x",)}
+
+
+def narrow_program_ids(fn, ttir: str) -> list[str]:
+    """The axes of ``WIDE[fn]`` whose program id the compiled kernel (its TTIR) never extends to int64."""
+    import re
+
+    ids = dict((axis, v) for v, axis in re.findall(r"(%\S+) = tt.get_program_id (\w+) : i32", ttir))
+    return [axis for axis in WIDE.get(fn, ()) if axis not in ids or
+            not re.search(rf"arith.extsi {re.escape(ids[axis])} : i32 to i64", ttir)]
+
+
 def main(archs) -> int:
     failed = 0
     for arch in archs:
@@ -77,8 +93,11 @@ def main(archs) -> int:
             for name, fn, pointers, constexprs in cases(dt):
                 label = f"sm_{arch} {dt} {name}"
                 try:
-                    triton.compile(ASTSource(fn=fn, signature=signature(fn, pointers, constexprs),
-                                             constexprs=constexprs), target=target)
+                    k = triton.compile(ASTSource(fn=fn, signature=signature(fn, pointers, constexprs),
+                                                 constexprs=constexprs), target=target)
+                    narrow = narrow_program_ids(fn, k.asm["ttir"])
+                    if narrow:
+                        raise AssertionError(f"program ids {narrow} index with int32 offsets (widen them to int64)")
                     print(f"ok {label}", flush=True)
                 except Exception as exc:  # report every kernel, then fail
                     failed += 1

@@ -332,6 +332,18 @@ def test_dispatch_times_each_bucket_once_and_keeps_the_fastest(attn_dispatch):
     assert K.attention_choices() == {}
 
 
+def test_confidence_split_count_does_not_depend_on_the_rows_in_float32(monkeypatch):
+    """The vocabulary splits of the confidence kernel set the order of its merge's sums: in float32 they never depend
+    on the row count (a row's statistics are the same in any batch), in half precision the rows fill the GPU too."""
+    monkeypatch.setattr(T, "_num_sms", lambda: 132)
+    V = 126464
+    fp32 = {T.confidence_splits(V, n, torch.float32) for n in (1, 32, 128, 512, 4096)}
+    assert fp32 == {31}  # ceil(V / 4 tiles of 1,024)
+    half = [T.confidence_splits(V, n, torch.bfloat16) for n in (1, 32, 128, 512, 4096)]
+    assert half == [31, 17, 5, 2, 1]  # 4 x 132 programs over the rows, at most 31
+    assert T.confidence_splits(1000, 1, torch.float32) == 1  # one tile of the vocabulary
+
+
 def test_splitk_split_count_fills_the_sms_in_whole_waves(monkeypatch):
     """The split count of a GPU launch (132 SMs, whole 128-key tiles): the fewest splits whose waves x keys per split
     is within 10% of the shortest, never a partial last wave that costs a whole one."""

@@ -142,7 +142,7 @@ def _attn_fwd(
     # LK_BUCKET and LQ_BUCKET (Lk and Lq rounded up to powers of two) are only autotune keys: a new query count
     # in the same bucket (the prefix cache's shrinking active set) reuses the tuned configuration
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(1).to(tl.int64)  # int64 offsets: b * stride passes 2^31 at LLaDA-8B's size (see _conf_partial)
     b = pid_bh // Hq
     h = pid_bh % Hq
     hk = h // GROUP
@@ -310,8 +310,8 @@ def _attn_splitk(
     # heads sharing a KV head share one tile, so each K/V tile is read once per group. LK_BUCKET, LQ_BUCKET and
     # NSPLIT are autotune keys only. Out/Lse are the fp32 partials [S, B, Hq, Lq, (D)] (or the final output when S == 1).
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    split = tl.program_id(2)
+    pid_bh = tl.program_id(1).to(tl.int64)  # int64 offsets (as in _attn_fwd)
+    split = tl.program_id(2).to(tl.int64)
     b = pid_bh // Hkv
     hk = pid_bh % Hkv
     r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -355,7 +355,7 @@ def _attn_combine(
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # one program per (batch, head, query row): out = sum_s exp(lse_s - lse) o_s, lse = logsumexp_s lse_s
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)  # int64 offsets (as in _attn_fwd)
     b = pid // (Hq * Lq)
     h = (pid // Lq) % Hq
     m = pid % Lq
@@ -515,7 +515,7 @@ def _attn_mass(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(1).to(tl.int64)  # int64 offsets (as in _attn_fwd)
     b = pid_bh // Hq
     h = pid_bh % Hq
     hk = h // GROUP
@@ -626,7 +626,9 @@ def _conf_partial(
     # TRACK (HAS_NOISE or HAS_EXCL): the proposal is tracked apart from the top-2
     # grid (rows, vocabulary splits). Every statistic is kept per lane (BLOCK_V lanes, lane j sees the indices
     # = j mod BLOCK_V of the split) with elementwise updates only; the lanes are merged once at the end.
-    row = tl.program_id(0)
+    # int64: a row's offset row * slr passes 2^31 once rows x vocabulary does (LLaDA's 126,464 columns: 16,981 rows, a
+    # batch of 64 with a window of 266); program ids and arguments are int32, and so are their products
+    row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     nsplit = tl.num_programs(1)
     offs = tl.arange(0, BLOCK_V)
@@ -697,7 +699,7 @@ def _conf_merge(
 ):
     # second stage, one program per row: merge the S split partials and write the outputs
     # (Token [N] int64; Out [4, N] float32: p_token, p_max, p_second, entropy)
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     sp = tl.arange(0, BLOCK_S)
     ok = sp < S
     NEG = float("-inf")
@@ -745,14 +747,22 @@ def confidence_stats(logits, temperature=0.0, noise=None, exclude=None):
     if not _usable(logits):
         return reference.confidence_stats(logits, temperature=temperature, noise=noise, exclude=exclude)
     noise = reference.confidence_noise(logits, temperature, noise)
+    dtype = logits.dtype
     (logits,), _ = _widen(logits)
     V, N = logits.shape[-1], logits.numel() // max(logits.shape[-1], 1)
     block_v = 256 if _interpreting() else 1024
-    # enough programs to fill the GPU a few times over at a few rows, each with >= 4 tiles of the vocabulary
-    splits = 1 if _interpreting() else max(1, min(_cdiv(V, 4 * block_v), _cdiv(4 * _num_sms(), max(N, 1)),
-                                                  _CONF_MAX_SPLITS))
+    splits = 1 if _interpreting() else confidence_splits(V, N, dtype, block_v)
     excl = exclude if exclude is not None and 0 <= exclude < V else -1
     return _confidence_stats(logits, temperature, noise, block_v, splits, excl)
+
+
+def confidence_splits(V: int, N: int, dtype: torch.dtype, block_v: int = 1024) -> int:
+    """Vocabulary splits of :func:`confidence_stats` for ``N`` rows of ``V`` logits: enough programs to fill the GPU a
+    few times over at a few rows, each with at least 4 tiles of ``block_v`` columns. In float32 the row count is left
+    out: the split count sets the order of the merge's sums, so a row's fp32 statistics then never depend on the
+    batch they were computed in (as :func:`splitk_num_splits` does for attention)."""
+    per_rows = _CONF_MAX_SPLITS if dtype == torch.float32 else _cdiv(4 * _num_sms(), max(N, 1))
+    return max(1, min(_cdiv(V, 4 * block_v), per_rows, _CONF_MAX_SPLITS))
 
 
 def _confidence_impl(x: torch.Tensor, u: torch.Tensor | None, temperature: float, block_v: int, splits: int,
