@@ -401,9 +401,9 @@ def test_triton_launches_and_graphs_go_to_the_tensors_device(monkeypatch):
     from dllm.kernels import device
 
     on_1 = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 1))
-    if not device.MULTI_GPU:  # one GPU (or none): nothing to switch
+    if not device.multi_gpu():  # one GPU (or none): nothing to switch
         assert isinstance(device.on_device(on_1), nullcontext)
-    monkeypatch.setattr(device, "MULTI_GPU", True)
+    monkeypatch.setattr(device, "_MULTI_GPU", True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     ctx = device.on_device(on_1)
     assert isinstance(ctx, torch.cuda.device) and ctx.idx == 1

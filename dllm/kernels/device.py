@@ -4,7 +4,7 @@ Triton launches on the *current* CUDA device, not on its tensors' device (PyTorc
 tensors' device). A model on ``cuda:1`` while ``cuda:0`` is current, or the layers of a model spread over several
 GPUs (``load_model(device_map=...)``), would otherwise have their Triton kernels launched on the wrong device.
 :func:`on_device` makes the tensor's device current around a launch; on a machine with one GPU (or none) it is a
-no-op that costs one boolean test, and it leaves ``torch.compile`` (whose generated code sets the device itself)
+no-op that costs a few attribute tests (the device count is read once, at the first CUDA tensor), and it leaves ``torch.compile`` (whose generated code sets the device itself)
 alone.
 """
 
@@ -14,13 +14,20 @@ from contextlib import nullcontext
 
 import torch
 
-#: several CUDA devices in this process (read once: device_count does not create a CUDA context)
-MULTI_GPU = torch.cuda.device_count() > 1
+_MULTI_GPU: bool | None = None  # several CUDA devices in this process (asked at the first CUDA tensor's launch)
+
+
+def multi_gpu() -> bool:
+    global _MULTI_GPU
+    if _MULTI_GPU is None:
+        _MULTI_GPU = torch.cuda.device_count() > 1
+    return _MULTI_GPU
 
 
 def on_device(t: torch.Tensor):
-    """A context making ``t``'s CUDA device the current one (a null context where it already is, on one-GPU
-    machines, for CPU tensors and while ``torch.compile`` traces)."""
-    if not MULTI_GPU or not t.is_cuda or torch.compiler.is_compiling() or t.device.index == torch.cuda.current_device():
+    """A context making ``t``'s CUDA device the current one (a null context for CPU tensors, while ``torch.compile``
+    traces, on one-GPU machines and where it already is current)."""
+    if not t.is_cuda or torch.compiler.is_compiling() or not multi_gpu() or \
+            t.device.index == torch.cuda.current_device():
         return nullcontext()
     return torch.cuda.device(t.device)
