@@ -4,8 +4,8 @@ Triton launches on the *current* CUDA device, not on its tensors' device (PyTorc
 tensors' device). A model on ``cuda:1`` while ``cuda:0`` is current, or the layers of a model spread over several
 GPUs (``load_model(device_map=...)``), would otherwise have their Triton kernels launched on the wrong device.
 :func:`on_device` makes the tensor's device current around a launch; on a machine with one GPU (or none) it is a
-no-op that costs a few attribute tests (the device count is read once, at the first CUDA tensor), and it leaves ``torch.compile`` (whose generated code sets the device itself)
-alone.
+no-op that costs a few attribute tests (the device count is read once, at the first CUDA tensor), and it leaves
+``torch.compile`` (whose generated code sets the device itself) alone.
 """
 
 from __future__ import annotations

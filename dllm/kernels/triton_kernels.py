@@ -142,7 +142,7 @@ def _attn_fwd(
     # LK_BUCKET and LQ_BUCKET (Lk and Lq rounded up to powers of two) are only autotune keys: a new query count
     # in the same bucket (the prefix cache's shrinking active set) reuses the tuned configuration
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1).to(tl.int64)  # int64 offsets: b * stride passes 2^31 at LLaDA-8B's size (see _conf_partial)
+    pid_bh = tl.program_id(1).to(tl.int64)  # int64 offsets: b * stride passes 2^31 at LLaDA-8B's size
     b = pid_bh // Hq
     h = pid_bh % Hq
     hk = h // GROUP
