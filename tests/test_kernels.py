@@ -965,3 +965,51 @@ def test_empty_shapes():
     out, lse = T.attention(q, k, v, return_lse=True)
     assert (out == 0).all() and (lse == float("-inf")).all()
     assert T.confidence_stats(torch.randn(0, 7, device=DEV)).token.shape == (0,)
+
+
+def _big_offsets_check(B: int, T_: int, H: int, D: int, rows: int, V: int, device: str) -> None:
+    """Attention on q / k / v viewed from one fused ``[B, T, 3, H, D]`` projection output (the fast layer's layout:
+    a batch stride of ``T x 3 H D``) and confidence statistics of ``rows x V`` logits: the last batch row and the
+    last logits row against the reference on that row alone. At the GPU test's sizes the offsets of the last rows
+    pass 2^31 (int32 products wrap there); here at small sizes, the same code under the interpreter."""
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    qkv = torch.randn(B, T_, 3, H, D, device=device, dtype=dt)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # [B, H, T, D] strided views
+    q = q[:, :, :32]  # a decode step's few queries over every key
+    ref = R.attention(q[-1:].float(), k[-1:].float(), v[-1:].float()).to(dt)
+    for name, fn in (("flash", T.attention), ("split-K", T.attention_splitk)):
+        out = fn(q, k, v)
+        torch.testing.assert_close(out[-1:], ref, atol=2e-2, rtol=2e-2, msg=name)
+    del qkv, q, k, v, out
+    x = torch.randn(rows, V, device=device, dtype=dt) * 3
+    _check_stats(_last(T.confidence_stats(x)), R.confidence_stats(x[-1:].float()), 1e-3)
+
+
+def _last(stats):
+    return type(stats)(*(f[-1:] for f in stats))
+
+
+def test_big_offsets_logic_at_small_sizes():
+    _big_offsets_check(B=3, T_=48, H=2, D=16, rows=5, V=700, device=DEV)
+
+
+@gpu
+@needs_cuda
+def test_gpu_offsets_past_2_31():
+    """LLaDA-8B's shapes where int32 offsets wrap: the fused QKV output's batch stride (4,096 x 12,288) at 44 rows,
+    and 17,000 rows of its 126,464-word vocabulary (4.4 GB each in bf16)."""
+    assert 43 * 4096 * 3 * 32 * 128 > 2**31 and 16999 * 126464 > 2**31
+    _big_offsets_check(B=44, T_=4096, H=32, D=128, rows=17000, V=126464, device="cuda")
+
+
+@gpu
+@needs_cuda
+def test_gpu_confidence_fp32_rows_do_not_depend_on_the_batch():
+    """In float32 the vocabulary split count leaves the rows out: a row's statistics are the same bits alone and in
+    a batch of 64 (in half precision the split count follows the rows)."""
+    x = _logits((64, 126464), torch.float32).cuda()
+    whole = T.confidence_stats(x)
+    for i in (0, 37, 63):
+        alone = T.confidence_stats(x[i:i + 1])
+        for name, a, b in zip(alone._fields, alone, whole):
+            assert torch.equal(a[0], b[i]), (name, i)
