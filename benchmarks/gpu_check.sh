@@ -10,8 +10,8 @@
 #     PARTS="step tests" bash benchmarks/gpu_check.sh # some parts only (step kernels tests caches extra; default all)
 #
 # The parts take at most 300 + 100 + 100 + 120 + 180 seconds: where one command may run 600 seconds, run
-# PARTS="step kernels" and then PARTS="tests caches extra" (each call's goals table judges that call's files; copy
-# both calls' files into one folder and run `python benchmarks/gpu_goals.py FOLDER` for the whole table).
+# PARTS="step kernels" and then PARTS="tests caches extra" (each call's goals table judges that call's files; unpack
+# both calls' gpu-check.tgz into one folder and run `python benchmarks/gpu_goals.py FOLDER` for the whole table).
 # At the end every file is packed into $OUT/gpu-check.tgz, beside the goals table $OUT/goals.md.
 # The figures go into docs/performance.md with the card, the command and the date.
 set -uo pipefail
