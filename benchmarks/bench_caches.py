@@ -23,30 +23,19 @@ import json
 import time
 
 import torch
-from _common import print_table, write_json
+from _common import print_table, random_llada, write_json
 
 from dllm import generate, get_sampler
 from dllm.caches import CACHES, get_cache
-from dllm.models import LLADA, Transformer, TransformerConfig
+from dllm.models import Transformer, TransformerConfig
 from dllm.models.fast import enable_fast_path, wants_fast
-from dllm.models.weights import init_weights
 
 
 def build(layers: int, width: int, heads: int, vocab: int, max_len: int, device, dtype,
           mlp: int | None = None) -> Transformer:
     cfg = TransformerConfig(vocab_size=vocab, d_model=width, n_layers=layers, n_heads=heads, n_kv_heads=heads,
                             mlp_hidden=mlp or (8 * width // 3 + 63) // 64 * 64, max_seq_len=max_len)
-    torch.manual_seed(0)
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):  # built where it runs, in its dtype: LLaDA-8B's layers never pass through the host
-            model = Transformer(cfg, LLADA)
-            init_weights(model, std=0.5)
-    finally:
-        torch.set_default_dtype(prev)
-    model.mask_id, model.eos_id, model.eot_id, model.pad_id = vocab - 1, 1, 2, 1
-    return model.eval().requires_grad_(False)
+    return random_llada(cfg, device, dtype, std=0.5)
 
 
 def main(argv=None):

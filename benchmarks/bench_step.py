@@ -42,12 +42,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from _common import random_llada  # noqa: E402
+
 import dllm  # noqa: E402
 from dllm.config import GenerateConfig  # noqa: E402
 from dllm.generate import Decoder  # noqa: E402
 from dllm.models import LLADA, Transformer, TransformerConfig  # noqa: E402
 from dllm.models.fast import disable_fast_path, enable_fast_path  # noqa: E402
-from dllm.models.weights import init_weights  # noqa: E402
 from dllm.recipes import resolve  # noqa: E402
 
 GPU_SHAPE = dict(d=4096, heads=32, kv=32, mlp=12288, vocab=126464)
@@ -57,17 +58,7 @@ CPU_SHAPE = dict(d=128, heads=4, kv=4, mlp=352, vocab=512)
 def build(layers: int, shape: dict, max_len: int, device: str, dtype) -> Transformer:
     cfg = TransformerConfig(vocab_size=shape["vocab"], d_model=shape["d"], n_layers=layers, n_heads=shape["heads"],
                             n_kv_heads=shape["kv"], mlp_hidden=shape["mlp"], max_seq_len=max(max_len, 4096))
-    torch.manual_seed(0)
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):  # built where it runs: an 8B model never passes through host memory
-            model = Transformer(cfg, LLADA)
-            init_weights(model, std=0.02)
-    finally:
-        torch.set_default_dtype(prev)
-    model.mask_id, model.eos_id, model.eot_id, model.pad_id = shape["vocab"] - 1, 1, 2, 1
-    return model.eval().requires_grad_(False)
+    return random_llada(cfg, device, dtype, std=0.02)
 
 
 def copy_bandwidth(device: str) -> float:
