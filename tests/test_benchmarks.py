@@ -26,6 +26,13 @@ def run(script: str, *args: str, tmp_path: Path) -> list | dict:
     return json.loads(out.read_text())
 
 
+def goals_of(tmp_path: Path, name: str, figures) -> list[dict]:
+    """The goals table (benchmarks/gpu_goals.py) of a folder holding only ``figures`` as ``name``."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / name).write_text(json.dumps(figures))
+    return gpu_goals.goals(tmp_path / "out")
+
+
 def test_bench_step_counts_one_host_sync_per_step(tmp_path):
     rows = run("bench_step.py", "--batch", "1", "2", "--modes", "base", "graph", "--caches", "none", "dual",
                "--blocks", "1", "--packing", tmp_path=tmp_path)
@@ -49,9 +56,7 @@ def test_bench_step_counts_one_host_sync_per_step(tmp_path):
     assert pack["rows_computed_padded"] == 16 * 64 and pack["rows_computed_packed"] == 64 + 15 * 8
     assert pack["padded_ms"] > 0 and pack["packed_ms"] > 0
     # the goals table reads these figures: on the CPU the host syncs are judged, the timings are not
-    (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "step.json").write_text(json.dumps(rows))
-    by_goal = {g["goal"]: g for g in gpu_goals.goals(tmp_path / "out")}
+    by_goal = {g["goal"]: g for g in goals_of(tmp_path, "step.json", rows)}
     assert by_goal["host synchronisations per step"]["status"] == "met"
     assert by_goal["dual-cache step, batch 1, graph path"]["status"] == "not measured (CPU)"
     assert "x the floor" in by_goal["dual-cache step, batch 1, graph path"]["measured"]
@@ -72,9 +77,7 @@ def test_bench_caches_compares_every_cache_with_none(tmp_path):
     assert dual["token_layers"] < prefix["token_layers"]  # the dual cache also skips the suffix
     for r in rows:  # LLaDA's even quota keeps a batch's rows in step: no padding
         assert r["token_layers_run"] == r["token_layers"], r
-    (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "caches.json").write_text(json.dumps(rows))
-    (goal,) = [g for g in gpu_goals.goals(tmp_path / "out") if g["goal"].startswith("every cache pays")]
+    (goal,) = [g for g in goals_of(tmp_path, "caches.json", rows) if g["goal"].startswith("every cache pays")]
     assert goal["status"] == "not measured (CPU)" and goal["measured"].startswith("prefix "), goal
 
 
@@ -113,9 +116,7 @@ def test_bench_kernels_runs_every_kernel(tmp_path):
     assert kinds == {"attention", "attention_mass", "confidence_stats"}, kinds
     for r in report["rows"]:
         assert all(v > 0 for v in r["ms"].values()), r
-    (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "kernels.json").write_text(json.dumps(report))
-    goals = gpu_goals.goals(tmp_path / "out")
+    goals = goals_of(tmp_path, "kernels.json", report)
     conf = [g for g in goals if g["goal"].startswith("confidence statistics,")]
     assert conf and all(g["status"] == "not measured (CPU)" and g["measured"].endswith("x") for g in conf)
 
