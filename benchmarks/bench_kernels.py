@@ -8,8 +8,9 @@ each one's ratio ``t_sdpa / t`` (above 1: faster than SDPA):
 * ``sdpa``: ``F.scaled_dot_product_attention(q, k, v, enable_gqa=...)``;
 * ``triton``: :func:`dllm.kernels.triton_kernels.attention` (FlashAttention-2 forward);
 * ``splitk``: :func:`dllm.kernels.triton_kernels.attention_splitk` (flash-decoding, packed GQA groups);
-* ``splitk4``: the same with more splits, up to four waves of programs (``splitk_num_splits(..., waves=4)``, the
-  dispatch's ``"splitk-wide"`` candidate);
+* ``splitk-2x`` and ``splitk-wide``: the same with about twice its split count and with the most splits in four
+  waves of programs (:func:`~dllm.kernels.triton_kernels.splitk_candidates`, the dispatch's candidates of those
+  names; ``-`` where the count is split-K's own);
 * ``auto``: :func:`dllm.kernels.attention` on the Triton backend (the per-bucket measured choice, shown).
 
 Attention mass (batch 1, LSE given): reference against Triton. Confidence statistics at 32 positions x V = 126,464
@@ -98,14 +99,38 @@ def _attention_methods(tk, q, k, v):
     methods = {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)}
     if tk is not None:
         methods["triton"] = lambda: tk.attention(q, k, v)
-        methods["splitk"] = lambda: tk.attention_splitk(q, k, v)
-        wide = tk.splitk_num_splits(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.dtype, waves=4)
-        methods["splitk4"] = lambda: tk.attention_splitk(q, k, v, num_splits=wide)
+        splits = tk.splitk_candidates(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.dtype)
+        for name, n in splits.items():
+            methods[name] = lambda n=n: tk.attention_splitk(q, k, v, num_splits=n)
         methods["auto"] = lambda: kernels.attention(q, k, v)
     return methods
 
 
-COLUMNS = ("sdpa", "triton", "splitk", "splitk4", "auto")
+COLUMNS = ("sdpa", "triton", "splitk", "splitk-2x", "splitk-wide", "auto")
+
+
+def _copy_rate(device: torch.device) -> float | None:
+    """Bytes per millisecond a device-to-device copy of 256 MiB moves, reads and writes counted (None off a GPU)."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / _time_ms(lambda: dst.copy_(src), 20, device)
+
+
+def _tuned_configs(tk, methods) -> dict[str, str]:
+    """The autotuner's configuration of each Triton attention method for these inputs (``BLOCK_M x BLOCK_N, warps,
+    stages``): its last call sets the kernel's ``best_config``."""
+    out = {}
+    for name, fn in methods.items():
+        kern = tk._attn_fwd_tuned if name == "triton" else tk._attn_splitk_tuned if name.startswith("splitk") else None
+        if kern is None:
+            continue
+        fn()
+        c = getattr(kern, "best_config", None)
+        if c is not None:
+            out[name] = f"{c.kwargs.get('BLOCK_M')}x{c.kwargs.get('BLOCK_N')} w{c.num_warps} s{c.num_stages}"
+    return out
 
 
 def bench_attention(cfg, device, dtype, repeats, tk, rows):
@@ -113,8 +138,12 @@ def bench_attention(cfg, device, dtype, repeats, tk, rows):
 
     print(f"\n## attention (Lq={cfg['lq']}, D={cfg['d']}, {dtype}): ms, and t_sdpa / t")
     head = f"{'B':>2} {'Hq:Hkv':>7} {'Lk':>5} " + " ".join(f"{c:>15}" for c in COLUMNS)
-    print(head + "  auto's choice" + ("  (second line: the same call replayed from a CUDA graph)"
-                                      if device.type == "cuda" else ""))
+    print(head + "  auto's choice" + ("  (second line: the same call replayed from a CUDA graph, against the K/V "
+                                      "read floor; third: the autotuned tiles)" if device.type == "cuda" else ""))
+    rate = _copy_rate(device)
+    if rate is not None:
+        print(f"device-to-device copy: {rate / 1e9:.2f} TB/s, reads and writes counted; the K/V read floor is K and "
+              f"V's bytes at that rate")
     for B in cfg["batches"]:
         for hq, hkv in cfg["heads"]:
             for lk in cfg["lks"]:
@@ -134,8 +163,16 @@ def bench_attention(cfg, device, dtype, repeats, tk, rows):
                     g = {name: _time_ms(_graphed(fn), repeats, device) for name, fn in methods.items()}
                     cells = " ".join(f"{g[c]:8.4f} {g['sdpa'] / g[c]:5.2f}x" if c in g else f"{'-':>15}"
                                      for c in COLUMNS)
-                    print(f"{'':>2} {'graph':>7} {lk:>5} {cells}")
-                    row["graph_ms"] = g
+                    floor = (k.numel() * k.element_size() + v.numel() * v.element_size()) / rate
+                    print(f"{'':>2} {'graph':>7} {lk:>5} {cells}  floor {floor:.4f} ms")
+                    row["graph_ms"], row["kv_floor_ms"] = g, floor
+                if tk is not None:
+                    row["splits"] = tk.splitk_candidates(B, hq, hkv, cfg["lq"], lk, dtype)
+                    row["tuned"] = _tuned_configs(tk, methods)
+                    if device.type == "cuda":
+                        print(f"{'':>2} {'tiles':>7} {lk:>5} " + ", ".join(
+                            f"{n} {c}" + (f" ({row['splits'][n]} splits)" if n in row["splits"] else "")
+                            for n, c in row["tuned"].items()))
                 rows.append(row)
 
 

@@ -89,7 +89,7 @@ def goals(folder: Path) -> list[dict]:
            and r["Lk"] == 4096 and "bfloat16" in r["dtype"]]
     for r in att:
         t = r.get("graph_ms") or r["ms"]
-        best = min((n for n in ("splitk", "splitk4") if n in t), key=lambda n: t[n], default=None)
+        best = min((n for n in t if n.startswith("splitk")), key=lambda n: t[n], default=None)  # the best count
         sk = round(t["sdpa"] / t[best], 2) if best else None
         auto = round(t["sdpa"] / t["auto"], 2) if "auto" in t else None
         add(f"split-K attention, Lq 32, Lk 4096, bf16, {r['Hq']}:{r['Hkv']} heads", ">= 1.2x SDPA",

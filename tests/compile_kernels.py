@@ -3,6 +3,13 @@
 tests). Prints one line per kernel, ``ok NAME`` or ``FAIL NAME: error``; exit status 1 when one failed.
 
     python tests/compile_kernels.py [ARCH ...]      # default 90 (Hopper); e.g. 80 (Ampere)
+    python tests/compile_kernels.py --spills        # the fp32 attention tiles on Hopper: registers and spills
+
+``--spills`` compiles the attention kernels with the fixed float32 tiles they run on a GPU
+(:func:`dllm.kernels.triton_kernels.fp32_tiles`) and prints ``ptxas -v``'s registers and spill stores per kernel
+and head dimension, ``spills NAME D=d rows=r: R registers, S bytes`` (exit status 1 where one spills more than
+``SPILL_LIMIT`` bytes): a kernel whose registers overflow into local memory still computes the right result, only
+slowly, so no other test notices.
 """
 
 from __future__ import annotations
@@ -105,5 +112,64 @@ def main(archs) -> int:
     return 1 if failed else 0
 
 
+UNIT_STRIDES = {"sqd", "skd", "svd", "sod", "slm", "smn", "spd", "spn"}
+SPILL_LIMIT = 64  # bytes per thread; ptxas may keep a few words in local memory at no measurable cost
+
+
+def fp32_tile_cases(D: int, rows: int):
+    """(name, jit function, pointer types, constexprs, num_warps, num_stages) of the float32 attention launches."""
+    block_m, block_n, warps, stages = T.fp32_tiles(rows, D)
+    attn = dict(Q="fp32", K="fp32", V="fp32", Out="fp32", Lse="fp32", Mask="u8")
+    common = dict(QK_SCALE=0.12, HAS_MASK=True, IEEE=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=D)
+    yield "attention (flash)", T._attn_fwd, attn, dict(common, WRITE_OUT=True), warps, stages
+    yield "attention (flash, LSE only)", T._attn_fwd, attn, dict(common, WRITE_OUT=False), warps, stages
+    yield "attention (split-K)", T._attn_splitk, attn, common, warps, stages
+    yield "attention mass", T._attn_mass, dict(Q="fp32", K="fp32", Lse="fp32", Mask="u8", Part="fp32"), \
+        dict(QK_SCALE=0.12, HAS_MASK=True, IEEE=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=D), warps, stages
+
+
+def ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
+    """(registers, spill-store bytes) per thread that Triton's ``ptxas`` reports for ``ptx``."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    target = re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        r = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name={target}", src, "-o", src + ".cubin"],
+                           capture_output=True, text=True, check=True)
+    regs = re.search(r"Used (\d+) registers", r.stderr)
+    spills = re.search(r"(\d+) bytes spill stores", r.stderr)
+    if regs is None or spills is None:
+        raise RuntimeError(f"unexpected ptxas -v output: {r.stderr[-500:]}")
+    return int(regs.group(1)), int(spills.group(1))
+
+
+def spills(arch: int = 90, dims=(64, 128, 256)) -> int:
+    over = 0
+    target = GPUTarget("cuda", arch, 32)
+    for D, rows in ((d, r) for d in dims for r in (16, 32)):
+        for name, fn, pointers, constexprs, warps, stages in fp32_tile_cases(D, rows):
+            # as a launch specialises them: unit strides (the head dimension's, the mask's, the LSE's rows) are
+            # constants, pointers 16-byte aligned
+            ones = {n: 1 for n in fn.arg_names if n in UNIT_STRIDES}
+            consts = dict(constexprs, **ones)
+            sig = signature(fn, pointers, consts)
+            attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n in pointers}
+            k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                               target=target, options={"num_warps": warps, "num_stages": stages})
+            regs, spilled = ptxas_usage(k.asm["ptx"], arch)
+            over += spilled > SPILL_LIMIT
+            print(f"spills sm_{arch} fp32 {name} D={D} rows={rows}: {regs} registers, {spilled} bytes", flush=True)
+    return 1 if over else 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--spills"]:
+        sys.exit(spills())
     sys.exit(main([int(a) for a in sys.argv[1:]] or [90]))

@@ -284,10 +284,11 @@ def attn_dispatch(monkeypatch):
     monkeypatch.setattr(D, "_timings", {})
     monkeypatch.setattr(D, "_on_gpu", lambda t: True)  # pretend the tensors are on a GPU
     monkeypatch.setattr(D, "_capturing", lambda: False)
-    fake = {"sdpa": 3.0, "triton": 2.0, "splitk": 1.0, "splitk-wide": 0.5}
+    fake = {"sdpa": 3.0, "triton": 2.0, "splitk": 1.0, "splitk-2x": 0.7, "splitk-wide": 0.5}
     measured = []
+    monkeypatch.setattr(D, "_l2_flush_buffer", lambda: None)
 
-    def measure(fn):
+    def measure(fn, flush=None):
         fn()  # the candidate really runs (under the interpreter)
         name = D._running
         measured.append(name)
@@ -311,7 +312,7 @@ def test_dispatch_times_each_bucket_once_and_keeps_the_fastest(attn_dispatch):
     assert measured == ["sdpa", "triton", "splitk"]
     torch.testing.assert_close(out, R.attention(q, k, v), atol=2e-2, rtol=2e-2)
     key = D.bucket(q, k, None, False)
-    assert key == (1, 4, 1, 4, 64, 16, "bfloat16", False, False)
+    assert key == (1, 4, 1, 4, 64, 16, "bfloat16", False, False, str(q.device))
     assert K.attention_choices()[key] == {"choice": "splitk", "ms": {c: fake[c] for c in ("sdpa", "triton", "splitk")}}
     _, k2, v2 = _inputs(1, 4, 1, 3, 50, 16, torch.bfloat16, seed=16)  # Lk 50: the same power-of-two bucket
     K.attention(q, k2, v2)
@@ -345,8 +346,9 @@ def test_confidence_split_count_does_not_depend_on_the_rows_in_float32(monkeypat
 
 
 def test_splitk_split_count_fills_the_sms_in_whole_waves(monkeypatch):
-    """The split count of a GPU launch (132 SMs, whole 128-key tiles): the fewest splits whose waves x keys per split
-    is within 10% of the shortest, never a partial last wave that costs a whole one."""
+    """The split count of a GPU launch (132 SMs, whole 128-key tiles): the fewest splits whose waves x (keys per split
+    + a split's fixed cost) is within 10% of the shortest, never a partial last wave that costs a whole one, never
+    many short splits where a few long ones take one wave."""
     monkeypatch.setattr(T, "_num_sms", lambda: 132)
     monkeypatch.setattr(T, "_interpreting", lambda: False)
     bf16 = torch.bfloat16
@@ -357,12 +359,20 @@ def test_splitk_split_count_fills_the_sms_in_whole_waves(monkeypatch):
     assert T.splitk_num_splits(1, 32, 32, 32, 768, bf16) == 3  # 768 keys: 3 x 256 in one wave (6 x 128 in two)
     assert T.splitk_num_splits(4, 32, 32, 32, 4096, bf16) == 1  # 128 programs already fill the SMs
     assert T.splitk_num_splits(16, 32, 32, 32, 4096, bf16) == 1  # 512: 4 waves whatever the count
+    # just past a multiple of 512 keys, 4 splits need 1,152-key ranges: still 4 (33 splits of 128 keys in 8 waves
+    # read less per SM, but pay a split's fixed cost 8 times)
+    assert T.splitk_num_splits(1, 32, 32, 32, 4097, bf16) == 4
+    assert T.splitk_num_splits(1, 28, 4, 32, 4097, bf16) == 7
+    assert max(T.splitk_num_splits(1, 32, 32, 32, lk, bf16) for lk in range(128, 16384, 61)) == 4
+    assert T.splitk_candidates(1, 32, 32, 32, 4096, bf16) == {"splitk": 4, "splitk-2x": 8, "splitk-wide": 16}
+    assert T.splitk_candidates(1, 32, 32, 32, 768, bf16) == {"splitk": 3, "splitk-2x": 6}  # 6 is also 4 waves'
+    assert T.splitk_candidates(1, 32, 32, 32, 768, bf16, distinct=False)["splitk-wide"] == 6
     for B, Hq, Hkv, Lk in ((1, 32, 32, 4096), (1, 28, 4, 2000), (2, 32, 8, 3000), (1, 32, 32, 300), (3, 28, 4, 4096)):
         base = math.ceil(32 * (Hq // Hkv) / 64) * Hkv * B
 
         def cost(n, Lk=Lk, base=base):
             chunk = math.ceil(math.ceil(Lk / n) / 128) * 128  # the count that runs: ceil(Lk / chunk)
-            return math.ceil(base * math.ceil(Lk / chunk) / 132) * min(chunk, Lk)
+            return math.ceil(base * math.ceil(Lk / chunk) / 132) * (min(chunk, Lk) + T.SPLIT_OVERHEAD_KEYS)
 
         n = T.splitk_num_splits(B, Hq, Hkv, 32, Lk, bf16)
         best = min(cost(m) for m in range(1, min(math.ceil(Lk / 128), 64) + 1))
@@ -371,8 +381,9 @@ def test_splitk_split_count_fills_the_sms_in_whole_waves(monkeypatch):
 
 
 def test_dispatch_times_more_key_splits_where_that_is_another_count(attn_dispatch, monkeypatch):
-    """"splitk-wide" (four waves of programs over the SMs) is a candidate only where its split count differs from
-    split-K's own; chosen, it runs split-K with that count and gives the same attention."""
+    """"splitk-2x" (about twice the split count) and "splitk-wide" (four waves of programs over the SMs) are
+    candidates only where their split counts differ from split-K's own; chosen, one runs split-K with its count and
+    gives the same attention."""
     D, measured = attn_dispatch.D, attn_dispatch.measured
     monkeypatch.setattr(T, "_num_sms", lambda: 2)  # a small GPU: one wave is 2 programs, four waves 8
     q, k, v = _inputs(1, 4, 1, 3, 1024, 16, torch.bfloat16, seed=18)
@@ -382,13 +393,13 @@ def test_dispatch_times_more_key_splits_where_that_is_another_count(attn_dispatc
     real = T.attention_splitk
     monkeypatch.setattr(T, "attention_splitk", lambda *a, **kw: splits.append(kw.get("num_splits")) or real(*a, **kw))
     out = K.attention(q, k, v)
-    assert measured == ["sdpa", "triton", "splitk", "splitk-wide"]
+    assert measured == ["sdpa", "triton", "splitk", "splitk-2x", "splitk-wide"]
     assert K.attention_choices()[D.bucket(q, k, None, False)]["choice"] == "splitk-wide"
-    assert splits == [None, 8, 8]  # timed: split-K's own count, then 8; the chosen call: 8
+    assert splits == [None, 4, 8, 8]  # timed: split-K's own count, then 4 and 8; the chosen call: 8
     torch.testing.assert_close(out, R.attention(q, k, v), atol=2e-2, rtol=2e-2)
     q2, k2, v2 = _inputs(1, 4, 1, 3, 100, 16, torch.bfloat16, seed=19)  # 100 keys: one split either way
     K.attention(q2, k2, v2)
-    assert measured[4:] == ["sdpa", "triton", "splitk"]
+    assert measured[5:] == ["sdpa", "triton", "splitk"]
 
 
 def test_dispatch_fp32_is_a_fixed_choice_and_capture_never_times(attn_dispatch, monkeypatch):
@@ -410,7 +421,7 @@ def test_dispatch_fp32_is_a_fixed_choice_and_capture_never_times(attn_dispatch, 
 def test_dispatch_overrides(attn_dispatch, monkeypatch):
     D, measured = attn_dispatch.D, attn_dispatch.measured
     q, k, v = _inputs(1, 4, 1, 3, 40, 16, torch.bfloat16)
-    for name in ("sdpa", "triton", "splitk-wide", "splitk"):
+    for name in ("sdpa", "triton", "splitk-wide", "splitk-2x", "splitk"):
         monkeypatch.setenv("DLLM_ATTENTION", name)
         assert D.choose(T, q, k, v) == name
     assert D.choose(T, q, k, v, return_lse=True) == "splitk"
@@ -881,6 +892,29 @@ def test_gpu_confidence_stats(dtype):
         _check_stats(T.confidence_stats(x, temperature, noise), R.confidence_stats(x, temperature, noise), 1e-4)
 
 
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("shape", [(2, 32, 32, 32, 1024, 128), (1, 28, 4, 17, 4097, 128), (2, 8, 2, 40, 300, 256),
+                                   (3, 4, 1, 7, 129, 64)], ids=lambda s: "B{}H{}x{}Lq{}Lk{}D{}".format(*s))
+def test_gpu_fp32_attention_tiles(shape):
+    """The float32 launches (their own fixed tiles, ``fp32_tiles``) against the fp32 reference, and split-K's rows
+    the same bits alone and in their batch."""
+    B, Hq, Hkv, Lq, Lk, D = shape
+    q, k, v = _inputs(B, Hq, Hkv, Lq, Lk, D, torch.float32, device="cuda")
+    mask = _padding(B, Lk, full_row=B - 1 if B > 1 else None).cuda()
+    ref_out, ref_lse = R.attention(q, k, v, key_padding_mask=mask, return_lse=True)
+    for fn in (T.attention, T.attention_splitk):
+        out, lse = fn(q, k, v, key_padding_mask=mask, return_lse=True)
+        torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(T.attention_mass(q, k, key_padding_mask=mask),
+                               R.attention_mass(q, k, key_padding_mask=mask), atol=1e-3, rtol=1e-4)
+    whole = T.attention_splitk(q, k, v, key_padding_mask=mask)
+    for b in range(B):
+        one = T.attention_splitk(q[b:b + 1], k[b:b + 1], v[b:b + 1], key_padding_mask=mask[b:b + 1])
+        assert torch.equal(one[0], whole[b])
+
+
 BENCH_SHAPES = [(1, 32, 32, 32, 1024, 128), (1, 32, 32, 32, 4096, 128), (1, 28, 4, 32, 2048, 128),
                 (4, 28, 4, 32, 4096, 128)]
 
@@ -922,7 +956,7 @@ def test_gpu_dispatch_picks_the_fastest(shape):
         K.reset_attention_choices()
         out = K.attention(q, k, v)
         got = K.attention_choices()[D.bucket(q, k, None, False)]
-        assert set(got["ms"]) == {"sdpa", "triton", "splitk"}
+        assert set(got["ms"]) == {"sdpa", "triton"} | set(T.splitk_candidates(B, Hq, Hkv, Lq, Lk, q.dtype))
         ms = {c: triton.testing.do_bench(lambda: D.run(c, T, q, k, v, None, False), rep=50)  # noqa: B023
               for c in got["ms"]}
         assert ms[got["choice"]] <= 1.3 * min(ms.values()), (got, ms)

@@ -8,10 +8,10 @@
 * ``"triton"``: :func:`dllm.kernels.triton_kernels.attention` (FlashAttention-2 forward, one program per query tile
   and head);
 * ``"splitk"``: :func:`dllm.kernels.triton_kernels.attention_splitk` (flash-decoding: key splits plus a combine),
-  with the split count whose programs fill the GPU's SMs in the fewest, fullest waves; ``"splitk-wide"``: the same
-  kernel with the most splits of that time that fit in four waves
-  (:func:`~dllm.kernels.triton_kernels.splitk_num_splits` with ``waves=4``; a candidate only where that is another
-  split count): few heads over long keys may read K/V faster with more programs in flight.
+  with the split count whose programs fill the GPU's SMs in the fewest, fullest waves; ``"splitk-2x"`` and
+  ``"splitk-wide"``: the same kernel with about twice that count and with the most splits that fit in four waves
+  (:func:`~dllm.kernels.triton_kernels.splitk_candidates`; each a candidate only where it is another split count):
+  few heads over long keys may read K/V faster with more programs in flight.
 
 The rule (``"auto"``, the default):
 
@@ -19,15 +19,16 @@ The rule (``"auto"``, the default):
 * float32: ``"splitk"`` always, with a split count that does not depend on the batch size, so a row's fp32 output
   does not depend on the batch it is computed in;
 * float16 / bfloat16: measured once per shape bucket ``(B, Hq, Hkv, Lq and Lk rounded up to powers of two, D, dtype,
-  has mask, return_lse)``: the first call of a bucket runs every candidate once (compilation, autotuning), then
-  times three rounds of ten back-to-back replays of each, captured in a CUDA graph (the way the cached decode steps
-  run it: device time, no host launch cost; eager calls where the capture fails), with CUDA events and keeps the
-  fastest (median round);
-  later calls reuse the cached choice.
+  has mask, return_lse, device)``: the first call of a bucket runs every candidate once (compilation, autotuning),
+  then times three rounds of ten replays of each, captured in a CUDA graph (the way the cached decode steps run it:
+  device time, no host launch cost; eager calls where the capture fails), each replay between two CUDA events after
+  the L2 cache was overwritten (a decode step's K/V come from memory: the layer's weights read in between evict
+  them; ``triton.testing.do_bench``, which the benchmarks use, times the same way), and keeps the fastest (median
+  round); later calls reuse the cached choice.
   Nothing is timed while a CUDA graph is being captured or ``torch.compile`` traces: the cached choice is used,
   else SDPA (the flash kernel when the LSE is asked for).
 
-``DLLM_ATTENTION=sdpa|triton|splitk|splitk-wide|auto`` overrides the rule, :func:`set_attention_backend` overrides both; a
+``DLLM_ATTENTION=sdpa|triton|splitk|splitk-2x|splitk-wide|auto`` overrides the rule, :func:`set_attention_backend` overrides both; a
 forced ``"sdpa"`` with ``return_lse=True`` runs the flash kernel. :func:`attention_choices` reports the decisions and
 their timings (benchmarks and logs).
 """
@@ -44,8 +45,7 @@ from dllm.kernels import reference
 
 log = logging.getLogger(__name__)
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "triton", "splitk", "splitk-wide")
-WIDE_WAVES = 4  # "splitk-wide": programs for this many waves over the SMs
+ATTENTION_BACKENDS = ("auto", "sdpa", "triton", "splitk", "splitk-2x", "splitk-wide")
 TIMED_CALLS = 10
 TIMED_ROUNDS = 3
 
@@ -75,7 +75,7 @@ def attention_backend() -> str:
 
 def attention_choices() -> dict[tuple, dict]:
     """The measured choices so far: ``{bucket: {"choice": name, "ms": {candidate: median ms}}}``, bucket =
-    ``(B, Hq, Hkv, Lq bucket, Lk bucket, D, dtype, has_mask, return_lse)``."""
+    ``(B, Hq, Hkv, Lq bucket, Lk bucket, D, dtype, has_mask, return_lse, device)``."""
     return {key: {"choice": name, "ms": dict(_timings.get(key, {}))} for key, name in _choices.items()}
 
 
@@ -90,7 +90,8 @@ def bucket(q: torch.Tensor, k: torch.Tensor, key_padding_mask: torch.Tensor | No
     Hkv, Lk = k.shape[1], k.shape[2]
     lk = 1 << max(Lk - 1, 0).bit_length()
     lq = 1 << max(Lq - 1, 0).bit_length()  # the prefix cache's active set shrinks block by block: few buckets
-    return (B, Hq, Hkv, lq, lk, D, str(q.dtype).removeprefix("torch."), key_padding_mask is not None, bool(return_lse))
+    return (B, Hq, Hkv, lq, lk, D, str(q.dtype).removeprefix("torch."), key_padding_mask is not None, bool(return_lse),
+            str(q.device))
 
 
 def _on_gpu(t: torch.Tensor) -> bool:
@@ -111,14 +112,14 @@ def run(name: str, tk, q, k, v, key_padding_mask, return_lse):
         return reference.attention(q, k, v, key_padding_mask=key_padding_mask)
     if name == "splitk":
         return tk.attention_splitk(q, k, v, key_padding_mask=key_padding_mask, return_lse=return_lse)
-    if name == "splitk-wide":
+    if name.startswith("splitk-"):
         return tk.attention_splitk(q, k, v, key_padding_mask=key_padding_mask, return_lse=return_lse,
-                                   num_splits=_splits(tk, q, k, WIDE_WAVES))
+                                   num_splits=_split_candidates(tk, q, k, distinct=False)[name])
     return tk.attention(q, k, v, key_padding_mask=key_padding_mask, return_lse=return_lse)
 
 
-def _splits(tk, q, k, waves: int) -> int:
-    return tk.splitk_num_splits(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.dtype, waves)
+def _split_candidates(tk, q, k, distinct: bool = True) -> dict[str, int]:
+    return tk.splitk_candidates(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.dtype, distinct)
 
 
 def reset_rng_capture_state() -> None:
@@ -163,23 +164,32 @@ def _graphed(fn):
         return None
 
 
-def _measure(fn) -> float:
-    """Milliseconds per call of ``fn``: after one untimed call, the median over ``TIMED_ROUNDS`` rounds of
-    ``TIMED_CALLS`` back-to-back replays of ``fn`` captured in a CUDA graph (eager calls where it cannot be
-    captured) between two CUDA events."""
+def _l2_flush_buffer() -> torch.Tensor:
+    """A buffer twice the current device's L2 cache: zeroing it evicts whatever an earlier call left there."""
+    l2 = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", 0) or 64 << 20
+    return torch.empty(2 * l2 // 4, dtype=torch.int32, device="cuda")
+
+
+def _measure(fn, flush: torch.Tensor | None = None) -> float:
+    """Milliseconds per call of ``fn``: after one untimed call, the median over ``TIMED_ROUNDS`` rounds of the mean
+    of ``TIMED_CALLS`` replays of ``fn`` captured in a CUDA graph (eager calls where it cannot be captured), each
+    between two CUDA events, after ``flush`` (:func:`_l2_flush_buffer`) was zeroed."""
     fn()
     torch.cuda.synchronize()
     call = _graphed(fn) or fn
     torch.cuda.synchronize()
     times = []
     for _ in range(TIMED_ROUNDS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(TIMED_CALLS):
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(TIMED_CALLS)]
+        for start, end in events:
+            if flush is not None:
+                flush.zero_()
+            start.record()
             call()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / TIMED_CALLS)
+            end.record()
+        events[-1][1].synchronize()
+        times.append(sum(start.elapsed_time(end) for start, end in events) / TIMED_CALLS)
     return statistics.median(times)
 
 
@@ -199,15 +209,16 @@ def choose(tk, q, k, v, key_padding_mask=None, return_lse=False) -> str:
     fallback = "triton" if return_lse else "sdpa"
     if _tracing():
         return fallback
-    candidates = ("triton", "splitk") if return_lse else ("sdpa", "triton", "splitk")
-    if _splits(tk, q, k, WIDE_WAVES) != _splits(tk, q, k, 1):
-        candidates += ("splitk-wide",)
+    candidates = ("triton",) if return_lse else ("sdpa", "triton")
+    candidates += tuple(_split_candidates(tk, q, k))
     ms = {}
+    flush = _l2_flush_buffer()
     for cand in candidates:
         try:
-            ms[cand] = _measure(lambda: run(cand, tk, q, k, v, key_padding_mask, return_lse))  # noqa: B023
+            ms[cand] = _measure(lambda: run(cand, tk, q, k, v, key_padding_mask, return_lse), flush)  # noqa: B023
         except Exception as exc:  # a candidate that cannot run this shape (e.g. out of resources) is skipped
             log.warning("attention candidate %s failed on %s: %s", cand, key, exc)
+    del flush
     best = min(ms, key=ms.get) if ms else fallback
     _choices[key], _timings[key] = best, ms
     log.info("attention bucket %s: %s (%s)", key, best, ", ".join(f"{c} {t:.4f} ms" for c, t in ms.items()))

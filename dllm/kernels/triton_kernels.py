@@ -200,6 +200,15 @@ def _blocks(D: int, Lq: int):
     return block_m, block_n, block_d
 
 
+def fp32_tiles(rows: int, block_d: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of the attention kernels in float32 on a GPU (one fixed config:
+    a row's fp32 result must not depend on an autotuner's timing). The fp32 products run as FMA loops, not tensor-core
+    MMAs, and hold their operands in registers: tiles of at most 32 x 32 (32 x 16 at head dimension 256) over 8 warps
+    fit Hopper's register file, where the earlier tiles (32-64 x 64, 4 warps) spilled 6-20 KB per thread to local
+    memory (``python tests/compile_kernels.py --spills``)."""
+    return (16 if rows <= 16 else 32), (32 if block_d <= 128 else 16), 8, 2
+
+
 def _configs(shapes):
     """Autotune configs ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``; one config under the interpreter."""
     if _interpreting():
@@ -208,11 +217,12 @@ def _configs(shapes):
 
 
 # Hopper (H100) candidates: 64-row tiles feed a warpgroup MMA, 16/32-row tiles suit a few packed query rows,
-# 2-3 stages of K/V prefetch. The first entry is the interpreter's single config.
+# 2-4 stages of K/V prefetch; split-K also tries 128-key tiles and a deeper prefetch for 32 rows, where it reads
+# K/V at a fraction of the memory's bandwidth. The first entry is the interpreter's single config.
 _FLASH_CONFIGS = _configs([(32, 32, 4, 2), (32, 64, 4, 2), (64, 64, 4, 3), (64, 128, 8, 3), (128, 64, 8, 3),
                            (16, 128, 4, 3)])
 _SPLITK_CONFIGS = _configs([(32, 32, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 8, 3), (32, 64, 4, 3),
-                            (16, 64, 4, 2), (128, 64, 8, 3)])
+                            (16, 64, 4, 2), (128, 64, 8, 3), (32, 128, 4, 3), (32, 64, 4, 4)])
 _attn_fwd_tuned = triton.autotune(_FLASH_CONFIGS, key=["LQ_BUCKET", "GROUP", "LK_BUCKET", "D"])(_attn_fwd)
 
 
@@ -248,9 +258,12 @@ def _attention_lse(q, k, v, key_padding_mask, write_out: bool, traced: bool = Fa
                 IEEE=q.dtype == torch.float32, BLOCK_D=block_d)
     if q.dtype == torch.float32 or not write_out or _interpreting():
         # fixed tiles: fp32 results must not depend on an autotuner's timing
+        warps, stages = (4 if block_d <= 64 else 8), 2
+        if q.dtype == torch.float32 and not _interpreting():
+            block_m, block_n, warps, stages = fp32_tiles(Lq, block_d)
         grid = (_cdiv(Lq, block_m), B * Hq)
         _launch(_attn_fwd, traced)[grid](*args, **meta, BLOCK_M=block_m, BLOCK_N=block_n,
-                                 num_warps=4 if block_d <= 64 else 8, num_stages=2)
+                                 num_warps=warps, num_stages=stages)
     else:
         grid = lambda META: (_cdiv(Lq, META["BLOCK_M"]), B * Hq)  # noqa: E731
         _launch(_attn_fwd_tuned, traced)[grid](*args, **meta)
@@ -363,12 +376,12 @@ def _attn_combine(
     offs_d = tl.arange(0, BLOCK_D)
     s_ok = offs_s < S
     d_ok = offs_d < D
-    ls = tl.load(PLse + offs_s * sls + b * slb + h * slh + m * slm, mask=s_ok, other=float("-inf"))
+    ls = tl.load(PLse + offs_s.to(tl.int64) * sls + b * slb + h * slh + m * slm, mask=s_ok, other=float("-inf"))
     mx = tl.max(ls, 0)
     mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
     w = tl.exp2((ls - mx_safe) * 1.4426950408889634)
     total = tl.sum(w, 0)
-    o = tl.load(Part + offs_s[:, None] * sps + b * spb + h * sph + m * spm + offs_d[None, :] * spd,
+    o = tl.load(Part + offs_s.to(tl.int64)[:, None] * sps + b * spb + h * sph + m * spm + offs_d[None, :] * spd,
                 mask=s_ok[:, None] & d_ok[None, :], other=0.0)
     empty = total == 0.0
     out = tl.sum(w[:, None] * o, 0) / tl.where(empty, 1.0, total)
@@ -378,47 +391,82 @@ def _attn_combine(
 
 
 _MAX_SPLITS = 64
+SPLIT_OVERHEAD_KEYS = 128  # a split's fixed cost in keys read: its query tile, pipeline fill, partial write and merge
+
+
+def _num_sms() -> int:
+    """SMs of the current CUDA device (the tensors' own during a launch: :mod:`dllm.kernels.device`)."""
+    if torch.cuda.is_available():
+        return _sms_of(torch.cuda.current_device())
+    return 132  # an H100 SXM
 
 
 @functools.cache
-def _num_sms() -> int:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    return 132  # an H100 SXM
+def _sms_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _split_chunks(Lk: int) -> dict[int, int]:
+    """``{split count that runs: keys per split}`` for every key split of ``Lk`` keys: at least 128 keys per split
+    (whole 128-key tiles on a GPU), at most 64 splits."""
+    align = 1 if _interpreting() else 128
+    chunks = {}
+    for n in range(1, min(_cdiv(Lk, 128), _MAX_SPLITS) + 1):
+        chunk = _cdiv(_cdiv(Lk, n), align) * align
+        chunks[_cdiv(Lk, chunk)] = min(chunk, Lk)
+    return chunks
+
+
+def _split_base(B: int, Hq: int, Hkv: int, Lq: int, dtype: torch.dtype) -> int:
+    """Programs of one key split: batch x KV head x 64-row packed query tile (the batch left out in float32)."""
+    rows = Lq * (Hq // max(Hkv, 1))
+    return _cdiv(max(rows, 1), 64) * Hkv * (1 if dtype == torch.float32 else max(B, 1))
 
 
 def splitk_num_splits(B: int, Hq: int, Hkv: int, Lq: int, Lk: int, dtype: torch.dtype, waves: int = 1) -> int:
     """Key splits for :func:`attention_splitk`: the count whose longest pass over the SMs is shortest.
 
     ``base`` programs (batch x KV head x 64-row packed query tile) times ``n`` key ranges of ``chunk`` keys each run
-    in ``ceil(base * n / SMs)`` waves. Split-K is memory-bound, so an SM's time is the keys its programs read, and
-    the step's time is ``ceil(base * n / SMs) * chunk``: a partial last wave costs a whole one (at 32:32 heads,
-    batch 1, 4,096 keys, 5 splits are 160 programs on 132 SMs, two passes of 896 keys; 4 splits one pass of
-    1,024). Candidates are the split counts that run: at least 128 keys per split (whole 128-key tiles on a GPU),
-    at most 64 splits.
+    in ``ceil(base * n / SMs)`` waves. Split-K is memory-bound, so an SM's time is the keys its programs read plus a
+    split's fixed cost (``SPLIT_OVERHEAD_KEYS``: its query tile, the pipeline's fill, its partial output written and
+    merged again), and the step's time is ``ceil(base * n / SMs) * (chunk + overhead)``: a partial last wave costs a
+    whole one (at 32:32 heads, batch 1, 4,096 keys, 5 splits are 160 programs on 132 SMs, two passes of 896 keys; 4
+    splits one pass of 1,024), and many short splits pay the fixed cost many times (without it, 4,097 keys took 33
+    splits of 128 keys in 8 waves over 4 of 1,152 in one). Candidates are the split counts that run: at least 128 keys
+    per split (whole 128-key tiles on a GPU), at most 64 splits. Of the counts within 10% of the shortest time (more
+    splits must save more than that to pay for their partials and the combine) it returns the fewest (1 where the
+    base programs already fill the SMs).
 
-    Counts within 10% of the shortest time are as good (more splits must save more than that to pay for their
-    partials and the combine):
-
-    * ``waves=1``: the fewest of them (1 where the base programs already fill the SMs);
-    * ``waves=w > 1`` (the dispatch's ``"splitk-wide"`` candidate, ``w = 4``): the most of them that fit in ``w``
-      waves: shorter key ranges, more programs in flight to hide memory latency.
+    ``waves=w > 1`` (the dispatch's ``"splitk-wide"`` candidate, ``w = 4``) returns instead the most splits whose
+    programs fit in ``w`` waves: shorter key ranges, more programs in flight to hide memory latency, which the cost
+    model does not see (the dispatch times it).
 
     In float32 the batch size is left out of ``base`` (a row's fp32 output then never depends on the batch it
     was computed in)."""
-    rows = Lq * (Hq // max(Hkv, 1))
-    base = _cdiv(max(rows, 1), 64) * Hkv * (1 if dtype == torch.float32 else max(B, 1))
-    sms, Lk = _num_sms(), max(Lk, 1)
-    align = 1 if _interpreting() else 128
-    chunks = {}  # split count that runs -> keys per split
-    for n in range(1, min(_cdiv(Lk, 128), _MAX_SPLITS) + 1):
-        chunk = _cdiv(_cdiv(Lk, n), align) * align
-        chunks[_cdiv(Lk, chunk)] = min(chunk, Lk)
-    cost = {n: _cdiv(base * n, sms) * chunk for n, chunk in chunks.items()}
-    # within 10% of the shortest: more splits must save more than that to pay for their partials and the combine
-    good = [n for n in sorted(cost) if 10 * cost[n] <= 11 * min(cost.values())]
-    wide = [n for n in good if base * n <= waves * sms]
-    return wide[-1] if waves > 1 and wide else good[0]
+    base = _split_base(B, Hq, Hkv, Lq, dtype)
+    sms, chunks = _num_sms(), _split_chunks(max(Lk, 1))
+    if waves > 1:
+        return max([n for n in chunks if base * n <= waves * sms], default=1)
+    cost = {n: _cdiv(base * n, sms) * (chunk + SPLIT_OVERHEAD_KEYS) for n, chunk in chunks.items()}
+    return min(n for n in cost if 10 * cost[n] <= 11 * min(cost.values()))
+
+
+def splitk_candidates(B: int, Hq: int, Hkv: int, Lq: int, Lk: int, dtype: torch.dtype,
+                      distinct: bool = True) -> dict[str, int]:
+    """The split counts worth timing for one shape, by the dispatch's candidate names: ``"splitk"`` (the cost model's
+    count, :func:`splitk_num_splits`), ``"splitk-2x"`` (the count that runs nearest twice that: two programs per SM
+    where one fills it) and ``"splitk-wide"`` (the most within four waves). ``distinct``: each only where its count
+    differs from the ones before it."""
+    one = splitk_num_splits(B, Hq, Hkv, Lq, Lk, dtype)
+    double = min((n for n in _split_chunks(max(Lk, 1)) if n >= 2 * one), default=one)
+    every = {"splitk": one, "splitk-2x": double, "splitk-wide": splitk_num_splits(B, Hq, Hkv, Lq, Lk, dtype, waves=4)}
+    if not distinct:
+        return every
+    out = {}
+    for name, n in every.items():
+        if n not in out.values():
+            out[name] = n
+    return out
 
 
 def _splitk_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
@@ -450,10 +498,13 @@ def _splitk_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_
     rows = group * Lq
     if q.dtype == torch.float32 or _interpreting():
         # fixed tiles: fp32 results must not depend on an autotuner's timing
-        block_m = 16 if rows <= 16 else (32 if rows <= 32 or _interpreting() else 64)
-        block_n = 32 if _interpreting() else 64
+        if _interpreting():
+            block_m, block_n, warps, stages = (16 if rows <= 16 else 32), 32, 4, 2
+        else:
+            block_m, block_n, warps, stages = fp32_tiles(rows, block_d)
         grid = (_cdiv(rows, block_m), B * Hkv, nsplit)
-        _launch(_attn_splitk, traced)[grid](*args, **meta, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=2)
+        _launch(_attn_splitk, traced)[grid](*args, **meta, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+                                            num_stages=stages)
     else:
         grid = lambda META: (_cdiv(rows, META["BLOCK_M"]), B * Hkv, nsplit)  # noqa: E731
         _launch(_attn_splitk_tuned, traced)[grid](*args, **meta)
@@ -576,6 +627,9 @@ def attention_mass(q, k, key_padding_mask=None, lse=None):
         return part.sum(1)
     mask, smb, smn, has_mask = _mask_arg(key_padding_mask, q)
     block_m, block_n, block_d = _blocks(D, Lq)
+    warps, stages = 4, 2
+    if q.dtype == torch.float32 and not _interpreting():
+        block_m, block_n, warps, stages = fp32_tiles(Lq, block_d)
     grid = (_cdiv(Lk, block_n), B * Hq)
     _attn_mass[grid](
         q, k, lse, mask, part,
@@ -583,7 +637,7 @@ def attention_mass(q, k, key_padding_mask=None, lse=None):
         Hq, Lq, Lk, D, Hq // k.shape[1],
         QK_SCALE=_LOG2E / math.sqrt(D), HAS_MASK=has_mask, IEEE=q.dtype == torch.float32,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        num_warps=4, num_stages=2,
+        num_warps=warps, num_stages=stages,
     )
     return part.sum(1)
 
