@@ -6,7 +6,9 @@ figure measured and whether it is met.
 
 It reads ``step.json`` (``bench_step.py``: the step against the weight-read floor, kernels and host syncs per step,
 whole generations, Fast-dLLM's own code), ``kernels.json`` (``bench_kernels.py``), ``caches.json``
-(``bench_caches.py``) and ``gpu_tests.log`` (the ``gpu`` tests), whichever exist. A goal whose figure is missing is
+(``bench_caches.py``) and ``gpu_tests.log`` (the ``gpu`` tests), whichever exist; where a benchmark was stopped by
+its time limit before it wrote its file, the rows it printed to its log (``bench_step.log``, ``bench_caches.log``:
+one JSON object per line) stand in for it. A goal whose figure is missing is
 "not measured"; a timing goal read from a CPU run is "not measured (CPU)": there the figures are counts only. The
 host synchronisations per step are judged on any device, the kernels per layer at LLaDA-8B's depth (32 layers) on
 any device.
@@ -29,6 +31,28 @@ def _load(path: Path):
         return None
 
 
+def _rows(folder: Path, name: str, log: str) -> list:
+    """The rows of ``name`` (a JSON list), else the JSON objects printed one per line in ``log`` (error rows left
+    out), else none."""
+    rows = _load(folder / name)
+    if rows is not None:
+        return rows
+    try:
+        lines = (folder / log).read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        if line.startswith("{"):
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and "error" not in row:
+                out.append(row)
+    return out
+
+
 def _judge(value, ok: bool) -> str:
     return MISSING if value is None else (MET if ok else NOT_MET)
 
@@ -45,7 +69,7 @@ def goals(folder: Path) -> list[dict]:
     def add(goal, target, measured, status):
         out.append({"goal": goal, "target": target, "measured": measured, "status": status})
 
-    step = _load(folder / "step.json") or []
+    step = _rows(folder, "step.json", "bench_step.log")
     floor = next((r for r in step if r.get("what") == "floor"), None)
     step_dev = floor["device"] if floor else None
     on_gpu = step_dev not in (None, "CPU")
@@ -114,7 +138,7 @@ def goals(folder: Path) -> list[dict]:
     if not conf:
         add("confidence statistics", ">= 3x the PyTorch composition", "-", MISSING)
 
-    caches = [r for r in (_load(folder / "caches.json") or []) if r.get("batch") == 1 and r.get("cache") != "none"]
+    caches = [r for r in _rows(folder, "caches.json", "bench_caches.log") if r.get("batch") == 1 and r.get("cache") != "none"]
     pays = all(r["speedup"] > 1 for r in caches)
     add("every cache pays at batch 1 (bench_caches.py)", "> 1x no cache each",
         ", ".join(f"{r['cache']} {r['speedup']}x" for r in caches) or "-",

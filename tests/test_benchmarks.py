@@ -164,6 +164,15 @@ def test_gpu_goals_judges_each_goal_against_its_target(tmp_path):
     assert gpu_goals.main([str(tmp_path / "bad"), "--json", str(out)]) == 0
     assert [g["status"] for g in json.loads(out.read_text())].count("NOT met") == 4
     assert "elastic 0.8x" in bad["every cache pays at batch 1 (bench_caches.py)"]["measured"]
+    # a benchmark stopped by its time limit writes no figures file: the rows its log printed stand in for it
+    cut = tmp_path / "cut"
+    _gpu_figures(cut)
+    for name, log in (("step.json", "bench_step.log"), ("caches.json", "bench_caches.log")):
+        rows = json.loads((cut / name).read_text())
+        (cut / log).write_text("== bench\n" + "".join(json.dumps(r) + "\n" for r in rows) + '{"what": "e2e", "error": '
+                               '"timeout"}\n{"truncated\n')
+        (cut / name).unlink()
+    assert gpu_goals.goals(cut) == gpu_goals.goals(tmp_path / "good")
 
 
 def test_gpu_check_runs_its_parts_and_judges_what_they_wrote(tmp_path):
