@@ -9,9 +9,12 @@
 #     QUICK=1 bash benchmarks/gpu_check.sh ...        # batch 1 and 16, no/dual cache, two modes: a short lease
 #     PARTS="step tests" bash benchmarks/gpu_check.sh # some parts only (step kernels tests caches extra; default all)
 #
-# The parts take at most 300 + 100 + 100 + 120 + 180 seconds: where one command may run 600 seconds, run
+# The parts take at most 300 + 100 + 140 + 120 + 180 seconds: where one command may run 600 seconds, run
 # PARTS="step kernels" and then PARTS="tests caches extra" (each call's goals table judges that call's files; unpack
 # both calls' gpu-check.tgz into one folder and run `python benchmarks/gpu_goals.py FOLDER` for the whole table).
+# DEADLINE=S (seconds) bounds the whole call: each part runs for at most what is left of S after a margin for the
+# goals table and the archive, and a part with under 20 seconds left is skipped, saying so (set it a little under the
+# call's own time limit, or under the device time a lease has left, so the call always returns its files).
 # At the end every file is packed into $OUT/gpu-check.tgz, beside the goals table $OUT/goals.md.
 # The figures go into docs/performance.md with the card, the command and the date.
 set -uo pipefail
@@ -22,49 +25,64 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 FASTDLLM=${1:-}
 PARTS=${PARTS:-step kernels tests caches extra}
 log() { echo "== $* ($(date -u +%H:%M:%S))"; }
-want() { [[ " $PARTS " == *" $1 "* ]]; }
+DEADLINE=${DEADLINE:-0}
+# want PART CAP: whether PART was asked for and has time left; sets LIMIT, its time limit in seconds
+want() {
+    [[ " $PARTS " == *" $1 "* ]] || return 1
+    LIMIT=$2
+    if [ "$DEADLINE" -gt 0 ]; then
+        local left=$((DEADLINE - SECONDS - 15))
+        [ "$left" -lt "$LIMIT" ] && LIMIT=$left
+        if [ "$LIMIT" -lt 20 ]; then
+            log "$1 skipped: ${left}s left of DEADLINE=$DEADLINE"
+            return 1
+        fi
+    fi
+}
 
 log env
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi: no GPU"; } \
     | tee "$OUT/env.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/env.txt"
 
-if want step; then
+if want step 300; then
     log bench_step
     extra=()
     [ -n "$FASTDLLM" ] && extra=(--fastdllm "$FASTDLLM")
     if [ "${QUICK:-0}" = "1" ]; then
         extra+=(--batch 1 16 --modes base graph --caches none dual)  # prefix: in the whole generations (--e2e)
     fi
-    timeout 300 python3 benchmarks/bench_step.py --e2e "${extra[@]}" --json "$OUT/step.json" 2>&1 \
+    timeout "$LIMIT" python3 benchmarks/bench_step.py --e2e "${extra[@]}" --json "$OUT/step.json" 2>&1 \
         | grep --line-buffered -v USDT | tee "$OUT/bench_step.log"
 fi
 
-if want kernels; then
+if want kernels 100; then
     log bench_kernels
-    timeout 100 python3 benchmarks/bench_kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/bench_kernels.log"
+    timeout "$LIMIT" python3 benchmarks/bench_kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/bench_kernels.log"
 fi
 
-if want tests; then
+if want tests 140; then
     log gpu tests
-    timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_graphs.py tests/test_fast_layer.py \
+    timeout "$LIMIT" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_graphs.py tests/test_fast_layer.py \
         tests/test_kernels.py 2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
 fi
 
-if want caches; then
+if want caches 120; then
     log bench_caches
     # LLaDA-8B's layer (d 4096, 32 heads, MLP 12,288, its vocabulary) at 8 layers, prompt 512, gen 256, batch 1
-    timeout 120 python3 benchmarks/bench_caches.py --layers 8 --width 4096 --heads 32 --mlp 12288 --vocab 126464 \
+    timeout "$LIMIT" python3 benchmarks/bench_caches.py --layers 8 --width 4096 --heads 32 --mlp 12288 --vocab 126464 \
         --batch 1 --json "$OUT/caches.json" 2>&1 \
         | grep --line-buffered -v USDT | tee "$OUT/bench_caches.log"
 fi
 
-if want extra; then
+if want extra 120; then
     log bench_step packing and breakdown
-    timeout 120 python3 benchmarks/bench_step.py --modes graph --caches dual --batch 1 --packing --breakdown \
+    timeout "$LIMIT" python3 benchmarks/bench_step.py --modes graph --caches dual --batch 1 --packing --breakdown \
         --json "$OUT/step_extra.json" 2>&1 | grep --line-buffered -v USDT | tee "$OUT/bench_step_extra.log"
+fi
+if want extra 60; then
     log bench_graph_keys
-    timeout 60 python3 benchmarks/bench_graph_keys.py --calls 4 --batch 1 4 --configs llada:dual llada:dkv-decode \
+    timeout "$LIMIT" python3 benchmarks/bench_graph_keys.py --calls 4 --batch 1 4 --configs llada:dual llada:dkv-decode \
         --json "$OUT/graph_keys.json" 2>&1 | grep --line-buffered -v USDT | tee "$OUT/bench_graph_keys.log"
 fi
 

@@ -193,3 +193,13 @@ def test_gpu_check_runs_its_parts_and_judges_what_they_wrote(tmp_path):
     assert "| host synchronisations per step | <= 1 | 1 at most (CPU) | met |" in table
     assert "| gpu tests | all pass | - | not measured |" in table  # a part not asked for
     assert "== done" in p.stdout
+
+
+def test_gpu_check_skips_the_parts_its_deadline_leaves_no_time_for(tmp_path):
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PARTS": "step kernels", "DEADLINE": "30"}
+    p = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "== step skipped" in p.stdout and "== kernels skipped" in p.stdout and "== done" in p.stdout
+    assert "bench_step" not in p.stdout and (out / "goals.md").exists()
