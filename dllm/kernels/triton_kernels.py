@@ -324,7 +324,8 @@ def _attn_splitk(
     # NSPLIT are autotune keys only. Out/Lse are the fp32 partials [S, B, Hq, Lq, (D)] (or the final output when S == 1).
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)  # int64 offsets (as in _attn_fwd)
-    split = tl.program_id(2).to(tl.int64)
+    split32 = tl.program_id(2)
+    split = split32.to(tl.int64)  # the partials' offsets; the key range in int32 (its loop's index arithmetic)
     b = pid_bh // Hkv
     hk = pid_bh % Hkv
     r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -341,7 +342,7 @@ def _attn_splitk(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
-    lo = split * CHUNK
+    lo = split32 * CHUNK
     hi = tl.minimum(lo + CHUNK, Lk)
     m_i, l_i, acc = _attend_keys(q, k_base, v_base, Mask + b * smb, lo, hi, offs_n, offs_d, d_ok, skn, skd, svn, svd,
                                  smn, m_i, l_i, acc, QK_SCALE, HAS_MASK, True, IEEE, BLOCK_N)
