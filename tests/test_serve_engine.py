@@ -428,13 +428,13 @@ def test_asyncio_callers_await_results_and_iterate_deltas(llada):
 
 
 def test_guided_requests_share_one_loaded_guide(llada, tmp_path):
-    """Requests naming the same guide checkpoint use one loaded guide (not a copy each); a guide that does not
-    exist is refused at submit."""
+    """Requests naming the same guide checkpoint use one loaded guide (not a copy each); a guide the engine was not
+    given (here a path that does not exist) is refused at submit."""
     eng = Engine(llada)
     eng.submit(PROMPTS[0], gen_length=8, sampler="guided")
     eng.submit(PROMPTS[1], gen_length=8, sampler="guided", params={"mode": "topk"})
     assert len({id(r.recipe.sampler.guide_model()[0]) for r in eng.waiting}) == 1
-    with pytest.raises(RequestError, match="neither a bundled guide"):
+    with pytest.raises(RequestError, match="not one this server allows; allowed guides: ar-tiny"):
         eng.submit(PROMPTS[0], sampler="guided", params={"guide": str(tmp_path / "missing")})
     eng.run_until_idle()
     assert eng.stats()["requests"]["stop"] + eng.stats()["requests"]["length"] == 2

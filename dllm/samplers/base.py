@@ -19,6 +19,7 @@ stream); those depend on the batch.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -27,7 +28,30 @@ import torch
 from dllm.ops import check_choice, check_range, fast_argmax, mask_column_excluded, top2_values  # noqa: F401 (re-exported)
 
 NOISE_SCOPES = ("row", "region", "canvas")
+#: Upper bound of the integer sampler parameters counted in canvas positions, steps or tokens (block lengths,
+#: windows, radii, chunks, top-k): more than any model's context, and small enough that no index arithmetic on it
+#: overflows int64 (a served request's parameters come from the client: ``2**63`` must be refused, not decoded)
+MAX_INT_PARAM = 1 << 20
 SOFTMAX_DTYPES = {"float32": torch.float32, "float64": torch.float64, "model": None}
+
+
+def check_int(name: str, value, lo: int, hi: int = MAX_INT_PARAM, *, fix: str = "", what: str | None = None) -> None:
+    """Raise a ValueError naming the parameter unless ``value`` is an integer in ``[lo, hi]``: a bool or a float
+    (``4.0``, ``1e308``, NaN) is refused, not truncated. ``what`` describes the values taken (default
+    ``"an integer >= lo"``); the message adds the upper bound and ``fix``."""
+    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool) and lo <= value <= hi
+    if not ok:
+        raise ValueError(f"{name}={value!r} is out of range; it must be {what or f'an integer >= {lo}'} and at most "
+                         f"{hi}{fix}")
+
+
+def check_temperature(name: str, value, fix: str = " (use 0 for greedy decoding)") -> None:
+    """Raise a ValueError unless ``value`` is a finite number >= 0 (NaN and infinity are refused: they would decode
+    garbage silently); a TypeError when it is not a number at all."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number >= 0, got {value!r}{fix}")
+    if not (value == value and 0 <= value < float("inf")):
+        raise ValueError(f"{name} must be >= 0 and finite, got {value!r}{fix}")
 
 
 @dataclass

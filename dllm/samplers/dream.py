@@ -35,7 +35,9 @@ from dllm.samplers.base import (
     argmax_unmasked,
     canvas_rand,
     check_choice,
+    check_int,
     check_range,
+    check_temperature,
     fused_enabled,
     select_topk,
     top2_values,
@@ -193,14 +195,13 @@ class DreamSampler(SamplerBase):
     def __post_init__(self):
         if self.alg not in ALGS:
             raise ValueError(f"unknown Dream alg {self.alg!r}; known: {', '.join(ALGS)}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature} (use 0 for greedy decoding)")
+        check_temperature("temperature", self.temperature)
         if self.top_p is not None:
             check_range("top_p", self.top_p, 0, 1, lo_open=True)
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
-            raise ValueError(f"top_k must be a positive integer, got {self.top_k!r}")
-        if self.alg_temp is not None and self.alg_temp < 0:
-            raise ValueError(f"alg_temp must be >= 0, got {self.alg_temp}")
+        if self.top_k is not None:
+            check_int("top_k", self.top_k, 1, what="a positive integer", fix=" (or None: no top-k cut)")
+        if self.alg_temp is not None:
+            check_temperature("alg_temp", self.alg_temp, " (the temperature of Dream's position draw; None: off)")
         check_range("eps", self.eps, 0, 1, lo_open=True, hi_open=True)
         check_choice("noise_scope", self.noise_scope, NOISE_SCOPES)
         check_choice("fused", self.fused, FUSED_CHOICES)

@@ -53,7 +53,16 @@ import torch
 
 from dllm.models.hf import cache_argument, quiet_loading
 from dllm.ops import moved_rows
-from dllm.samplers.base import SamplerBase, StepContext, StepResult, check_choice, check_range, gumbel_argmax
+from dllm.samplers.base import (
+    SamplerBase,
+    StepContext,
+    StepResult,
+    check_choice,
+    check_int,
+    check_range,
+    check_temperature,
+    gumbel_argmax,
+)
 
 GUIDE_MODES = ("deterministic", "topk")
 DEFAULT_GUIDE = "ar-tiny"
@@ -228,14 +237,18 @@ class GuidedSampler(SamplerBase):
     def __init__(self, guide=DEFAULT_GUIDE, mode: str = "deterministic", k: int = 2, r: float = 0.5, chunk: int = 32,
                  guide_dtype: str | None = None, pad_id: int | None = None, record: bool = False, temperature: float = 0.0, name: str = "guided"):
         check_choice("guide mode", mode, GUIDE_MODES)
-        check_range("k", k, 1, float("inf"), fix=" (the guide's top-k)")
+        check_int("k", k, 1, fix=" (the guide's top-k)")
         check_range("r", r, 0.0, 1.0, fix=" (p(draft) >= r * p(top1))")
-        check_range("chunk", chunk, 1, float("inf"), fix=" (drafts verified per guide forward)")
+        check_int("chunk", chunk, 1, fix=" (drafts verified per guide forward)")
         if guide is None:
             raise ValueError("the guided sampler needs a guide: a bundled name ('ar-tiny'), a checkpoint directory "
                              "or a transformers causal LM")
         self.guide, self.mode, self.k, self.r, self.chunk = guide, mode, int(k), float(r), int(chunk)
-        check_range("temperature", temperature, 0.0, float("inf"))
+        check_temperature("temperature", temperature)
+        if guide_dtype is not None:  # a dtype name, checked now (not when the guide loads)
+            from dllm.models.loading import resolve_dtype
+
+            resolve_dtype(guide_dtype)
         self.guide_dtype, self.pad_id, self.record, self.name = guide_dtype, pad_id, record, name
         self.temperature = float(temperature)
         self._model = self._tok = None

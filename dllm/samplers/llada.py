@@ -24,6 +24,7 @@ from dllm.samplers.base import (
     StepResult,
     canvas_rand,
     check_choice,
+    check_temperature,
     even_quota,
     fused_enabled,
     gumbel_argmax,
@@ -76,8 +77,7 @@ class LLaDASampler(SamplerBase):
     name: str = "llada"
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature} (use 0 for greedy decoding)")
+        check_temperature("temperature", self.temperature)
         check_choice("remasking", self.remasking, REMASKING)
         check_choice("softmax_dtype", self.softmax_dtype, SOFTMAX_DTYPES)
         check_choice("noise_scope", self.noise_scope, NOISE_SCOPES)

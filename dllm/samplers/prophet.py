@@ -45,6 +45,7 @@ from dllm.samplers.base import (
     SamplerBase,
     StepContext,
     StepResult,
+    check_int,
     check_range,
     gumbel_argmax,
     row_forwards,
@@ -52,6 +53,9 @@ from dllm.samplers.base import (
 )
 
 PROPHET_PROGRESS = ("steps", "decoded")
+#: Largest gap threshold: logit gaps are float32 (a larger threshold never commits early, and one beyond float32's
+#: range cannot be compared at all)
+MAX_GAP = 1e6
 
 
 def parse_span(span) -> str | tuple[int, int]:
@@ -67,6 +71,8 @@ def parse_span(span) -> str | tuple[int, int]:
     if isinstance(span, (tuple, list)) and len(span) == 2 and all(isinstance(v, int) for v in span):
         if span[0] < 0 or span[1] < 1:
             raise ValueError(f"span={span!r}: the offset must be >= 0 and the length >= 1")
+        check_int("span offset", span[0], 0, fix=" (generation-relative)")
+        check_int("span length", span[1], 1)
         return (span[0], span[1])
     raise ValueError(f"span={span!r} is not understood; use 'region', 'masked' or 'OFFSET:LENGTH' "
                      "(generation-relative, e.g. '204:5' for the reference's answer span)")
@@ -104,6 +110,9 @@ class Prophet(SamplerBase):
         for k in ("early", "mid", "late"):
             check_range(k, getattr(self, k), 0, float("inf"), hi_open=True,
                         fix="; Prophet's thresholds are top-2 logit gaps (reference 7.5 / 5.0 / 2.5)")
+            if getattr(self, k) > MAX_GAP:
+                raise ValueError(f"{k}={getattr(self, k)!r} is out of range; a top-2 logit gap threshold is at most "
+                                 f"{MAX_GAP:g} (a larger one never commits early; reference 7.5 / 5.0 / 2.5)")
         b = self.bounds
         if not (isinstance(b, (tuple, list)) and len(b) == 2 and 0 <= b[0] <= b[1] <= 1):
             raise ValueError(f"bounds={b!r} must be two progress values 0 <= a <= b <= 1 (reference (0.33, 0.67))")

@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from dllm.samplers.base import MAX_INT_PARAM
+
 
 @dataclass(frozen=True)
 class Recipe:
@@ -27,8 +29,9 @@ class Recipe:
         if isinstance(self.sampler, Recipe):
             raise TypeError("a recipe's sampler must be a sampler, not another recipe (use recipe.sampler)")
         if self.block_length is not None and (isinstance(self.block_length, bool) or not isinstance(self.block_length, int)
-                                              or self.block_length < 1):
-            raise ValueError(f"block_length={self.block_length!r} must be a positive integer or None")
+                                              or not 1 <= self.block_length <= MAX_INT_PARAM):
+            raise ValueError(f"block_length={self.block_length!r} must be a positive integer (at most {MAX_INT_PARAM}) "
+                             "or None")
         if not self.name:
             object.__setattr__(self, "name", getattr(self.sampler, "name", type(self.sampler).__name__))
 

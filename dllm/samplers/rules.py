@@ -30,6 +30,7 @@ from dllm.samplers.base import (
     SOFTMAX_DTYPES,
     StepContext,
     argmax_unmasked,
+    check_int,
     check_range,
     ensure_progress,
     even_quota,
@@ -38,6 +39,8 @@ from dllm.samplers.base import (
 )
 
 NEG_INF = float("-inf")
+#: Most steps of KL history KLASS may ask for: each kept step holds a ``[batch, window, vocabulary]`` logits tensor
+MAX_KL_HISTORY = 16
 
 
 @runtime_checkable
@@ -79,9 +82,9 @@ class Ascending:
     per_region: bool = False
 
     def __post_init__(self):
-        if self.steps is not None and (not isinstance(self.steps, int) or self.steps < 1):
-            raise ValueError(f"steps={self.steps!r} is out of range; it must be a positive integer or None "
-                             "(None: commit everything once the remainder is below the next power of two)")
+        if self.steps is not None:
+            check_int("steps", self.steps, 1, what="a positive integer or None",
+                      fix=" (None: commit everything once the remainder is below the next power of two)")
 
     def quota(self, ctx: StepContext) -> torch.Tensor:
         i = ctx.step if self.per_region else row_forwards(ctx)
@@ -174,9 +177,7 @@ class LocalLeap:
             if self.tau > self.kappa:
                 raise ValueError(f"tau={self.tau} is larger than kappa={self.kappa}; tau is the relaxed threshold "
                                  "near anchors and must be <= kappa (or None for the plain threshold rule)")
-        if not isinstance(self.radius, int) or isinstance(self.radius, bool) or self.radius < 0:
-            raise ValueError(f"radius={self.radius!r} is out of range; it must be an integer >= 0 "
-                             "(canvas positions around an anchor; the paper uses 4)")
+        check_int("radius", self.radius, 0, fix=" (canvas positions around an anchor; the paper uses 4)")
 
     def select(self, conf, ctx, *, logits=None, probs=None):
         cand = ctx.cand
@@ -228,8 +229,8 @@ class KLStable:
                     fix="; KLASS commits conf > conf_threshold (the GSM8K script uses 0.6)")
         check_range("kl_threshold", self.kl_threshold, 0, math.inf, lo_open=True, hi_open=True,
                     fix="; the GSM8K script uses 0.015")
-        if not isinstance(self.history, int) or isinstance(self.history, bool) or self.history < 1:
-            raise ValueError(f"history={self.history!r} is out of range; it must be an integer >= 1 (KLASS uses 2)")
+        check_int("history", self.history, 1, MAX_KL_HISTORY,
+                  fix=" (KLASS uses 2; each step of history keeps a step's logits alive)")
         if self.fallback is not None and not hasattr(self.fallback, "select"):
             raise TypeError(f"fallback must be a commit rule or None (the most confident candidate), got "
                             f"{self.fallback!r}")

@@ -17,6 +17,7 @@ from dllm.samplers.base import (
     SamplerBase,
     StepContext,
     argmax_unmasked,
+    check_int,
     check_range,
     row_forwards,
     token_prob,
@@ -24,6 +25,9 @@ from dllm.samplers.base import (
 )
 
 EOS_PROGRESS = ("step", "step-total", "decoded", "ass")
+#: Most credited tokens kept per position: the table is ``[batch, canvas, slots]`` (12 bytes a slot), and a position
+#: gains at most one credited token per step, so more slots than a block's steps are never used
+MAX_CREDIT_SLOTS = 256
 
 
 @dataclass(frozen=True)
@@ -50,9 +54,8 @@ class CreditFusion:
         check_range("alpha", self.alpha, 0, math.inf, hi_open=True, fix="; dInfer uses credit alpha 0.7 (0 disables)")
         check_range("beta", self.beta, 0, 1, fix="; beta is the per-step credit decay (dInfer uses 0.8)")
         check_range("gamma", self.gamma, 0, math.inf, hi_open=True, fix="; dInfer boosts with p_top1 ** 0.2")
-        if not isinstance(self.slots, int) or isinstance(self.slots, bool) or self.slots < 1:
-            raise ValueError(f"slots={self.slots!r} is out of range; it must be an integer >= 1 "
-                             "(credited tokens kept per position, e.g. 8)")
+        check_int("slots", self.slots, 1, MAX_CREDIT_SLOTS,
+                  fix=" (credited tokens kept per position, e.g. 8; a position gains at most one per step)")
 
     def update(self, top: torch.Tensor, p_top: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         """Decay the window's credits and add ``p_top ** gamma`` to each candidate's top-1 token ``top``

@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -324,14 +325,18 @@ class Engine:
     ``params``: the sampler of requests that name none (default: the model family's baseline), and its
     parameters (a request naming no sampler, or this one, adds its own ``params`` over them); ``graphs``: the
     cached steps through CUDA graphs (``GenerateConfig.graphs``: ``"auto"`` on CUDA; ``"on"`` on the CPU runs the
-    graph path's static buffers without capture; ``stats()["graphs"]`` counts how the cached forwards ran).
+    graph path's static buffers without capture; ``stats()["graphs"]`` counts how the cached forwards ran);
+    ``guides``: the AR guide checkpoint directories (``guided`` sampler) requests may name besides the bundled
+    guides, each by its path as given here or by its directory's name (a guide in the default ``params`` is allowed
+    too). A request's ``params`` come from a client: a guide the operator did not allow is refused without touching
+    the filesystem (a client cannot make the server load, or probe, any path).
 
     No request can stop the engine: when serving a batch raises, the batch is dropped and its requests are
     retried alone (a request that fails alone ends with finish reason ``error``); an exception in the loop's
     tick fails the requests it held; the loop goes on."""
 
     def __init__(self, model, *, max_rows: int = 8, max_queue: int = 256, sampler: str | None = None,
-                 params: dict | None = None, graphs: str = "auto"):
+                 params: dict | None = None, graphs: str = "auto", guides=()):
         check_graphs(graphs)
         if not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows < 1:
             raise ValueError(f"max_rows={max_rows!r} must be a positive integer")
@@ -340,6 +345,8 @@ class Engine:
         self.model = model
         self.sampler = sampler or ("dream" if getattr(model.spec, "family", "llada") == "dream" else "llada")
         self.params = dict(params or {})
+        self._guide_names = self._allowed_guides(list(guides or ()) + (
+            [self.params["guide"]] if isinstance(self.params.get("guide"), (str, os.PathLike)) else []))
         self._check_sampler(self.sampler, self.params)
         try:
             get_sampler(self.sampler, **self.params)
@@ -399,6 +406,9 @@ class Engine:
             raise RequestError(f"params={params!r} must be a dict of the sampler's parameters", "params")
         params = {**(self.params if name == self.sampler else {}), **(params or {})}
         self._check_sampler(name, params)
+        if "guide" in params and name in SAMPLERS and "guide" in SAMPLERS[name].params():
+            # before the sampler is built: an AR guide the operator allowed, by name
+            params = {**params, "guide": self._guide(params["guide"])}
         try:
             config = GenerateConfig(gen_length=gen_length, block_length=block_length, steps=steps, seed=seed,
                                     eos_early_stop=eos_early_stop, chat_template=chat_template,
@@ -406,6 +416,10 @@ class Engine:
                                     graphs=self.graphs)
         except (ValueError, TypeError) as exc:
             raise RequestError(str(exc)) from None
+        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict) \
+                and len(prompt) > self.model.max_seq_len:  # every message takes at least one token
+            raise RequestError(f"{len(prompt)} messages cannot fit the model's context of {self.model.max_seq_len} "
+                               f"tokens (every message takes at least one token); send fewer messages", "prompt")
         least = self._least_tokens(prompt)  # before tokenising: a prompt already too long costs nothing
         if least + gen_length > self.model.max_seq_len:
             raise RequestError(f"prompt (at least {least} tokens) + gen_length ({gen_length}) exceeds the model's "
@@ -438,6 +452,10 @@ class Engine:
             cache = cache if isinstance(cache, str) else cache[0]
         if cache not in SERVED_CACHES:
             raise RequestError(f"cache {cache!r} is not served; served caches: {', '.join(SERVED_CACHES)}", "cache")
+        if cache == "block" and not model_block_size(self.model):  # else it fails at the request's first forward
+            raise RequestError("cache 'block' is the exact cache of block-diffusion checkpoints (config block_size, "
+                               "e.g. SDAR) and this model is not one; use 'prefix', 'dual' or another cache, or leave "
+                               "cache out", "cache")
         spec = (name, tuple(sorted(params.items())), cache, None if cut is None or own_cut else cut)
         try:  # lengths, block layout and context checked before queueing
             resolve(self.model, recipe, cache, None, config)
@@ -465,13 +483,46 @@ class Engine:
         if isinstance(s, _guided.GuidedSampler):
             s.use_guide_cache(self._guides)
 
+    def _allowed_guides(self, guides: list) -> dict[str, str]:
+        """Name (a bundled guide's name; an allowed checkpoint directory's path as given and its directory's name)
+        -> what the guided sampler loads. Each allowed directory must exist now (an operator's mistake stops the
+        engine before it serves)."""
+        names = {name: name for name in _guided.bundled_guides()}
+        for g in guides:
+            g = os.fspath(g)
+            if g in names:
+                continue
+            path = _guided.checked_guide_path(g).resolve()
+            names[g] = g
+            short = os.path.basename(os.path.normpath(g))
+            if not short:
+                continue
+            if short in names and _guided.guide_path(names[short]).resolve() != path:
+                raise ValueError(f"two allowed guides are both named {short!r}; allow one of them, or rename its "
+                                 "directory")
+            names.setdefault(short, g)
+        return names
+
+    def _guide(self, guide) -> str:
+        """The guide a request names (a key of the allowed guides) as the guided sampler loads it; refuses any other
+        without touching the filesystem and without naming the operator's paths."""
+        if isinstance(guide, str) and guide in self._guide_names:
+            return self._guide_names[guide]
+        allowed = ", ".join(sorted(n for n in self._guide_names if os.sep not in n))
+        shown = repr(guide) if isinstance(guide, str) and len(guide) <= 200 else f"of type {type(guide).__name__}"
+        raise RequestError(f"guide {shown} is not one this server allows; allowed guides: {allowed} (the "
+                           f"operator allows more with `dllm serve --guide PATH`)", "params")
+
     def _least_tokens(self, prompt) -> int:
         """A lower bound of the prompt's token count without tokenising it: its UTF-8 length over the longest
-        token's (token ids: their count)."""
+        token's (token ids: their count); a conversation adds one token per message (whatever its content, every
+        message's turn takes at least one token of the chat template)."""
+        extra = 0
         if isinstance(prompt, str):
             texts = [prompt]
         elif isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
             texts = [m.get("content") for m in prompt if isinstance(m, dict) and isinstance(m.get("content"), str)]
+            extra = len(prompt)
         elif isinstance(prompt, (list, tuple)):
             return len(prompt)
         else:
@@ -484,9 +535,9 @@ class Engine:
             except Exception:  # a tokenizer without a vocabulary listing: no bound
                 self._token_bytes = 0
         if self._token_bytes <= 0:
-            return 0
+            return extra
         n = sum(len(t.encode("utf-8", "replace")) for t in texts)
-        return -(-n // self._token_bytes)
+        return extra + -(-n // self._token_bytes)
 
     @staticmethod
     def _check_sampler(name: str, params: dict) -> None:

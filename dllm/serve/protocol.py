@@ -15,6 +15,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError, mod
 SEED_MAX = 2**63 - 1
 MAX_N = 16
 MAX_STOPS = 4
+MAX_STOP_CHARS = 1000  # characters per stop string (the held-back tail is checked against each one as text arrives)
 MAX_TOP_LOGPROBS = 20  # alternatives per token (top_logprobs; completions' logprobs)
 ROLES = ("system", "developer", "user", "assistant")  # developer: OpenAI's newer name for system
 
@@ -65,6 +66,23 @@ def _stop(v):
         raise ValueError(f"{len(v)} stop strings; at most {MAX_STOPS}")
     if any(not s for s in v):
         raise ValueError("stop strings must not be empty")
+    longest = max(len(s) for s in v)
+    if longest > MAX_STOP_CHARS:
+        raise ValueError(f"a stop string of {longest} characters; at most {MAX_STOP_CHARS} characters each")
+    return v
+
+
+def _finite(v, where: str = ""):
+    """Every number inside the sampler's ``params`` is finite: JSON's NaN / Infinity (which Python's parser
+    accepts) never reach a sampler (each sampler checks its own ranges too; this is the net under them)."""
+    if isinstance(v, float) and not math.isfinite(v):
+        raise ValueError(f"{where or 'a value'} is {v!r}; every number in params must be finite")
+    if isinstance(v, dict):
+        for k, x in v.items():
+            _finite(x, f"{where}.{k}" if where else str(k))
+    elif isinstance(v, list):
+        for i, x in enumerate(v):
+            _finite(x, f"{where}[{i}]")
     return v
 
 
@@ -111,7 +129,7 @@ class _Body(BaseModel):
     user: Str | None = None
     # dLLM fields (extra_body with the openai client)
     sampler: Str | None = None
-    params: Dict | None = None
+    params: Annotated[Dict, AfterValidator(_finite)] | None = None
     steps: _int(1) | None = None
     block_length: _int(1) | None = None
     eos_early_stop: Bool | None = None

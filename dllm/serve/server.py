@@ -8,8 +8,9 @@ format, ``prometheus-client``).
 Every request body is checked by the pydantic models of :mod:`dllm.serve.protocol` before anything runs; the
 body is read with a size limit (413), and parsing, checking and tokenising run in worker threads, never on the
 event loop. Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad field
-(named, with the fix), 401 without the ``--api-key`` bearer key, 404 for an unknown model or path, 405, 413,
-429 when the queue is full, 503 when the engine is not running. A client that disconnects (streaming or not)
+(named, with the fix), 401 without the ``--api-key`` bearer key, 404 for an unknown model or path, 405, 408 for a
+body that does not arrive within ``--body-timeout``, 413, 429 when the queue is full, 503 when the engine is not
+running. A client that disconnects (streaming or not, or while sending its body: 499, logged at debug level only)
 frees its rows at the next step. docs/serving.md lists the fields that work and the ones refused.
 """
 
@@ -40,6 +41,7 @@ try:
     from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
     from starlette.background import BackgroundTask
     from starlette.exceptions import HTTPException as StarletteHTTPException
+    from starlette.requests import ClientDisconnect
 except ImportError as exc:  # pragma: no cover - exercised only without the serve extra
     raise ImportError("the server needs FastAPI and uvicorn: pip install 'dllm[serve]'") from exc
 
@@ -49,6 +51,8 @@ MAX_BODY_BYTES = 4 * 1024 * 1024  # default request body limit (413 above it)
 HEALTH_STALL_S = 60.0  # /health is 503 when requests are pending and the loop has not ticked for this long
 INLINE_DECODE = 64  # answers up to this many tokens are detokenised on the event loop, longer ones in a thread
 SHUTDOWN_TIMEOUT_S = 60  # on SIGTERM, connections still open after this long are closed
+BODY_TIMEOUT_S = 30.0  # a request body must arrive within this long (408 after it)
+LIMIT_CONCURRENCY = 512  # open connections (and tasks) before uvicorn answers 503: what slow clients can hold
 _KINDS = {401: "authentication_error", 403: "permission_error", 404: "invalid_request_error",
           429: "rate_limit_error", 503: "server_error"}
 
@@ -153,7 +157,7 @@ class _Text:
             if n < len(self.ids):  # EOS reached: nothing more will come
                 final = True
             else:
-                hold = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+                hold = max((_overlap(text, s) for s in self.stops), default=0)
                 safe = text[: len(text) - hold]
                 safe = safe.rstrip("\ufffd")  # an incomplete multi-byte character
         piece = ""
@@ -187,6 +191,18 @@ class _Text:
         return lo
 
 
+def _overlap(text: str, stop: str) -> int:
+    """Length of the longest end of ``text`` that is the start of ``stop`` (shorter than ``stop``): the tail that
+    may still grow into it. Only the ends starting with ``stop``'s first character are tried, and none longer than
+    the text, so the work is bounded by the text held, not by the stop string's square."""
+    i = text.find(stop[0], max(0, len(text) - len(stop) + 1))
+    while i >= 0:
+        if stop.startswith(text[i:]):
+            return len(text) - i
+        i = text.find(stop[0], i + 1)
+    return 0
+
+
 def _json_logprob(lp: float) -> float | None:
     """A log-probability for JSON: -inf (a token whose logit is -inf) is -9999.0 (OpenAI's floor), NaN (no step
     committed the position; never an answer token) is null."""
@@ -196,9 +212,13 @@ def _json_logprob(lp: float) -> float | None:
 
 
 def create_app(engine: Engine, model_name: str = "dllm", api_key: str | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES, health_stall_s: float = HEALTH_STALL_S) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, health_stall_s: float = HEALTH_STALL_S,
+               body_timeout_s: float = BODY_TIMEOUT_S) -> FastAPI:
+    """The FastAPI app over a started (or later started) ``engine``. ``body_timeout_s``: the time a request's body
+    may take to arrive (408 after it)."""
     if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
         raise ValueError(f"max_body_bytes={max_body_bytes!r} must be a positive integer")
+    check_body_timeout(body_timeout_s)
     app = FastAPI(title="dllm", version="1")
     tokenizer = getattr(engine.model, "tokenizer", None)
 
@@ -326,18 +346,34 @@ def create_app(engine: Engine, model_name: str = "dllm", api_key: str | None = N
         return req, handles, rid
 
     async def _read(request: Request) -> bytes | Response:
+        """The body, read within ``body_timeout_s`` (a client that sends it slowly, or never, gets 408 and its
+        connection closed instead of holding it) and ``max_body_bytes`` (413); a client that hangs up while sending
+        it gets 499 (nobody reads it; not a server error)."""
         length = request.headers.get("content-length")
         too_big = (f"the body is larger than the server's limit of {max_body_bytes} bytes (--max-body-bytes); "
                    f"send a shorter prompt")
         if length is not None and length.isdigit() and int(length) > max_body_bytes:
             return _error(413, too_big, code="request_too_large")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_body_bytes:
-                return _error(413, too_big, code="request_too_large")
-            chunks.append(chunk)
-        return b"".join(chunks)
+
+        async def collect() -> bytes | Response:
+            chunks, size = [], 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_body_bytes:
+                    return _error(413, too_big, code="request_too_large")
+                chunks.append(chunk)
+            return b"".join(chunks)
+
+        try:  # asyncio.wait_for, not asyncio.timeout: Python 3.10 has no asyncio.timeout
+            return await asyncio.wait_for(collect(), body_timeout_s)
+        except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
+            resp = _error(408, f"the request body did not arrive within {body_timeout_s:g} s (the server's "
+                          f"--body-timeout); send the whole body at once", code="request_timeout")
+            resp.headers["connection"] = "close"  # the rest of the body is never read: the connection cannot go on
+            return resp
+        except ClientDisconnect:
+            log.debug("client disconnected while sending the body of %s", request.url.path)
+            return Response(status_code=499)
 
     def _usage(results: list, texts: list[_Text]) -> dict:
         prompt = results[0].prompt_tokens if results else 0
@@ -529,21 +565,35 @@ def create_app(engine: Engine, model_name: str = "dllm", api_key: str | None = N
 def serve(model, *, host: str = "127.0.0.1", port: int = 8000, model_name: str = "dllm", api_key: str | None = None,
           max_rows: int = 8, max_queue: int = 256, sampler: str | None = None, params: dict | None = None,
           log_level: str = "info", max_body_bytes: int = MAX_BODY_BYTES,
-          shutdown_timeout: int = SHUTDOWN_TIMEOUT_S, graphs: str = "auto") -> None:
+          shutdown_timeout: int = SHUTDOWN_TIMEOUT_S, graphs: str = "auto", guides=(),
+          body_timeout: float = BODY_TIMEOUT_S, limit_concurrency: int = LIMIT_CONCURRENCY) -> None:
     """Run the server until SIGINT / SIGTERM (uvicorn stops accepting and finishes the requests in flight, at
     most ``shutdown_timeout`` seconds: a client that never reads its stream cannot hold the shutdown).
     ``sampler`` / ``params``: the default of requests that name no sampler; ``graphs``: CUDA graphs for the cached
-    steps (:class:`Engine`)."""
+    steps; ``guides``: AR guide checkpoints requests may name besides the bundled ones (:class:`Engine`).
+    ``body_timeout``: seconds a request body may take to arrive (408 after it); ``limit_concurrency``: open
+    connections and tasks before uvicorn answers 503 (how much clients that send slowly, or never, can hold)."""
     import uvicorn
 
     check_port(port)
-    engine = Engine(model, max_rows=max_rows, max_queue=max_queue, sampler=sampler, params=params, graphs=graphs)
-    app = create_app(engine, model_name, api_key, max_body_bytes=max_body_bytes)
+    check_body_timeout(body_timeout)
+    if isinstance(limit_concurrency, bool) or not isinstance(limit_concurrency, int) or limit_concurrency < 1:
+        raise ValueError(f"limit_concurrency={limit_concurrency!r} must be a positive integer")
+    engine = Engine(model, max_rows=max_rows, max_queue=max_queue, sampler=sampler, params=params, graphs=graphs,
+                    guides=guides)
+    app = create_app(engine, model_name, api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout)
     engine.start()
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout)
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
+                    limit_concurrency=limit_concurrency)
     finally:
         engine.stop(drain=True, timeout=60)
+
+
+def check_body_timeout(seconds) -> None:
+    """Seconds a request body may take to arrive: a positive, finite number."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
+        raise ValueError(f"body timeout {seconds!r} must be a positive number of seconds (e.g. 30)")
 
 
 def check_port(port) -> None:

@@ -1,0 +1,300 @@
+"""Hostile clients against the real server (the bundled ``llada-tiny`` behind the app on a loopback port): each
+request that could freeze the event loop, allocate without bound, make the server touch the filesystem, hold a
+connection forever or be logged as a server bug is refused quickly, with OpenAI's error shape naming the field;
+and the sampler checks behind them are the library's (``dllm.get_sampler`` raises the same ValueErrors)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import socket
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+
+from serve_helpers import served_llada_tiny  # noqa: E402
+
+import dllm  # noqa: E402
+from dllm.serve import engine as engine_module  # noqa: E402
+from dllm.serve.engine import Engine, RequestError  # noqa: E402
+from dllm.serve.protocol import MAX_STOP_CHARS  # noqa: E402
+from dllm.serve.server import _overlap, _Text  # noqa: E402
+
+PROMPT = "What is 12 + 30?"
+BODY_TIMEOUT = 0.5  # short, so the slow-body test takes a second
+
+
+@pytest.fixture(scope="module")
+def server():
+    with served_llada_tiny(8, body_timeout_s=BODY_TIMEOUT) as served:
+        yield served
+
+
+def _post(url: str, body: dict, chat: bool = False) -> httpx.Response:
+    return httpx.post(f"{url}/v1/{'chat/completions' if chat else 'completions'}",
+                      content=json.dumps(body, allow_nan=True), headers={"content-type": "application/json"},
+                      timeout=60)
+
+
+def _refused(r: httpx.Response, param: str | None, *fragments: str) -> str:
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param, err
+    for f in fragments:
+        assert f in err["message"], err["message"]
+    return err["message"]
+
+
+# ------------------------------------------------------------------------------------------- 1: long stop strings
+def test_a_stop_string_longer_than_the_cap_is_refused(server):
+    _, _, url = server
+    _refused(_post(url, {"prompt": PROMPT, "max_tokens": 8, "stop": ["Q" * (MAX_STOP_CHARS + 1)]}), "stop",
+             f"at most {MAX_STOP_CHARS} characters")
+    r = _post(url, {"prompt": PROMPT, "max_tokens": 8, "stop": ["Q" * MAX_STOP_CHARS]})  # at the cap: served
+    assert r.status_code == 200, r.text
+
+
+class _CountingStr(str):
+    """A stop string that counts the characters its slices and indexing copy (the work of the held-tail check)."""
+
+    copied = 0
+
+    def __getitem__(self, key):
+        out = str.__getitem__(self, key)
+        _CountingStr.copied += len(out)
+        return out
+
+
+def test_the_held_tail_check_is_bounded_by_the_text_not_the_stop_string(server):
+    """Each answer piece checks which tail of the text could still grow into a stop string: the work may not grow
+    with the square of the stop string's length (100,000 characters froze the event loop)."""
+    model, _, _ = server
+    stop = _CountingStr("Q" * 100_000)
+    text = _Text(model.tokenizer, set(), [stop])
+    ids = model.tokenizer.encode(" the answer is forty two", add_special_tokens=False)
+    _CountingStr.copied = 0
+    for i in range(len(ids)):
+        text.feed(ids[i:i + 1])
+    assert _CountingStr.copied < 1000, _CountingStr.copied
+
+
+def test_the_overlap_is_the_longest_text_end_that_starts_the_stop_string():
+    rng = random.Random(0)
+    for _ in range(3000):
+        text = "".join(rng.choice("ab") for _ in range(rng.randrange(0, 9)))
+        stop = "".join(rng.choice("ab") for _ in range(rng.randrange(1, 7)))
+        want = max((k for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
+        assert _overlap(text, stop) == want, (text, stop)
+
+
+# ------------------------------------------------------------------------------------ 2: many (empty) messages
+def test_many_empty_messages_are_refused_before_the_conversation_is_tokenised(server, monkeypatch):
+    model, _, url = server
+    tokenised = []
+    real = engine_module.prepare_prompts
+    monkeypatch.setattr(engine_module, "prepare_prompts", lambda *a, **kw: tokenised.append(1) or real(*a, **kw))
+    n = model.max_seq_len + 1
+    msg = _refused(_post(url, {"messages": [{"role": "user", "content": ""}] * n, "max_tokens": 8}, chat=True),
+                   "messages", f"{n} messages", "send fewer messages")
+    assert "context" in msg
+    # fewer messages than the context, but with max_tokens more than it holds: still refused untokenised
+    _refused(_post(url, {"messages": [{"role": "user", "content": ""}] * 300, "max_tokens": 300}, chat=True),
+             "messages", "at least 300 tokens")
+    assert not tokenised
+    r = _post(url, {"messages": [{"role": "user", "content": ""}] * 3, "max_tokens": 8}, chat=True)
+    assert r.status_code == 200 and tokenised  # a few empty messages are served
+
+
+# --------------------------------------------------------------- 3 + 4: sampler parameters (library and server)
+BAD_PARAMS = [  # (sampler, params, the parameter the error names)
+    ("credit", {"slots": 10**9}, "slots"),
+    ("credit", {"slots": 2**63}, "slots"),
+    ("credit", {"slots": 8.0}, "slots"),  # a float where an integer is meant: refused, not truncated
+    ("credit-localleap", {"slots": 257}, "slots"),
+    ("localleap", {"radius": 2**63}, "radius"),
+    ("elastic", {"window": 2**63}, "window"),
+    ("elastic", {"track_num": 2**63}, "track_num"),
+    ("elastic", {"gamma": float("nan")}, "gamma"),
+    ("dkv", {"refresh_every": 2**63}, "refresh_every"),
+    ("guided", {"chunk": 1e308}, "chunk"),
+    ("guided", {"chunk": 2**63}, "chunk"),
+    ("guided", {"k": 2**63}, "k"),
+    ("guided", {"temperature": float("inf")}, "temperature"),
+    ("prophet", {"early": 1e308}, "early"),
+    ("prophet", {"mid": 1e308}, "mid"),
+    ("prophet", {"late": 1e308}, "late"),
+    ("prophet", {"temperature": float("nan")}, "temperature"),
+    ("klass", {"history": 10**6}, "history"),
+    ("klass", {"block_length": 2**63}, "block_length"),
+    ("ascending", {"steps": 2**63}, "steps"),
+    ("multiblock", {"block_length": 2**63}, "block_length"),
+    ("adablock", {"block_length": 2**63}, "block_length"),
+    ("threshold", {"block_length": 2**63}, "block_length"),
+    ("llada", {"temperature": float("nan")}, "temperature"),
+    ("llada", {"temperature": float("inf")}, "temperature"),
+    ("dream", {"temperature": float("nan")}, "temperature"),
+    ("dream", {"alg_temp": float("inf")}, "alg_temp"),
+    ("dream", {"top_k": 2**63}, "top_k"),
+]
+
+
+@pytest.mark.parametrize(("sampler", "params", "name"), BAD_PARAMS,
+                         ids=[f"{s}-{'-'.join(f'{k}={v}' for k, v in p.items())}" for s, p, _ in BAD_PARAMS])
+def test_the_library_refuses_out_of_range_sampler_parameters(sampler, params, name):
+    with pytest.raises(ValueError, match=rf"\b{name}\b"):
+        dllm.get_sampler(sampler, **params)
+
+
+def test_the_server_answers_400_naming_the_bad_parameter(server):
+    _, engine, url = server
+    for sampler, params, name in BAD_PARAMS:
+        body = {"prompt": PROMPT, "max_tokens": 8, "block_length": 8, "sampler": sampler, "params": params}
+        _refused(_post(url, body), "params", name)
+    assert engine.stats()["engine_errors"] == 0 and engine.stats()["requests"]["error"] == 0
+
+
+def test_non_finite_numbers_anywhere_in_params_are_refused(server):
+    _, _, url = server
+    for params in ({"temperature": float("nan")}, {"tau": float("-inf")}, {"span": [0, float("inf")]}):
+        _refused(_post(url, {"prompt": PROMPT, "max_tokens": 8, "params": params}), "params", "must be finite")
+
+
+def test_cache_block_on_a_model_without_blocks_is_refused_at_submit(server):
+    model, engine, url = server
+    _refused(_post(url, {"prompt": PROMPT, "max_tokens": 8, "cache": "block"}), "cache",
+             "cache 'block'", "block-diffusion")
+    with pytest.raises(RequestError, match="cache 'block'") as exc:
+        Engine(model).submit(PROMPT, gen_length=8, cache="block")
+    assert exc.value.param == "cache"
+    assert engine.stats()["engine_errors"] == 0 and engine.stats()["requests"]["error"] == 0
+
+
+# ------------------------------------------------------------------------------------------ 5: slow request bodies
+def _half_body(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)), timeout=10)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: 100\r\n\r\n{\"prompt\":")
+    return s
+
+
+def test_a_body_that_does_not_arrive_in_time_gets_408_and_the_connection_is_closed(server):
+    _, _, url = server
+    s = _half_body(url)
+    t0 = time.monotonic()
+    data = b""
+    while chunk := s.recv(4096):  # until the server closes the connection
+        data += chunk
+    s.close()
+    assert BODY_TIMEOUT <= time.monotonic() - t0 < BODY_TIMEOUT + 5
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408")
+    err = json.loads(body)["error"]
+    assert err["code"] == "request_timeout" and "--body-timeout" in err["message"]
+
+
+def test_serve_passes_the_body_timeout_and_a_connection_limit(monkeypatch):
+    from dllm.serve import server as server_module
+
+    seen = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(kw))
+    model = dllm.load_model("llada-tiny", dtype="float32")
+    server_module.serve(model, port=8123)
+    assert seen["limit_concurrency"] == server_module.LIMIT_CONCURRENCY
+    server_module.serve(model, port=8123, limit_concurrency=7, body_timeout=2.5)
+    assert seen["limit_concurrency"] == 7
+    for bad in ({"limit_concurrency": 0}, {"body_timeout": 0}, {"body_timeout": float("inf")}):
+        with pytest.raises(ValueError):
+            server_module.serve(model, port=8123, **bad)
+
+
+def test_the_serve_command_takes_the_new_limits(monkeypatch):
+    from dllm.cli import main
+    from dllm.serve import server as server_module
+
+    seen = []
+    monkeypatch.setattr(server_module, "serve", lambda model, **kw: seen.append(kw))
+    assert main(["serve", "--port", "8123"]) == 0
+    assert seen[-1]["body_timeout"] == 30.0 and seen[-1]["limit_concurrency"] == 512 and seen[-1]["guides"] == []
+    assert main(["serve", "--port", "8123", "--body-timeout", "5", "--limit-concurrency", "64"]) == 0
+    assert seen[-1]["body_timeout"] == 5.0 and seen[-1]["limit_concurrency"] == 64
+    with pytest.raises(SystemExit, match="--limit-concurrency must be >= 1"):
+        main(["serve", "--limit-concurrency", "0"])
+    with pytest.raises(SystemExit, match="--body-timeout"):
+        main(["serve", "--body-timeout", "-1"])
+    with pytest.raises(SystemExit, match="--guide"):
+        main(["serve", "--guide", "/no/such/guide"])
+
+
+# ------------------------------------------------------------------------------- 6: hanging up while sending
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+def test_a_client_hanging_up_mid_body_is_not_logged_as_a_server_error(server):
+    _, engine, url = server
+    seen = _Records()
+    loggers = [logging.getLogger(n) for n in ("dllm.serve.server", "uvicorn.error", "uvicorn")]
+    for lg in loggers:
+        lg.addHandler(seen)
+    try:
+        for _ in range(3):
+            s = _half_body(url)
+            time.sleep(0.05)
+            s.close()
+        time.sleep(0.5)
+    finally:
+        for lg in loggers:
+            lg.removeHandler(seen)
+    assert not seen.records, [r.getMessage() for r in seen.records]
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+
+
+# --------------------------------------------------------------------------------------------- 7: guide paths
+def test_a_guide_path_the_operator_did_not_allow_is_refused_without_touching_it(server, monkeypatch, tmp_path):
+    _, _, url = server
+    from dllm.samplers import guided
+
+    loaded = []
+    monkeypatch.setattr(guided, "checked_guide_path", lambda g: loaded.append(g) or (_ for _ in ()).throw(
+        AssertionError("the filesystem was probed")))
+    (tmp_path / "real").mkdir()
+    answers = set()
+    for path in ("/etc", "/no/such/dir", str(tmp_path / "real"), "../ar-tiny"):
+        msg = _refused(_post(url, {"prompt": PROMPT, "max_tokens": 8, "sampler": "guided",
+                                   "params": {"guide": path}}), "params", "allowed guides: ar-tiny")
+        answers.add(msg.replace(repr(path), "GUIDE"))
+    assert len(answers) == 1  # the same answer whether the path exists or not
+    assert "directory" not in answers.pop()
+    assert not loaded
+
+
+def test_the_bundled_guide_and_the_operators_guides_are_served(tmp_path):
+    from dllm.samplers.guided import bundled_guides
+
+    model = dllm.load_model("llada-tiny", dtype="float32")
+    mine = tmp_path / "my-guide"
+    mine.symlink_to(bundled_guides()["ar-tiny"], target_is_directory=True)
+    eng = Engine(model, guides=[str(mine)])
+    for name in ("ar-tiny", "my-guide", str(mine)):  # by bundled name, by directory name, by the path given
+        eng.submit(PROMPT, gen_length=8, sampler="guided", params={"guide": name})
+    with pytest.raises(RequestError, match="allowed guides: ar-tiny, my-guide") as exc:
+        eng.submit(PROMPT, gen_length=8, sampler="guided", params={"guide": str(tmp_path)})
+    assert exc.value.param == "params" and str(mine) not in str(exc.value)  # no operator path is shown
+    eng.run_until_idle()
+    assert eng.stats()["requests"]["error"] == 0
+    with pytest.raises(FileNotFoundError):  # an allowed guide must exist when the engine starts
+        Engine(model, guides=[str(tmp_path / "missing")])
+    # the library API keeps taking a checkpoint directory
+    out = dllm.generate(model, [PROMPT], sampler=dllm.get_sampler("guided", guide=str(mine)), gen_length=8)
+    assert len(out.texts) == 1
