@@ -80,12 +80,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dllm.generate import answer_lengths, prepare_prompts
+from dllm.generate import answer_lengths, check_model, prepare_prompts
 from dllm.models.transformer import default_positions
 from dllm.samplers.base import top_k_logits, top_p_logits
 
 REMASKING = ("low_confidence_dynamic", "low_confidence_static", "sequential")
 STYLES = ("sdar", "llada2", "llada21", "fastdllm2", "fastdllm2_generate")
+
+
+def model_styles(model) -> tuple[str, ...]:
+    """The styles that can decode ``model``: the Fast-dLLM v2 ones for a model with shifted logits (each position
+    read from the row before it), the others for one without. A style of the other kind reads every logit one
+    position off: junk, or an index past the window."""
+    shifted = bool(getattr(model, "shift_logits", False))
+    return tuple(s for s in STYLES if s.startswith("fastdllm2") == shifted)
 
 
 def two_copy_inputs(noisy: torch.Tensor, clean: torch.Tensor, valid: torch.Tensor, block_size: int, P: int,
@@ -608,12 +616,14 @@ def block_diffusion_generate(model, prompts, *, gen_length: int = 128, block_len
             happen alongside mask commits).
         num_to_transfer: ``llada21``: masks committed per forward at least (default 1).
     """
+    check_model(model)
     bs_model = getattr(getattr(model, "config", None), "block_size", None)
     if not bs_model:
         raise ValueError("block_diffusion_generate needs a block-diffusion checkpoint (config block_size, e.g. "
                          "SDAR); decode LLaDA / Dream checkpoints with dllm.generate")
     if style not in STYLES:
         raise ValueError(f"unknown style {style!r}; known: {', '.join(STYLES)}")
+    # the options of another style first (they do not depend on the model), then whether the style fits the model
     edit_options = (editing_threshold, max_post_steps, num_to_transfer)
     if style != "llada21" and any(v is not None for v in edit_options):
         raise ValueError(f"editing_threshold, max_post_steps and num_to_transfer are LLaDA2.1's generate options "
@@ -625,20 +635,26 @@ def block_diffusion_generate(model, prompts, *, gen_length: int = 128, block_len
         raise ValueError(f"minimal_topk is one of LLaDA2's generate options (style='llada2'), not style {style!r}'s: "
                          "drop it" + (" (LLaDA2.1's generate takes it but never uses it)" if style == "llada21" else
                             ", or use style='llada2'"))
+    fd2 = style.startswith("fastdllm2")
+    if not fd2 and (small_block_length is not None or use_block_cache):
+        raise ValueError(f"small_block_length and use_block_cache are Fast-dLLM v2's (style='fastdllm2'), not "
+                         f"style {style!r}'s")
+    fitting = model_styles(model)
+    if style not in fitting:
+        family = getattr(getattr(model, "spec", None), "family", "this")
+        raise ValueError(f"style {style!r} does not fit a {family} checkpoint: the Fast-dLLM v2 styles decode a model "
+                         "with shifted logits (token i predicted from row i - 1), the others one without; this one's "
+                         f"logits are {'' if getattr(model, 'shift_logits', False) else 'not '}shifted: use "
+                         f"style={' or '.join(repr(s) for s in fitting)}")
     B = block_length or bs_model
     if style == "llada21":
         return _llada21_generate(model, prompts, gen_length, B, denoising_steps, remasking, confidence_threshold,
                                  temperature, top_k, top_p, seed, stop_ids, chat_template, eos_early_stop,
-                                 editing_threshold, max_post_steps, num_to_transfer, small_block_length,
-                                 use_block_cache)
-    fd2 = style.startswith("fastdllm2")
+                                 editing_threshold, max_post_steps, num_to_transfer)
     if fd2:
         return _fastdllm2_generate(model, prompts, gen_length, B, small_block_length, use_block_cache,
                                    confidence_threshold, temperature, top_k, top_p, seed, stop_ids, chat_template,
                                    style, denoising_steps, remasking)
-    if small_block_length is not None or use_block_cache:
-        raise ValueError(f"small_block_length and use_block_cache are Fast-dLLM v2's (style='fastdllm2'), not "
-                         f"style {style!r}'s")
     confidence_threshold = 0.85 if confidence_threshold is None else confidence_threshold
     temperature = 1.0 if temperature is None else temperature
     steps = denoising_steps or B
@@ -685,15 +701,12 @@ def _check_llada2_options(eos_early_stop, minimal_topk, gen_length: int) -> int:
 
 def _llada21_generate(model, prompts, gen_length, B, denoising_steps, remasking, threshold, temperature, top_k, top_p,
                       seed, stop_ids, chat_template, eos_early_stop, editing_threshold, max_post_steps,
-                      num_to_transfer, small_block_length, use_block_cache) -> BlockDiffusionOutput:
+                      num_to_transfer) -> BlockDiffusionOutput:
     """Checks and per-row decoding of LLaDA2.1's ``generate`` (:func:`block_diffusion_generate`, ``llada21``)."""
     if denoising_steps is not None or remasking != "low_confidence_dynamic":
         raise ValueError("LLaDA2.1's decoder has no step budget or remasking rule (its generate's steps is never "
                          "used): each block runs until it holds no mask and a forward edits nothing (at most "
                          "max_post_steps mask-free forwards); drop denoising_steps / remasking")
-    if small_block_length is not None or use_block_cache:
-        raise ValueError("small_block_length and use_block_cache are Fast-dLLM v2's (style='fastdllm2'), not "
-                         "LLaDA2.1's")
     threshold = 0.95 if threshold is None else threshold
     editing_threshold = 0.9 if editing_threshold is None else editing_threshold
     max_post_steps = 16 if max_post_steps is None else max_post_steps

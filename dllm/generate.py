@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import numbers
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from dllm.caches.base import CacheState, KVCache
@@ -145,6 +148,68 @@ def default_sampler(model):
     return _default(model)
 
 
+PROMPT_FORMS = ("a string, a chat conversation (a list of {\"role\", \"content\"} messages) or a list of token "
+                "ids")
+
+
+def is_token_id(t) -> bool:
+    """Whether ``t`` is a token id: an integer (Python, numpy, or a 0-d integer tensor), never a bool, a float or a
+    string (``int()`` would turn 10.9, "10" and True into ids silently)."""
+    if isinstance(t, torch.Tensor):
+        return t.dim() == 0 and not t.dtype.is_floating_point and not t.dtype.is_complex and t.dtype != torch.bool
+    return isinstance(t, numbers.Integral) and not isinstance(t, (bool, np.bool_))
+
+
+def is_conversation(obj) -> bool:
+    """Whether ``obj`` is meant as a chat conversation: a non-empty list whose first item is a dict (its messages
+    are checked by :func:`check_conversation`)."""
+    return isinstance(obj, list) and bool(obj) and isinstance(obj[0], dict)
+
+
+def check_conversation(messages, where: str) -> None:
+    """Every message of a conversation is a dict with a string ``role`` and a string ``content`` (what the chat
+    template reads); else ``ValueError`` naming ``where`` and the message."""
+    for j, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            shown = repr(m) if len(repr(m)) <= 60 else repr(m)[:57] + "..."
+            raise ValueError(f'{where}: message {j} ({shown}) needs a string "role" and a string "content", e.g. '
+                             '{"role": "user", "content": "Hello"}')
+
+
+def _token_row(p, i: int) -> list[int]:
+    """Prompt ``i`` given as token ids, checked (see :func:`is_token_id`)."""
+    if is_token_id(p):
+        raise ValueError(f"prompt {i} is the token id {p!r}, not a prompt: prompts is a list of prompts; wrap a "
+                         "single prompt's ids in a list: [[1, 2, 3]]")
+    if p is None or isinstance(p, (dict, numbers.Number)) or not isinstance(p, (Sequence, torch.Tensor, np.ndarray)):
+        raise ValueError(f"prompt {i} is {p!r} ({type(p).__name__}); each prompt must be {PROMPT_FORMS}")
+    ids = list(p)
+    for j, t in enumerate(ids):
+        if not is_token_id(t):
+            hint = " (text goes in as one string prompt, not a list of strings)" if isinstance(t, str) else ""
+            raise ValueError(f"prompt {i}: item {j} is {t!r} ({type(t).__name__}), not a token id; token ids must be "
+                             f"integers (not bools, floats or strings){hint}")
+    return [int(t) for t in ids]
+
+
+def check_prompt_ids(rows: list[list[int]] | dict[int, list[int]], vocab: int | None, mask_id: int | None) -> None:
+    """Token-id prompts (a list, or a dict from each prompt's index to its ids) are non-empty, inside the vocabulary
+    ``vocab`` (``None``: unknown) and free of the mask token ``mask_id`` (``None``: unknown). :func:`prepare_prompts`
+    runs it; the command line, before the model loads, with the vocabulary of config.json."""
+    for i, r in (rows.items() if isinstance(rows, dict) else enumerate(rows)):
+        if len(r) == 0:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        if vocab is not None and not 0 <= min(r) <= max(r) < vocab:
+            bad = next(t for t in r if not 0 <= t < vocab)
+            raise ValueError(f"prompt {i} contains token id {bad}, outside the vocabulary (0..{vocab - 1}); "
+                             "encode prompts with the model's own tokenizer")
+        if mask_id is not None and mask_id in r:
+            raise ValueError(
+                f"prompt {i} contains the mask token (id {mask_id}); masks are appended by generate() - "
+                "remove it from the prompt"
+            )
+
+
 def prepare_prompts(model, prompts, attention_mask=None, chat_template=True) -> list[list[int]]:
     """Normalise any accepted prompt form into a list of token-id lists (validated)."""
     tok = getattr(model, "tokenizer", None)
@@ -157,6 +222,8 @@ def prepare_prompts(model, prompts, attention_mask=None, chat_template=True) -> 
         if prompts.dim() != 2 or prompts.shape[0] == 0:
             raise ValueError(f"a prompts tensor must be a non-empty [B, L] (or [L]) tensor of token ids, got "
                              f"shape {tuple(prompts.shape)}")
+        if prompts.dtype.is_floating_point or prompts.dtype.is_complex or prompts.dtype == torch.bool:
+            raise ValueError(f"a prompts tensor holds token ids: an integer dtype (torch.long), not {prompts.dtype}")
         if attention_mask is None:
             rows = [r.tolist() for r in prompts]
         else:
@@ -164,36 +231,27 @@ def prepare_prompts(model, prompts, attention_mask=None, chat_template=True) -> 
                 raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != prompts shape {tuple(prompts.shape)}")
             rows = [r[m.bool()].tolist() for r, m in zip(prompts, attention_mask)]
     else:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)):
+        if isinstance(prompts, str) or is_conversation(prompts):
             prompts = [prompts]
-        if isinstance(prompts, (bytes, bytearray)) or any(isinstance(p, (bytes, bytearray)) for p in prompts):
+        if isinstance(prompts, (bytes, bytearray)) or (isinstance(prompts, Sequence) and any(
+                isinstance(p, (bytes, bytearray)) for p in prompts)):
             raise ValueError("bytes prompts are not accepted: decode them to str first (b.decode('utf-8')), or pass "
                              "token ids as a list of ints")
         if not isinstance(prompts, Sequence) or len(prompts) == 0:
             raise ValueError("prompts must be a non-empty string, list of strings, list of token-id lists, "
                              "list of chat conversations or a 2-D tensor")
         rows = []
-        for p in prompts:
-            if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], dict)):
+        for i, p in enumerate(prompts):
+            if isinstance(p, str) or is_conversation(p):
+                if not isinstance(p, str):
+                    check_conversation(p, f"prompt {i}")
                 if tok is None:
                     raise ValueError("string prompts need a tokenizer: load the model with dllm.load_model(path) "
                                      "(tokenizer files present) or pass token ids")
                 rows.append(_encode(tok, p, chat_template))
             else:
-                rows.append([int(t) for t in p])
-    vocab = vocab_size(model)
-    for i, r in enumerate(rows):
-        if len(r) == 0:
-            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-        if vocab is not None and not 0 <= min(r) <= max(r) < vocab:
-            bad = next(t for t in r if not 0 <= t < vocab)
-            raise ValueError(f"prompt {i} contains token id {bad}, outside the vocabulary (0..{vocab - 1}); "
-                             "encode prompts with the model's own tokenizer")
-        if model.mask_id in r:
-            raise ValueError(
-                f"prompt {i} contains the mask token (id {model.mask_id}); masks are appended by generate() - "
-                "remove it from the prompt"
-            )
+                rows.append(_token_row(p, i))
+    check_prompt_ids(rows, vocab_size(model), model.mask_id)
     return rows
 
 
@@ -205,6 +263,19 @@ def _encode(tok, p, chat_template: bool) -> list[int]:
     if not isinstance(p, str):
         raise ValueError("chat conversations need a tokenizer with a chat template")
     return tok(p)["input_ids"]
+
+
+def check_model(model) -> None:
+    """``model`` is a loaded model (what :func:`generate` documents), not a name or path: ``TypeError`` pointing
+    to :func:`dllm.load_model` (checked first, so a wrong argument is not reported as a missing attribute deep in
+    the loop)."""
+    if isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"model is {str(model)!r}, a name or path, not a model: load it first, "
+                        f"model = dllm.load_model({str(model)!r}), and pass the model")
+    if not (callable(model) and hasattr(model, "mask_id")):
+        raise TypeError(f"model is a {type(model).__name__}, not a dllm model: pass dllm.load_model(path) (a "
+                        "checkpoint directory or bundled name), or a transformers model wrapped in "
+                        "dllm.models.hf.HFModel")
 
 
 def decoding(fn):
@@ -234,8 +305,9 @@ def generate(
         model: a :class:`dllm.models.Transformer` (from :func:`dllm.load_model`) or a
             :class:`dllm.models.hf.HFModel`.
         prompts: a string or list of strings (chat template applied), chat conversations (lists of
-            ``{"role", "content"}``), ragged lists of token ids, or a ``[B, L]`` tensor with
-            ``attention_mask``.
+            ``{"role", "content"}`` with string values), ragged lists of token ids (integers: Python, numpy or 0-d
+            tensors; not bools, floats or strings; one prompt's ids still go in a list: ``[[1, 2, 3]]``), or a
+            ``[B, L]`` integer tensor with ``attention_mask``.
         config: a :class:`GenerateConfig`; keyword ``overrides`` (``gen_length=...``) build or amend it.
         sampler: a registered name (a preset: a :class:`~dllm.recipes.Recipe` of sampler, block layout and
             cache), a recipe, or a sampler object (default: the model family's baseline).
@@ -254,6 +326,7 @@ def generate(
             batch. Default: the row's prompt token ids plus how many identical prompts come before it in this
             call (the same prompt twice in one call gets two different streams).
     """
+    check_model(model)
     unknown = sorted(set(overrides) - set(GenerateConfig.__dataclass_fields__))
     if unknown:
         raise TypeError(f"generate() got unknown option(s) {unknown}; GenerateConfig fields: "

@@ -28,20 +28,26 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from dllm.blocks import AlignedBlocks, BlockPolicyBase, FixedBlocks
 from dllm.config import GenerateConfig
 from dllm.samplers.recipe import Recipe, as_recipe, configure
 
-__all__ = ["BlockLayout", "Recipe", "as_recipe", "block_layout", "configure", "default_sampler", "model_block_size",
-           "precheck_layout", "resolve"]
+__all__ = ["BlockLayout", "Recipe", "as_recipe", "baseline_name", "block_layout", "check_cache_fits", "check_flags",
+           "check_sampler", "configure", "default_sampler", "model_block_size", "precheck_layout", "resolve"]
+
+
+def baseline_name(family: str | None) -> str:
+    """The name of a model family's baseline sampler (Dream-format: ``dream``, else ``llada``)."""
+    return "dream" if family == "dream" else "llada"
 
 
 def default_sampler(model):
-    """The model family's baseline sampler (Dream-format: ``dream``, else ``llada``)."""
+    """The model family's baseline sampler (:func:`baseline_name`)."""
     from dllm.samplers import get_sampler
 
-    family = getattr(getattr(model, "spec", None), "family", "llada")
-    return get_sampler("dream" if family == "dream" else "llada")
+    return get_sampler(baseline_name(getattr(getattr(model, "spec", None), "family", "llada")))
 
 
 def model_block_size(model) -> int | None:
@@ -65,6 +71,8 @@ def resolve(model, sampler, cache, block_policy, config: GenerateConfig):
         sampler = get_sampler(sampler)
     if sampler is None:
         sampler = default_sampler(model)
+    check_sampler(sampler)
+    check_flags(config)
     recipe = as_recipe(sampler)
     recipe = dataclasses.replace(recipe, sampler=_Declared.wrap(recipe.sampler, SamplerBase)).bind_model(model)
     recipe = recipe.for_config(config)
@@ -76,7 +84,8 @@ def resolve(model, sampler, cache, block_policy, config: GenerateConfig):
     elif isinstance(cache, tuple):  # (name, params)
         cache = get_cache(cache[0], **dict(cache[1]))
     if getattr(cache, "name", None) == "block" and getattr(cache, "block_size", 0) is None:
-        cache.block_size = block_size  # the exact block cache on the model's grid (ValueError at use without one)
+        check_cache_fits("block", block_size)
+        cache.block_size = block_size  # the exact block cache on the model's grid (checked above: it has one)
     cache = _Declared.wrap(cache, CacheBase) if cache is not None else NoCache()
     if not isinstance(cache, NoCache) and not getattr(model, "supports_cache", False):
         raise ValueError(f"cache {cache.name!r} needs a dllm Transformer; this model supports no caches (use cache=None)")
@@ -84,6 +93,33 @@ def resolve(model, sampler, cache, block_policy, config: GenerateConfig):
     policy = _Declared.wrap(layout.policy, BlockPolicyBase).bind(model)
     layout.validate(policy)
     return recipe.sampler, cache, policy, layout.config
+
+
+def check_sampler(sampler) -> None:
+    """``sampler`` (a name already looked up) is a sampler: a recipe or an object with a ``step(logits, ctx)``
+    method; else ``TypeError`` naming the accepted forms (before anything reads its attributes)."""
+    if not callable(getattr(sampler, "step", None)):
+        raise TypeError(f"sampler={sampler!r} ({type(sampler).__name__}) is not a sampler: pass a registered name "
+                        "(dllm.list_samplers() or `dllm samplers` lists them), dllm.get_sampler(name, **params), or "
+                        "an object with a step(logits, ctx) method")
+
+
+def check_flags(config: GenerateConfig) -> None:
+    """The on/off options of ``config`` are bools: a truthy string ("no") would silently switch them on.
+    (GenerateConfig checks its numbers; ``generate`` and the serving engine both resolve through here.)"""
+    for name in ("eos_early_stop", "chat_template", "record_confidence"):
+        value = getattr(config, name)
+        if not isinstance(value, (bool, np.bool_)):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+def check_cache_fits(cache_name: str | None, block_size: int | None) -> None:
+    """The exact ``block`` cache needs a block-diffusion model (``block_size``): refused here, before decoding (the
+    command line: before the model loads, with the block size of config.json), not at the first forward."""
+    if cache_name == "block" and not block_size:
+        raise ValueError("cache 'block' is the exact cache of block-diffusion checkpoints (config block_size, e.g. "
+                         "SDAR) and this model is not one; use 'prefix', 'dual' or another cache, or leave the cache "
+                         "out (the sampler's own, or none)")
 
 
 @dataclass(frozen=True)

@@ -179,7 +179,8 @@ def test_eval_out_resumes_or_refuses_before_loading(tmp_path, capsys, monkeypatc
     assert "resuming an earlier run with these settings" in capsys.readouterr().err
     with monkeypatch.context() as m:
         m.setattr(dllm.models, "load_model", refuse_loading)
-        refused(capsys, [*EVAL, "--out", str(out), "--steps", "4"], "steps: None there, 4 now", "--overwrite")
+        line = refused(capsys, [*EVAL, "--out", str(out), "--steps", "4"], "steps: None there, 4 now", "--overwrite")
+        assert line.count("steps: None there, 4 now") == 1, line  # one difference, named once
         # the scoring limits, sampler and cache the runner pins are checked here too, not after loading
         refused(capsys, [*EVAL, "--out", str(out), "--timeout", "5"], "timeout: 10.0 there, 5.0 now", "--overwrite")
         refused(capsys, [*EVAL, "--out", str(out), "--memory-mb", "512"], "memory_mb: 1024 there, 512 now")

@@ -208,9 +208,14 @@ def test_the_callers_block_length_sets_the_multi_block_size():
         dllm.generate(m, ["What is 12 + 30?"], gen_length=16, steps=16, sampler="multiblock")
 
 
+def _model_for(style: str):
+    """A random tiny model the style fits (Fast-dLLM v2's styles need its shifted logits; the others SDAR's)."""
+    return gm.fastdllm2_tiny(0) if style.startswith("fastdllm2") else gm.sdar_tiny(0)
+
+
 @pytest.mark.parametrize("style", ["sdar", "llada2", "llada21", "fastdllm2"])
 def test_block_decoders_refuse_a_canvas_longer_than_the_context(style):
-    model = gm.sdar_tiny(0)
+    model = _model_for(style)
     with pytest.raises(ValueError, match=r"more than the model's context of 512"):
         block_diffusion_generate(model, ["Copy: [a, b]"], gen_length=600, style=style,
                                  **({"temperature": 0.0} if style == "llada2" else {}))
@@ -224,7 +229,7 @@ def test_block_decoders_refuse_a_canvas_longer_than_the_context(style):
 def test_block_decoders_check_sampling_arguments(style, bad, match):
     kw = {"temperature": 0.0} if style == "llada2" else {}
     with pytest.raises(ValueError, match=match):
-        block_diffusion_generate(gm.sdar_tiny(0), ["Copy: [a, b]"], gen_length=8, style=style, **{**kw, **bad})
+        block_diffusion_generate(_model_for(style), ["Copy: [a, b]"], gen_length=8, style=style, **{**kw, **bad})
 
 
 def test_generate_never_overwrites_a_committed_token_on_sdar():

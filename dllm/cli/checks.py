@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 PICTURE_TYPES = (".png", ".gif", ".html", ".htm")
@@ -120,11 +121,63 @@ def dtype_name(name: str | None) -> None:
         raise ValueError(f"--dtype: {exc}") from None
 
 
-def model_dir(name: str | None) -> int | None:
-    """``--model`` is a bundled name or a checkpoint directory with a readable config.json that the loader accepts
-    (its checks of config.json, which read no weights); returns the model's block size (block-diffusion
-    checkpoints; ``None`` for others)."""
-    from dllm.assets import model_path
-    from dllm.models.loading import checkpoint_block_size
+@dataclass(frozen=True)
+class ModelFacts:
+    """What config.json tells about a checkpoint before any weight is read (:func:`model_dir`)."""
 
-    return checkpoint_block_size(Path(model_path(name)))
+    family: str
+    block_size: int | None  # block-diffusion checkpoints; None for LLaDA and Dream
+    vocab_size: int
+    context: int  # the longest prompt + generation the model takes (``Transformer.max_seq_len``)
+    mask_id: int | None  # config.json's mask_token_id (None: the loader takes the tokenizer's)
+
+
+def model_dir(name: str | None) -> ModelFacts:
+    """``--model`` is a bundled name or a checkpoint directory with a readable config.json that the loader accepts
+    (its checks of config.json, which read no weights); returns what the options are checked against. The model is
+    built on the meta device (no memory, no weights), so its context and vocabulary are the loaded model's own."""
+    import torch
+
+    from dllm.assets import model_path
+    from dllm.models.loading import read_config
+    from dllm.models.spec import spec_for_model_type
+    from dllm.models.transformer import Transformer
+    from dllm.samplers.guided import bundled_guides
+
+    path = Path(model_path(name))
+    if name in bundled_guides() and not path.is_dir():
+        raise ValueError(f"--model {name}: {name} is the bundled AR guide (a causal LM), not a diffusion model; pass it "
+                         f"as --guide {name} and keep a diffusion --model (default: llada-tiny)")
+    hf_cfg = read_config(path)
+    spec = spec_for_model_type(hf_cfg.get("model_type"))
+    with torch.device("meta"):
+        model = Transformer(spec.config_from_hf(hf_cfg), spec)
+    mask = hf_cfg.get("mask_token_id")
+    return ModelFacts(spec.family, model.config.block_size, model.config.vocab_size, model.max_seq_len,
+                      mask if type(mask) is int else None)
+
+
+def guide_dir(name: str, shown: str | None = None) -> Path:
+    """``--guide`` is the bundled guide or a causal LM checkpoint directory: a config.json whose ``model_type`` is
+    one of transformers' causal LMs (what ``AutoModelForCausalLM`` loads without remote code), checked before
+    any model loads. ``shown``: how the error names the option (default ``--guide NAME``)."""
+    from dllm.samplers.guided import checked_guide_path
+
+    shown = shown or f"--guide {name}"
+    path = checked_guide_path(name)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{shown}: no config.json there; give a causal LM checkpoint directory "
+                         "(config.json, weights, the model's tokenizer) or the bundled 'ar-tiny'")
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from dllm.models.loading import read_config
+
+    model_type = read_config(path).get("model_type")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        from dllm.models.spec import SPECS
+
+        what = ("a diffusion checkpoint (give it as --model)" if str(model_type).lower() in
+                {s.model_type.lower() for s in SPECS.values()} else "not a causal LM transformers knows")
+        raise ValueError(f"{shown}: its config.json has model_type {model_type!r}, {what}; the guide is an "
+                         "autoregressive (causal) LM with the model's tokenizer, e.g. the bundled 'ar-tiny'")
+    return path

@@ -28,12 +28,17 @@ def parse_params(items: list[str] | None, sampler: str | None = None) -> dict:
     return out
 
 
+# what dllm.recipes.resolve does with no cache from the caller
+CACHE_HELP = ("cache policy name, or 'none' (default: block on block-diffusion checkpoints; else the sampler preset's "
+              "own cache: dual for fast-dllm, elastic for elastic, dkv-decode for dkv; else none)")
+
+
 def add_decode_args(p: argparse.ArgumentParser) -> None:
     """The decoding options every generating command takes (model, sampler, cache, lengths, seed, guide)."""
     p.add_argument("--model", default=None, help="checkpoint directory or bundled name (default: llada-tiny)")
     p.add_argument("--sampler", default=None, help="sampler name (see `dllm samplers`; default: the family baseline)")
     p.add_argument("--param", action="append", metavar="K=V", help="sampler parameter, repeatable")
-    p.add_argument("--cache", default=None, help="cache policy name (default: none)")
+    p.add_argument("--cache", default=None, help=CACHE_HELP)
     p.add_argument("--gen-length", type=int, default=64)
     p.add_argument("--block-length", type=int, default=None)
     p.add_argument("--steps", type=int, default=None, help="decoding steps (default: gen-length)")
@@ -57,29 +62,45 @@ def load_model_arg(args):
     return load_model(model_path(args.model), dtype=args.dtype, device=args.device)
 
 
-def check_decode_args(args):
-    """Every decoding option checked without loading the model (the checkpoint's config.json, ``--dtype``,
-    ``--cache``, the lengths, the sampler and its ``--param`` names and values, and the block layout
-    :func:`dllm.recipes.resolve` would pick for the checkpoint's block size, see
-    :func:`dllm.recipes.precheck_layout`); returns :func:`decode_setup`'s pair. Commands call it before
-    :func:`load_model_arg`."""
+def check_decode_args(args, prompts=None):
+    """Every decoding option checked without loading the model, against the checkpoint's config.json
+    (:func:`dllm.cli.checks.model_dir`): ``--dtype``, ``--cache`` (``block`` needs a block-diffusion checkpoint),
+    ``--gen-length`` (the model's context), ``--guide`` (a causal LM), the sampler and its ``--param`` names and
+    values, and the block layout :func:`dllm.recipes.resolve` would pick for the checkpoint's block size (see
+    :func:`dllm.recipes.precheck_layout`); with ``prompts`` (strings, conversations, token-id lists), the token-id
+    prompts too (inside the vocabulary, no mask token, fitting the context with ``--gen-length``). Returns
+    :func:`decode_setup`'s pair. Commands call it before :func:`load_model_arg`."""
     from dllm.cli import checks
-    from dllm.recipes import precheck_layout
+    from dllm.recipes import check_cache_fits, precheck_layout
 
     checks.dtype_name(args.dtype)
     checks.cache_name(args.cache)
-    block_size = checks.model_dir(args.model)
+    facts = checks.model_dir(args.model)
+    check_cache_fits(args.cache, facts.block_size)
     guide = getattr(args, "guide", None)
     if guide is not None:
-        from dllm.samplers.guided import checked_guide_path
-
-        path = checked_guide_path(guide)
-        if not (path / "config.json").is_file():
-            raise ValueError(f"--guide {guide}: no config.json there; give a causal LM checkpoint directory "
-                             "(config.json, weights, the model's tokenizer) or the bundled 'ar-tiny'")
+        checks.guide_dir(guide)
     config, sampler = decode_setup(args)
-    precheck_layout(sampler, block_size, config)
+    if guide is None and isinstance(getattr(sampler, "guide", None), str):  # --sampler guided --param guide=DIR
+        checks.guide_dir(sampler.guide, f"--param guide={sampler.guide}")
+    ids = _token_id_prompts(prompts or [], facts)
+    longest = max((len(r) for r in ids), default=1)  # a text prompt's length is known once tokenized: 1 at least
+    if longest + config.gen_length > facts.context:
+        shown = f"the longest token-id prompt has {longest} tokens" if ids else "a prompt takes at least 1 token"
+        raise ValueError(f"--gen-length {config.gen_length} does not fit the model's context of {facts.context} "
+                         f"tokens (config.json; {shown}): use --gen-length {facts.context - longest} or less")
+    precheck_layout(sampler, facts.block_size, config)
     return config, sampler
+
+
+def _token_id_prompts(prompts: list, facts) -> list[list[int]]:
+    """The prompts given as token ids, checked as :func:`dllm.generate` checks them, with config.json's vocabulary
+    and mask id (strings and conversations are checked once the tokenizer has encoded them)."""
+    from dllm.generate import check_prompt_ids, is_conversation
+
+    ids = {i: list(p) for i, p in enumerate(prompts) if not (isinstance(p, str) or is_conversation(p))}
+    check_prompt_ids(ids, facts.vocab_size, facts.mask_id)
+    return list(ids.values())
 
 
 def decode_setup(args):

@@ -14,7 +14,9 @@ from dllm.cli.common import add_decode_args, check_decode_args, load_model_arg
 def _batch_line(line: str, where: str):
     """One ``--batch-file`` line: ``{"prompt": ...}`` (a string, a conversation or token ids); a JSON list of
     ``{"role", "content"}`` messages (a conversation) or of integers (token ids); anything else is plain text
-    (``[INST] ...`` included)."""
+    (``[INST] ...`` included). A conversation's messages are checked as :func:`dllm.generate` checks them."""
+    from dllm.generate import check_conversation, is_conversation
+
     text = line.strip()
     if text.startswith("{"):
         try:
@@ -25,7 +27,9 @@ def _batch_line(line: str, where: str):
         if not isinstance(obj, dict) or "prompt" not in obj:
             raise ValueError(f'{where}: a JSON object line needs a "prompt" key, e.g. {{"prompt": "..."}}')
         prompt = obj["prompt"]
-        if not (isinstance(prompt, str) or _is_messages(prompt) or _is_token_ids(prompt)):
+        if is_conversation(prompt):
+            check_conversation(prompt, where)
+        elif not (isinstance(prompt, str) or _is_token_ids(prompt)):
             raise ValueError(f'{where}: "prompt" must be a string, a list of {{"role", "content"}} messages or a '
                              f"list of token ids, not {json.dumps(prompt)[:60]}")
         return prompt
@@ -34,18 +38,18 @@ def _batch_line(line: str, where: str):
             obj = json.loads(text)
         except json.JSONDecodeError:
             return line
-        if _is_messages(obj) or _is_token_ids(obj):
+        if is_conversation(obj):
+            check_conversation(obj, where)
+            return obj
+        if _is_token_ids(obj):
             return obj
     return line
 
 
-def _is_messages(obj) -> bool:
-    return isinstance(obj, list) and bool(obj) and all(isinstance(m, dict) and {"role", "content"} <= set(m)
-                                                       for m in obj)
-
-
 def _is_token_ids(obj) -> bool:
-    return isinstance(obj, list) and bool(obj) and all(isinstance(t, int) and not isinstance(t, bool) for t in obj)
+    from dllm.generate import is_token_id
+
+    return isinstance(obj, list) and bool(obj) and all(is_token_id(t) for t in obj)
 
 
 def _read_batch_file(path: str) -> list:
@@ -91,7 +95,7 @@ def cmd_generate(args) -> int:
         from dllm.samplers import get_sampler
 
         theirs = get_sampler(args.compare)  # an unknown name is refused before the model loads
-    config, sampler = check_decode_args(args)  # before the model loads
+    config, sampler = check_decode_args(args, prompts)  # before the model loads
     model = load_model_arg(args)
     if args.trace_out:
         import dataclasses

@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from dllm.cli import checks
-from dllm.cli.common import load_model_arg
+from dllm.cli.common import CACHE_HELP, load_model_arg
 
 
 def _pair(text: str) -> tuple[int, int]:
@@ -163,7 +163,8 @@ def cmd_run(args) -> int:
 
     from dllm.assets import model_path
     from dllm.evals.parallelbench.report import write_report
-    from dllm.evals.parallelbench.sweep import check_run_file, parse_methods, run_sweep, sweep_pinned
+    from dllm.evals.parallelbench.sweep import check_run_file, check_settings, parse_methods, run_sweep, sweep_pinned
+    from dllm.recipes import check_cache_fits
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError("parallelbench run is single-process: every process would run the whole sweep; start it "
@@ -175,7 +176,8 @@ def cmd_run(args) -> int:
     checks.positive(args.gen_length, "--gen-length")
     checks.cache_name(args.cache)
     checks.dtype_name(args.dtype)
-    checks.model_dir(args.model)
+    facts = checks.model_dir(args.model)
+    check_cache_fits(args.cache, facts.block_size)
     if args.data_dir is not None:
         checks.input_dir(args.data_dir, "--data-dir")
     checks.output_dir(args.out, "--out", hint="give a new directory, or the directory of an earlier sweep to "
@@ -184,6 +186,8 @@ def cmd_run(args) -> int:
     model_name = str(Path(model_path(args.model)).resolve())
     data = {"data_dir": args.data_dir, "seed": args.seed, "style": args.style, "index_base": args.index_base,
             "sort_by": args.sort_by, "sudoku_givens": args.sudoku_givens, "text_data": _text_data(args)}
+    # each setting's sampler built for each task's budget: a value it refuses, before the model loads
+    check_settings(settings, facts.family, args.tasks, **data, gen_length=args.gen_length)
     # what the sweep pins in run.json is known here: a sweep it would refuse is refused before the model loads
     check_run_file(args.out, sweep_pinned(model_name, **data, gen_length=args.gen_length, cache=args.cache,
                                           gen_seed=args.gen_seed), args.overwrite)
@@ -231,7 +235,7 @@ def cmd_report(args) -> int:
 
 
 def cmd_show(args) -> int:
-    from dllm.evals.parallelbench.sweep import RUN_FILE, replay_sample
+    from dllm.evals.parallelbench.sweep import RUN_FILE, replay_sample, stored_sample
     from dllm.viz import render
 
     results = checks.input_dir(args.results, "the sweep directory")
@@ -250,6 +254,7 @@ def cmd_show(args) -> int:
             raise ValueError(f"{results / RUN_FILE} is not a sweep's run file; pass --model, or rerun the "
                              "sweep") from None
     checks.model_dir(args.model)
+    stored_sample(args.results, args.id, task=args.task, setting=args.setting)  # an unknown sample, before loading
     model = load_model_arg(args)
     res, line = replay_sample(model, args.results, args.id, task=args.task, setting=args.setting)
     text = res.texts[0] if res.texts else ""
@@ -279,7 +284,7 @@ def cmd_tasks(args) -> int:
 
 def add_parser(sub) -> None:
     """Add ``parallelbench`` and its actions to the ``dllm`` sub-command parser."""
-    pb = sub.add_parser("parallelbench", help="ParallelBench-compatible suite: generate | score | run | report | tasks",
+    pb = sub.add_parser("parallelbench", help="ParallelBench-compatible suite: generate | score | run | report | show | tasks",
                         description="ParallelBench-compatible suite (see docs/parallelbench.md).")
     acts = pb.add_subparsers(dest="pb_command", required=True, metavar="ACTION")
 
@@ -305,7 +310,7 @@ def add_parser(sub) -> None:
     r.add_argument("--out", required=True, help="output directory (samples.jsonl, run.json, report.md)")
     r.add_argument("--overwrite", action="store_true",
                    help="discard the results in --out when they were made with other settings (default: refuse)")
-    r.add_argument("--cache", default=None, help="cache policy name (default: none)")
+    r.add_argument("--cache", default=None, help=CACHE_HELP)
     r.add_argument("--data-dir", default=None, help="run on the JSONL files of this directory (ours or the original's)")
     r.add_argument("--n", type=int, default=None, help="samples per task, spread over the file (default: all)")
     r.add_argument("--batch-size", type=int, default=16)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
+DLLM_FAMILIES = ("llada", "dream", "sdar", "llada2", "fastdllm2")  # --family: these and the AR guide, "ar"
 _DLLM_ONLY_TRAIN_OPTIONS = ("loss", "no_curriculum", "curriculum", "task_mix", "tasks", "eval_every", "eval_n",
                             "init_from_ar", "shuffle_targets", "edit_targets", "block_size")
 
@@ -42,7 +43,7 @@ def cmd_train_tiny(args) -> int:
         if given:
             raise SystemExit(f"error: {', '.join(given)} apply to the dLLM families only; the ar guide trains "
                              "on every task with next-token loss (evaluate it with benchmarks/eval_ar_tasks.py). "
-                             "Drop them or use --family llada|dream")
+                             f"Drop them or use a dLLM --family ({', '.join(DLLM_FAMILIES)})")
 
         cfg = ARTrainConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads, mlp_hidden=args.mlp,
                             steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
@@ -78,11 +79,12 @@ def cmd_train_tiny(args) -> int:
 
 
 def add_parser(sub) -> None:
-    t = sub.add_parser("train-tiny", help="train a tiny LLaDA- or Dream-format model on the synthetic tasks")
+    t = sub.add_parser("train-tiny", help="train a tiny LLaDA-, Dream-, SDAR-, LLaDA2-, Fast-dLLM v2- or AR-format "
+                                          "model on the synthetic tasks")
     t.add_argument("--block-size", type=int, default=None,
                    help="block-diffusion families (sdar, llada2, fastdllm2): the block size (default: 4 for sdar, 32 "
                         "for llada2 and fastdllm2)")
-    t.add_argument("--family", choices=["llada", "dream", "sdar", "llada2", "fastdllm2", "ar"], required=True,
+    t.add_argument("--family", choices=[*DLLM_FAMILIES, "ar"], required=True,
                    help="ar: the tiny autoregressive guide for --guide (a transformers LlamaForCausalLM)")
     t.add_argument("--out", required=True)
     t.add_argument("--steps", type=int, default=4000)

@@ -641,12 +641,19 @@ SUDOKU_PROMPTS = {
 }
 
 
+def _check_givens(lo: int, hi: int, least: int) -> None:
+    """``givens=(lo, hi)``: a range of given cells of the 4x4 grid, ``least <= lo <= hi <= 16``."""
+    if lo > hi:
+        raise ValueError(f"sudoku givens {lo},{hi}: LO ({lo}) > HI ({hi}); give LO,HI with LO <= HI, e.g. 4,12")
+    if not least <= lo <= hi <= 16:
+        raise ValueError(f"sudoku givens {lo},{hi}: they must lie in [{least}, 16] (given cells of the 4x4 grid)")
+
+
 def generate_sudoku(n: int, seed: int, *, givens: tuple[int, int] = (4, 12), blank: str = ".",
                     style: str = "short") -> list[Example]:
     """4x4 Sudoku with a unique solution and a number of given cells drawn uniformly from ``givens``."""
     lo, hi = int(givens[0]), int(givens[1])
-    if not 4 <= lo <= hi <= 16:
-        raise ValueError("givens must lie in [4, 16]")
+    _check_givens(lo, hi, 4)
     if len(blank) != 1 or blank in "1234":
         raise ValueError("blank must be one character other than 1-4")
     if style not in SUDOKU_PROMPTS:
@@ -715,8 +722,7 @@ def generate_latin_square(n: int, seed: int, *, givens: tuple[int, int] = (0, 0)
     in the answer (``" "`` here, ``","`` for ParallelBench's CSV).
     """
     lo, hi = int(givens[0]), int(givens[1])
-    if not 0 <= lo <= hi <= 16:
-        raise ValueError("givens must lie in [0, 16]")
+    _check_givens(lo, hi, 0)
     pool = "".join(dict.fromkeys(symbols_pool))
     if len(pool) < GRID_SIZE or not all(c.isdigit() or (c.isalpha() and c.isupper()) for c in pool):
         raise ValueError("symbols_pool needs at least 4 distinct upper-case letters or digits")

@@ -328,6 +328,10 @@ def save_pretrained(model: Transformer, path, *, dtype=None, max_shard_bytes: in
         raise ValueError(f"max_shard_bytes must be a positive number of bytes or a size like '5GB', "
                          f"got {max_shard_bytes!r}")
     path = Path(path)
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)  # what mkdir would run into
+    if existing is not None and not existing.is_dir():
+        raise ValueError(f"save_pretrained: {existing} is a file, not a directory; give a directory path to write "
+                         "the checkpoint in (a new one, or the directory of an earlier save to replace it)")
     path.mkdir(parents=True, exist_ok=True)
     spec = model.spec
     dt = resolve_dtype(dtype) or model.dtype

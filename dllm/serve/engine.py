@@ -49,7 +49,7 @@ from dllm.config import GenerateConfig, check_graphs
 from dllm.generate import Decoder, DecodeState, decode_texts, decoding, prepare_prompts, row_keys
 from dllm.graphs import GraphRunner
 from dllm.ops import moved_rows
-from dllm.recipes import model_block_size, resolve
+from dllm.recipes import check_cache_fits, model_block_size, resolve
 from dllm.samplers import get_sampler
 from dllm.samplers import guided as _guided
 from dllm.samplers.registry import SAMPLERS
@@ -452,10 +452,10 @@ class Engine:
             cache = cache if isinstance(cache, str) else cache[0]
         if cache not in SERVED_CACHES:
             raise RequestError(f"cache {cache!r} is not served; served caches: {', '.join(SERVED_CACHES)}", "cache")
-        if cache == "block" and not model_block_size(self.model):  # else it fails at the request's first forward
-            raise RequestError("cache 'block' is the exact cache of block-diffusion checkpoints (config block_size, "
-                               "e.g. SDAR) and this model is not one; use 'prefix', 'dual' or another cache, or leave "
-                               "cache out", "cache")
+        try:  # else it fails at the request's first forward
+            check_cache_fits(cache, model_block_size(self.model))
+        except ValueError as exc:
+            raise RequestError(str(exc), "cache") from None
         spec = (name, tuple(sorted(params.items())), cache, None if cut is None or own_cut else cut)
         try:  # lengths, block layout and context checked before queueing
             resolve(self.model, recipe, cache, None, config)

@@ -46,8 +46,9 @@ from dllm.evals.io import JsonlStore, content_key, pinned_state, read_lines, rea
 from dllm.evals.runner import generate_batches
 from dllm.generate import answer_lengths
 
-__all__ = ["SAMPLES_FILE", "RUN_FILE", "Setting", "SweepResult", "check_run_file", "load_samples", "parse_method",
-           "parse_methods", "parse_values", "run_sweep", "subset_indices", "sweep_pinned"]
+__all__ = ["SAMPLES_FILE", "RUN_FILE", "Setting", "SweepResult", "check_run_file", "check_settings", "load_samples",
+           "parse_method", "parse_methods", "parse_values", "replay_sample", "run_sweep", "stored_sample",
+           "subset_indices", "sweep_pinned"]
 
 SAMPLES_FILE = "samples.jsonl"
 RUN_FILE = "run.json"
@@ -126,6 +127,12 @@ class Setting:
     def resolve(self, model, gen_length: int, seed: int | None = 0):
         """``(sampler, GenerateConfig)`` for a task with budget ``gen_length``."""
         from dllm.generate import default_sampler
+
+        return self.build(default_sampler(model).name, gen_length, seed)
+
+    def build(self, baseline: str, gen_length: int, seed: int | None = 0):
+        """:meth:`resolve` without the model: ``baseline`` is the model family's baseline sampler (``topk``'s
+        sampler when the spec names none), which :func:`check_settings` reads from config.json."""
         from dllm.samplers import get_sampler
 
         steps = self.steps
@@ -134,14 +141,28 @@ class Setting:
                 raise ValueError(f"{self.label}: gen_length {gen_length} is not a multiple of k={self.k}; "
                                  "top-k decodes exactly k tokens per step (use k dividing the budget)")
             steps = gen_length // self.k
-            sampler = get_sampler(self.base or default_sampler(model).name, **dict(self.params))
+            sampler = get_sampler(self.base or baseline, **dict(self.params))
         else:
-            sampler = get_sampler(self.name, **dict(self.params))
+            try:
+                sampler = get_sampler(self.name, **dict(self.params))
+            except ValueError as exc:  # a value the sampler refuses: name the setting it came from
+                raise ValueError(f"{self.label}: {exc}") from None
         return sampler, GenerateConfig(gen_length=gen_length, block_length=self.block_length, steps=steps, seed=seed)
 
     def describe(self) -> dict:
         return {"method": self.method, "setting": self.label, "sampler": self.base if self.name == "topk" else self.name,
                 "params": dict(self.params), "k": self.k, "block_length": self.block_length, "steps": self.steps}
+
+    @classmethod
+    def from_line(cls, line: dict) -> Setting:
+        """The setting a result line was decoded with (the inverse of :meth:`describe`). Rebuilt from the line's
+        own fields, not by parsing ``line["method"]``: the method is the curve, which leaves out the swept
+        parameters (``threshold`` for the setting ``threshold:tau=0.5``)."""
+        topk = line.get("k") is not None
+        return cls(method=line["method"], label=line["setting"], name="topk" if topk else line["sampler"],
+                   params=tuple((line.get("params") or {}).items()), k=line.get("k"),
+                   base=line["sampler"] if topk else None, block_length=line.get("block_length"),
+                   steps=line.get("steps"))
 
 
 def parse_method(spec: str) -> list[Setting]:
@@ -346,6 +367,27 @@ def _open_run_file(out: Path, pinned: dict, store: JsonlStore, overwrite: bool) 
     return {"pinned": pinned, "tasks": [], "settings": []}
 
 
+def check_settings(settings: Sequence[Setting], family: str, tasks: str | Sequence[str] | None = None, *,
+                   data_dir: str | Path | None = None, seed: int = PB.DEFAULT_SEED, style: str = "full",
+                   index_base: int = 1, sort_by: str = "last", sudoku_givens: tuple[int, int] = (4, 12),
+                   text_data: dict[str, str | Path] | None = None, gen_length: int | None = None) -> None:
+    """Build every setting's sampler and decode configuration for every task's budget, as :func:`run_sweep` does
+    (the same arguments), without a model: a value its sampler refuses (``threshold:tau=2``) or a ``topk`` k that
+    does not divide a budget raises here, before the model loads and before ``--out`` is made. ``family``: the
+    model family (config.json's), whose baseline sampler ``topk`` uses when the spec names none."""
+    from dllm.recipes import baseline_name
+
+    if gen_length is not None:
+        lengths = {gen_length}
+    else:
+        task_data, _ = _resolve_tasks(tasks, data_dir, None, seed, style, index_base, sort_by, sudoku_givens,
+                                      text_data)
+        lengths = {td.max_tokens for td in task_data}
+    for s in settings:
+        for G in sorted(lengths):
+            s.build(baseline_name(family), G)
+
+
 def run_sweep(model, out_dir: str | Path, methods: Sequence[str | Setting] | str, tasks: str | Sequence[str] | None = None,
               *, data_dir: str | Path | None = None, n: int | None = None, seed: int = PB.DEFAULT_SEED,
               style: str = "full", index_base: int = 1, sort_by: str = "last",
@@ -383,6 +425,9 @@ def run_sweep(model, out_dir: str | Path, methods: Sequence[str | Setting] | str
     if style not in PB.STYLES:
         raise ValueError(f"style must be one of {PB.STYLES}, got {style!r}")
     task_data, needs = _resolve_tasks(tasks, data_dir, n, seed, style, index_base, sort_by, sudoku_givens, text_data)
+    # resolve every (setting, task) up front so that a bad spec fails before any work (and before out_dir is made)
+    built = {(s.label, td.name): s.resolve(model, gen_length or td.max_tokens, gen_seed)
+             for s in settings for td in task_data}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     pinned = sweep_pinned(model_name, data_dir=data_dir, seed=seed, style=style, index_base=index_base,
@@ -394,13 +439,11 @@ def run_sweep(model, out_dir: str | Path, methods: Sequence[str | Setting] | str
         pinned["model"] = run_info["pinned"]["model"]
     samples_path = store.path
 
-    # resolve every (setting, task) up front so that a bad spec fails before any work; key every line by its
-    # record, prompt, metric and decode configuration
+    # key every line by its record, prompt, metric and decode configuration
     plan, expected = [], {}
     for s in settings:
         for td in task_data:
-            G = gen_length or td.max_tokens
-            sampler, config = s.resolve(model, G, gen_seed)
+            sampler, config = built[(s.label, td.name)]
             convs = {i: PB.messages_for(td.records[i], td.template) for i in td.indices}
             decode = [s.describe(), asdict(config), repr(sampler), pinned]
             for i in td.indices:
@@ -468,21 +511,20 @@ def run_sweep(model, out_dir: str | Path, methods: Sequence[str | Setting] | str
                        [s.label for s in settings], needs)
 
 
-def replay_sample(model, out_dir: str | Path, index: int, task: str | None = None, setting: str | None = None,
-                  record_confidence: bool = True):
-    """Decode one stored sample of a sweep again, for a picture of its trajectory (``dllm parallelbench show``).
-
-    The result lines keep the record, not the per-step trajectory; the sample is regenerated from its stored
-    record, the sweep's pinned data options (prompt style and template) and its setting's decode configuration
-    (deterministic at temperature 0, and with the sweep's seed otherwise). Returns ``(GenerateOutput, line)``;
-    ``line["prediction"]`` is the stored output, which the regenerated text should equal.
-    """
-    from dllm.generate import generate
-
+def stored_sample(out_dir: str | Path, index: int, task: str | None = None, setting: str | None = None) -> dict:
+    """The result line of the decoded sample ``index`` of a sweep (of ``task`` / ``setting`` where the sweep has
+    several); reads no model, so a command checks it before loading one. A ``task`` or ``setting`` the sweep does
+    not hold is refused with the list of those it holds."""
     out = Path(out_dir)
     store = JsonlStore(out, ident=lambda x: (x["setting"], x["task"], int(x["index"])), name=SAMPLES_FILE)
-    lines = [ln for ln in store.read() if int(ln["index"]) == index and (task is None or ln["task"] == task)
-             and (setting is None or ln["setting"] == setting) and "error" not in ln]
+    decoded = [ln for ln in store.read() if "error" not in ln]
+    for option, value, key in (("task", task, "task"), ("setting", setting, "setting")):
+        known = sorted({ln[key] for ln in decoded})
+        if value is not None and value not in known:
+            raise ValueError(f"no decoded sample of {option} {value!r} in {store.path}; its {option}s: "
+                             f"{', '.join(known) or '(none)'}")
+    lines = [ln for ln in decoded if int(ln["index"]) == index and (task is None or ln["task"] == task)
+             and (setting is None or ln["setting"] == setting)]
     if not lines:
         raise ValueError(f"no decoded sample with index {index}" + (f" of task {task}" if task else "")
                          + (f" and setting {setting}" if setting else "") + f" in {store.path}")
@@ -490,7 +532,23 @@ def replay_sample(model, out_dir: str | Path, index: int, task: str | None = Non
         which = sorted({f"{ln['task']} / {ln['setting']}" for ln in lines})
         raise ValueError(f"index {index} exists for several task / setting pairs; pick one with --task and "
                          f"--setting: {', '.join(which)}")
-    line = lines[0]
+    return lines[0]
+
+
+def replay_sample(model, out_dir: str | Path, index: int, task: str | None = None, setting: str | None = None,
+                  record_confidence: bool = True):
+    """Decode one stored sample of a sweep again, for a picture of its trajectory (``dllm parallelbench show``).
+
+    The result lines keep the record, not the per-step trajectory; the sample (:func:`stored_sample`) is
+    regenerated from its stored record, the sweep's pinned data options (prompt style and template) and its
+    setting's decode configuration (deterministic at temperature 0, and with the sweep's seed otherwise). Returns
+    ``(GenerateOutput, line)``; ``line["prediction"]`` is the stored output, which the regenerated text should
+    equal.
+    """
+    from dllm.generate import generate
+
+    out = Path(out_dir)
+    line = stored_sample(out, index, task, setting)
     pinned = json.loads((out / RUN_FILE).read_text(encoding="utf-8"))["pinned"]
     data = pinned["data"]
     if "data_dir" in data:
@@ -500,7 +558,7 @@ def replay_sample(model, out_dir: str | Path, index: int, task: str | None = Non
         task_data, _ = _resolve_tasks(line["task"], None, None, data["seed"], data["style"], data["index_base"],
                                       data["sort_by"], tuple(data["sudoku_givens"]), data.get("text_data"))
     td = task_data[0]
-    s = next(x for x in parse_method(line["method"]) if x.label == line["setting"])
+    s = Setting.from_line(line)
     sampler, config = s.resolve(model, line["gen_length"], pinned.get("gen_seed", 0))
     config = dataclasses.replace(config, record_confidence=record_confidence)
     res = generate(model, [PB.messages_for(td.records[index], td.template)], config, sampler=sampler,

@@ -84,6 +84,20 @@ def _compared(settings: dict) -> dict:
     return {k: v for k, v in settings.items() if k not in UNPINNED}
 
 
+def _shown(old: dict, new: dict) -> tuple[dict, dict]:
+    """:func:`_compared` of both runs' settings, less the keys that only copy a ``generate_config`` field in both
+    (the command line's ``steps``, ``gen_length``, ...): a difference there is named once, as
+    ``generate_config.steps`` (the samples' keys keep :func:`_compared`, so that earlier results stay valid)."""
+    old, new = _compared(old), _compared(new)
+
+    def mirrors(d: dict, k: str) -> bool:
+        config = d.get("generate_config")
+        return isinstance(config, dict) and k in config and k in d and d[k] == config[k]
+
+    dup = {k for k in set(old) | set(new) if mirrors(old, k) and mirrors(new, k)}
+    return ({k: v for k, v in old.items() if k not in dup}, {k: v for k, v in new.items() if k not in dup})
+
+
 def pinned_settings(task: StandardTask, config: GenerateConfig, *, settings: dict | None = None, sampler=None,
                     cache=None, timeout: float = 10.0, memory_mb: int = 1024) -> dict:
     """What :func:`run_standard_eval` pins in ``run.json``: ``settings`` plus the task, the decode configuration,
@@ -104,8 +118,9 @@ def check_settings(out: str | Path, pinned: dict, overwrite: bool) -> str | None
     except ValueError as exc:
         raise ValueError(f"{exc}; use another --out directory or delete that run.json (the results there can then "
                          "not be checked against it)") from None
-    return pinned_state(None if old is None else _compared(old), _compared(pinned), out, overwrite=overwrite,
-                        what="settings")
+    if old is None:
+        return None
+    return pinned_state(*_shown(old, pinned), out, overwrite=overwrite, what="settings")
 
 
 def _check_settings(out: Path, pinned: dict, overwrite: bool) -> None:
