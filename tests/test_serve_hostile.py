@@ -31,7 +31,7 @@ BODY_TIMEOUT = 0.5  # short, so the slow-body test takes a second
 
 @pytest.fixture(scope="module")
 def server():
-    with served_llada_tiny(8, body_timeout_s=BODY_TIMEOUT) as served:
+    with served_llada_tiny(8, read_timeout_s=BODY_TIMEOUT) as served:
         yield served
 
 
@@ -195,10 +195,10 @@ def test_a_body_that_does_not_arrive_in_time_gets_408_and_the_connection_is_clos
     head, _, body = data.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 408")
     err = json.loads(body)["error"]
-    assert err["code"] == "request_timeout" and "--body-timeout" in err["message"]
+    assert err["code"] == "request_timeout" and "--read-timeout" in err["message"]
 
 
-def test_serve_passes_the_body_timeout_and_a_connection_limit(monkeypatch):
+def test_serve_passes_the_read_timeout_and_a_connection_limit(monkeypatch):
     from dllm.serve import server as server_module
 
     seen = {}
@@ -206,9 +206,10 @@ def test_serve_passes_the_body_timeout_and_a_connection_limit(monkeypatch):
     model = dllm.load_model("llada-tiny", dtype="float32")
     server_module.serve(model, port=8123)
     assert seen["limit_concurrency"] == server_module.LIMIT_CONCURRENCY
-    server_module.serve(model, port=8123, limit_concurrency=7, body_timeout=2.5)
+    assert seen["http"].__name__ == "HeaderDeadline"  # uvicorn's protocol with a deadline for the headers
+    server_module.serve(model, port=8123, limit_concurrency=7, read_timeout=2.5)
     assert seen["limit_concurrency"] == 7
-    for bad in ({"limit_concurrency": 0}, {"body_timeout": 0}, {"body_timeout": float("inf")}):
+    for bad in ({"limit_concurrency": 0}, {"read_timeout": 0}, {"read_timeout": float("inf")}):
         with pytest.raises(ValueError):
             server_module.serve(model, port=8123, **bad)
 
@@ -220,13 +221,13 @@ def test_the_serve_command_takes_the_new_limits(monkeypatch):
     seen = []
     monkeypatch.setattr(server_module, "serve", lambda model, **kw: seen.append(kw))
     assert main(["serve", "--port", "8123"]) == 0
-    assert seen[-1]["body_timeout"] == 30.0 and seen[-1]["limit_concurrency"] == 512 and seen[-1]["guides"] == []
-    assert main(["serve", "--port", "8123", "--body-timeout", "5", "--limit-concurrency", "64"]) == 0
-    assert seen[-1]["body_timeout"] == 5.0 and seen[-1]["limit_concurrency"] == 64
+    assert seen[-1]["read_timeout"] == 30.0 and seen[-1]["limit_concurrency"] == 512 and seen[-1]["guides"] == []
+    assert main(["serve", "--port", "8123", "--read-timeout", "5", "--limit-concurrency", "64"]) == 0
+    assert seen[-1]["read_timeout"] == 5.0 and seen[-1]["limit_concurrency"] == 64
     with pytest.raises(SystemExit, match="--limit-concurrency must be >= 1"):
         main(["serve", "--limit-concurrency", "0"])
-    with pytest.raises(SystemExit, match="--body-timeout"):
-        main(["serve", "--body-timeout", "-1"])
+    with pytest.raises(SystemExit, match="--read-timeout"):
+        main(["serve", "--read-timeout", "-1"])
     with pytest.raises(SystemExit, match="--guide"):
         main(["serve", "--guide", "/no/such/guide"])
 
@@ -298,3 +299,49 @@ def test_the_bundled_guide_and_the_operators_guides_are_served(tmp_path):
     # the library API keeps taking a checkpoint directory
     out = dllm.generate(model, [PROMPT], sampler=dllm.get_sampler("guided", guide=str(mine)), gen_length=8)
     assert len(out.texts) == 1
+
+
+def test_clients_that_stall_in_their_headers_cannot_hold_every_connection_slot():
+    """``dllm serve`` in its own process with 4 connection slots: 4 clients that send half a request line and wait
+    fill them (a fifth client gets uvicorn's 503), and after ``--read-timeout`` their connections are closed and the
+    server answers again; a keep-alive client that sent a whole request is not cut while it is answered."""
+    import os
+    import subprocess
+    import sys
+
+    import httpx
+    from serve_helpers import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "dllm.cli", "serve", "--model", "llada-tiny", "--port", str(port),
+                             "--limit-concurrency", "4", "--read-timeout", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    url = f"http://127.0.0.1:{port}"
+    stalled = []
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        with httpx.Client(timeout=30) as keep:  # one connection, two requests: the deadline restarts per response
+            assert keep.get(f"{url}/health").status_code == 200
+            time.sleep(1.0)
+            assert keep.get(f"{url}/health").status_code == 200
+        for _ in range(4):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+            stalled.append(s)
+        time.sleep(0.3)
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 503  # every slot held
+        for s in stalled:
+            s.settimeout(10)
+            assert s.recv(100) == b""  # closed by the server at the deadline, unanswered
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+    finally:
+        for s in stalled:
+            s.close()
+        proc.kill()
+        proc.wait(10)

@@ -7,7 +7,7 @@ from dllm.cli.common import load_model_arg, parse_params
 
 def cmd_serve(args) -> int:
     from dllm.serve.engine import RequestError
-    from dllm.serve.server import check_body_timeout, check_port, serve
+    from dllm.serve.server import check_port, check_read_timeout, serve
 
     params = parse_params(args.param, args.sampler)
     if params and not args.sampler:
@@ -29,9 +29,9 @@ def cmd_serve(args) -> int:
         if getattr(args, name) < 1:
             raise SystemExit(f"error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     try:
-        check_body_timeout(args.body_timeout)
+        check_read_timeout(args.read_timeout)
     except ValueError as exc:
-        raise SystemExit(f"error: --body-timeout: {exc}") from None
+        raise SystemExit(f"error: --read-timeout: {exc}") from None
     guides = list(args.guide or [])
     if guides:  # before the model loads: each allowed guide must be a checkpoint directory
         from dllm.samplers.guided import checked_guide_path
@@ -46,7 +46,7 @@ def cmd_serve(args) -> int:
         serve(model, host=args.host, port=args.port, model_name=args.served_name or args.model or "llada-tiny",
               api_key=args.api_key, max_rows=args.max_rows, max_queue=args.max_queue, sampler=args.sampler,
               params=params, max_body_bytes=args.max_body_bytes, graphs=args.graphs, guides=guides,
-              body_timeout=args.body_timeout, limit_concurrency=args.limit_concurrency)
+              read_timeout=args.read_timeout, limit_concurrency=args.limit_concurrency)
     except RequestError as exc:
         raise SystemExit(f"error: {exc}") from None
     return 0
@@ -68,8 +68,9 @@ def add_parser(sub) -> None:
     s.add_argument("--max-queue", type=int, default=256, help="requests waiting or running before 429 (default 256)")
     s.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
                    help="largest request body in bytes; larger ones get 413 (default 4 MiB)")
-    s.add_argument("--body-timeout", type=float, default=30.0,
-                   help="seconds a request body may take to arrive; slower ones get 408 (default 30)")
+    s.add_argument("--read-timeout", type=float, default=30.0,
+                   help="seconds a request's headers may take to arrive on a connection (else it is closed), then its "
+                        "body (else 408) (default 30)")
     s.add_argument("--limit-concurrency", type=int, default=512,
                    help="open connections and requests before new ones get 503 (default 512): what clients that "
                         "send slowly, or never, can hold")

@@ -9,7 +9,7 @@ Every request body is checked by the pydantic models of :mod:`dllm.serve.protoco
 body is read with a size limit (413), and parsing, checking and tokenising run in worker threads, never on the
 event loop. Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad field
 (named, with the fix), 401 without the ``--api-key`` bearer key, 404 for an unknown model or path, 405, 408 for a
-body that does not arrive within ``--body-timeout``, 413, 429 when the queue is full, 503 when the engine is not
+body that does not arrive within ``--read-timeout``, 413, 429 when the queue is full, 503 when the engine is not
 running. A client that disconnects (streaming or not, or while sending its body: 499, logged at debug level only)
 frees its rows at the next step. docs/serving.md lists the fields that work and the ones refused.
 """
@@ -51,7 +51,7 @@ MAX_BODY_BYTES = 4 * 1024 * 1024  # default request body limit (413 above it)
 HEALTH_STALL_S = 60.0  # /health is 503 when requests are pending and the loop has not ticked for this long
 INLINE_DECODE = 64  # answers up to this many tokens are detokenised on the event loop, longer ones in a thread
 SHUTDOWN_TIMEOUT_S = 60  # on SIGTERM, connections still open after this long are closed
-BODY_TIMEOUT_S = 30.0  # a request body must arrive within this long (408 after it)
+READ_TIMEOUT_S = 30.0  # a request's headers, then its body, must arrive within this long (closed / 408 after it)
 LIMIT_CONCURRENCY = 512  # open connections (and tasks) before uvicorn answers 503: what slow clients can hold
 _KINDS = {401: "authentication_error", 403: "permission_error", 404: "invalid_request_error",
           429: "rate_limit_error", 503: "server_error"}
@@ -213,12 +213,12 @@ def _json_logprob(lp: float) -> float | None:
 
 def create_app(engine: Engine, model_name: str = "dllm", api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, health_stall_s: float = HEALTH_STALL_S,
-               body_timeout_s: float = BODY_TIMEOUT_S) -> FastAPI:
-    """The FastAPI app over a started (or later started) ``engine``. ``body_timeout_s``: the time a request's body
+               read_timeout_s: float = READ_TIMEOUT_S) -> FastAPI:
+    """The FastAPI app over a started (or later started) ``engine``. ``read_timeout_s``: the time a request's body
     may take to arrive (408 after it)."""
     if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
         raise ValueError(f"max_body_bytes={max_body_bytes!r} must be a positive integer")
-    check_body_timeout(body_timeout_s)
+    check_read_timeout(read_timeout_s)
     app = FastAPI(title="dllm", version="1")
     tokenizer = getattr(engine.model, "tokenizer", None)
 
@@ -346,7 +346,7 @@ def create_app(engine: Engine, model_name: str = "dllm", api_key: str | None = N
         return req, handles, rid
 
     async def _read(request: Request) -> bytes | Response:
-        """The body, read within ``body_timeout_s`` (a client that sends it slowly, or never, gets 408 and its
+        """The body, read within ``read_timeout_s`` (a client that sends it slowly, or never, gets 408 and its
         connection closed instead of holding it) and ``max_body_bytes`` (413); a client that hangs up while sending
         it gets 499 (nobody reads it; not a server error)."""
         length = request.headers.get("content-length")
@@ -365,10 +365,10 @@ def create_app(engine: Engine, model_name: str = "dllm", api_key: str | None = N
             return b"".join(chunks)
 
         try:  # asyncio.wait_for, not asyncio.timeout: Python 3.10 has no asyncio.timeout
-            return await asyncio.wait_for(collect(), body_timeout_s)
+            return await asyncio.wait_for(collect(), read_timeout_s)
         except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
-            resp = _error(408, f"the request body did not arrive within {body_timeout_s:g} s (the server's "
-                          f"--body-timeout); send the whole body at once", code="request_timeout")
+            resp = _error(408, f"the request body did not arrive within {read_timeout_s:g} s (the server's "
+                          f"--read-timeout); send the whole body at once", code="request_timeout")
             resp.headers["connection"] = "close"  # the rest of the body is never read: the connection cannot go on
             return resp
         except ClientDisconnect:
@@ -566,31 +566,78 @@ def serve(model, *, host: str = "127.0.0.1", port: int = 8000, model_name: str =
           max_rows: int = 8, max_queue: int = 256, sampler: str | None = None, params: dict | None = None,
           log_level: str = "info", max_body_bytes: int = MAX_BODY_BYTES,
           shutdown_timeout: int = SHUTDOWN_TIMEOUT_S, graphs: str = "auto", guides=(),
-          body_timeout: float = BODY_TIMEOUT_S, limit_concurrency: int = LIMIT_CONCURRENCY) -> None:
+          read_timeout: float = READ_TIMEOUT_S, limit_concurrency: int = LIMIT_CONCURRENCY) -> None:
     """Run the server until SIGINT / SIGTERM (uvicorn stops accepting and finishes the requests in flight, at
     most ``shutdown_timeout`` seconds: a client that never reads its stream cannot hold the shutdown).
     ``sampler`` / ``params``: the default of requests that name no sampler; ``graphs``: CUDA graphs for the cached
     steps; ``guides``: AR guide checkpoints requests may name besides the bundled ones (:class:`Engine`).
-    ``body_timeout``: seconds a request body may take to arrive (408 after it); ``limit_concurrency``: open
+    ``read_timeout``: seconds a request's headers may take to arrive on a connection (from its opening, or from
+    the previous response on it; the connection is closed after it: :func:`header_deadline`) and then its body
+    (408 after it); ``limit_concurrency``: open
     connections and tasks before uvicorn answers 503 (how much clients that send slowly, or never, can hold)."""
     import uvicorn
 
     check_port(port)
-    check_body_timeout(body_timeout)
+    check_read_timeout(read_timeout)
     if isinstance(limit_concurrency, bool) or not isinstance(limit_concurrency, int) or limit_concurrency < 1:
         raise ValueError(f"limit_concurrency={limit_concurrency!r} must be a positive integer")
     engine = Engine(model, max_rows=max_rows, max_queue=max_queue, sampler=sampler, params=params, graphs=graphs,
                     guides=guides)
-    app = create_app(engine, model_name, api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout)
+    app = create_app(engine, model_name, api_key, max_body_bytes=max_body_bytes, read_timeout_s=read_timeout)
     engine.start()
     try:
         uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
-                    limit_concurrency=limit_concurrency)
+                    limit_concurrency=limit_concurrency, http=header_deadline(read_timeout))
     finally:
         engine.stop(drain=True, timeout=60)
 
 
-def check_body_timeout(seconds) -> None:
+def header_deadline(seconds: float) -> type:
+    """uvicorn's HTTP protocol (httptools where installed, else h11: what its ``"auto"`` picks) with a deadline for a
+    request's headers: a connection on which no request's headers have arrived ``seconds`` after it opened, or after
+    its previous response, is closed. uvicorn has no such limit, and ``limit_concurrency`` counts connections, so
+    without it a few hundred clients that send half a request line and wait hold every slot, and everyone else gets
+    503 for as long as they like. (The body's deadline is the app's, :func:`create_app`; an idle keep-alive
+    connection is closed sooner by uvicorn's own ``timeout_keep_alive``.)"""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    except ImportError:  # pragma: no cover - httptools is optional
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+
+    class HeaderDeadline(base):
+        _header_timer = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm_header_deadline()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm_header_deadline()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm_header_deadline()
+            super().connection_lost(exc)
+
+        def _arm_header_deadline(self) -> None:
+            self._disarm_header_deadline()
+            self._header_timer = self.loop.call_later(seconds, self._header_deadline_passed)
+
+        def _disarm_header_deadline(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _header_deadline_passed(self) -> None:
+            self._header_timer = None
+            if self.cycle is None or self.cycle.response_complete:  # no request's headers since: a stalled client
+                log.debug("closing a connection whose request headers did not arrive within %g s", seconds)
+                self.transport.close()
+
+    return HeaderDeadline
+
+
+def check_read_timeout(seconds) -> None:
     """Seconds a request body may take to arrive: a positive, finite number."""
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
         raise ValueError(f"body timeout {seconds!r} must be a positive number of seconds (e.g. 30)")
