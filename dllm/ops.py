@@ -8,6 +8,22 @@ from contextlib import contextmanager
 
 import torch
 
+#: Upper bound of the integer sampler, block-policy and cache parameters counted in canvas positions, steps or
+#: tokens (block lengths, windows, radii, chunks, top-k): more than any model's context, and small enough that no
+#: index arithmetic on it overflows int64 (a served request's parameters come from the client: ``2**63`` must be
+#: refused, not decoded)
+MAX_INT_PARAM = 1 << 20
+
+
+def check_int(name: str, value, lo: int, hi: int = MAX_INT_PARAM, *, fix: str = "", what: str | None = None) -> None:
+    """Raise a ValueError naming the parameter unless ``value`` is an integer in ``[lo, hi]``: a bool or a float
+    (``4.0``, ``1e308``, NaN) is refused, not truncated. ``what`` describes the values taken (default
+    ``"an integer >= lo"``); the message adds the upper bound and ``fix``."""
+    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool) and lo <= value <= hi
+    if not ok:
+        raise ValueError(f"{name}={value!r} is out of range; it must be {what or f'an integer >= {lo}'} and at most "
+                         f"{hi}{fix}")
+
 
 def check_range(name: str, value, lo, hi, *, lo_open=False, hi_open=False, fix: str = "") -> None:
     """Raise a ValueError naming the parameter, its range and the fix (NaN, non-numbers and bools are refused)."""

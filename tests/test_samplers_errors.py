@@ -64,7 +64,7 @@ BAD = [
     (lambda: get_sampler("prophet", base="nope"), r"unknown sampler 'nope'; known samplers:"),
     (lambda: AdaBlock(delimiter_threshold=1.5), r"delimiter_threshold=1\.5 is out of range; it must lie in \[0, 1\]; the reference uses 0\.3"),
     (lambda: AdaBlock(window=0), r"window=0 is out of range; it must lie in \(0, 1\]"),
-    (lambda: AdaBlock(block_length=0), r"block_length=0 must be a positive integer or None"),
+    (lambda: AdaBlock(block_length=0), r"block_length=0 is out of range; it must be a positive integer or None"),
     (lambda: AdaBlock(delimiters="semicolon"), r"delimiters='semicolon' is not understood; use 'newline', 'newline-exact' or token ids"),
     (lambda: AdaBlock(delimiters=()).bind(random_model("llada")), r"AdaBlock delimiters is empty"),
 ]

@@ -19,13 +19,14 @@ independently (the reference runs batch 1).
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from dllm.blocks.fixed import BlockPolicyBase
+from dllm.blocks.fixed import BlockPolicyBase, check_int
 from dllm.config import GenerateConfig
 from dllm.models.spec import vocab_size
 from dllm.ops import check_range, fast_argmax
@@ -49,17 +50,27 @@ def tokenizer_delimiters(tokenizer, mode: str = "newline") -> tuple[int, ...]:
 
 
 def _parse_delimiters(value):
-    if isinstance(value, str) and value not in DELIMITER_MODES:
+    """``"newline"`` / ``"newline-exact"`` as they are, token ids (a comma-separated text, one integer, a list or
+    tuple) as a tuple of ints, each checked to be a token id (``>= 0``; the vocabulary is checked at ``bind``)."""
+    fix = " (token ids of the model's tokenizer, e.g. delimiters=(198,); or 'newline', 'newline-exact')"
+    if isinstance(value, str):
+        if value in DELIMITER_MODES:
+            return value
         try:
-            return tuple(int(v) for v in value.replace(" ", "").split(",") if v)
+            ids = [int(v) for v in value.replace(" ", "").split(",") if v]
         except ValueError:
             raise ValueError(f"delimiters={value!r} is not understood; use 'newline', 'newline-exact' or token ids "
                              "('198,271' or a tuple)") from None
-    if isinstance(value, (list, tuple)):
-        return tuple(int(v) for v in value)
-    if isinstance(value, int):
-        return (value,)
-    return value
+    elif isinstance(value, (list, tuple)):
+        ids = list(value)
+    elif isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        ids = [value]
+    else:
+        raise ValueError(f"delimiters={value!r} is not understood; use 'newline', 'newline-exact' or token ids "
+                         "('198,271' or a tuple)")
+    for i in ids:
+        check_int("delimiters", i, 0, what="a token id (an integer >= 0)", fix=fix)
+    return tuple(int(i) for i in ids)
 
 
 @dataclass(frozen=True)
@@ -85,9 +96,9 @@ class AdaBlock(BlockPolicyBase):
     name: str = "adablock"
 
     def __post_init__(self):
-        if self.block_length is not None and (not isinstance(self.block_length, int) or self.block_length < 1):
-            raise ValueError(f"block_length={self.block_length!r} must be a positive integer or None (AdaBlock's "
-                             "fallback block size B0; the paper uses 32)")
+        if self.block_length is not None:
+            check_int("block_length", self.block_length, 1, what="a positive integer or None",
+                      fix=" (AdaBlock's fallback block size; the paper uses 32)")
         if self.delimiter_threshold is not None:
             check_range("delimiter_threshold", self.delimiter_threshold, 0, 1,
                         fix="; the reference uses 0.3 (LLaDA) and 0.5 (Dream)")

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dllm.blocks.fixed import BlockPolicyBase
+from dllm.blocks.fixed import BlockPolicyBase, check_int
 from dllm.config import GenerateConfig
 
 
@@ -21,6 +21,11 @@ class AlignedBlocks(BlockPolicyBase):
     block_length: int | None = None
     name: str = "aligned"
     row_offsets = True  # next_region gets each row's offset (the canvas column of its position 0)
+
+    def __post_init__(self):
+        if self.block_length is not None:
+            check_int("block_length", self.block_length, 1, what="a positive integer or None",
+                      fix=" (the model's attention block size; None: its config block_size)")
 
     def bind(self, model) -> AlignedBlocks:
         bl = self.block_length or getattr(getattr(model, "config", None), "block_size", None)

@@ -13,6 +13,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from dllm.config import GenerateConfig
+from dllm.ops import check_int
 
 
 @runtime_checkable
@@ -64,6 +65,13 @@ class FixedBlocks(BlockPolicyBase):
     block_length: int | None = None
     whole: bool = False
     name: str = "fixed"
+
+    def __post_init__(self):
+        if self.block_length is not None:
+            check_int("block_length", self.block_length, 1, what="a positive integer or None",
+                      fix=" (tokens per block; None: GenerateConfig.block_length)")
+        if not isinstance(self.whole, bool):
+            raise ValueError(f"whole={self.whole!r} must be True or False (True: one region over the whole generation)")
 
     def size(self, cfg: GenerateConfig) -> int:
         return cfg.gen_length if self.whole else (self.block_length or cfg.block)

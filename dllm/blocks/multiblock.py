@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dllm.blocks.fixed import BlockPolicyBase
+from dllm.blocks.fixed import BlockPolicyBase, check_int
 from dllm.config import GenerateConfig
 from dllm.ops import check_range
 
@@ -59,8 +59,7 @@ class MultiBlock(BlockPolicyBase):
     name: str = "multiblock"
 
     def __post_init__(self):
-        if type(self.block_length) is not int or self.block_length < 1:
-            raise ValueError(f"block_length={self.block_length!r} must be a positive integer")
+        check_int("block_length", self.block_length, 1, what="a positive integer", fix=" (d3LLM uses 32)")
         check_range("add_threshold", self.add_threshold, 0, 1, lo_open=True,
                     fix="; the share of a block decoded before the next one starts (d3LLM: 0.5)")
         check_range("activate_threshold", self.activate_threshold, 0, 1,

@@ -17,7 +17,14 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from dllm.ops import moved_rows, shape_bucket
+from dllm.ops import check_int, moved_rows, shape_bucket
+
+
+def check_refresh_every(value) -> None:
+    """``refresh_every``: ``None`` (never) or a positive integer (a full forward every that many forwards)."""
+    if value is not None:
+        check_int("refresh_every", value, 1, what="a positive integer or None",
+                  fix=" (forwards between full refreshes, None: never; 1: every step, the no-cache run)")
 
 
 @runtime_checkable
@@ -196,9 +203,8 @@ class KVCache(CacheBase):
     batch_buckets = False
 
     def __init__(self, refresh_every: int | None = None):
-        if refresh_every is not None and (not isinstance(refresh_every, int) or refresh_every < 1):
-            raise ValueError(f"refresh_every={refresh_every!r} must be a positive integer or None (never)")
-        self.refresh_every = refresh_every
+        check_refresh_every(refresh_every)
+        self.refresh_every = None if refresh_every is None else int(refresh_every)
         self.k: list[torch.Tensor | None] = []
         self.v: list[torch.Tensor | None] = []
         self.filled = False

@@ -20,8 +20,8 @@ import math
 import torch
 
 from dllm import kernels
-from dllm.caches.base import KVCache, logit_rows, rows_from_mask
-from dllm.ops import moved_rows
+from dllm.caches.base import KVCache, check_int, logit_rows, rows_from_mask
+from dllm.ops import check_range, moved_rows
 
 
 def _probs(q: torch.Tensor, k: torch.Tensor, key_mask) -> torch.Tensor:
@@ -41,10 +41,8 @@ class ElasticCache(KVCache):
 
     def __init__(self, gamma: float = 0.9, track_num: int = 1, refresh_every: int | None = None):
         super().__init__(refresh_every)
-        if not 0 <= gamma <= 1:
-            raise ValueError(f"gamma={gamma!r} must be in [0, 1] (the reference uses 0.9)")
-        if track_num < 1:
-            raise ValueError(f"track_num={track_num!r} must be >= 1")
+        check_range("gamma", gamma, 0, 1, fix="; the attention-drift threshold (Elastic-Cache uses 0.9)")
+        check_int("track_num", track_num, 1, fix=" (tracked tokens per layer; Elastic-Cache uses 1)")
         self.gamma, self.track_num = float(gamma), int(track_num)
 
     def __repr__(self) -> str:

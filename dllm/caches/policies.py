@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from dllm.caches.base import CacheState, KVCache, logit_rows, read_cols, region_start
-from dllm.ops import moved_rows
+from dllm.caches.base import CacheState, KVCache, check_int, check_refresh_every, logit_rows, read_cols, region_start
+from dllm.ops import check_choice, moved_rows
 
 
 def _cols(state: CacheState) -> torch.Tensor:
@@ -63,13 +63,13 @@ class DKVDecode(KVCache):
     REFRESH = ("block", "global")
 
     def __init__(self, refresh_every: int | None = 8, full_steps: int = 2, refresh: str = "block"):
-        if refresh not in self.REFRESH:
-            raise ValueError(f"unknown dkv-decode refresh {refresh!r}; known: {', '.join(self.REFRESH)}")
+        check_choice("dkv-decode refresh", refresh, self.REFRESH)
+        check_refresh_every(refresh_every)
+        check_int("full_steps", full_steps, 0,
+                  fix=" (full forwards at the start of each block; dKV-Cache-Decode uses 2, 0: none)")
         super().__init__(refresh_every if refresh == "global" else None)
-        if refresh == "block" and refresh_every is not None and (not isinstance(refresh_every, int)
-                                                                   or refresh_every < 1):
-            raise ValueError(f"refresh_every={refresh_every!r} must be a positive integer or None (never)")
-        self.reload, self.full_steps, self.refresh = refresh_every, int(full_steps), refresh
+        self.reload = None if refresh_every is None else int(refresh_every)
+        self.full_steps, self.refresh = int(full_steps), refresh
         self.sparse_logits = refresh == "block"
 
     def __repr__(self) -> str:
@@ -160,8 +160,9 @@ class BlockExact(KVCache):
 
     def __init__(self, block_size: int | None = None):
         super().__init__(None)
-        if block_size is not None and (type(block_size) is not int or block_size < 1):
-            raise ValueError(f"block_size={block_size!r} must be a positive integer (default: the model's)")
+        if block_size is not None:
+            check_int("block_size", block_size, 1, what="a positive integer or None",
+                      fix=" (the model's attention block size; None: the model's, set by generate)")
         self.block_size = block_size
 
     def __repr__(self) -> str:

@@ -25,24 +25,18 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from dllm.ops import check_choice, check_range, fast_argmax, mask_column_excluded, top2_values  # noqa: F401 (re-exported)
+from dllm.ops import (  # noqa: F401 (re-exported)
+    MAX_INT_PARAM,
+    check_choice,
+    check_int,
+    check_range,
+    fast_argmax,
+    mask_column_excluded,
+    top2_values,
+)
 
 NOISE_SCOPES = ("row", "region", "canvas")
-#: Upper bound of the integer sampler parameters counted in canvas positions, steps or tokens (block lengths,
-#: windows, radii, chunks, top-k): more than any model's context, and small enough that no index arithmetic on it
-#: overflows int64 (a served request's parameters come from the client: ``2**63`` must be refused, not decoded)
-MAX_INT_PARAM = 1 << 20
 SOFTMAX_DTYPES = {"float32": torch.float32, "float64": torch.float64, "model": None}
-
-
-def check_int(name: str, value, lo: int, hi: int = MAX_INT_PARAM, *, fix: str = "", what: str | None = None) -> None:
-    """Raise a ValueError naming the parameter unless ``value`` is an integer in ``[lo, hi]``: a bool or a float
-    (``4.0``, ``1e308``, NaN) is refused, not truncated. ``what`` describes the values taken (default
-    ``"an integer >= lo"``); the message adds the upper bound and ``fix``."""
-    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool) and lo <= value <= hi
-    if not ok:
-        raise ValueError(f"{name}={value!r} is out of range; it must be {what or f'an integer >= {lo}'} and at most "
-                         f"{hi}{fix}")
 
 
 def check_temperature(name: str, value, fix: str = " (use 0 for greedy decoding)") -> None:
