@@ -25,11 +25,27 @@ def check_int(name: str, value, lo: int, hi: int = MAX_INT_PARAM, *, fix: str = 
                          f"{hi}{fix}")
 
 
+#: A real-valued parameter given as an integer beyond this is refused: it is not exact as a float, and past 2**63 it
+#: cannot reach a tensor at all (``torch.pow(x, 2**64)`` raises mid-decoding; a served request's JSON can hold it)
+MAX_EXACT_INT = 1 << 53
+
+
+def check_float_size(name: str, value, fix: str = "") -> None:
+    """Raise a ValueError when ``value`` is an integer too large to be a float parameter (:data:`MAX_EXACT_INT`)."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and abs(value) > MAX_EXACT_INT:
+        bits = int(value).bit_length()
+        shown = f"{name}={value!r}" if bits <= 128 else f"{name} (an integer of {bits} bits)"
+        raise ValueError(f"{shown} is too large: a real-valued parameter given as an integer must be at most 2**53 "
+                         f"in size (write it as a float if it is meant){fix}")
+
+
 def check_range(name: str, value, lo, hi, *, lo_open=False, hi_open=False, fix: str = "") -> None:
-    """Raise a ValueError naming the parameter, its range and the fix (NaN, non-numbers and bools are refused)."""
+    """Raise a ValueError naming the parameter, its range and the fix (NaN, non-numbers, bools and integers too
+    large for a float are refused)."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
         raise ValueError(f"{name}={value!r} is not a number; it must be a number in "
                          f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}{fix}")
+    check_float_size(name, value, fix)
     bad = (value is None or value != value or value < lo or value > hi  # value != value: NaN
            or (lo_open and value == lo) or (hi_open and value == hi))
     if bad:

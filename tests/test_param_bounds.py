@@ -164,3 +164,16 @@ def test_errors_come_at_construction_not_at_use():
                                          rf"{MAX_INT_PARAM} \(tracked tokens per layer; Elastic-Cache uses 1\)"):
         ElasticCache(track_num=INF)
     assert math.isclose(ElasticCache(gamma=1).gamma, 1.0) and ElasticCache(gamma=0).gamma == 0.0
+
+
+@pytest.mark.parametrize(("sampler", "param"), [("llada", "temperature"), ("dream", "alg_temp"), ("credit", "alpha"),
+                                                ("factor", "factor"), ("klass", "kl_threshold"),
+                                                ("entropy-threshold", "threshold")])
+def test_real_valued_parameters_refuse_integers_too_large_for_a_float(sampler, param):
+    """A real-valued parameter given as an integer past 2**53 (JSON can hold 2**64: it reached torch.pow
+    mid-decoding and failed there) is refused when the sampler is built, naming the parameter."""
+    from dllm.samplers import get_sampler
+
+    for big in (2**64, 10**30, -(2**60), 10**5000):
+        with pytest.raises(ValueError, match=f"{param}.*too large"):
+            get_sampler(sampler, **{param: big})

@@ -28,6 +28,7 @@ import torch
 from dllm.ops import (  # noqa: F401 (re-exported)
     MAX_INT_PARAM,
     check_choice,
+    check_float_size,
     check_int,
     check_range,
     fast_argmax,
@@ -44,6 +45,7 @@ def check_temperature(name: str, value, fix: str = " (use 0 for greedy decoding)
     garbage silently); a TypeError when it is not a number at all."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number >= 0, got {value!r}{fix}")
+    check_float_size(name, value, fix)
     if not (value == value and 0 <= value < float("inf")):
         raise ValueError(f"{name} must be >= 0 and finite, got {value!r}{fix}")
 

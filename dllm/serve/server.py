@@ -10,7 +10,8 @@ body is read with a size limit (413), and parsing, checking and tokenising run i
 event loop. Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad field
 (named, with the fix), 401 without the ``--api-key`` bearer key, 404 for an unknown model or path, 405, 408 for a
 body that does not arrive within ``--read-timeout``, 413, 429 when the queue is full, 503 when the engine is not
-running. A client that disconnects (streaming or not, or while sending its body: 499, logged at debug level only)
+running (one exception: a connection beyond ``--limit-concurrency`` gets uvicorn's own plain-text 503 before the
+app sees it). A client that disconnects (streaming or not, or while sending its body: 499, logged at debug level only)
 frees its rows at the next step. docs/serving.md lists the fields that work and the ones refused.
 """
 
@@ -573,8 +574,8 @@ def serve(model, *, host: str = "127.0.0.1", port: int = 8000, model_name: str =
     steps; ``guides``: AR guide checkpoints requests may name besides the bundled ones (:class:`Engine`).
     ``read_timeout``: seconds a request's headers may take to arrive on a connection (from its opening, or from
     the previous response on it; the connection is closed after it: :func:`header_deadline`) and then its body
-    (408 after it); ``limit_concurrency``: open
-    connections and tasks before uvicorn answers 503 (how much clients that send slowly, or never, can hold)."""
+    (408 after it); ``limit_concurrency``: the connections (and requests) served at once; one more gets uvicorn's
+    503 (how much clients that send slowly, or never, can hold)."""
     import uvicorn
 
     check_port(port)
@@ -587,7 +588,8 @@ def serve(model, *, host: str = "127.0.0.1", port: int = 8000, model_name: str =
     engine.start()
     try:
         uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
-                    limit_concurrency=limit_concurrency, http=header_deadline(read_timeout))
+                    # uvicorn counts the connection asking among the open ones: N serves N - 1 besides it
+                    limit_concurrency=limit_concurrency + 1, http=header_deadline(read_timeout))
     finally:
         engine.stop(drain=True, timeout=60)
 
