@@ -709,8 +709,11 @@ class Engine:
         dec = Decoder(self.model, sampler, cache, policy, config)
         if dec.graphed:  # the graph path: the K/V buffers sized for a batch bucket, rows move within
             dec.cache.batch_buckets = True
-        dec.max_iters = float("inf")  # rows come and go; each row's own progress is checked in _step_group
         st = dec.start([r.rows for r in reqs], None)
+        # after start, which sets the limit of one batch decoded from start to end (4 * (gen_length + steps) + 8
+        # of the batch's forwards): a served batch lives as long as requests keep joining it, so its forward count
+        # passes any such limit; rows come and go, each row's own progress is checked in _step_group
+        dec.max_iters = float("inf")
         # each row's random stream keyed by (seed, its prompt, its sample index), as generate keys a prompt
         st.row_key = torch.cat([row_keys([r.rows] * (r.sample + 1), None, r.config.seed)[r.sample:]
                                 for r in reqs]).to(st.row_key.device)
