@@ -361,3 +361,12 @@ def test_parallelbench_run_refuses_other_settings_before_loading(tmp_path, capsy
     assert json.loads((out / "run.json").read_text())["pinned"]["gen_seed"] == 0
     assert main(args) == 0  # and the next run resumes it
     assert "[0 samples written, 1 already there" in capsys.readouterr().err
+
+
+def test_generate_guide_options_and_params_must_agree(no_model):
+    """``--guide-mode`` and ``--param mode=...`` (or ``--guide`` and ``--param guide=...``) naming different values
+    are refused before loading; the option used to win silently."""
+    with pytest.raises(SystemExit, match="--guide-mode deterministic and --param mode=topk disagree"):
+        main(["generate", "hi", "--guide-mode", "deterministic", "--param", "mode=topk"])
+    with pytest.raises(SystemExit, match="--guide ar-tiny and --param guide=other disagree"):
+        main(["generate", "hi", "--guide", "ar-tiny", "--param", "guide=other"])

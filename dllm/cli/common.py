@@ -116,6 +116,9 @@ def decode_setup(args):
         if args.sampler not in (None, "guided"):
             raise SystemExit(f"error: --guide/--guide-mode need the guided sampler, not --sampler {args.sampler}")
         args.sampler = "guided"
+        for name, opt, value in (("guide", "--guide", guide), ("mode", "--guide-mode", mode)):
+            if value is not None and name in params and params[name] != value:
+                raise SystemExit(f"error: {opt} {value} and --param {name}={params[name]} disagree; give one of them")
         params = {**params, **({"guide": guide} if guide is not None else {}), **({"mode": mode} if mode else {})}
     try:
         sampler = get_sampler(args.sampler, **params) if args.sampler else None
