@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cli_helpers import refused
 from conftest import EOS, EOT, MASK, VOCAB, ragged_prompts, random_model
 
 from dllm import generate
@@ -363,8 +364,7 @@ def test_cli_generate_with_guide(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["guided"]["ar_forwards"] >= 1 and out["guided"]["dllm_forwards"] == out["nfe"]
     assert 0 <= out["guided"]["acceptance_rate"] <= 1
-    with pytest.raises(SystemExit, match="need the guided sampler"):
-        main(["generate", "--sampler", "llada", "--guide", "ar-tiny", "x"])
+    refused(capsys, ["generate", "--sampler", "llada", "--guide", "ar-tiny", "x"], "need the guided sampler")
 
 
 @pytest.mark.parametrize("compact", [False, True])
@@ -441,11 +441,10 @@ def test_train_tiny_ar_writes_a_transformers_guide(tmp_path):
         assert torch.allclose(a, b, atol=1e-6), n
 
 
-def test_train_tiny_ar_save_every_and_dllm_only_options(tmp_path, monkeypatch):
+def test_train_tiny_ar_save_every_and_dllm_only_options(tmp_path, monkeypatch, capsys):
     """The ar trainer writes its checkpoint every --save-every steps (not only at the end), and the options that
     only the dLLM trainer reads are refused for --family ar instead of being ignored."""
     import dllm.tiny.train_ar as train_ar
-    from dllm.cli import main
 
     saved = []
     real_save = train_ar._save
@@ -463,8 +462,7 @@ def test_train_tiny_ar_save_every_and_dllm_only_options(tmp_path, monkeypatch):
     for extra in (["--eval-every", "5"], ["--task-mix", "adaptive"], ["--no-curriculum"], ["--loss", "mean"],
                   ["--eval-n", "3"], ["--tasks", "waiting_line/copy"], ["--curriculum", "chat"], ["--init-from-ar", "p"],
                   ["--shuffle-targets", "rotation"], ["--edit-targets", "last"]):
-        with pytest.raises(SystemExit, match=extra[0]):
-            main(["train-tiny", "--family", "ar", "--out", str(tmp_path / "x"), "--steps", "1", *extra])
+        refused(capsys, ["train-tiny", "--family", "ar", "--out", str(tmp_path / "x"), "--steps", "1", *extra], extra[0])
     assert not (tmp_path / "x").exists()
 
 

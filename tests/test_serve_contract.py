@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from cli_helpers import refused
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
@@ -289,19 +290,16 @@ def test_the_readme_serving_example_answers_correctly(server):
     assert json.loads(r.json()["choices"][0]["message"]["content"]) == ["Carol Carter", "Brian Baker", "Alice Adams"]
 
 
-def test_serve_checks_its_port_before_loading_the_model(monkeypatch):
+def test_serve_checks_its_port_before_loading_the_model(monkeypatch, capsys):
     import dllm.cli.serve as cli_serve
-    from dllm.cli import main
 
     def no_loading(args):
         raise AssertionError("the model was loaded")
 
     monkeypatch.setattr(cli_serve, "load_model_arg", no_loading)
     for port in ("99999", "0", "-1", "65536"):
-        with pytest.raises(SystemExit, match="--port.*from 1 to 65535"):
-            main(["serve", "--port", port])
-    with pytest.raises(SystemExit, match="--max-body-bytes must be >= 1"):
-        main(["serve", "--max-body-bytes", "0"])
+        refused(capsys, ["serve", "--port", port], pattern="--port.*from 1 to 65535")
+    refused(capsys, ["serve", "--max-body-bytes", "0"], "--max-body-bytes must be >= 1")
 
 
 def test_top_p_is_the_samplers_own_nucleus_cut(server):

@@ -12,6 +12,7 @@ import socket
 import time
 
 import pytest
+from cli_helpers import refused
 
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
@@ -214,7 +215,7 @@ def test_serve_passes_the_read_timeout_and_a_connection_limit(monkeypatch):
             server_module.serve(model, port=8123, **bad)
 
 
-def test_the_serve_command_takes_the_new_limits(monkeypatch):
+def test_the_serve_command_takes_the_new_limits(monkeypatch, capsys):
     from dllm.cli import main
     from dllm.serve import server as server_module
 
@@ -224,12 +225,9 @@ def test_the_serve_command_takes_the_new_limits(monkeypatch):
     assert seen[-1]["read_timeout"] == 30.0 and seen[-1]["limit_concurrency"] == 512 and seen[-1]["guides"] == []
     assert main(["serve", "--port", "8123", "--read-timeout", "5", "--limit-concurrency", "64"]) == 0
     assert seen[-1]["read_timeout"] == 5.0 and seen[-1]["limit_concurrency"] == 64
-    with pytest.raises(SystemExit, match="--limit-concurrency must be >= 1"):
-        main(["serve", "--limit-concurrency", "0"])
-    with pytest.raises(SystemExit, match="--read-timeout"):
-        main(["serve", "--read-timeout", "-1"])
-    with pytest.raises(SystemExit, match="--guide"):
-        main(["serve", "--guide", "/no/such/guide"])
+    refused(capsys, ["serve", "--limit-concurrency", "0"], "--limit-concurrency must be >= 1")
+    refused(capsys, ["serve", "--read-timeout", "-1"], "--read-timeout")
+    refused(capsys, ["serve", "--guide", "/no/such/guide"], "--guide")
 
 
 # ------------------------------------------------------------------------------- 6: hanging up while sending

@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from cli_helpers import refused
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
@@ -231,15 +232,10 @@ def test_sigterm_stops_accepting_and_finishes_the_request_in_flight(tmp_path):
             proc.kill()
 
 
-def test_serve_command_checks_its_default_sampler_before_listening():
-    from dllm.cli import main
-
-    with pytest.raises(SystemExit, match="--param needs --sampler"):
-        main(["serve", "--param", "tau=0.3"])
-    with pytest.raises(SystemExit, match="unknown sampler 'nope'"):
-        main(["serve", "--sampler", "nope"])
-    with pytest.raises(SystemExit, match="no parameter"):
-        main(["serve", "--sampler", "threshold", "--param", "threshold=0.3"])
+def test_serve_command_checks_its_default_sampler_before_listening(capsys):
+    refused(capsys, ["serve", "--param", "tau=0.3"], "--param needs --sampler")
+    refused(capsys, ["serve", "--sampler", "nope"], "unknown sampler 'nope'")
+    refused(capsys, ["serve", "--sampler", "threshold", "--param", "threshold=0.3"], "no parameter")
 
 
 def test_serve_command_passes_its_graph_mode_to_the_engine(monkeypatch):

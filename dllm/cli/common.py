@@ -19,7 +19,7 @@ def parse_params(items: list[str] | None, sampler: str | None = None) -> dict:
     out = {}
     for item in items or []:
         if "=" not in item:
-            raise SystemExit(f"error: --param expects key=value, got {item!r}")
+            raise ValueError(f"--param expects key=value, got {item!r}")
         k, v = (x.strip() for x in item.split("=", 1))
         value = parse_scalar(v)
         if isinstance(defaults.get(k), str) and value is not None:
@@ -114,11 +114,11 @@ def decode_setup(args):
     guide, mode = getattr(args, "guide", None), getattr(args, "guide_mode", None)
     if guide is not None or mode is not None:
         if args.sampler not in (None, "guided"):
-            raise SystemExit(f"error: --guide/--guide-mode need the guided sampler, not --sampler {args.sampler}")
+            raise ValueError(f"--guide/--guide-mode need the guided sampler, not --sampler {args.sampler}")
         args.sampler = "guided"
         for name, opt, value in (("guide", "--guide", guide), ("mode", "--guide-mode", mode)):
             if value is not None and name in params and params[name] != value:
-                raise SystemExit(f"error: {opt} {value} and --param {name}={params[name]} disagree; give one of them")
+                raise ValueError(f"{opt} {value} and --param {name}={params[name]} disagree; give one of them")
         params = {**params, **({"guide": guide} if guide is not None else {}), **({"mode": mode} if mode else {})}
     try:
         sampler = get_sampler(args.sampler, **params) if args.sampler else None
@@ -126,5 +126,5 @@ def decode_setup(args):
         raise ValueError(f"--sampler {args.sampler} --param {' '.join(args.param or [])}: a value of the wrong type "
                          f"({exc}); `dllm samplers` lists each parameter with its default") from None
     if params and sampler is None:
-        raise SystemExit("error: --param needs --sampler")
+        raise ValueError("--param needs --sampler")
     return config, sampler

@@ -172,7 +172,7 @@ def cmd_eval_tasks(args) -> int:
     checks.positive(args.batch_size, "--batch-size", allow_none=False)
     names = T.task_names(args.tasks)
     if not names:
-        raise SystemExit(f"error: no task matches {args.tasks!r}; known tasks: {', '.join(T.task_names())}")
+        raise ValueError(f"no task matches {args.tasks!r}; known tasks: {', '.join(T.task_names())}")
     config, sampler = check_decode_args(args)  # before the model loads
     model = load_model_arg(args)
     bar = tqdm(total=len(names) * args.n, desc="eval", file=sys.stderr)

@@ -83,15 +83,15 @@ def cmd_generate(args) -> int:
         prompts += _read_batch_file(args.batch_file)
     prompts = [_unescape(p) if args.escapes and isinstance(p, str) else p for p in prompts]
     if not prompts:
-        raise SystemExit("error: give a PROMPT or --batch-file")
+        raise ValueError("give a PROMPT or --batch-file")
     if args.trace_out:
         checks.picture_file(args.trace_out, "--trace-out")
     theirs = None
     if args.compare:
         if not args.trace_out:
-            raise SystemExit("error: --compare draws a picture: give --trace-out FILE.png or FILE.html")
+            raise ValueError("--compare draws a picture: give --trace-out FILE.png or FILE.html")
         if Path(args.trace_out).suffix.lower() == ".gif":  # of checks.PICTURE_TYPES, the one a comparison lacks
-            raise SystemExit("error: --compare draws FILE.png or FILE.html (a GIF shows one run)")
+            raise ValueError("--compare draws FILE.png or FILE.html (a GIF shows one run)")
         from dllm.samplers import get_sampler
 
         theirs = get_sampler(args.compare)  # an unknown name is refused before the model loads

@@ -11,7 +11,7 @@ def cmd_serve(args) -> int:
 
     params = parse_params(args.param, args.sampler)
     if params and not args.sampler:
-        raise SystemExit("error: --param needs --sampler")
+        raise ValueError("--param needs --sampler")
     if args.sampler:  # the sampler and its parameters, before the model loads
         from dllm.samplers import get_sampler
 
@@ -19,19 +19,19 @@ def cmd_serve(args) -> int:
             get_sampler(args.sampler, **params)
         except (ValueError, TypeError) as exc:
             msg = str(exc)  # named once: get_sampler's own messages start with the sampler's name
-            raise SystemExit(f"error: {msg}" if msg.startswith(f"{args.sampler}:") else
-                             f"error: --sampler {args.sampler}: {msg}") from None
+            raise ValueError(msg if msg.startswith(f"{args.sampler}:") else
+                             f"--sampler {args.sampler}: {msg}") from None
     try:  # before the model loads
         check_port(args.port)
     except ValueError as exc:
-        raise SystemExit(f"error: --port: {exc}") from None
+        raise ValueError(f"--port: {exc}") from None
     for name in ("max_rows", "max_queue", "max_body_bytes", "limit_concurrency"):
         if getattr(args, name) < 1:
-            raise SystemExit(f"error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     try:
         check_read_timeout(args.read_timeout)
     except ValueError as exc:
-        raise SystemExit(f"error: --read-timeout: {exc}") from None
+        raise ValueError(f"--read-timeout: {exc}") from None
     guides = list(args.guide or [])
     if guides:  # before the model loads: each allowed guide must be a checkpoint directory
         from dllm.samplers.guided import checked_guide_path
@@ -40,7 +40,7 @@ def cmd_serve(args) -> int:
             try:
                 checked_guide_path(g)
             except FileNotFoundError as exc:
-                raise SystemExit(f"error: --guide: {exc}") from None
+                raise ValueError(f"--guide: {exc}") from None
     model = load_model_arg(args)
     try:
         serve(model, host=args.host, port=args.port, model_name=args.served_name or args.model or "llada-tiny",
@@ -48,7 +48,7 @@ def cmd_serve(args) -> int:
               params=params, max_body_bytes=args.max_body_bytes, graphs=args.graphs, guides=guides,
               read_timeout=args.read_timeout, limit_concurrency=args.limit_concurrency)
     except RequestError as exc:
-        raise SystemExit(f"error: {exc}") from None
+        raise ValueError(str(exc)) from None
     return 0
 
 

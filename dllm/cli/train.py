@@ -41,7 +41,7 @@ def cmd_train_tiny(args) -> int:
         given = [f"--{dest.replace('_', '-')}" for dest in _DLLM_ONLY_TRAIN_OPTIONS
                  if getattr(args, dest) != parser.get_default(dest)]
         if given:
-            raise SystemExit(f"error: {', '.join(given)} apply to the dLLM families only; the ar guide trains "
+            raise ValueError(f"{', '.join(given)} apply to the dLLM families only; the ar guide trains "
                              "on every task with next-token loss (evaluate it with benchmarks/eval_ar_tasks.py). "
                              f"Drop them or use a dLLM --family ({', '.join(DLLM_FAMILIES)})")
 
