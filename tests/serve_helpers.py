@@ -51,3 +51,32 @@ def served_llada_tiny(max_queue: int, **app_kw):
             yield model, engine, url
     finally:
         engine.stop(drain=False)
+
+
+@contextlib.contextmanager
+def serve_process(*options: str):
+    """``dllm serve --model llada-tiny OPTIONS`` in its own process on a free loopback port, waited for until
+    ``/health`` answers 200; yields ``(process, base URL)`` and kills the process on exit."""
+    import os
+    import subprocess
+    import sys
+
+    import httpx
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "dllm.cli", "serve", "--model", "llada-tiny", "--port", str(port),
+                             *options], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)

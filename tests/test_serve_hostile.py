@@ -301,29 +301,15 @@ def test_the_bundled_guide_and_the_operators_guides_are_served(tmp_path):
 
 def test_clients_that_stall_in_their_headers_cannot_hold_every_connection_slot():
     """``dllm serve`` in its own process with 4 connection slots: 4 clients that send half a request line and wait
-    fill them (a fifth client gets uvicorn's 503, a fourth connection would have been served), and after ``--read-timeout`` their connections are closed and the
-    server answers again; a keep-alive client that sent a whole request is not cut while it is answered."""
-    import os
-    import subprocess
-    import sys
-
+    fill them (with 3 of them a fourth client is served, with 4 a fifth gets uvicorn's 503), and after
+    ``--read-timeout`` their connections are closed and the server answers again; a keep-alive client that sent a
+    whole request is not cut while it is answered."""
     import httpx
-    from serve_helpers import free_port
+    from serve_helpers import serve_process
 
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "dllm.cli", "serve", "--model", "llada-tiny", "--port", str(port),
-                             "--limit-concurrency", "4", "--read-timeout", "2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    url = f"http://127.0.0.1:{port}"
     stalled = []
-    try:
-        for _ in range(300):
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+    with serve_process("--limit-concurrency", "4", "--read-timeout", "2") as (_, url):
+        port = int(url.rsplit(":", 1)[1])
         with httpx.Client(timeout=30) as keep:  # one connection, two requests: the deadline restarts per response
             assert keep.get(f"{url}/health").status_code == 200
             time.sleep(1.0)
@@ -341,8 +327,5 @@ def test_clients_that_stall_in_their_headers_cannot_hold_every_connection_slot()
             s.settimeout(10)
             assert s.recv(100) == b""  # closed by the server at the deadline, unanswered
         assert httpx.get(f"{url}/health", timeout=5).status_code == 200
-    finally:
-        for s in stalled:
-            s.close()
-        proc.kill()
-        proc.wait(10)
+    for s in stalled:
+        s.close()

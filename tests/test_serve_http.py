@@ -16,7 +16,7 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from serve_helpers import free_port, served_llada_tiny  # noqa: E402
+from serve_helpers import serve_process, served_llada_tiny  # noqa: E402
 
 import dllm  # noqa: E402
 from dllm.generate import prepare_prompts  # noqa: E402
@@ -192,26 +192,13 @@ def test_the_per_step_canvas_is_streamed_on_request(server):
 
 def test_sigterm_stops_accepting_and_finishes_the_request_in_flight(tmp_path):
     """``dllm serve`` in its own process: SIGTERM during a request lets it finish, then the process ends."""
-    import os
     import signal
-    import subprocess
-    import sys
 
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "dllm.cli", "serve", "--model", "llada-tiny", "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        for _ in range(300):
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+    with serve_process() as (proc, url):
         result = {}
 
         def request():
-            r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60, json={
+            r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
                 "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 400, "sampler": "llada",
                 "block_length": 8})
             result["status"], result["body"] = r.status_code, r.json()
@@ -219,7 +206,7 @@ def test_sigterm_stops_accepting_and_finishes_the_request_in_flight(tmp_path):
         th = threading.Thread(target=request)
         th.start()
         for _ in range(100):  # the request is running
-            if "dllm_rows_running 1.0" in httpx.get(f"http://127.0.0.1:{port}/metrics").text:
+            if "dllm_rows_running 1.0" in httpx.get(f"{url}/metrics").text:
                 break
             time.sleep(0.02)
         proc.send_signal(signal.SIGTERM)
@@ -227,9 +214,6 @@ def test_sigterm_stops_accepting_and_finishes_the_request_in_flight(tmp_path):
         assert result["status"] == 200 and result["body"]["choices"][0]["finish_reason"] in ("stop", "length")
         assert result["body"]["usage"]["nfe"] > 0
         assert proc.wait(60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has shut down
-    finally:
-        if proc.poll() is None:
-            proc.kill()
 
 
 def test_serve_command_checks_its_default_sampler_before_listening(capsys):
