@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from dllm.blocks.fixed import BlockPolicyBase, check_int
+from dllm.blocks.fixed import BlockPolicyBase
 from dllm.config import GenerateConfig
 from dllm.models.spec import vocab_size
-from dllm.ops import check_range, fast_argmax
+from dllm.ops import check_int, check_range, fast_argmax
 
 DELIMITER_MODES = ("newline", "newline-exact")
 FAMILY_THRESHOLDS = {"llada": 0.3, "dream": 0.5}

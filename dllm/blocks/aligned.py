@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dllm.blocks.fixed import BlockPolicyBase, check_int
+from dllm.blocks.fixed import BlockPolicyBase
 from dllm.config import GenerateConfig
+from dllm.ops import check_int
 
 
 @dataclass(frozen=True)

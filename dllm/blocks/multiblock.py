@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dllm.blocks.fixed import BlockPolicyBase, check_int
+from dllm.blocks.fixed import BlockPolicyBase
 from dllm.config import GenerateConfig
-from dllm.ops import check_range
+from dllm.ops import check_int, check_range
 
 
 def block_states(masked: torch.Tensor, start: torch.Tensor, block: int, add_threshold: float,

@@ -20,8 +20,8 @@ import math
 import torch
 
 from dllm import kernels
-from dllm.caches.base import KVCache, check_int, logit_rows, rows_from_mask
-from dllm.ops import check_range, moved_rows
+from dllm.caches.base import KVCache, logit_rows, rows_from_mask
+from dllm.ops import check_int, check_range, moved_rows
 
 
 def _probs(q: torch.Tensor, k: torch.Tensor, key_mask) -> torch.Tensor:

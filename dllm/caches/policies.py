@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from dllm.caches.base import CacheState, KVCache, check_int, check_refresh_every, logit_rows, read_cols, region_start
-from dllm.ops import check_choice, moved_rows
+from dllm.caches.base import CacheState, KVCache, check_refresh_every, logit_rows, read_cols, region_start
+from dllm.ops import check_choice, check_int, moved_rows
 
 
 def _cols(state: CacheState) -> torch.Tensor:

@@ -15,7 +15,8 @@ import torch
 
 from dllm.blocks import AdaBlock, MultiBlock, SlidingWindow
 from dllm.blocks.multiblock import block_states
-from dllm.samplers.base import StepContext, StepResult, check_choice, check_int, check_range
+from dllm.caches import get_cache
+from dllm.samplers.base import StepContext, StepResult, check_choice
 from dllm.samplers.composed import ComposedSampler
 from dllm.samplers.guided import guided
 from dllm.samplers.recipe import Recipe
@@ -101,7 +102,6 @@ def multiblock(threshold: float = 0.5, block_length: int = 32, add_threshold: fl
     """d3LLM's multi-block decoding: the entropy threshold over several blocks at once, a block added when the
     last one is ``add_threshold`` decoded and fully activated when the one before it is ``activate_threshold``
     decoded (:class:`dllm.blocks.MultiBlock`)."""
-    check_int("block_length", block_length, 1, what="a positive integer", fix=" (d3LLM uses 32)")
     sampler = MultiBlockSampler(EntropyThreshold(threshold), block_length=block_length, add_threshold=add_threshold,
                                 activate_threshold=activate_threshold,
                                 **_common(temperature, "neg_entropy", "float32", name, "off", noise_scope))
@@ -126,6 +126,13 @@ def _cache(cache):
     return None if cache in (None, "none", "") else cache
 
 
+def _cache_spec(name: str, **params) -> tuple:
+    """``(name, params)`` of a cache the recipe builds at each generate, built once now as well: its constructor
+    checks the values when the sampler is made (``get_sampler`` refuses them, not the first forward)."""
+    get_cache(name, **params)
+    return name, tuple(params.items())
+
+
 def fast_dllm(tau: float = 0.9, temperature: float = 0.0, confidence: str = "prob",
               softmax_dtype: str = "float32", noise_scope: str = "row", block_length: int | None = 32, cache: str | None = "dual",
               name: str = "fast-dllm") -> ComposedSampler:
@@ -138,12 +145,8 @@ def elastic(tau: float = 0.9, window: int = 16, gamma: float = 0.9, track_num: i
             confidence: str = "prob", softmax_dtype: str = "float32", noise_scope: str = "row", name: str = "elastic") -> ComposedSampler:
     """Elastic-Cache: threshold 0.9 over a window sliding over the first ``window`` (16) remaining masks
     (:class:`~dllm.blocks.SlidingWindow`), elastic cache (gamma 0.9, one tracked token per layer)."""
-    # checked here, with the sampler (the window and the cache are built later, at the first forward)
-    check_int("window", window, 1, fix=" (masks decoded at once; Elastic-Cache uses 16)")
-    check_range("gamma", gamma, 0, 1, fix="; the attention-drift threshold (Elastic-Cache uses 0.9)")
-    check_int("track_num", track_num, 1, fix=" (tracked tokens per layer; Elastic-Cache uses 1)")
     return Recipe(ComposedSampler(Threshold(tau), **_common(temperature, confidence, softmax_dtype, name, noise_scope=noise_scope)),
-                  block_policy=SlidingWindow(window), cache=("elastic", (("gamma", gamma), ("track_num", track_num))),
+                  block_policy=SlidingWindow(window), cache=_cache_spec("elastic", gamma=gamma, track_num=track_num),
                   name=name)
 
 
@@ -152,11 +155,8 @@ def dkv(refresh_every: int = 8, temperature: float = 0.0, confidence: str = "pro
     """dKV-Cache-Decode over LLaDA's low-confidence even quota (cache_reloading_step 8). The softmax is float32
     like every preset's; ``softmax_dtype="float64"`` is the reference's (older LLaDA code), at about 10x the
     per-step sampler cost at a 126k vocabulary on CPU."""
-    if refresh_every is not None:  # checked here, with the sampler (the cache is built at the first forward)
-        check_int("refresh_every", refresh_every, 1, what="a positive integer or None",
-                  fix=" (forwards between full refreshes; dKV-Cache uses 8)")
     return Recipe(ComposedSampler(Quota(), **_common(temperature, confidence, softmax_dtype, name, noise_scope=noise_scope)),
-                  block_length=block_length, cache=("dkv-decode", (("refresh_every", refresh_every),)), name=name)
+                  block_length=block_length, cache=_cache_spec("dkv-decode", refresh_every=refresh_every), name=name)
 
 
 def factor_sampler(factor: float = 1.0, quirk: bool = False, temperature: float = 0.0, confidence: str = "prob",
@@ -198,9 +198,6 @@ def adablock(tau: float = 0.9, block_length: int | None = None, delimiter_thresh
              delimiters="newline", window: float = 0.25, temperature: float = 0.0, confidence: str = "prob",
              softmax_dtype: str = "float32", noise_scope: str = "row", name: str = "adablock") -> ComposedSampler:
     """AdaBlock-dLLM: delimiter-aligned blocks (fallback ``block_length``, default 32) with threshold 0.9."""
-    if block_length is not None:
-        check_int("block_length", block_length, 1, what="a positive integer or None",
-                  fix=" (AdaBlock's fallback block size; the paper uses 32)")
     policy = AdaBlock(block_length, delimiter_threshold, delimiters, window)
     return Recipe(ComposedSampler(Threshold(tau), **_common(temperature, confidence, softmax_dtype, name, noise_scope=noise_scope)),
                   block_policy=policy, name=name)
@@ -283,9 +280,6 @@ def klass(conf_threshold: float = 0.6, kl_threshold: float = 0.015, history: int
     (``conf >= conf_threshold``, else the most confident candidate alone; the whole canvas as one region).
     ``block_length="auto"`` takes the style's."""
     check_choice("style", style, KLASS_STYLES)
-    if block_length not in (None, "auto"):
-        check_int("block_length", block_length, 1, what="a positive integer, 'auto' or None",
-                  fix=" (KLASS's LLaDA script uses 64)")
     sampler = KLASSSampler(KLStable(conf_threshold, kl_threshold, history),
                            **_common(temperature, confidence, softmax_dtype, name, noise_scope=noise_scope), style="auto")
     if style != "auto":

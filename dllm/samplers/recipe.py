@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from dllm.samplers.base import MAX_INT_PARAM
+from dllm.ops import check_int
 
 
 @dataclass(frozen=True)
@@ -28,10 +28,8 @@ class Recipe:
     def __post_init__(self):
         if isinstance(self.sampler, Recipe):
             raise TypeError("a recipe's sampler must be a sampler, not another recipe (use recipe.sampler)")
-        if self.block_length is not None and (isinstance(self.block_length, bool) or not isinstance(self.block_length, int)
-                                              or not 1 <= self.block_length <= MAX_INT_PARAM):
-            raise ValueError(f"block_length={self.block_length!r} must be a positive integer (at most {MAX_INT_PARAM}) "
-                             "or None")
+        if self.block_length is not None:
+            check_int("block_length", self.block_length, 1, what="a positive integer or None")
         if not self.name:
             object.__setattr__(self, "name", getattr(self.sampler, "name", type(self.sampler).__name__))
 

@@ -49,7 +49,7 @@ from dllm.config import GenerateConfig, check_graphs
 from dllm.generate import Decoder, DecodeState, decode_texts, decoding, prepare_prompts, row_keys
 from dllm.graphs import GraphRunner
 from dllm.ops import moved_rows
-from dllm.recipes import check_cache_fits, model_block_size, resolve
+from dllm.recipes import baseline_name, check_cache_fits, model_block_size, resolve
 from dllm.samplers import get_sampler
 from dllm.samplers import guided as _guided
 from dllm.samplers.registry import SAMPLERS
@@ -343,7 +343,7 @@ class Engine:
         if not isinstance(max_queue, int) or isinstance(max_queue, bool) or max_queue < 1:
             raise ValueError(f"max_queue={max_queue!r} must be a positive integer")
         self.model = model
-        self.sampler = sampler or ("dream" if getattr(model.spec, "family", "llada") == "dream" else "llada")
+        self.sampler = sampler or baseline_name(getattr(model.spec, "family", "llada"))
         self.params = dict(params or {})
         self._guide_names = self._allowed_guides(list(guides or ()) + (
             [self.params["guide"]] if isinstance(self.params.get("guide"), (str, os.PathLike)) else []))
