@@ -407,10 +407,13 @@ def _sms_of(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _split_chunks(Lk: int) -> dict[int, int]:
+@functools.lru_cache(maxsize=1024)
+def _split_chunks(Lk: int, interpreting: bool) -> dict[int, int]:
     """``{split count that runs: keys per split}`` for every key split of ``Lk`` keys: at least 128 keys per split
-    (whole 128-key tiles on a GPU), at most 64 splits."""
-    align = 1 if _interpreting() else 128
+    (whole 128-key tiles on a GPU, ``interpreting``: any), at most 64 splits. Cached (with :func:`_num_splits`): an
+    eager attention call asks for its split count every time, and the answer is a few loops of Python over up to 64
+    candidates. Read only (a cached dict)."""
+    align = 1 if interpreting else 128
     chunks = {}
     for n in range(1, min(_cdiv(Lk, 128), _MAX_SPLITS) + 1):
         chunk = _cdiv(_cdiv(Lk, n), align) * align
@@ -444,8 +447,13 @@ def splitk_num_splits(B: int, Hq: int, Hkv: int, Lq: int, Lk: int, dtype: torch.
 
     In float32 the batch size is left out of ``base`` (a row's fp32 output then never depends on the batch it
     was computed in)."""
-    base = _split_base(B, Hq, Hkv, Lq, dtype)
-    sms, chunks = _num_sms(), _split_chunks(max(Lk, 1))
+    return _num_splits(_split_base(B, Hq, Hkv, Lq, dtype), max(Lk, 1), waves, _num_sms(), _interpreting())
+
+
+@functools.lru_cache(maxsize=4096)
+def _num_splits(base: int, Lk: int, waves: int, sms: int, interpreting: bool) -> int:
+    """:func:`splitk_num_splits` of ``base`` programs per split on ``sms`` SMs (every input in the cache's key)."""
+    chunks = _split_chunks(Lk, interpreting)
     if waves > 1:
         return max([n for n in chunks if base * n <= waves * sms], default=1)
     cost = {n: _cdiv(base * n, sms) * (chunk + SPLIT_OVERHEAD_KEYS) for n, chunk in chunks.items()}
@@ -459,7 +467,7 @@ def splitk_candidates(B: int, Hq: int, Hkv: int, Lq: int, Lk: int, dtype: torch.
     where one fills it) and ``"splitk-wide"`` (the most within four waves). ``distinct``: each only where its count
     differs from the ones before it."""
     one = splitk_num_splits(B, Hq, Hkv, Lq, Lk, dtype)
-    double = min((n for n in _split_chunks(max(Lk, 1)) if n >= 2 * one), default=one)
+    double = min((n for n in _split_chunks(max(Lk, 1), _interpreting()) if n >= 2 * one), default=one)
     every = {"splitk": one, "splitk-2x": double, "splitk-wide": splitk_num_splits(B, Hq, Hkv, Lq, Lk, dtype, waves=4)}
     if not distinct:
         return every
