@@ -206,10 +206,9 @@ def test_serve_passes_the_read_timeout_and_a_connection_limit(monkeypatch):
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(kw))
     model = dllm.load_model("llada-tiny", dtype="float32")
     server_module.serve(model, port=8123)
-    assert seen["limit_concurrency"] == server_module.LIMIT_CONCURRENCY + 1  # uvicorn counts the asking one
+    assert seen.get("limit_concurrency") is None  # the limit is the protocol's (OpenAI-shaped 503), not uvicorn's
     assert seen["http"].__name__ == "HeaderDeadline"  # uvicorn's protocol with a deadline for the headers
     server_module.serve(model, port=8123, limit_concurrency=7, read_timeout=2.5)
-    assert seen["limit_concurrency"] == 8
     for bad in ({"limit_concurrency": 0}, {"read_timeout": 0}, {"read_timeout": float("inf")}):
         with pytest.raises(ValueError):
             server_module.serve(model, port=8123, **bad)
@@ -299,9 +298,41 @@ def test_the_bundled_guide_and_the_operators_guides_are_served(tmp_path):
     assert len(out.texts) == 1
 
 
+def test_the_concurrency_limit_counts_open_connections_and_requests_in_flight():
+    """Over the limit on either count (each including the asking one), a request gets the OpenAI-shaped 503 and
+    never reaches the app; at the limit it is served."""
+    import asyncio
+
+    from dllm.serve.server import _concurrency_limited
+
+    reached = []
+
+    async def app(scope, receive, send):
+        reached.append(scope["path"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    def call(connections: int, tasks: int) -> list[dict]:
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        limited = _concurrency_limited(app, set(range(connections)), set(range(tasks)), limit=3)
+        asyncio.run(limited({"type": "http", "path": f"/{connections}-{tasks}"}, None, send))
+        return sent
+
+    assert call(3, 3)[0]["status"] == 200 and reached == ["/3-3"]
+    for over in ((4, 1), (1, 4)):
+        start, body = call(*over)
+        assert start["status"] == 503 and (b"connection", b"close") in start["headers"]
+        assert json.loads(body["body"])["error"]["code"] == "too_many_connections"
+    assert reached == ["/3-3"]
+
+
 def test_clients_that_stall_in_their_headers_cannot_hold_every_connection_slot():
     """``dllm serve`` in its own process with 4 connection slots: 4 clients that send half a request line and wait
-    fill them (with 3 of them a fourth client is served, with 4 a fifth gets uvicorn's 503), and after
+    fill them (with 3 of them a fourth client is served, with 4 a fifth gets 503 in OpenAI's error shape), and after
     ``--read-timeout`` their connections are closed and the server answers again; a keep-alive client that sent a
     whole request is not cut while it is answered."""
     import httpx
@@ -322,7 +353,12 @@ def test_clients_that_stall_in_their_headers_cannot_hold_every_connection_slot()
                 time.sleep(0.3)
                 assert httpx.get(f"{url}/health", timeout=5).status_code == 200
         time.sleep(0.3)
-        assert httpx.get(f"{url}/health", timeout=5).status_code == 503  # every slot held
+        over = httpx.get(f"{url}/health", timeout=5)  # every slot held
+        assert over.status_code == 503 and over.headers["retry-after"] == "1"
+        assert over.headers["connection"] == "close"
+        err = over.json()["error"]
+        assert err["code"] == "too_many_connections" and "--limit-concurrency" in err["message"]
+        assert err["type"] == "server_error" and err["param"] is None
         for s in stalled:
             s.settimeout(10)
             assert s.recv(100) == b""  # closed by the server at the deadline, unanswered

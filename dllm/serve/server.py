@@ -10,8 +10,7 @@ body is read with a size limit (413), and parsing, checking and tokenising run i
 event loop. Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad field
 (named, with the fix), 401 without the ``--api-key`` bearer key, 404 for an unknown model or path, 405, 408 for a
 body that does not arrive within ``--read-timeout``, 413, 429 when the queue is full, 503 when the engine is not
-running (one exception: a connection beyond ``--limit-concurrency`` gets uvicorn's own plain-text 503 before the
-app sees it). A client that disconnects (streaming or not, or while sending its body: 499, logged at debug level only)
+running or when more connections are open, or requests in flight, than ``--limit-concurrency``. A client that disconnects (streaming or not, or while sending its body: 499, logged at debug level only)
 frees its rows at the next step. docs/serving.md lists the fields that work and the ones refused.
 """
 
@@ -53,7 +52,7 @@ HEALTH_STALL_S = 60.0  # /health is 503 when requests are pending and the loop h
 INLINE_DECODE = 64  # answers up to this many tokens are detokenised on the event loop, longer ones in a thread
 SHUTDOWN_TIMEOUT_S = 60  # on SIGTERM, connections still open after this long are closed
 READ_TIMEOUT_S = 30.0  # a request's headers, then its body, must arrive within this long (closed / 408 after it)
-LIMIT_CONCURRENCY = 512  # open connections (and tasks) before uvicorn answers 503: what slow clients can hold
+LIMIT_CONCURRENCY = 512  # open connections (and requests in flight) before a request gets 503: what slow clients can hold
 _KINDS = {401: "authentication_error", 403: "permission_error", 404: "invalid_request_error",
           429: "rate_limit_error", 503: "server_error"}
 
@@ -574,8 +573,8 @@ def serve(model, *, host: str = "127.0.0.1", port: int = 8000, model_name: str =
     steps; ``guides``: AR guide checkpoints requests may name besides the bundled ones (:class:`Engine`).
     ``read_timeout``: seconds a request's headers may take to arrive on a connection (from its opening, or from
     the previous response on it; the connection is closed after it: :func:`header_deadline`) and then its body
-    (408 after it); ``limit_concurrency``: the connections (and requests) served at once; one more gets uvicorn's
-    503 (how much clients that send slowly, or never, can hold)."""
+    (408 after it); ``limit_concurrency``: the connections (and requests) served at once; one more gets 503 in
+    OpenAI's error shape (how much clients that send slowly, or never, can hold)."""
     import uvicorn
 
     check_port(port)
@@ -588,19 +587,22 @@ def serve(model, *, host: str = "127.0.0.1", port: int = 8000, model_name: str =
     engine.start()
     try:
         uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
-                    # uvicorn counts the connection asking among the open ones: N serves N - 1 besides it
-                    limit_concurrency=limit_concurrency + 1, http=header_deadline(read_timeout))
+                    http=header_deadline(read_timeout, limit_concurrency))
     finally:
         engine.stop(drain=True, timeout=60)
 
 
-def header_deadline(seconds: float) -> type:
+def header_deadline(seconds: float, limit_concurrency: int | None = None) -> type:
     """uvicorn's HTTP protocol (httptools where installed, else h11: what its ``"auto"`` picks) with a deadline for a
     request's headers: a connection on which no request's headers have arrived ``seconds`` after it opened, or after
-    its previous response, is closed. uvicorn has no such limit, and ``limit_concurrency`` counts connections, so
+    its previous response, is closed. uvicorn has no such limit, and a connection limit counts connections, so
     without it a few hundred clients that send half a request line and wait hold every slot, and everyone else gets
     503 for as long as they like. (The body's deadline is the app's, :func:`create_app`; an idle keep-alive
-    connection is closed sooner by uvicorn's own ``timeout_keep_alive``.)"""
+    connection is closed sooner by uvicorn's own ``timeout_keep_alive``.)
+
+    ``limit_concurrency``: with more open connections, or more requests in flight, than this, a request is answered
+    503 in OpenAI's error shape and its connection closed (:func:`_concurrency_limited`; uvicorn's own limit answers
+    in plain text)."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
     except ImportError:  # pragma: no cover - httptools is optional
@@ -608,6 +610,11 @@ def header_deadline(seconds: float) -> type:
 
     class HeaderDeadline(base):
         _header_timer = None
+
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            if limit_concurrency is not None:
+                self.app = _concurrency_limited(self.app, self.connections, self.tasks, limit_concurrency)
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -637,6 +644,29 @@ def header_deadline(seconds: float) -> type:
                 self.transport.close()
 
     return HeaderDeadline
+
+
+def _concurrency_limited(app, connections, tasks, limit: int):
+    """``app`` behind a limit: an HTTP request that arrives while more than ``limit`` connections are open (its own
+    among them) or more than ``limit`` requests are in flight (its own among them) gets 503 in OpenAI's error shape,
+    with ``Retry-After`` and its connection closed, before the app sees it. ``connections`` / ``tasks``: uvicorn's
+    server-wide sets, which its protocols keep."""
+    body = json.dumps({"error": {"message": f"the server is at its limit of {limit} open connections; retry later "
+                                            "(dllm serve --limit-concurrency sets it)",
+                                 "type": "server_error", "param": None, "code": "too_many_connections"}}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               (b"retry-after", b"1"), (b"connection", b"close")]
+
+    async def limited(scope, receive, send):
+        if scope["type"] == "http" and (len(connections) > limit or len(tasks) > limit):
+            log.warning("refused a request: %d connections open, %d requests in flight (limit %d)",
+                        len(connections), len(tasks), limit)
+            await send({"type": "http.response.start", "status": 503, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await app(scope, receive, send)
+
+    return limited
 
 
 def check_read_timeout(seconds) -> None:
