@@ -248,14 +248,16 @@ def prepare_prompts(model, prompts, attention_mask=None, chat_template=True) -> 
                 if tok is None:
                     raise ValueError("string prompts need a tokenizer: load the model with dllm.load_model(path) "
                                      "(tokenizer files present) or pass token ids")
-                rows.append(_encode(tok, p, chat_template))
+                rows.append(encode_prompt(tok, p, chat_template))
             else:
                 rows.append(_token_row(p, i))
     check_prompt_ids(rows, vocab_size(model), model.mask_id)
     return rows
 
 
-def _encode(tok, p, chat_template: bool) -> list[int]:
+def encode_prompt(tok, p, chat_template: bool = True) -> list[int]:
+    """A string or a conversation as token ids: through the tokenizer's chat template (with the generation
+    prompt) when it has one and ``chat_template``, else the string as it is."""
     messages = [{"role": "user", "content": p}] if isinstance(p, str) else p
     if chat_template and getattr(tok, "chat_template", None):
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

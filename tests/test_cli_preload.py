@@ -63,14 +63,31 @@ def test_block_cache_needs_a_block_diffusion_checkpoint(capsys, llada, sdar):
 
 
 def test_gen_length_beyond_the_context_of_config_json(capsys, llada, tmp_path):
+    """Text prompts are measured with the checkpoint's tokenizer (chat template applied, as generate does) before
+    any weight is read; token-id prompts as they are."""
+    from dllm.generate import encode_prompt
+    from dllm.models.loading import load_tokenizer
+
     context = json.loads((Path(llada) / "config.json").read_text())["max_sequence_length"]
+    hi = len(encode_prompt(load_tokenizer(Path(llada)), "hi"))
+    assert hi > 1
     refused(capsys, ["generate", "hi", "--model", llada, "--gen-length", str(context)],
             f"--gen-length {context} does not fit the model's context of {context} tokens",
-            f"use --gen-length {context - 1} or less")
+            f"the longest prompt has {hi} tokens", f"use --gen-length {context - hi} or less")
+    refused(capsys, ["generate", "hi", "--model", llada, "--gen-length", str(context - hi + 1)],
+            f"use --gen-length {context - hi} or less")
+    assert main(["generate", "hi", "--model", llada, "--gen-length", str(context - hi)]) == 2
+    assert WEIGHTS_ERROR in capsys.readouterr().err  # it fits exactly: on to loading
+    long = " ".join(["Alice Adams"] * 40)
     batch = tmp_path / "ids.txt"
+    batch.write_text(json.dumps(list(range(10, 30))) + "\nhello\n" + json.dumps({"prompt": long}) + "\n")
+    n = len(encode_prompt(load_tokenizer(Path(llada)), long))
+    assert n > 20
+    refused(capsys, ["generate", "--batch-file", str(batch), "--model", llada, "--gen-length", str(context - 5)],
+            f"the longest prompt has {n} tokens", f"use --gen-length {context - n} or less")
     batch.write_text(json.dumps(list(range(10, 30))) + "\nhello\n")
     refused(capsys, ["generate", "--batch-file", str(batch), "--model", llada, "--gen-length", str(context - 5)],
-            "the longest token-id prompt has 20 tokens", f"use --gen-length {context - 20} or less")
+            "the longest prompt has 20 tokens", f"use --gen-length {context - 20} or less")
 
 
 def test_guide_must_be_a_causal_lm(capsys, llada, sdar, tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from dllm.evals.parallelbench.sweep import parse_scalar
 
@@ -83,14 +84,28 @@ def check_decode_args(args, prompts=None):
     config, sampler = decode_setup(args)
     if guide is None and isinstance(getattr(sampler, "guide", None), str):  # --sampler guided --param guide=DIR
         checks.guide_dir(sampler.guide, f"--param guide={sampler.guide}")
-    ids = _token_id_prompts(prompts or [], facts)
-    longest = max((len(r) for r in ids), default=1)  # a text prompt's length is known once tokenized: 1 at least
+    lengths = [len(r) for r in _token_id_prompts(prompts or [], facts)] + _text_prompt_lengths(args.model, prompts)
+    longest = max(lengths, default=1)  # no prompts given (eval builds its own): a prompt takes 1 token at least
     if longest + config.gen_length > facts.context:
-        shown = f"the longest token-id prompt has {longest} tokens" if ids else "a prompt takes at least 1 token"
+        shown = f"the longest prompt has {longest} tokens" if lengths else "a prompt takes at least 1 token"
         raise ValueError(f"--gen-length {config.gen_length} does not fit the model's context of {facts.context} "
                          f"tokens (config.json; {shown}): use --gen-length {facts.context - longest} or less")
     precheck_layout(sampler, facts.block_size, config)
     return config, sampler
+
+
+def _text_prompt_lengths(model: str | None, prompts) -> list[int]:
+    """The token counts of the string and conversation prompts, encoded as :func:`dllm.generate` encodes them (the
+    chat template applied), with the checkpoint's tokenizer alone: no weights are read."""
+    from dllm.assets import model_path
+    from dllm.generate import encode_prompt, is_conversation
+    from dllm.models.loading import load_tokenizer
+
+    texts = [p for p in prompts or [] if isinstance(p, str) or is_conversation(p)]
+    if not texts:
+        return []
+    tok = load_tokenizer(Path(model_path(model)))
+    return [len(encode_prompt(tok, p)) for p in texts]
 
 
 def _token_id_prompts(prompts: list, facts) -> list[list[int]]:

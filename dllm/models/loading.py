@@ -96,7 +96,9 @@ def weight_files(path: Path) -> list[Path]:
     )
 
 
-def _load_tokenizer(path: Path):
+def load_tokenizer(path: Path):
+    """The checkpoint's tokenizer (transformers' ``AutoTokenizer``, never the checkpoint's own code); a clear error
+    when its files are missing or broken."""
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
         raise FileNotFoundError(
             f"tokenizer files missing in {path}: expected {' and '.join(TOKENIZER_FILES)}; "
@@ -179,7 +181,7 @@ def load_model(
     placement = _device_map(model, device_map, dt) if device_map is not None else None
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     plan = inspect_files(files, spec, cfg, read_index(path), shapes)
-    tok = _load_tokenizer(path) if tokenizer else None
+    tok = load_tokenizer(path) if tokenizer else None
     ids = _special_ids(hf_cfg, spec, cfg.vocab_size, tok)
     devices = {ours: _placed(ours, placement) if placement else target for keys in plan.values() for _, ours in keys}
     state = read_tensors(plan, dt, devices.__getitem__)
