@@ -168,3 +168,16 @@ def test_train_tiny_names_every_family(tmp_path, capsys):
 def test_sudoku_givens_in_the_wrong_order(capsys, tmp_path):
     refused(capsys, ["parallelbench", "generate", "--out", str(tmp_path / "d"), "--sudoku-givens", "12,4"],
             "LO (12) > HI (4)")
+
+
+def test_serve_checks_its_model_dtype_and_guides_before_loading(capsys, llada, sdar, tmp_path):
+    """`dllm serve` refuses what `dllm generate` refuses before reading a weight: an unknown dtype, the AR guide as
+    the model, and an allowed --guide that is not a causal LM checkpoint (a request naming it would fail later)."""
+    refused(capsys, ["serve", "--model", llada, "--dtype", "float99"], "--dtype: unknown dtype 'float99'")
+    refused(capsys, ["serve", "--model", "ar-tiny"], "ar-tiny is the bundled AR guide")
+    refused(capsys, ["serve", "--model", llada, "--guide", sdar],
+            f"--guide {sdar}: its config.json has model_type 'sdar', a diffusion checkpoint")
+    refused(capsys, ["serve", "--model", llada, "--guide", str(tmp_path / "none")],
+            f"--guide {tmp_path / 'none'}: guide", "is neither a bundled guide")
+    assert main(["serve", "--model", llada, "--guide", "ar-tiny", "--port", "8123"]) == 2
+    assert WEIGHTS_ERROR in capsys.readouterr().err  # all fine: on to loading, which fails on the weights

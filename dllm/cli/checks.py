@@ -164,7 +164,10 @@ def guide_dir(name: str, shown: str | None = None) -> Path:
     from dllm.samplers.guided import checked_guide_path
 
     shown = shown or f"--guide {name}"
-    path = checked_guide_path(name)
+    try:
+        path = checked_guide_path(name)
+    except FileNotFoundError as exc:
+        raise ValueError(f"{shown}: {exc}") from None
     if not (path / "config.json").is_file():
         raise ValueError(f"{shown}: no config.json there; give a causal LM checkpoint directory "
                          "(config.json, weights, the model's tokenizer) or the bundled 'ar-tiny'")

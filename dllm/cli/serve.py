@@ -32,15 +32,13 @@ def cmd_serve(args) -> int:
         check_read_timeout(args.read_timeout)
     except ValueError as exc:
         raise ValueError(f"--read-timeout: {exc}") from None
-    guides = list(args.guide or [])
-    if guides:  # before the model loads: each allowed guide must be a checkpoint directory
-        from dllm.samplers.guided import checked_guide_path
+    from dllm.cli import checks
 
-        for g in guides:
-            try:
-                checked_guide_path(g)
-            except FileNotFoundError as exc:
-                raise ValueError(f"--guide: {exc}") from None
+    checks.dtype_name(args.dtype)  # before the model loads: its dtype, its config.json, the guides allowed
+    checks.model_dir(args.model)
+    guides = list(args.guide or [])
+    for g in guides:  # each a causal LM checkpoint directory, as `dllm generate --guide` requires
+        checks.guide_dir(g)
     model = load_model_arg(args)
     try:
         serve(model, host=args.host, port=args.port, model_name=args.served_name or args.model or "llada-tiny",
