@@ -79,7 +79,8 @@ def goals(folder: Path) -> list[dict]:
     x = dual.get("x_floor_partial") if dual else None
     layers = floor["layers"] if floor else None
     add("dual-cache step, batch 1, graph path", f"<= 1.5x the weight-read floor (32 layers; {layers} run)",
-        f"{dual['ms_partial_step']} ms per cached step = {x}x the floor ({floor['floor_ms']} ms)" if x else "-",
+        f"{dual['ms_partial_step']} ms per cached step = {x}x the floor ({floor['floor_ms']} ms)" if x and floor
+        else "-",
         _timed(_judge(x, x is not None and x <= 1.5 and layers == 32), on_gpu))
 
     e2e = {r["cache"]: r for r in step if r.get("what") == "e2e"}

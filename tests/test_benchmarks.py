@@ -23,7 +23,16 @@ def run(script: str, *args: str, tmp_path: Path) -> list | dict:
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args, "--json", str(out)], cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    (tmp_path / f"{script}.log").write_text(p.stdout)
     return json.loads(out.read_text())
+
+
+def judged_from_log(tmp_path: Path, script: str, log: str) -> list[dict]:
+    """The goals table judged from ``script``'s printed output alone (saved by :func:`run`) under the name
+    ``gpu_check.sh`` gives its log, as when its time limit stopped it before it wrote its figures file."""
+    (tmp_path / "cut").mkdir(exist_ok=True)
+    (tmp_path / "cut" / log).write_text((tmp_path / f"{script}.log").read_text())
+    return gpu_goals.goals(tmp_path / "cut")
 
 
 def goals_of(tmp_path: Path, name: str, figures) -> list[dict]:
@@ -61,6 +70,8 @@ def test_bench_step_counts_one_host_sync_per_step(tmp_path):
     assert by_goal["dual-cache step, batch 1, graph path"]["status"] == "not measured (CPU)"
     assert "x the floor" in by_goal["dual-cache step, batch 1, graph path"]["measured"]
     assert by_goal["kernels per layer, captured forward (32 layers)"]["status"] == "not measured (2 layers)"
+    # every row is printed as it comes (the floor first): a run cut short is judged from its log as from its file
+    assert judged_from_log(tmp_path, "bench_step.py", "bench_step.log") == list(by_goal.values())
 
 
 def test_bench_caches_compares_every_cache_with_none(tmp_path):
@@ -79,6 +90,7 @@ def test_bench_caches_compares_every_cache_with_none(tmp_path):
         assert r["token_layers_run"] == r["token_layers"], r
     (goal,) = [g for g in goals_of(tmp_path, "caches.json", rows) if g["goal"].startswith("every cache pays")]
     assert goal["status"] == "not measured (CPU)" and goal["measured"].startswith("prefix "), goal
+    assert goal in judged_from_log(tmp_path, "bench_caches.py", "bench_caches.log")
 
 
 def test_bench_padding_shows_rows_out_of_step_widen_the_batch_unless_packed(tmp_path):
