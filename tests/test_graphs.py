@@ -147,16 +147,30 @@ def test_bucketed_widths_replay_where_exact_widths_change_every_step():
 @pytest.mark.filterwarnings("ignore:AdaBlock delimiters")
 @pytest.mark.parametrize("family", ["llada", "dream"])
 def test_every_sampler_decodes_on_the_graph_path_what_it_decodes_eagerly(family):
-    """Every registered sampler (its preset) with the prefix and dual caches, ragged prompts: the graph path's
-    bucketed canvas (more left padding), widths, packed rows and logits columns, and its pooled buffers, decode the
-    eager path's tokens in as many forwards."""
+    """Every registered sampler (its preset) with the prefix and dual caches, ragged prompts.
+
+    With exact shapes the graph path (static buffers, packed rows, logits columns, pooled buffers) computes what
+    the eager path computes, bit for bit: the same tokens in as many forwards on a random-weight model, whose
+    confidences have near-ties. Bucketed, the canvas has more left padding and the query count is rounded up, and
+    CPU attention's sums round by where their terms fall in the SIMD lanes (by CPU: 8 or 16 floats), so logits
+    may differ in the last bits; on the bundled trained model, whose decisions are not near-ties, the tokens are
+    the eager path's too."""
     model = cached_model(family, 0)
+    tiny = dllm.load_model(f"{family}-tiny", dtype="float32")
+    texts = ["Reverse the list: Alice Adams, Brian Baker", "Copy: Carol", "Add 12 and 30"]
     for name in dllm.SAMPLERS:
         for cache in ("dual", "prefix"):
             kw = dict(gen_length=16, block_length=8, steps=16, seed=1, sampler=name, cache=cache)
             eager = dllm.generate(model, ragged_prompts(3, 1), graphs="off", **kw)
-            graph = dllm.generate(model, ragged_prompts(3, 1), graphs="on", **kw)
+            with own_runner(model, buckets=False):
+                graph = dllm.generate(model, ragged_prompts(3, 1), graphs="on", **kw)
+            ran = graph.stats.graphs.get("captures", 0) + graph.stats.graphs.get("replays", 0)
+            assert ran > 0, (name, cache, graph.stats.graphs)  # cached steps through the static buffers
             assert torch.equal(eager.sequences, graph.sequences), (name, cache)
+            assert eager.stats.nfe == graph.stats.nfe and eager.stats.commit_step == graph.stats.commit_step
+            eager = dllm.generate(tiny, texts, graphs="off", **kw)
+            graph = dllm.generate(tiny, texts, graphs="on", **kw)
+            assert torch.equal(eager.sequences, graph.sequences), (name, cache, "bucketed")
             assert eager.stats.nfe == graph.stats.nfe and eager.stats.commit_step == graph.stats.commit_step
 
 
