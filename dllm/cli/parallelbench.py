@@ -134,17 +134,37 @@ def cmd_score(args) -> int:
     if not rows:
         raise ValueError(f"{src}: no lines to score")
     configs: dict[str, dict | None] = {}
-    for i, row in enumerate(rows, 1):
+    metrics = []
+    for where, row in zip(PB.record_labels(src, len(rows)), rows):  # every line checked before any is scored
         for key in ("task", "prediction"):
             if key not in row:
-                raise ValueError(f"{src}:{i}: no {key!r} field (each line: an original record plus 'task' and "
+                raise ValueError(f"{where}: no {key!r} field (each line: an original record plus 'task' and "
                                  "'prediction')")
         task = row["task"]
+        if not isinstance(task, str):
+            raise ValueError(f"{where}: 'task' must be a task name (a string), got {json.dumps(task)}")
+        if row["prediction"] is not None and not isinstance(row["prediction"], str):
+            raise ValueError(f"{where}: 'prediction' must be the model's output text (a string, or null for no "
+                             f"output), got {type(row['prediction']).__name__} {json.dumps(row['prediction'])[:40]}")
         if task not in configs:
             configs[task] = PB.load_task_config(args.data_dir, task) if args.data_dir else None
+        metric = row.get("metric")
+        if metric is not None and metric not in PB.METRICS:
+            raise ValueError(f"{where}: unknown metric {metric!r}; known metrics: {', '.join(PB.METRICS)} (or "
+                             "remove 'metric' to use the task's)")
+        try:
+            metric = metric or PB.metric_for(task, configs[task])
+        except KeyError as exc:
+            raise ValueError(f"{where}: {exc.args[0]}") from None
+        problem = (PB.answer_problem(metric, row["answer"]) if "answer" in row else
+                   "no 'answer' field (each line: an original record plus 'task' and 'prediction')")
+        if problem is not None:
+            raise ValueError(f"{where}: {problem}")
+        metrics.append(metric)
+    for row, metric in zip(rows, metrics):
         for key in ("score", "score_strict", "metrics", "unavailable", "unavailable_reason", "partial"):
             row.pop(key, None)
-        row.update(PB.score_prediction(task, row, row["prediction"], config=configs[task], metric=row.get("metric"),
+        row.update(PB.score_prediction(row["task"], row, row["prediction"], metric=metric,
                                        allow_partial=args.partial_text_scores))
     dest = Path(args.out) if args.out else src
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -235,7 +255,7 @@ def cmd_report(args) -> int:
 
 
 def cmd_show(args) -> int:
-    from dllm.evals.parallelbench.sweep import RUN_FILE, replay_sample, stored_sample
+    from dllm.evals.parallelbench.sweep import RUN_FILE, replay_plan, replay_sample
     from dllm.viz import render
 
     results = checks.input_dir(args.results, "the sweep directory")
@@ -253,8 +273,9 @@ def cmd_show(args) -> int:
         except (ValueError, KeyError, TypeError, AttributeError):
             raise ValueError(f"{results / RUN_FILE} is not a sweep's run file; pass --model, or rerun the "
                              "sweep") from None
-    checks.model_dir(args.model)
-    stored_sample(args.results, args.id, task=args.task, setting=args.setting)  # an unknown sample, before loading
+    facts = checks.model_dir(args.model)
+    # the sample, its record and its setting, before loading
+    replay_plan(args.results, args.id, task=args.task, setting=args.setting, family=facts.family)
     model = load_model_arg(args)
     res, line = replay_sample(model, args.results, args.id, task=args.task, setting=args.setting)
     text = res.texts[0] if res.texts else ""

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import random
+import re
+import string
 from pathlib import Path
 from typing import Any
 
 from dllm.evals import tasks as T
 from dllm.evals.io import read_jsonl, write_jsonl
-from dllm.evals.parallelbench.prompts import prompt_for
+from dllm.evals.parallelbench.metrics import METRICS, metric_for
+from dllm.evals.parallelbench.parsing import parse_sudoku
+from dllm.evals.parallelbench.prompts import messages_for, prompt_for
 from dllm.evals.parallelbench.tasks import (
     ALIASES,
     DEFAULT_SEED,
@@ -243,30 +248,37 @@ DATA_HINT = {
 }
 
 
-def load_text_data(name: str, path: str | Path, n: int | None = None, seed: int = DEFAULT_SEED) -> list[dict]:
+def load_text_data(name: str, path: str | Path, n: int | None = None, seed: int = DEFAULT_SEED, *,
+                   template: str | None = None, metric: str | None = None,
+                   template_source: str | None = None) -> list[dict]:
     """Records for the summarization / paraphrasing task from a user-supplied JSONL file.
 
     Accepted rows: original records (``input.text`` plus ``answer.summary`` / ``answer.text``), or flat rows
     as the public datasets ship them: ``{"dialogue" | "text", "summary"}`` for SAMSum-style summaries and
     ``{"text", "paraphrases" | "examples"}`` for paraphrases. With more rows than ``n`` (default 100), ``n``
-    rows are drawn with a seeded RNG (file order kept).
+    rows are drawn with a seeded RNG (file order kept). Every row is checked (:func:`check_records`) against
+    ``template`` and ``metric`` (default: the task's built-in prompt and metric); a file without rows, or a row
+    the prompt or the metric cannot use, raises ``ValueError`` naming the file and line.
     """
     task = get_task(name)
     path = Path(path)
     if not path.is_file():
         raise DataNeeded(f"{task.pb_name}: data file {str(path)!r} not found ({DATA_HINT.get(task.pb_name, '')})")
     rows = read_jsonl(path)
+    labels = record_labels(path, len(rows))
+    if not rows:
+        raise ValueError(f"{path}: no records for {task.pb_name}; the file is empty ({DATA_HINT[task.pb_name]})")
     records = []
-    for i, row in enumerate(rows):
+    for where, row in zip(labels, rows):
         if "input" in row and "answer" in row:
             records.append(row)
             continue
         text = row.get("dialogue", row.get("text")) if task.metric == "summary_score" else row.get("text")
         if not isinstance(text, str):
-            raise ValueError(f"{path}:{i + 1}: no text field for {task.pb_name} ({DATA_HINT[task.pb_name]})")
+            raise ValueError(f"{where}: no text field for {task.pb_name} ({DATA_HINT[task.pb_name]})")
         if task.metric == "summary_score":
             if not isinstance(row.get("summary"), str):
-                raise ValueError(f"{path}:{i + 1}: no 'summary' field ({DATA_HINT[task.pb_name]})")
+                raise ValueError(f"{where}: no 'summary' field ({DATA_HINT[task.pb_name]})")
             answer = {"text": text, "summary": row["summary"]}
         else:
             answer = {"text": text}
@@ -274,11 +286,209 @@ def load_text_data(name: str, path: str | Path, n: int | None = None, seed: int 
             if refs is not None:
                 answer["examples"] = refs if isinstance(refs, str) else str(list(refs))
         records.append({"input": {"text": text}, "answer": answer, "metadata": {"length": 1}})
+    check_records(task.pb_name, records, template=prompt_for(task.pb_name) if template is None else template,
+                  metric=task.metric if metric is None else metric, labels=labels,
+                  template_source=template_source, data_source=str(path))
     limit = task.num_samples if n is None else int(n)
     if len(records) > limit:
         keep = sorted(random.Random(f"dllm/parallelbench/{task.pb_name}/{int(seed)}").sample(range(len(records)), limit))
         records = [records[i] for i in keep]
     return records
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Checks: what the prompt and the metrics read from a record, checked when the data is read
+
+
+def record_labels(path: str | Path, count: int) -> list[str]:
+    """``"<path>:<line>"`` for each of the ``count`` records :func:`~dllm.evals.io.read_jsonl` read from ``path``
+    (blank lines skipped); ``"<path>: record <k>"`` when the lines cannot be matched to the records."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as f:
+            lines = [i for i, raw in enumerate(f, 1) if raw.strip()]
+    except (OSError, EOFError):
+        lines = []
+    if len(lines) != count:
+        return [f"{path}: record {k}" for k in range(1, count + 1)]
+    return [f"{path}:{i}" for i in lines]
+
+
+_FIX_TEMPLATE = ("a prompt is a str.format template over the fields of each record's 'input'; write {{ and }} for "
+                 "literal braces")
+
+
+def template_fields(template: str) -> tuple[list[str], str | None]:
+    """The record fields a prompt template reads (``{context}`` -> ``context``; ``{a.b}``, ``{a[0]}`` -> ``a``)
+    and the template's syntax error, if any (``None``): positional fields (``{}``, ``{0}``) are errors too, as
+    the template is filled with the record's named fields."""
+    fields: list[str] = []
+    problems: list[str] = []
+
+    def walk(text: str, depth: int) -> None:
+        for _literal, fname, spec, _conv in string.Formatter().parse(text):
+            if fname is None:
+                continue
+            root = re.match(r"[^.\[]*", fname).group(0)
+            if root == "" or root.isdigit():
+                problems.append(f"positional field {{{fname}}}")
+            elif root not in fields:
+                fields.append(root)
+            if spec and depth < 2:
+                walk(spec, depth + 1)
+
+    try:
+        walk(template, 0)
+    except ValueError as exc:  # unbalanced braces, a bad conversion ...
+        problems.append(str(exc))
+    return fields, "; ".join(problems) or None
+
+
+def _is_str_list(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+def _example_problem(answer: Any) -> str | None:
+    if isinstance(answer, str):
+        return None
+    if isinstance(answer, dict) and isinstance(answer.get("example"), str):
+        return None
+    return (f"'answer' must be the reference string, or an object with the reference under a string 'example', "
+            f"got {_describe(answer)}")
+
+
+def _describe(v: Any) -> str:
+    if isinstance(v, dict):
+        return f"an object with keys {sorted(v)}" if v else "an empty object"
+    return f"{type(v).__name__} {json.dumps(v)[:60]}"
+
+
+_SOURCE_LIST = "an object with 'input' (the source list: a JSON array of strings)"
+
+
+def answer_problem(metric: str, answer: Any) -> str | None:
+    """What keeps ``metric`` (:data:`~dllm.evals.parallelbench.METRICS`) from scoring against ``answer`` (a
+    record's ``answer``), or ``None``: the types the metric reads (see the record schema)."""
+    if metric == "list_match_score":
+        return _example_problem(answer)
+    if metric in ("list_shuffle_score", "list_random_insert_score", "list_random_remove_score",
+                  "list_random_replace_score"):
+        if not isinstance(answer, dict) or not _is_str_list(answer.get("input")):
+            return f"'answer' must be {_SOURCE_LIST} for {metric}, got {_describe(answer)}"
+        word = answer.get("word")
+        if metric == "list_random_insert_score" and not (word is None or isinstance(word, str) or _is_str_list(word)):
+            return f"'answer.word' must be a string (the name to insert) or an array of strings, got {_describe(word)}"
+        if metric == "list_random_replace_score" and not (word is None or isinstance(word, str)):
+            return f"'answer.word' must be a string (the new name), got {_describe(word)}"
+        k = answer.get("n_words")
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+            return f"'answer.n_words' must be a positive integer, got {_describe(k)}"
+        return None
+    if metric == "latin_square_score":
+        if not isinstance(answer, dict) or not (_is_str_list(answer.get("symbols")) or
+                                                isinstance(answer.get("symbols"), str)) or not answer["symbols"]:
+            return ("'answer' must be an object with 'symbols' (the square's symbols: an array of strings) for "
+                    f"{metric}, got {_describe(answer)}")
+        size = len(set(answer["symbols"]))
+        first = answer.get("first_row")
+        if first is not None and not _is_str_list(first):
+            return f"'answer.first_row' must be an array of strings, got {_describe(first)}"
+        givens = answer.get("givens")
+        if givens is not None:
+            if not isinstance(givens, dict):
+                return f"'answer.givens' must be an object mapping cell numbers to symbols, got {_describe(givens)}"
+            for cell, value in givens.items():
+                if not (str(cell).isdigit() and int(cell) < size * size and isinstance(value, str)):
+                    return (f"'answer.givens' must map cell numbers 0-{size * size - 1} to symbol strings, got "
+                            f"{json.dumps(cell)}: {json.dumps(value)}")
+        return None
+    if metric == "sudoku_score":
+        if not isinstance(answer, str) or parse_sudoku(answer, strict=True) is None:
+            return (f"'answer' must be the solved grid for {metric}: a string of 4 lines of 4 digits, got "
+                    f"{_describe(answer)}")
+        return None
+    need = {"sentence_to_words_score": ("words", "an array of strings (the words to use)", _is_str_list),
+            "summary_score": ("summary", "a string (the reference summary)", lambda v: isinstance(v, str)),
+            "paraphrase_score": ("text", "a string (the source text)", lambda v: isinstance(v, str))}.get(metric)
+    if need is None:
+        raise ValueError(f"unknown metric {metric!r}; known metrics: {', '.join(METRICS)}")
+    key, what, ok = need
+    if not isinstance(answer, dict) or not ok(answer.get(key)):
+        return f"'answer' must be an object with {key!r}: {what}, for {metric}; got {_describe(answer)}"
+    return None
+
+
+def _shape_problem(record: Any, metric: str) -> str | None:
+    """Fields every record needs: ``input`` (an object), ``answer`` (what the metric reads), ``metadata`` (an
+    object, if present), ``input.icl_examples`` (an array of records with ``input`` and an answer, if present)."""
+    if not isinstance(record.get("input"), dict):
+        got = "no 'input' field" if "input" not in record else f"'input' is {_describe(record['input'])}"
+        return f"{got}; each record needs 'input' (an object of the prompt's fields) and 'answer'"
+    if "answer" not in record:
+        return "no 'answer' field; each record needs 'input' (an object of the prompt's fields) and 'answer'"
+    problem = answer_problem(metric, record["answer"])
+    if problem is not None:
+        return problem
+    if record.get("metadata") is not None and not isinstance(record["metadata"], dict):
+        return f"'metadata' must be an object, got {_describe(record['metadata'])}"
+    shots = record["input"].get("icl_examples")
+    if shots is None:
+        return None
+    if not isinstance(shots, list):
+        return f"'input.icl_examples' must be an array of worked examples, got {_describe(shots)}"
+    for j, shot in enumerate(shots):
+        if not isinstance(shot, dict) or not isinstance(shot.get("input"), dict) or "answer" not in shot:
+            return (f"input.icl_examples[{j}] must be an object with 'input' (an object of the prompt's fields) "
+                    f"and 'answer', got {_describe(shot)}")
+        problem = _example_problem(shot["answer"])
+        if problem is not None:
+            return f"input.icl_examples[{j}]: {problem}"
+    return None
+
+
+def check_records(name: str, records: list[dict], *, template: str, metric: str, labels: list[str] | None = None,
+                  template_source: str | None = None, data_source: str | None = None) -> None:
+    """Refuse records that task ``name``'s prompt ``template`` or its ``metric`` cannot use, before anything is
+    generated: ``ValueError`` naming the record (``labels[i]``, e.g. ``file:line``), the field and the fix, or
+    naming the template (``template_source``: the file it comes from) when the template itself is wrong: a syntax
+    error, or a field no record has."""
+    if metric not in METRICS:
+        raise ValueError(f"{template_source or name}: unknown metric {metric!r} for {name}; known metrics: "
+                         f"{', '.join(METRICS)}")
+    labels = labels or [f"{data_source or name}: record {k}" for k in range(1, len(records) + 1)]
+    for where, record in zip(labels, records):
+        problem = _shape_problem(record, metric)
+        if problem is not None:
+            raise ValueError(f"{where}: {problem}")
+    prompt_src = template_source or f"the built-in prompt of {name}"
+    fields, syntax = template_fields(template)
+    inputs = [(where, f"input.icl_examples[{j}].input", shot["input"]) for where, r in zip(labels, records)
+              for j, shot in enumerate(r["input"].get("icl_examples") or [])]
+    inputs += [(where, "input", r["input"]) for where, r in zip(labels, records)]
+    unknown = [f for f in fields if not any(f in inp for _, _, inp in inputs)]
+    if unknown or syntax:
+        have = sorted({k for _, _, inp in inputs for k in inp if k != "icl_examples"})
+        parts = []
+        if unknown:
+            parts.append(f"it uses the field(s) {', '.join(map(repr, unknown))}, which no record"
+                         + (f" of {data_source}" if data_source else "") + f" has in its input (the records' fields: "
+                         f"{', '.join(have) or 'none'})")
+        if syntax:
+            parts.append(f"it is not a valid template ({syntax})")
+        raise ValueError(f"{prompt_src}: the prompt of {name}: {'; '.join(parts)}; {_FIX_TEMPLATE}")
+    for where, what, inp in inputs:
+        missing = [f for f in fields if f not in inp]
+        if missing:
+            raise ValueError(f"{where}: {what} has no field {', '.join(map(repr, missing))}, which the prompt of "
+                             f"{name} uses ({prompt_src}); add it to the record (its fields: "
+                             f"{', '.join(sorted(k for k in inp if k != 'icl_examples')) or 'none'})")
+    for where, record in zip(labels, records):
+        try:
+            messages_for(record, template)
+        except (KeyError, IndexError, AttributeError, TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: the prompt of {name} ({prompt_src}) cannot be filled with this record's "
+                             f"input ({type(exc).__name__}: {exc}); fix the record or the prompt") from None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -289,26 +499,73 @@ def _task_file(data_dir: Path, name: str) -> Path:
     return Path(data_dir) / f"{name}.jsonl"
 
 
+_CONFIG_FIX = ("it must map each task name to its settings (prompt, metric, max_tokens ...), in YAML or JSON: fix "
+               "it, or remove it to use the built-in prompts and metrics")
+
+
 def _read_config_file(path: Path) -> dict:
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); {_CONFIG_FIX}") from None
     try:
         import yaml
     except ImportError:  # pragma: no cover - PyYAML ships with transformers
-        conf = json.loads(text)
+        try:
+            conf = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}); "
+                             f"{_CONFIG_FIX}") from None
     else:
-        conf = yaml.safe_load(text)
+        try:
+            conf = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(exc, "problem", None) or str(exc).strip().splitlines()[0]
+            raise ValueError(f"{path}: not valid YAML ({problem}{where}); {_CONFIG_FIX}") from None
     if conf is not None and not isinstance(conf, dict):
-        raise ValueError(f"{path}: expected a mapping of task names to settings")
+        raise ValueError(f"{path}: expected a mapping of task names to settings, got {type(conf).__name__}; "
+                         f"{_CONFIG_FIX}")
     return conf or {}
 
 
+def config_file(data_dir: str | Path, name: str) -> Path:
+    """``<data_dir>/<category>/task_config.yaml``: where the prompt and metric of task ``name`` are configured."""
+    return Path(data_dir) / name.split("/", 1)[0] / "task_config.yaml"
+
+
 def load_task_config(data_dir: str | Path, name: str) -> dict | None:
-    """The entry for ``name`` in ``<data_dir>/<category>/task_config.yaml`` (YAML or JSON), if any."""
-    path = Path(data_dir) / name.split("/", 1)[0] / "task_config.yaml"
+    """The entry for ``name`` in ``<data_dir>/<category>/task_config.yaml`` (YAML or JSON), if any. A file that
+    does not parse, an entry that is not a mapping, or a ``prompt`` / ``metric`` / ``max_tokens`` of the wrong
+    type (or an unknown metric) raises ``ValueError`` naming the file."""
+    path = config_file(data_dir, name)
     if not path.is_file():
         return None
     entry = _read_config_file(path).get(name)
-    return entry if isinstance(entry, dict) else None
+    if entry is None:
+        return None
+    if not isinstance(entry, dict):
+        raise ValueError(f"{path}: the entry of {name} must be a mapping of its settings (prompt, metric, "
+                         f"max_tokens ...), got {type(entry).__name__}")
+    if entry.get("prompt") is not None and not isinstance(entry["prompt"], str):
+        raise ValueError(f"{path}: {name}: 'prompt' must be a string (a str.format template over the record's "
+                         f"input), got {type(entry['prompt']).__name__}")
+    metric = entry.get("metric")
+    if metric is not None and metric not in METRICS:
+        raise ValueError(f"{path}: {name}: unknown metric {metric!r}; known metrics: {', '.join(METRICS)} (or "
+                         "remove 'metric' to use the task's built-in metric)")
+    tokens = entry.get("max_tokens")
+    if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1):
+        raise ValueError(f"{path}: {name}: 'max_tokens' must be a positive integer, got {tokens!r}")
+    return entry
+
+
+def prompt_source(data_dir: str | Path | None, name: str, config: dict | None) -> str:
+    """Where task ``name``'s prompt comes from, for messages: its ``task_config.yaml``, or the built-in prompt."""
+    if data_dir is not None and config and isinstance(config.get("prompt"), str):
+        return str(config_file(data_dir, name))
+    return f"the built-in prompt of {name}"
 
 
 def available_tasks(data_dir: str | Path, pattern: str | None = None) -> list[str]:
@@ -323,12 +580,23 @@ def available_tasks(data_dir: str | Path, pattern: str | None = None) -> list[st
     return T.match_names(ordered, pattern, ALIASES)
 
 
-def load_records(data_dir: str | Path, name: str) -> list[dict]:
-    """Records of task ``name`` from ``<data_dir>/<name>.jsonl``."""
+def load_records(data_dir: str | Path, name: str, style: str = "full") -> list[dict]:
+    """Records of task ``name`` from ``<data_dir>/<name>.jsonl``, checked (:func:`check_records`) against the
+    prompt and metric they run with (the directory's ``task_config.yaml`` entry, else the built-in ones of
+    ``style``): an empty file, or a record the prompt or the metric cannot use, raises ``ValueError`` naming
+    the file, the line and the field."""
     path = _task_file(Path(data_dir), name)
     if not path.is_file():
         raise FileNotFoundError(f"no file for task {name!r}: {str(path)!r} does not exist")
-    return read_jsonl(path)
+    records = read_jsonl(path)
+    if not records:
+        raise ValueError(f"{path}: task {name} has no samples (the file holds no records); add records, or remove "
+                         "the file (or leave the task out of --tasks)")
+    config = load_task_config(data_dir, name)
+    check_records(name, records, template=prompt_for(name, style, config), metric=metric_for(name, config),
+                  labels=record_labels(path, len(records)), template_source=prompt_source(data_dir, name, config),
+                  data_source=str(path))
+    return records
 
 
 def write_suite(out_dir: str | Path, pattern: str | None = None, *, n: int | None = None, seed: int = DEFAULT_SEED,

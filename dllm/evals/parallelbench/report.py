@@ -19,7 +19,6 @@ Definitions (``docs/parallelbench.md`` repeats them):
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +27,7 @@ import numpy as np
 
 from dllm.evals import parallelbench as PB
 from dllm.evals import stats
+from dllm.evals.io import read_run_file
 from dllm.evals.parallelbench.sweep import RUN_FILE, load_samples
 
 __all__ = ["PB_LEVELS", "Cell", "Report", "aggregate", "aup", "build_report", "pb_score", "write_report"]
@@ -453,8 +453,10 @@ def write_report(sources: Sequence[str | Path] | str | Path, out: str | Path | N
     for src in srcs:
         lines += load_samples(src)
         run = Path(src) / RUN_FILE if Path(src).is_dir() else Path(src).parent / RUN_FILE
-        if run.is_file():
-            needs.update(json.loads(run.read_text(encoding="utf-8")).get("needs_data", {}))
+        info = read_run_file(run) or {}
+        if not isinstance(info.get("needs_data", {}), dict):
+            raise ValueError(f"{run}: 'needs_data' must map task names to reasons; rerun the sweep")
+        needs.update(info.get("needs_data", {}))
     first = Path(srcs[0])
     out_path = Path(out) if out is not None else (first if first.is_dir() else first.parent) / "report.md"
     report = build_report(lines, plot_dir=out_path.parent if plot else None, sources=[str(s) for s in srcs],

@@ -47,8 +47,8 @@ from dllm.evals.runner import generate_batches
 from dllm.generate import answer_lengths
 
 __all__ = ["SAMPLES_FILE", "RUN_FILE", "Setting", "SweepResult", "check_run_file", "check_settings", "load_samples",
-           "parse_method", "parse_methods", "parse_values", "replay_sample", "run_sweep", "stored_sample",
-           "subset_indices", "sweep_pinned"]
+           "parse_method", "parse_methods", "parse_values", "replay_plan", "replay_sample", "run_sweep",
+           "sample_line_problem", "stored_sample", "subset_indices", "sweep_pinned"]
 
 SAMPLES_FILE = "samples.jsonl"
 RUN_FILE = "run.json"
@@ -275,7 +275,43 @@ def load_samples(path: str | Path) -> list[dict]:
         path = path / SAMPLES_FILE
     if not path.is_file():
         raise FileNotFoundError(f"no sweep results at {str(path)!r}")
-    return read_lines(path, strict=True)
+    lines = read_lines(path, strict=True)
+    with open(path, "rb") as f:  # line numbers of the lines read (a torn last line is not read)
+        numbers = [i for i, raw in enumerate(f, 1) if raw.endswith(b"\n") and raw.strip()]
+    labels = [f"{path}:{i}" for i in numbers] if len(numbers) == len(lines) else [
+        f"{path}: line {k} of its results" for k in range(1, len(lines) + 1)]
+    for where, line in zip(labels, lines):
+        problem = sample_line_problem(line)
+        if problem is not None:
+            raise ValueError(f"{where}: not a result line of `dllm parallelbench run` ({problem}); remove the line, "
+                             "or rerun the sweep into a new --out")
+    return lines
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def sample_line_problem(line: Any) -> str | None:
+    """What a report cannot use in a result line of ``samples.jsonl`` (``None`` when it is fine): the strings
+    ``task``, ``method`` and ``setting``, and for a decoded line (no ``error``) the numbers ``tokens_per_step``
+    and ``nfe``, and ``score`` (a number, or null when unavailable) and ``score_strict`` (the same, if present)."""
+    if not isinstance(line, dict):
+        return f"a JSON {type(line).__name__}, not an object"
+    for key in ("task", "method", "setting"):
+        if not isinstance(line.get(key), str):
+            return f"no {key!r} field" if key not in line else f"{key!r} is not a string"
+    if "error" in line:
+        return None
+    for key in ("tokens_per_step", "nfe"):
+        if not _number(line.get(key)):
+            return f"no {key!r} field" if key not in line else f"{key!r} is not a number"
+    if "score" not in line:
+        return "no 'score' field"
+    for key in ("score", "score_strict"):
+        if line.get(key) is not None and not _number(line[key]):
+            return f"{key!r} is not a number"
+    return None
 
 
 @dataclass
@@ -310,17 +346,21 @@ def _resolve_tasks(tasks, data_dir, n, seed, style, index_base, sort_by, sudoku_
         raise ValueError(f"no task matches {pattern!r}; known tasks: {', '.join(known)}")
     for name in names:
         config = PB.load_task_config(data_dir, name) if data_dir is not None else None
+        template, metric = PB.prompt_for(name, style, config), PB.metric_for(name, config)
         try:
-            if data_dir is not None and name not in text_data:
-                records = PB.load_records(data_dir, name)
+            if name in text_data:  # a user's file: checked against the prompt and metric it runs with
+                records = PB.load_text_data(name, text_data[name], seed=seed, template=template, metric=metric,
+                                            template_source=PB.prompt_source(data_dir, name, config))
+            elif data_dir is not None:
+                records = PB.load_records(data_dir, name, style)
             else:
                 records = PB.generate_task(name, None, seed, style=style, index_base=index_base, sort_by=sort_by,
-                                           sudoku_givens=sudoku_givens, data=text_data.get(name))
+                                           sudoku_givens=sudoku_givens)
         except PB.DataNeeded as exc:
             needs[name] = str(exc)
             continue
-        out.append(_TaskData(name, records, subset_indices(len(records), n), PB.prompt_for(name, style, config),
-                             PB.metric_for(name, config), config, PB.max_tokens_for(name, config)))
+        out.append(_TaskData(name, records, subset_indices(len(records), n), template, metric, config,
+                             PB.max_tokens_for(name, config)))
     return out, needs
 
 
@@ -373,16 +413,14 @@ def check_settings(settings: Sequence[Setting], family: str, tasks: str | Sequen
                    text_data: dict[str, str | Path] | None = None, gen_length: int | None = None) -> None:
     """Build every setting's sampler and decode configuration for every task's budget, as :func:`run_sweep` does
     (the same arguments), without a model: a value its sampler refuses (``threshold:tau=2``) or a ``topk`` k that
-    does not divide a budget raises here, before the model loads and before ``--out`` is made. ``family``: the
+    does not divide a budget raises here, before the model loads and before ``--out`` is made, and so does a data
+    file the tasks' prompts or metrics cannot use (:func:`dllm.evals.parallelbench.check_records`). ``family``: the
     model family (config.json's), whose baseline sampler ``topk`` uses when the spec names none."""
     from dllm.recipes import baseline_name
 
-    if gen_length is not None:
-        lengths = {gen_length}
-    else:
-        task_data, _ = _resolve_tasks(tasks, data_dir, None, seed, style, index_base, sort_by, sudoku_givens,
-                                      text_data)
-        lengths = {td.max_tokens for td in task_data}
+    # the tasks' records are read (and checked) whatever the budget: a bad data file fails here, not after loading
+    task_data, _ = _resolve_tasks(tasks, data_dir, None, seed, style, index_base, sort_by, sudoku_givens, text_data)
+    lengths = {gen_length} if gen_length is not None else {td.max_tokens for td in task_data}
     for s in settings:
         for G in sorted(lengths):
             s.build(baseline_name(family), G)
@@ -535,32 +573,73 @@ def stored_sample(out_dir: str | Path, index: int, task: str | None = None, sett
     return lines[0]
 
 
-def replay_sample(model, out_dir: str | Path, index: int, task: str | None = None, setting: str | None = None,
-                  record_confidence: bool = True):
-    """Decode one stored sample of a sweep again, for a picture of its trajectory (``dllm parallelbench show``).
+@dataclass
+class ReplayPlan:
+    """What :func:`replay_sample` decodes, read without a model (:func:`replay_plan`)."""
 
-    The result lines keep the record, not the per-step trajectory; the sample (:func:`stored_sample`) is
-    regenerated from its stored record, the sweep's pinned data options (prompt style and template) and its
-    setting's decode configuration (deterministic at temperature 0, and with the sweep's seed otherwise). Returns
-    ``(GenerateOutput, line)``; ``line["prediction"]`` is the stored output, which the regenerated text should
-    equal.
-    """
-    from dllm.generate import generate
+    line: dict  # the stored result line
+    messages: list[dict]  # the sample's chat, rebuilt from its record and the sweep's data options
+    setting: Setting
+    pinned: dict  # the sweep's run.json "pinned"
 
+
+def replay_plan(out_dir: str | Path, index: int, task: str | None = None, setting: str | None = None, *,
+                family: str | None = None) -> ReplayPlan:
+    """Everything :func:`replay_sample` needs but the model, checked: the stored line (:func:`stored_sample`), the
+    sweep's ``run.json``, the task's records (read and checked as the sweep read them) and the setting; with the
+    model ``family`` (config.json's), the setting's sampler is built too. A command calls it before loading a
+    model: what is wrong raises ``ValueError`` naming the file."""
     out = Path(out_dir)
     line = stored_sample(out, index, task, setting)
-    pinned = json.loads((out / RUN_FILE).read_text(encoding="utf-8"))["pinned"]
-    data = pinned["data"]
+    where = f"{out / SAMPLES_FILE}: sample {index} of {line['task']} / {line['setting']}"
+    run = read_run_file(out / RUN_FILE)
+    pinned = run.get("pinned") if run is not None else None
+    data = pinned.get("data") if isinstance(pinned, dict) else None
+    keys = ("data_dir",) if isinstance(data, dict) and "data_dir" in data else (
+        "seed", "style", "index_base", "sort_by", "sudoku_givens")
+    if not isinstance(data, dict) or any(k not in data for k in keys):
+        raise ValueError(f"{out / RUN_FILE}: not a sweep's run file (no pinned data options); rerun the sweep")
     if "data_dir" in data:
         task_data, _ = _resolve_tasks(line["task"], data["data_dir"], None, 0, "full", 0, "last", (4, 12),
                                       data.get("text_data"))
     else:
         task_data, _ = _resolve_tasks(line["task"], None, None, data["seed"], data["style"], data["index_base"],
                                       data["sort_by"], tuple(data["sudoku_givens"]), data.get("text_data"))
+    if not task_data:
+        raise ValueError(f"{where}: its task's data is no longer there ({out / RUN_FILE} pins its data options)")
     td = task_data[0]
+    if index >= len(td.records):
+        raise ValueError(f"{where}: the task's data now has {len(td.records)} records, so its record {index} is "
+                         "gone (the data changed since the sweep)")
+    gen_length = line.get("gen_length")
+    if not isinstance(gen_length, int) or isinstance(gen_length, bool) or gen_length < 1:
+        raise ValueError(f"{where}: no positive integer 'gen_length' in the line; rerun the sweep")
+    if not isinstance(line.get("params") or {}, dict) or (line.get("k") is None and not isinstance(
+            line.get("sampler"), str)):
+        raise ValueError(f"{where}: the line does not say its sampler ('sampler', 'params', 'k'); rerun the sweep")
     s = Setting.from_line(line)
-    sampler, config = s.resolve(model, line["gen_length"], pinned.get("gen_seed", 0))
+    if family is not None:
+        from dllm.recipes import baseline_name
+
+        s.build(baseline_name(family), gen_length)
+    return ReplayPlan(line, PB.messages_for(td.records[index], td.template), s, pinned)
+
+
+def replay_sample(model, out_dir: str | Path, index: int, task: str | None = None, setting: str | None = None,
+                  record_confidence: bool = True):
+    """Decode one stored sample of a sweep again, for a picture of its trajectory (``dllm parallelbench show``).
+
+    The result lines keep the record, not the per-step trajectory; the sample (:func:`stored_sample`) is
+    regenerated from its stored record, the sweep's pinned data options (prompt style and template) and its
+    setting's decode configuration (deterministic at temperature 0, and with the sweep's seed otherwise)
+    (:func:`replay_plan`). Returns ``(GenerateOutput, line)``; ``line["prediction"]`` is the stored output, which
+    the regenerated text should equal.
+    """
+    from dllm.generate import generate
+
+    plan = replay_plan(out_dir, index, task, setting)
+    line = plan.line
+    sampler, config = plan.setting.resolve(model, line["gen_length"], plan.pinned.get("gen_seed", 0))
     config = dataclasses.replace(config, record_confidence=record_confidence)
-    res = generate(model, [PB.messages_for(td.records[index], td.template)], config, sampler=sampler,
-                   cache=pinned.get("cache"))
+    res = generate(model, [plan.messages], config, sampler=sampler, cache=plan.pinned.get("cache"))
     return res, line
