@@ -37,6 +37,24 @@ def test_gsm8k_reference_and_numeric_compare():
         A.gsm8k_reference("no final answer")
 
 
+@pytest.mark.parametrize("a,b,equal", [
+    ("2.50", "2.5", True), ("1,000,000", "1000000", True), ("-0", "0", True), ("72.", "72", True),
+    ("1000001", "1000000", False), ("0.3333333", "0.3333334", False), ("0.0000000001", "0", False),
+    ("123456789012345678", "123456789012345679", False), ("0.1", "0.10000000000000001", False),
+])
+def test_numbers_compare_exactly(a, b, equal):
+    assert A.numbers_equal(a, b) is equal and A.numbers_equal(b, a) is equal
+
+
+@pytest.mark.parametrize("pred,ref,equal", [
+    ("0.5", "\\frac12", True), ("1/2", "0.5", True), ("\\frac{10}{4}", "2.5", True), ("1.50", "\\frac32", True),
+    ("0.3333333", "\\frac13", False), ("1000001", "1000000", False), ("1e-10", "0", False),
+    ("0.0000000001", "0", False), ("\\frac{1}{3}", "0.333333", False),
+])
+def test_math_numbers_compare_exactly(pred, ref, equal):
+    assert A.math_equiv(pred, ref) is equal
+
+
 @pytest.mark.parametrize("text,expected", [
     ("so $x = \\boxed{5}$.", "5"),
     ("\\boxed{\\frac{3}{4}}", "\\frac{3}{4}"),

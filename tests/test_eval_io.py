@@ -1,8 +1,19 @@
 """The content-keyed JSONL result store (dllm/evals/io.py) on its own: torn lines, stale keys, pinned settings."""
 
+import gzip
+
 import pytest
 
-from dllm.evals.io import ConfigChanged, JsonlStore, check_pinned, content_key, pinned_state, read_lines, read_run_file
+from dllm.evals.io import (
+    ConfigChanged,
+    JsonlStore,
+    check_pinned,
+    content_key,
+    pinned_state,
+    read_jsonl,
+    read_lines,
+    read_run_file,
+)
 
 
 def test_content_key_is_stable_and_order_free():
@@ -65,3 +76,34 @@ def test_run_file_read_and_pinned_state(tmp_path):
     run.write_text("[1, 2]")
     with pytest.raises(ValueError, match=r"run.json holds no settings object"):
         read_run_file(run)
+
+
+def test_store_skips_lines_that_are_not_results(tmp_path, caplog):
+    # JSON, but not an object with an id: skipped with a warning naming the file and line, like a malformed line
+    store = JsonlStore(tmp_path, ident=lambda r: str(r["id"]))
+    store.path.write_bytes(b'[1, 2]\n"hello"\n{"foo": 1}\n{"id": "a", "key": "k"}\nnot json\n\xff\n')
+    with caplog.at_level("WARNING", logger="dllm.evals.io"):
+        assert store.read() == [{"id": "a", "key": "k"}]
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 5 and all("samples.jsonl:" in w and "skipping" in w for w in warned)
+    assert any(":3: skipping a line that is not a result" in w for w in warned)
+    with pytest.raises(ValueError, match=r"samples.jsonl:1: a JSON list, not an object"):
+        read_lines(store.path, strict=True)
+
+
+def test_read_jsonl_names_the_file_when_it_is_not_utf8_or_not_gzip(tmp_path):
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"q": "a"}\n{"q": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"latin.jsonl:2: not UTF-8 text .*must be UTF-8 JSONL.*convert it"):
+        read_jsonl(latin)
+    fake = tmp_path / "plain.jsonl.gz"
+    fake.write_text('{"q": "a"}\n')
+    with pytest.raises(ValueError, match=r"plain.jsonl.gz: a name ending in .gz must be a gzip-compressed .*rename it"):
+        read_jsonl(fake)
+    torn = tmp_path / "torn.jsonl.gz"
+    torn.write_bytes(gzip.compress(b'{"q": "a"}\n' * 100)[:40])
+    with pytest.raises(ValueError, match=r"torn.jsonl.gz: .*could not be decompressed"):
+        read_jsonl(torn)
+    good = tmp_path / "good.jsonl.gz"
+    good.write_bytes(gzip.compress('\ufeff{"q": "é"}\n\n{"q": "b"}\n'.encode()))
+    assert read_jsonl(good) == [{"q": "é"}, {"q": "b"}]

@@ -215,3 +215,10 @@ def test_humaneval_and_mbpp_programs_from_fixtures():
     samples, _ = load_samples(mbpp, str(FIXTURES / "mbpp.jsonl"))
     assert all(mbpp.score(s, f"```python\n{s.row['code']}\n```")["correct"] for s in samples)
     assert not mbpp.score(samples[3], "[BEGIN]\ndef double(x):\n    return x\n[DONE]")["correct"]
+
+
+def test_timeout_must_be_finite_and_large_ones_still_run():
+    with pytest.raises(ValueError, match="timeout"):
+        run_program("pass\n", timeout=float("inf"))
+    res = run_program("assert 1 + 1 == 2\n", timeout=1e300)  # beyond what setrlimit takes: the CPU limit is capped
+    assert res.passed, res

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 from pathlib import Path
 
@@ -63,8 +64,9 @@ def cmd_eval(args) -> int:
     checks.positive(args.limit, "--limit")
     checks.positive(args.batch_size, "--batch-size", allow_none=False)
     checks.positive(args.memory_mb, "--memory-mb", allow_none=False)
-    if not args.timeout > 0:
-        raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise ValueError(f"--timeout must be a finite number of seconds > 0 (each program's wall-clock limit), got "
+                         f"{args.timeout}")
     for option, value in (("--data", args.data), ("--fewshot-data", args.fewshot_data)):
         if value is not None and Path(value).is_dir():  # a missing file: the data loader's own message
             checks.input_file(value, option)

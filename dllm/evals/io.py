@@ -21,14 +21,15 @@ import hashlib
 import json
 import logging
 import os
+import zlib
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ConfigChanged", "JsonlStore", "check_pinned", "content_key", "pinned_state", "read_lines", "read_run_file",
-           "repair"]
+__all__ = ["ConfigChanged", "JsonlStore", "check_pinned", "content_key", "pinned_state", "read_jsonl", "read_jsonl_lines",
+           "read_lines", "read_run_file", "repair"]
 
 
 def content_key(*parts: Any) -> str:
@@ -105,22 +106,33 @@ def repair(path: Path) -> None:
 
 
 def read_lines(path: str | Path, *, strict: bool = False) -> list[dict]:
-    """The JSON objects of a JSONL file; a torn last line is ignored, blank lines skipped. A malformed line
-    raises (``strict``, naming the file and line) or is skipped with a warning."""
-    path = Path(path)
+    """The JSON objects of a JSONL file; a torn last line is ignored, blank lines skipped. A malformed line (not
+    UTF-8, not JSON, or JSON that is not an object) raises (``strict``, naming the file and line) or is skipped
+    with a warning."""
+    return [row for _, row in _numbered_lines(Path(path), strict=strict)]
+
+
+def _numbered_lines(path: Path, *, strict: bool) -> list[tuple[int, dict]]:
     out = []
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if not line.endswith("\n"):
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f, 1):
+            if not raw.endswith(b"\n"):
                 break
-            if not line.strip():
+            if not raw.strip():
                 continue
             try:
-                out.append(json.loads(line))
+                row = json.loads(raw.decode("utf-8"))
+                problem = None if isinstance(row, dict) else f"a JSON {type(row).__name__}, not an object"
+            except UnicodeDecodeError:
+                problem = "not UTF-8 text"
             except json.JSONDecodeError as exc:
-                if strict:
-                    raise ValueError(f"{path}:{i}: not valid JSON ({exc.msg})") from None
-                log.warning("%s:%d: skipping a malformed line", path, i)
+                problem = f"not valid JSON ({exc.msg})"
+            if problem is None:
+                out.append((i, row))
+            elif strict:
+                raise ValueError(f"{path}:{i}: {problem}")
+            else:
+                log.warning("%s:%d: skipping a malformed line (%s)", path, i, problem)
     return out
 
 
@@ -128,22 +140,37 @@ def read_jsonl(path: str | Path, *, nonempty: bool = False) -> list[dict]:
     """The JSON objects of a complete JSONL file (``.gz`` too; blank lines skipped), for data files; errors name
     the file and line. ``nonempty``: a file without records is an error. (Results files, appended while a run
     may be killed, are read with :func:`read_lines`.)"""
+    return [row for _, row in read_jsonl_lines(path, nonempty=nonempty)]
+
+
+def read_jsonl_lines(path: str | Path, *, nonempty: bool = False) -> list[tuple[int, dict]]:
+    """:func:`read_jsonl` with each record's line number: ``[(line, record), ...]``."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"data file not found: {p}")
     opener = gzip.open if p.suffix == ".gz" else open
     rows = []
-    with opener(p, "rt", encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{p}:{i}: not valid JSON ({exc.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{p}:{i}: each line must be a JSON object, got {type(row).__name__}")
-            rows.append(row)
+    try:
+        with opener(p, "rb") as f:
+            for i, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8-sig" if i == 1 else "utf-8")
+                except UnicodeDecodeError as exc:
+                    raise ValueError(f"{p}:{i}: not UTF-8 text ({exc.reason} at byte {exc.start} of the line); a "
+                                     "data file must be UTF-8 JSONL, one JSON object per line: convert it (e.g. "
+                                     "iconv -t UTF-8) or give another file") from None
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{p}:{i}: not valid JSON ({exc.msg})") from None
+                if not isinstance(row, dict):
+                    raise ValueError(f"{p}:{i}: each line must be a JSON object, got {type(row).__name__}")
+                rows.append((i, row))
+    except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
+        raise ValueError(f"{p}: a name ending in .gz must be a gzip-compressed JSONL file, but this one could not be "
+                         f"decompressed ({exc}); gzip it again, or rename it without .gz if it is plain JSONL") from None
     if nonempty and not rows:
         raise ValueError(f"{p}: no records")
     return rows
@@ -179,9 +206,19 @@ class JsonlStore:
         return sorted(self.dir.glob(f"{self._stem}.rank*.jsonl"))
 
     def read(self) -> list[dict]:
-        """Every line of the merged file, then of the shards (file order)."""
+        """Every line of the merged file, then of the shards (file order). Lines that are malformed, or objects
+        ``ident`` cannot identify (no id), are skipped with a warning, as :func:`read_lines` skips malformed lines."""
         files = ([self.path] if self.path.is_file() else []) + self.shards()
-        return [row for p in files for row in read_lines(p)]
+        out = []
+        for p in files:
+            for i, row in _numbered_lines(p, strict=False):
+                try:
+                    self.ident(row)
+                except (KeyError, TypeError, ValueError) as exc:  # an object, but not a result line of this store
+                    log.warning("%s:%d: skipping a line that is not a result (%s: %s)", p, i, type(exc).__name__, exc)
+                    continue
+                out.append(row)
+        return out
 
     def current(self, expected: Mapping[Hashable, str], lines: Iterable[dict] | None = None
                 ) -> tuple[dict[Hashable, dict], list[dict], int]:

@@ -4,19 +4,22 @@ Pure functions on strings; no model, no I/O. The scorers follow the usual public
 
 * GSM8K: the reference is the number after ``####``; a prediction's answer is, in order of preference, the
   number after ``####``, after "the answer is", inside ``\\boxed{}``, else the last number in the text.
-  Numbers compare numerically (commas, ``$`` and trailing zeros ignored).
+  Numbers compare exactly (commas, ``$`` and trailing zeros ignored; no tolerance: ``1000001`` is not
+  ``1000000``).
 * MATH: the answer is the content of the last ``\\boxed{...}`` (or ``\\fbox``), else the text after
   "final answer is"; both sides are normalised (Hendrycks-style string clean-up: ``\\dfrac`` -> ``\\frac``,
   ``\\left``/``\\right``, units in ``\\text{}``, degrees, ``x = `` prefixes, ``\\frac12`` -> ``\\frac{1}{2}``,
-  spaces) and then compared as strings, or as numbers when both parse (``0.5`` == ``\\frac{1}{2}``).
+  spaces) and then compared as strings, or as exact numbers when both parse (``0.5`` == ``\\frac{1}{2}``,
+  ``0.333`` != ``\\frac{1}{3}``).
 * Code: the program is taken from the first fenced code block (or between ``[BEGIN]`` and ``[DONE]``), else
   the whole text.
 """
 
 from __future__ import annotations
 
-import math
 import re
+from decimal import Decimal, InvalidOperation
+from fractions import Fraction
 
 __all__ = [
     "extract_code",
@@ -31,6 +34,7 @@ __all__ = [
     "truncate_at",
 ]
 
+_MAX_EXPONENT = 400  # larger or smaller magnitudes are not answers (and would spell out hundreds of digits)
 _NUMBER = r"-?\$?\s?\d[\d,]*(?:\.\d+)?|-?\$?\s?\.\d+"
 
 
@@ -41,29 +45,42 @@ def truncate_at(text: str, stops) -> tuple[str, bool]:
 
 
 def normalize_number(s: str | None) -> str | None:
-    """``"$1,234.50"`` -> ``"1234.5"``; ``"72.00"`` -> ``"72"``; ``None`` when ``s`` holds no number."""
+    """``"$1,234.50"`` -> ``"1234.5"``; ``"72.00"`` -> ``"72"``; ``None`` when ``s`` holds no number. Exact: the
+    decimal digits are kept as written (no rounding through a float)."""
     if s is None:
         return None
     t = s.strip().replace(",", "").replace("$", "").replace(" ", "").rstrip(".")
     if not t:
         return None
     try:
-        v = float(t)
-    except ValueError:
+        v = Decimal(t)
+    except InvalidOperation:
         return None
-    if not math.isfinite(v):
+    if not v.is_finite() or abs(v.adjusted()) > _MAX_EXPONENT:
         return None
-    if v == int(v) and abs(v) < 1e16:
+    if v == v.to_integral_value():
         return str(int(v))
-    return repr(v)
+    return format(v.normalize(), "f")
 
 
-def numbers_equal(a: str | None, b: str | None, rel: float = 1e-6) -> bool:
+def _exact(s: str) -> Fraction | None:
+    """The exact value of a normalised integer / decimal string (``None`` when it is not one)."""
+    try:
+        v = Decimal(s)
+    except InvalidOperation:
+        return None
+    if not v.is_finite() or abs(v.adjusted()) > _MAX_EXPONENT:
+        return None
+    return Fraction(v)
+
+
+def numbers_equal(a: str | None, b: str | None) -> bool:
+    """Whether two numbers are exactly equal (``"2.50"`` == ``"2.5"``, ``"$1,000"`` == ``"1000"``; ``"1000001"`` !=
+    ``"1000000"``)."""
     na, nb = normalize_number(a), normalize_number(b)
     if na is None or nb is None:
         return False
-    x, y = float(na), float(nb)
-    return x == y or math.isclose(x, y, rel_tol=rel, abs_tol=1e-9)
+    return _exact(na) == _exact(nb)
 
 
 def gsm8k_reference(answer_field: str) -> str:
@@ -203,28 +220,28 @@ def normalize_math_answer(ans: str | None) -> str | None:
     return s
 
 
-def _as_number(s: str) -> float | None:
+def _as_number(s: str) -> Fraction | None:
+    """The exact value of a normalised answer that is a number: an integer, a decimal or ``\\frac{a}{b}`` of
+    those (``None`` otherwise)."""
     # commas only as thousands separators ("1,000"); "1,2" is a pair of answers, not 12
     t = s.replace(",", "") if re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", s) else s
     m = re.fullmatch(r"(-?)\\frac\{(-?\d+(?:\.\d+)?)\}\{(-?\d+(?:\.\d+)?)\}", t)
     if m:
-        den = float(m.group(3))
-        return None if den == 0 else (-1 if m.group(1) else 1) * float(m.group(2)) / den
-    try:
-        return float(t)
-    except ValueError:
-        return None
+        den = Fraction(m.group(3))
+        return None if den == 0 else (-1 if m.group(1) else 1) * Fraction(m.group(2)) / den
+    return _exact(t)
 
 
 def math_equiv(pred: str | None, ref: str | None) -> bool:
-    """``True`` when two MATH answers agree after normalisation (as strings or as numbers)."""
+    """``True`` when two MATH answers agree after normalisation: as strings, or as exactly equal numbers
+    (``0.5`` == ``\\frac{1}{2}``; ``0.3333333`` != ``\\frac{1}{3}``)."""
     if pred is None or ref is None:
         return False
     a, b = normalize_math_answer(pred), normalize_math_answer(ref)
     if a == b:
         return True
     x, y = _as_number(a), _as_number(b)
-    return x is not None and y is not None and math.isclose(x, y, rel_tol=1e-6, abs_tol=1e-9)
+    return x is not None and y is not None and x == y
 
 
 # ----------------------------------------------------------------------------------------------- code

