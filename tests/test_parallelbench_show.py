@@ -57,3 +57,23 @@ def test_unknown_setting_or_task_lists_what_the_sweep_has(sweep, tmp_path, capsy
     assert "its tasks: waiting_line/copy" in capsys.readouterr().err
     with pytest.raises(ValueError, match="its settings: localleap, threshold:tau=0.5, threshold:tau=0.7"):
         S.stored_sample(sweep, 0, setting="threshold")
+
+
+def test_a_data_dir_sweep_replays_with_its_own_prompt_style(tmp_path):
+    """A data directory's records hold no prompt: without a task_config.yaml prompt the sweep's --style picks the
+    built-in one, so run.json pins it and show rebuilds the sample's chat with it (it took the full prompts
+    whatever the sweep ran)."""
+    from dllm.evals import parallelbench as PB
+
+    data, out = tmp_path / "data", tmp_path / "runs"
+    assert main(["parallelbench", "generate", "--out", str(data), "--tasks", "waiting_line/copy", "--n", "2"]) == 0
+    (data / "waiting_line" / "task_config.yaml").unlink()  # records alone: the prompt is the style's built-in one
+    assert main(["parallelbench", "run", "--method", "topk:k=4", "--out", str(out), "--data-dir", str(data),
+                 "--style", "short", "--tasks", "waiting_line/copy", "--no-report"]) == 0
+    plan = S.replay_plan(out, 0, "waiting_line/copy", "topk:k=4")
+    assert plan.pinned["data"]["style"] == "short"
+    record = PB.load_records(data, "waiting_line/copy", "short")[0]
+    assert plan.messages == PB.messages_for(record, PB.prompt_for("waiting_line/copy", "short"))
+    assert plan.messages != PB.messages_for(record, PB.prompt_for("waiting_line/copy", "full"))
+    res, line = S.replay_sample(load_model("llada-tiny"), out, 0, task="waiting_line/copy", setting="topk:k=4")
+    assert res.texts[0] == line["prediction"]

@@ -369,7 +369,8 @@ def sweep_pinned(model_name: str | None, *, data_dir: str | Path | None, seed: i
                  gen_length: int | None, cache: str | None, gen_seed: int | None) -> dict:
     """What a sweep pins in its ``run.json`` (:func:`run_sweep`'s arguments of the same names): the model, the data
     options, the generation length override, the cache and the decoding seed."""
-    data = ({"data_dir": str(Path(data_dir).resolve())} if data_dir is not None else
+    # a data directory's records carry no prompt: its task_config.yaml's, else the built-in one of ``style``
+    data = ({"data_dir": str(Path(data_dir).resolve()), "style": style} if data_dir is not None else
             {"seed": seed, "style": style, "index_base": index_base, "sort_by": sort_by,
              "sudoku_givens": list(sudoku_givens)})
     data["text_data"] = {k: str(Path(v).resolve()) for k, v in sorted((text_data or {}).items())}
@@ -600,8 +601,9 @@ def replay_plan(out_dir: str | Path, index: int, task: str | None = None, settin
     if not isinstance(data, dict) or any(k not in data for k in keys):
         raise ValueError(f"{out / RUN_FILE}: not a sweep's run file (no pinned data options); rerun the sweep")
     if "data_dir" in data:
-        task_data, _ = _resolve_tasks(line["task"], data["data_dir"], None, 0, "full", 0, "last", (4, 12),
-                                      data.get("text_data"))
+        # a run.json without the style (written before it was pinned): the built-in full prompts, as before
+        task_data, _ = _resolve_tasks(line["task"], data["data_dir"], None, 0, data.get("style", "full"), 0, "last",
+                                      (4, 12), data.get("text_data"))
     else:
         task_data, _ = _resolve_tasks(line["task"], None, None, data["seed"], data["style"], data["index_base"],
                                       data["sort_by"], tuple(data["sudoku_givens"]), data.get("text_data"))
