@@ -109,7 +109,7 @@ def test_explicit_ids_still_exclude_the_sample(tmp_path):
 @pytest.mark.parametrize("value", ["inf", "-inf", "nan", "0"])
 def test_timeout_must_be_finite_and_positive(value, tmp_path, capsys, no_model):
     refused(capsys, ["eval", "mbpp", "--data", str(REPO / "tests" / "fixtures" / "eval" / "mbpp.jsonl"), *QUICK,
-                     f"--timeout={value}", "--out", str(tmp_path)], "--timeout must be a finite number of seconds > 0")
+                     f"--timeout={value}", "--out", str(tmp_path)], "--timeout must be > 0 and finite")
 
 
 @pytest.mark.parametrize("case,content", [

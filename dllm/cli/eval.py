@@ -65,7 +65,7 @@ def cmd_eval(args) -> int:
     checks.positive(args.batch_size, "--batch-size", allow_none=False)
     checks.positive(args.memory_mb, "--memory-mb", allow_none=False)
     if not (math.isfinite(args.timeout) and args.timeout > 0):
-        raise ValueError(f"--timeout must be a finite number of seconds > 0 (each program's wall-clock limit), got "
+        raise ValueError(f"--timeout must be > 0 and finite (seconds: each program's wall-clock limit), got "
                          f"{args.timeout}")
     for option, value in (("--data", args.data), ("--fewshot-data", args.fewshot_data)):
         if value is not None and Path(value).is_dir():  # a missing file: the data loader's own message
