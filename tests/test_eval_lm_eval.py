@@ -192,3 +192,34 @@ def test_block_diffusion_loglikelihood_scores_each_block_given_clean_blocks(tmp_
                     exact += sum(float(lp[c, seq[c]]) for c in sub) * (n / k) / n / len(subsets)
     got = lm.mc_loglikelihood(prefix, target, torch.Generator().manual_seed(0))
     assert got == pytest.approx(exact, rel=0.05) and got < 0
+
+
+class _Request:
+    def __init__(self, context: str, kwargs: dict):
+        self.args = (context, kwargs)
+
+
+def _chat(lm, text: str) -> str:
+    return lm.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                           tokenize=False)
+
+
+def test_a_request_decodes_as_alone_whatever_shares_its_batch():
+    """A request's generation length is its own (a shorter ``max_gen_toks`` beside it shortened it), and identical
+    contexts (lm-eval's repeats) draw their own samples, the same at any batch size."""
+    alone = DLLMLM(pretrained="llada-tiny", gen_length=32, batch_size=1, device="cpu", dtype="float32")
+    together = DLLMLM(pretrained="llada-tiny", gen_length=32, batch_size=2, device="cpu", dtype="float32")
+    reverse = _Request(_chat(alone, 'Please reverse the order of the list:\n["Alice Adams", "Brian Baker", '
+                                    '"Carol Carter"]'), {"until": [], "max_gen_toks": 32})
+    short = _Request(_chat(alone, "What is 12 + 7?"), {"until": [], "max_gen_toks": 4})
+    one = alone.generate_until([reverse, short])
+    assert one == together.generate_until([reverse, short])
+    assert one[0].startswith('["Carol Carter", "Brian Baker", "Alice Adams"]')  # its whole answer, not 4 tokens
+
+    shuffle = _Request(_chat(alone, 'Please shuffle the list:\n["Alice Adams", "Brian Baker", "Carol Carter"]'),
+                       {"until": []})
+    kw = dict(pretrained="llada-tiny", sampler="llada", temperature=4.0, gen_length=16, device="cpu",
+              dtype="float32")
+    draws = {bs: DLLMLM(batch_size=bs, **kw).generate_until([shuffle] * 4) for bs in (1, 4)}
+    assert draws[1] == draws[4]
+    assert len(set(draws[1])) > 1  # each repeat draws anew

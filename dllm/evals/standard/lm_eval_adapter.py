@@ -43,6 +43,7 @@ lm_eval splits the requests by ``rank``/``world_size``.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import sys
@@ -155,38 +156,51 @@ class DLLMLM(LM):
 
     # ------------------------------------------------------------------ generation
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Each request decoded as it would be alone, whatever else is in its batch: its own generation length
+        (:meth:`_request_config`; a batch holds requests of one length) and its own random stream, keyed by its
+        context and its occurrence among identical contexts in ``requests`` (lm-eval's ``repeats``: each repeat
+        draws anew), never by the batch it falls in."""
         from dllm.evals.standard.answers import truncate_at
 
         out: list[str | None] = [None] * len(requests)
+        seen: dict[str, int] = {}
         items = []
         for i, req in enumerate(requests):
             context, kwargs = req.args
             kwargs = dict(kwargs or {})
             until = kwargs.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
-            items.append((i, self._encode(context), until, kwargs.get("max_gen_toks")))
-        items.sort(key=lambda t: -len(t[1]))  # similar lengths together: less padding
-        for b in range(0, len(items), self.batch_size_):
-            chunk = items[b : b + self.batch_size_]
-            cfg = self.config
-            caps = [m for _, _, _, m in chunk if m]
-            # a smaller max_gen_toks shortens the canvas when it keeps the block structure valid
-            if caps and min(caps) < cfg.gen_length and cfg.gen_length % cfg.block == 0:
-                cap = min(caps)
-                if cfg.block_length is None or cap % cfg.block_length == 0:
-                    from dataclasses import replace
-
-                    steps = None if cfg.steps is None else max(1, cfg.steps * cap // cfg.gen_length)
-                    cfg = replace(cfg, gen_length=cap, steps=steps)
-            res = generate(self.model, [ids for _, ids, _, _ in chunk], cfg, sampler=self.sampler, cache=self.cache)
-            lengths = answer_lengths(self.model, res.sequences)
-            self.stats["nfe"] += res.stats.nfe
-            self.stats["gen_seconds"] += res.stats.time_total
-            for (i, _, until, _), text, n in zip(chunk, res.texts, lengths):
-                kept, _ = truncate_at(text, until)
-                out[i] = kept
-                self.stats["answer_tokens"] += n
+            occurrence = seen[context] = seen.get(context, -1) + 1
+            cfg = self._request_config(kwargs.get("max_gen_toks"))
+            items.append((i, self._encode(context), until, cfg, f"{occurrence}:{context}"))
+        # one generation length per batch; similar prompt lengths together: less padding
+        items.sort(key=lambda t: (t[3].gen_length, -len(t[1])))
+        for _, group in itertools.groupby(items, key=lambda t: t[3].gen_length):
+            group = list(group)
+            for b in range(0, len(group), self.batch_size_):
+                chunk = group[b : b + self.batch_size_]
+                res = generate(self.model, [ids for _, ids, _, _, _ in chunk], chunk[0][3], sampler=self.sampler,
+                               cache=self.cache, row_ids=[key for *_, key in chunk])
+                lengths = answer_lengths(self.model, res.sequences)
+                self.stats["nfe"] += res.stats.nfe
+                self.stats["gen_seconds"] += res.stats.time_total
+                for (i, _, until, _, _), text, n in zip(chunk, res.texts, lengths):
+                    kept, _ = truncate_at(text, until)
+                    out[i] = kept
+                    self.stats["answer_tokens"] += n
         return out  # type: ignore[return-value]
+
+    def _request_config(self, max_gen_toks):
+        """The decoding config of a request: the adapter's, with a smaller ``max_gen_toks`` shortening the canvas
+        where that keeps the block structure valid (the steps scaled with it)."""
+        cfg = self.config
+        if max_gen_toks and max_gen_toks < cfg.gen_length and cfg.gen_length % cfg.block == 0:
+            if cfg.block_length is None or max_gen_toks % cfg.block_length == 0:
+                from dataclasses import replace
+
+                steps = None if cfg.steps is None else max(1, cfg.steps * max_gen_toks // cfg.gen_length)
+                cfg = replace(cfg, gen_length=max_gen_toks, steps=steps)
+        return cfg
 
     # ------------------------------------------------------------------ log-likelihood
     def _split(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
