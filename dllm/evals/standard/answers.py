@@ -50,28 +50,27 @@ def normalize_number(s: str | None) -> str | None:
     if s is None:
         return None
     t = s.strip().replace(",", "").replace("$", "").replace(" ", "").rstrip(".")
-    if not t:
-        return None
-    try:
-        v = Decimal(t)
-    except InvalidOperation:
-        return None
-    if not v.is_finite() or abs(v.adjusted()) > _MAX_EXPONENT:
+    v = _decimal(t)
+    if v is None:
         return None
     if v == v.to_integral_value():
         return str(int(v))
     return format(v.normalize(), "f")
 
 
-def _exact(s: str) -> Fraction | None:
-    """The exact value of a normalised integer / decimal string (``None`` when it is not one)."""
+def _decimal(s: str) -> Decimal | None:
+    """``s`` as a finite decimal of a sane exponent (``None`` when it is not one)."""
     try:
         v = Decimal(s)
     except InvalidOperation:
         return None
-    if not v.is_finite() or abs(v.adjusted()) > _MAX_EXPONENT:
-        return None
-    return Fraction(v)
+    return v if v.is_finite() and abs(v.adjusted()) <= _MAX_EXPONENT else None
+
+
+def _exact(s: str) -> Fraction | None:
+    """The exact value of a normalised integer / decimal string (``None`` when it is not one)."""
+    v = _decimal(s)
+    return None if v is None else Fraction(v)
 
 
 def numbers_equal(a: str | None, b: str | None) -> bool:
