@@ -41,6 +41,8 @@ def test_gsm8k_reference_and_numeric_compare():
     ("2.50", "2.5", True), ("1,000,000", "1000000", True), ("-0", "0", True), ("72.", "72", True),
     ("1000001", "1000000", False), ("0.3333333", "0.3333334", False), ("0.0000000001", "0", False),
     ("123456789012345678", "123456789012345679", False), ("0.1", "0.10000000000000001", False),
+    ("0.12345678901234567890123456789012", "0.12345678901234567890123456789099", False),  # past 28 digits
+    ("12345678901234567890123456789.5", "12345678901234567890123456790", False),
 ])
 def test_numbers_compare_exactly(a, b, equal):
     assert A.numbers_equal(a, b) is equal and A.numbers_equal(b, a) is equal

@@ -167,6 +167,36 @@ def test_without_data_offline_fails_fast_naming_the_fixes(no_hub, tmp_path, caps
     assert time.monotonic() - t0 < 10 and calls == []
 
 
+def test_the_hub_probe_goes_through_the_environments_proxy(no_hub, monkeypatch):
+    """Behind a proxy named only by ALL_PROXY (which the Hub client honours), the Hub is reachable: the probe does
+    not refuse the run, and `datasets` is asked."""
+    import http.server
+    import socketserver
+    import threading
+
+    class Proxy(http.server.BaseHTTPRequestHandler):
+        def do_HEAD(self):
+            self.send_response(200)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    datasets, _ = no_hub
+    with socketserver.TCPServer(("127.0.0.1", 0), Proxy) as proxy:
+        threading.Thread(target=proxy.serve_forever, daemon=True).start()
+        monkeypatch.setenv("ALL_PROXY", f"http://127.0.0.1:{proxy.server_address[1]}")
+        monkeypatch.setenv("HF_ENDPOINT", "http://hub.internal.invalid")  # resolvable only by the proxy
+        rows = [{"question": "q?", "answer": "#### 3"}]
+        monkeypatch.setattr(datasets, "load_dataset", lambda path, cfg, split: rows)
+        try:
+            samples, _ = load_samples(get_standard_task("gsm8k"), None)
+        finally:
+            proxy.shutdown()
+    assert [s.reference for s in samples] == ["3"]
+
+
 def test_without_data_a_cached_dataset_is_still_loaded(no_hub, monkeypatch):
     # the dataset prepared in the `datasets` cache: no probe stops the run; `datasets` loads it from there
     datasets, cache = no_hub

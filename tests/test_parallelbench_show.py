@@ -4,6 +4,7 @@ setting), and a setting or task the sweep lacks is refused, listing those it has
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -77,3 +78,12 @@ def test_a_data_dir_sweep_replays_with_its_own_prompt_style(tmp_path):
     assert plan.messages != PB.messages_for(record, PB.prompt_for("waiting_line/copy", "full"))
     res, line = S.replay_sample(load_model("llada-tiny"), out, 0, task="waiting_line/copy", setting="topk:k=4")
     assert res.texts[0] == line["prediction"]
+    # a run.json from before the style was pinned resumes under the style given (and pins it from then on)
+    run = json.loads((out / "run.json").read_text())
+    del run["pinned"]["data"]["style"]
+    (out / "run.json").write_text(json.dumps(run))
+    lines = (out / "samples.jsonl").read_text()
+    assert main(["parallelbench", "run", "--method", "topk:k=4", "--out", str(out), "--data-dir", str(data),
+                 "--style", "short", "--tasks", "waiting_line/copy", "--no-report"]) == 0
+    assert (out / "samples.jsonl").read_text() == lines  # nothing decoded again
+    assert json.loads((out / "run.json").read_text())["pinned"]["data"]["style"] == "short"

@@ -208,7 +208,9 @@ def test_serve_passes_the_read_timeout_and_a_connection_limit(monkeypatch):
     server_module.serve(model, port=8123)
     assert seen.get("limit_concurrency") is None  # the limit is the protocol's (OpenAI-shaped 503), not uvicorn's
     assert seen["http"].__name__ == "HeaderDeadline"  # uvicorn's protocol with a deadline for the headers
+    assert seen["http"].limit == server_module.LIMIT_CONCURRENCY
     server_module.serve(model, port=8123, limit_concurrency=7, read_timeout=2.5)
+    assert seen["http"].limit == 7
     for bad in ({"limit_concurrency": 0}, {"read_timeout": 0}, {"read_timeout": float("inf")}):
         with pytest.raises(ValueError):
             server_module.serve(model, port=8123, **bad)

@@ -610,6 +610,7 @@ def header_deadline(seconds: float, limit_concurrency: int | None = None) -> typ
 
     class HeaderDeadline(base):
         _header_timer = None
+        limit = limit_concurrency
 
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
@@ -651,8 +652,8 @@ def _concurrency_limited(app, connections, tasks, limit: int):
     among them) or more than ``limit`` requests are in flight (its own among them) gets 503 in OpenAI's error shape,
     with ``Retry-After`` and its connection closed, before the app sees it. ``connections`` / ``tasks``: uvicorn's
     server-wide sets, which its protocols keep."""
-    body = json.dumps({"error": {"message": f"the server is at its limit of {limit} open connections; retry later "
-                                            "(dllm serve --limit-concurrency sets it)",
+    body = json.dumps({"error": {"message": f"the server is at its limit of {limit} open connections or requests "
+                                            "in flight; retry later (dllm serve --limit-concurrency sets it)",
                                  "type": "server_error", "param": None, "code": "too_many_connections"}}).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                (b"retry-after", b"1"), (b"connection", b"close")]

@@ -392,6 +392,12 @@ def check_run_file(out: str | Path, pinned: dict, overwrite: bool) -> tuple[str 
             raise ValueError(f"--out {out}: its {RUN_FILE} is not a sweep's run file; use another --out directory "
                              "or --overwrite") from None
         return "discard", None
+    if old is not None:
+        data, now = old["pinned"].get("data"), pinned.get("data") or {}
+        if isinstance(data, dict) and "data_dir" in data and "style" not in data and "style" in now:
+            # a data-directory sweep from before its style was pinned: it resumes under the style given now (each
+            # line's key holds its prompt, so a line made with another prompt is decoded again)
+            old = {**old, "pinned": {**old["pinned"], "data": {**data, "style": now["style"]}}}
     state = pinned_state(None if old is None else old["pinned"], pinned, out, overwrite=overwrite,
                          what="sweep settings")
     return state, old if state == "resume" else None

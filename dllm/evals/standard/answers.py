@@ -55,7 +55,7 @@ def normalize_number(s: str | None) -> str | None:
         return None
     if v == v.to_integral_value():
         return str(int(v))
-    return format(v.normalize(), "f")
+    return format(v, "f").rstrip("0")  # every digit as written (Decimal.normalize would round to 28 digits)
 
 
 def _decimal(s: str) -> Decimal | None:

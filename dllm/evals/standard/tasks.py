@@ -23,8 +23,6 @@ import json
 import os
 import re
 import ssl
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -340,18 +338,21 @@ def _hub_endpoint() -> str:
 
 
 def _hub_unreachable(endpoint: str, timeout: float = HUB_PROBE_TIMEOUT) -> str | None:
-    """``None`` when an HTTP request to ``endpoint`` gets any answer (proxies from the environment are used);
-    else why not. One try, no retries."""
+    """``None`` when an HTTP request to ``endpoint`` gets any answer; else why not. One try, no retries, through
+    httpx with the environment's proxies (``HTTPS_PROXY``, ``ALL_PROXY``, ``NO_PROXY``...), as the Hub client
+    that ``datasets`` uses connects."""
+    import httpx
+
     try:
-        with urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=timeout):
-            return None
-    except urllib.error.HTTPError:  # an answer, even 4xx/5xx: the network path is there
+        httpx.head(endpoint, timeout=timeout, follow_redirects=False)
         return None
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
-        if isinstance(reason, ssl.SSLError):  # a TLS answer (certificates are `datasets`' business, not ours)
+    except httpx.HTTPError as exc:
+        cause = exc.__cause__ or exc.__context__
+        while cause is not None and not isinstance(cause, ssl.SSLError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is not None:  # a TLS answer (certificates are `datasets`' business, not ours)
             return None
-        return f"{type(reason).__name__}: {reason}"[:200]
+        return f"{type(exc).__name__}: {exc}"[:200]
 
 
 def _hub_rows(task: StandardTask, split: str) -> list[dict]:
