@@ -109,10 +109,12 @@ def read_lines(path: str | Path, *, strict: bool = False) -> list[dict]:
     """The JSON objects of a JSONL file; a torn last line is ignored, blank lines skipped. A malformed line (not
     UTF-8, not JSON, or JSON that is not an object) raises (``strict``, naming the file and line) or is skipped
     with a warning."""
-    return [row for _, row in _numbered_lines(Path(path), strict=strict)]
+    return [row for _, row in read_numbered_lines(path, strict=strict)]
 
 
-def _numbered_lines(path: Path, *, strict: bool) -> list[tuple[int, dict]]:
+def read_numbered_lines(path: str | Path, *, strict: bool = False) -> list[tuple[int, dict]]:
+    """:func:`read_lines` with each object's line number: ``[(line, object), ...]``."""
+    path = Path(path)
     out = []
     with open(path, "rb") as f:
         for i, raw in enumerate(f, 1):
@@ -211,7 +213,7 @@ class JsonlStore:
         files = ([self.path] if self.path.is_file() else []) + self.shards()
         out = []
         for p in files:
-            for i, row in _numbered_lines(p, strict=False):
+            for i, row in read_numbered_lines(p, strict=False):
                 try:
                     self.ident(row)
                 except (KeyError, TypeError, ValueError) as exc:  # an object, but not a result line of this store

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gzip
 import json
 import random
 import re
@@ -11,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from dllm.evals import tasks as T
-from dllm.evals.io import read_jsonl, write_jsonl
+from dllm.evals.io import read_jsonl_lines, write_jsonl
 from dllm.evals.parallelbench.metrics import METRICS, metric_for
 from dllm.evals.parallelbench.parsing import parse_sudoku
 from dllm.evals.parallelbench.prompts import messages_for, prompt_for
@@ -264,8 +263,8 @@ def load_text_data(name: str, path: str | Path, n: int | None = None, seed: int 
     path = Path(path)
     if not path.is_file():
         raise DataNeeded(f"{task.pb_name}: data file {str(path)!r} not found ({DATA_HINT.get(task.pb_name, '')})")
-    rows = read_jsonl(path)
-    labels = record_labels(path, len(rows))
+    numbered = read_jsonl_lines(path)
+    rows, labels = [row for _, row in numbered], [f"{path}:{i}" for i, _ in numbered]
     if not rows:
         raise ValueError(f"{path}: no records for {task.pb_name}; the file is empty ({DATA_HINT[task.pb_name]})")
     records = []
@@ -298,21 +297,6 @@ def load_text_data(name: str, path: str | Path, n: int | None = None, seed: int 
 
 # ----------------------------------------------------------------------------------------------------------
 # Checks: what the prompt and the metrics read from a record, checked when the data is read
-
-
-def record_labels(path: str | Path, count: int) -> list[str]:
-    """``"<path>:<line>"`` for each of the ``count`` records :func:`~dllm.evals.io.read_jsonl` read from ``path``
-    (blank lines skipped); ``"<path>: record <k>"`` when the lines cannot be matched to the records."""
-    path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
-    try:
-        with opener(path, "rb") as f:
-            lines = [i for i, raw in enumerate(f, 1) if raw.strip()]
-    except (OSError, EOFError):
-        lines = []
-    if len(lines) != count:
-        return [f"{path}: record {k}" for k in range(1, count + 1)]
-    return [f"{path}:{i}" for i in lines]
 
 
 _FIX_TEMPLATE = ("a prompt is a str.format template over the fields of each record's 'input'; write {{ and }} for "
@@ -588,13 +572,14 @@ def load_records(data_dir: str | Path, name: str, style: str = "full") -> list[d
     path = _task_file(Path(data_dir), name)
     if not path.is_file():
         raise FileNotFoundError(f"no file for task {name!r}: {str(path)!r} does not exist")
-    records = read_jsonl(path)
+    numbered = read_jsonl_lines(path)
+    records = [row for _, row in numbered]
     if not records:
         raise ValueError(f"{path}: task {name} has no samples (the file holds no records); add records, or remove "
                          "the file (or leave the task out of --tasks)")
     config = load_task_config(data_dir, name)
     check_records(name, records, template=prompt_for(name, style, config), metric=metric_for(name, config),
-                  labels=record_labels(path, len(records)), template_source=prompt_source(data_dir, name, config),
+                  labels=[f"{path}:{i}" for i, _ in numbered], template_source=prompt_source(data_dir, name, config),
                   data_source=str(path))
     return records
 

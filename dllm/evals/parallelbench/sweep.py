@@ -42,7 +42,7 @@ from typing import Any
 
 from dllm.config import GenerateConfig
 from dllm.evals import parallelbench as PB
-from dllm.evals.io import JsonlStore, content_key, pinned_state, read_lines, read_run_file
+from dllm.evals.io import JsonlStore, content_key, pinned_state, read_numbered_lines, read_run_file
 from dllm.evals.runner import generate_batches
 from dllm.generate import answer_lengths
 
@@ -275,17 +275,13 @@ def load_samples(path: str | Path) -> list[dict]:
         path = path / SAMPLES_FILE
     if not path.is_file():
         raise FileNotFoundError(f"no sweep results at {str(path)!r}")
-    lines = read_lines(path, strict=True)
-    with open(path, "rb") as f:  # line numbers of the lines read (a torn last line is not read)
-        numbers = [i for i, raw in enumerate(f, 1) if raw.endswith(b"\n") and raw.strip()]
-    labels = [f"{path}:{i}" for i in numbers] if len(numbers) == len(lines) else [
-        f"{path}: line {k} of its results" for k in range(1, len(lines) + 1)]
-    for where, line in zip(labels, lines):
+    numbered = read_numbered_lines(path, strict=True)  # a torn last line is not read
+    for i, line in numbered:
         problem = sample_line_problem(line)
         if problem is not None:
-            raise ValueError(f"{where}: not a result line of `dllm parallelbench run` ({problem}); remove the line, "
-                             "or rerun the sweep into a new --out")
-    return lines
+            raise ValueError(f"{path}:{i}: not a result line of `dllm parallelbench run` ({problem}); remove the "
+                             "line, or rerun the sweep into a new --out")
+    return [line for _, line in numbered]
 
 
 def _number(v: Any) -> bool:
