@@ -130,12 +130,15 @@ def cmd_score(args) -> int:
         checks.output_file(args.out, "--out", make_parents=True)
     if args.data_dir:
         checks.input_dir(args.data_dir, "--data-dir")
-    rows = PB.read_jsonl(src)
+    from dllm.evals.io import read_jsonl_lines
+
+    numbered = read_jsonl_lines(src)
+    rows = [row for _, row in numbered]
     if not rows:
         raise ValueError(f"{src}: no lines to score")
     configs: dict[str, dict | None] = {}
     metrics = []
-    for where, row in zip(PB.record_labels(src, len(rows)), rows):  # every line checked before any is scored
+    for where, row in ((f"{src}:{i}", row) for i, row in numbered):  # every line checked before any is scored
         for key in ("task", "prediction"):
             if key not in row:
                 raise ValueError(f"{where}: no {key!r} field (each line: an original record plus 'task' and "

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from dllm.evals import tasks as T
-from dllm.evals.io import read_jsonl_lines, write_jsonl
+from dllm.evals.io import read_jsonl, read_jsonl_lines, write_jsonl  # noqa: F401 - PB.read_jsonl, as before
 from dllm.evals.parallelbench.metrics import METRICS, metric_for
 from dllm.evals.parallelbench.parsing import parse_sudoku
 from dllm.evals.parallelbench.prompts import messages_for, prompt_for
