@@ -262,19 +262,43 @@ def _whole_blocks(P: int, gen_length: int, B: int) -> str:
     return f"prompt ({P} tokens) + gen_length ({gen_length}), rounded up to whole blocks of {B}"
 
 
+def _blocks_canvas(P: int, gen_length: int, B: int) -> tuple[int, str]:
+    """The canvas length of a row of ``P`` prompt tokens (prompt and generation rounded up to whole blocks) and
+    what it holds, for the context error."""
+    return -(-(P + gen_length) // B) * B, _whole_blocks(P, gen_length, B)
+
+
+def _fastdllm2_canvas(P: int, gen_length: int, B: int) -> tuple[int, str]:
+    """Fast-dLLM v2's canvas: the prompt's whole blocks, ``gen_length // B`` blocks, and the token the last block's
+    storing forward appends."""
+    n_blocks = gen_length // B
+    return ((P // B + n_blocks) * B + 1, f"prompt ({P} tokens) + {n_blocks} blocks of {B} (gen_length {gen_length}) "
+            "+ the token after them")
+
+
+def _check_fits(model, total: int, layout: str, row: int | None = None) -> None:
+    if total > model.max_seq_len:
+        where = f"prompt {row}: " if row is not None else ""
+        raise ValueError(f"{where}{layout}: {total} positions, more than the model's context of {model.max_seq_len}; "
+                         "shorten the prompt or lower gen_length")
+
+
 def _row_canvas(model, prompt: list[int], total: int, seed: int, layout: str):
     """One row's canvas ``[1, total]`` (the prompt, then masks), its positions and its generator; ``layout``
     says what the ``total`` positions hold, for the error when they exceed the model's context."""
-    if total > model.max_seq_len:
-        raise ValueError(f"{layout}: {total} positions, more than the model's context of {model.max_seq_len}")
+    _check_fits(model, total, layout)
     dev = model.device
     x = torch.full((1, total), model.mask_id, dtype=torch.long, device=dev)
     x[0, :len(prompt)] = torch.tensor(prompt, device=dev)
     return x, torch.arange(total, device=dev)[None], torch.Generator(device=dev).manual_seed(seed)
 
 
-def _decode_rows(model, rows: list[list[int]], decode_row) -> BlockDiffusionOutput:
-    """``decode_row(prompt) -> (sequence, forwards, trace)`` for each row, one at a time, with texts."""
+def _decode_rows(model, rows: list[list[int]], decode_row, canvas) -> BlockDiffusionOutput:
+    """``decode_row(prompt) -> (sequence, forwards, trace)`` for each row, one at a time, with texts. ``canvas(P)``:
+    ``(length, what it holds)`` of a row of ``P`` prompt tokens: every row must fit the model's context before
+    the first is decoded."""
+    for i, prompt in enumerate(rows):
+        _check_fits(model, *canvas(len(prompt)), row=i)
     out = BlockDiffusionOutput([], None, [len(r) for r in rows], [], [])
     for i, prompt in enumerate(rows):
         try:
@@ -293,8 +317,8 @@ def _decode_row(model, prompt: list[int], gen_length: int, B: int, quota: list[i
                 eos_early_stop: bool = False):
     """One row: (generated region, forwards, per-forward trace)."""
     P = len(prompt)
-    total = -(-(P + gen_length) // B) * B
-    x, pos, gen = _row_canvas(model, prompt, total, seed, _whole_blocks(P, gen_length, B))
+    total, layout = _blocks_canvas(P, gen_length, B)
+    x, pos, gen = _row_canvas(model, prompt, total, seed, layout)
     mask_id, steps = model.mask_id, len(quota)
     cache = _BlockKV(len(model.layers))
     trace: list[dict] = []
@@ -365,8 +389,8 @@ def _decode_row_llada21(model, prompt: list[int], gen_length: int, B: int, thres
     """One row of LLaDA2.1's ``generate`` (``style="llada21"``): (the region cut after its first stop token,
     forwards, per-forward trace with the mask-to-token commits and the token-to-token edits)."""
     P = len(prompt)
-    total = -(-(P + gen_length) // B) * B
-    x, pos, gen = _row_canvas(model, prompt, total, seed, _whole_blocks(P, gen_length, B))
+    total, layout = _blocks_canvas(P, gen_length, B)
+    x, pos, gen = _row_canvas(model, prompt, total, seed, layout)
     mask_id = model.mask_id
     cache = _BlockKV(len(model.layers))
     trace: list[dict] = []
@@ -471,9 +495,8 @@ def _decode_row_fastdllm2(model, prompt: list[int], gen_length: int, B: int, S: 
     P = len(prompt)
     n_blocks = gen_length // B
     first = P // B
-    total = (first + n_blocks) * B + 1  # the last block's storing forward appends one token
-    x, pos, gen = _row_canvas(model, prompt, total, seed, f"prompt ({P} tokens) + {n_blocks} blocks of {B} (gen_length "
-                              f"{gen_length}) + the token after them")
+    total, layout = _fastdllm2_canvas(P, gen_length, B)  # the last block's storing forward appends one token
+    x, pos, gen = _row_canvas(model, prompt, total, seed, layout)
     dev, mask_id = model.device, model.mask_id
     cache = _SubBlockKV(len(model.layers))
     trace: list[dict] = []
@@ -646,6 +669,18 @@ def block_diffusion_generate(model, prompts, *, gen_length: int = 128, block_len
                          "with shifted logits (token i predicted from row i - 1), the others one without; this one's "
                          f"logits are {'' if getattr(model, 'shift_logits', False) else 'not '}shifted: use "
                          f"style={' or '.join(repr(s) for s in fitting)}")
+    for name, v in (("block_length", block_length), ("denoising_steps", denoising_steps)):
+        if v is not None and (type(v) is not int or v < 1):
+            raise ValueError(f"{name} must be a positive integer or None (the default), got {v!r}")
+    if type(seed) is not int or not -2 ** 63 <= seed < 2 ** 64:
+        raise ValueError(f"seed must be an integer torch.manual_seed takes (-2**63 to 2**64 - 1; each row's generator "
+                         f"seed), got {seed!r}")
+    if stop_ids is not None:
+        if isinstance(stop_ids, (str, bytes)) or not hasattr(stop_ids, "__iter__"):
+            raise ValueError(f"stop_ids must be a list of token ids (ints), e.g. [model.eos_id], got {stop_ids!r}")
+        stop_ids = list(stop_ids)
+        if not all(type(t) is int for t in stop_ids):
+            raise ValueError(f"stop_ids must be a list of token ids (ints), e.g. [model.eos_id], got {stop_ids!r}")
     B = block_length or bs_model
     if style == "llada21":
         return _llada21_generate(model, prompts, gen_length, B, denoising_steps, remasking, confidence_threshold,
@@ -681,7 +716,7 @@ def block_diffusion_generate(model, prompts, *, gen_length: int = 128, block_len
     quota = num_transfer_tokens(B, steps)
     return _decode_rows(model, rows, lambda prompt: _decode_row(
         model, prompt, gen_length, B, quota, remasking, confidence_threshold, (temperature, top_k, top_p), int(seed),
-        stops, style, eos_early_stop))
+        stops, style, eos_early_stop), lambda P: _blocks_canvas(P, gen_length, B))
 
 
 def _check_llada2_options(eos_early_stop, minimal_topk, gen_length: int) -> int:
@@ -732,7 +767,7 @@ def _llada21_generate(model, prompts, gen_length, B, denoising_steps, remasking,
         raise ValueError("eos_early_stop needs a stop token: pass stop_ids (the checkpoint has no EOS id)")
     return _decode_rows(model, rows, lambda prompt: _decode_row_llada21(
         model, prompt, gen_length, B, float(threshold), float(editing_threshold), max_post_steps, num_to_transfer,
-        sampling, int(seed), stops, eos_early_stop))
+        sampling, int(seed), stops, eos_early_stop), lambda P: _blocks_canvas(P, gen_length, B))
 
 
 def _check_sampling(top_p, thresholds: dict, top_k=None) -> None:
@@ -787,4 +822,4 @@ def _fastdllm2_generate(model, prompts, gen_length, B, S, use_block_cache, thres
     pad_id = model.pad_id if model.pad_id is not None else model.eos_id
     return _decode_rows(model, rows, lambda prompt: _decode_row_fastdllm2(
         model, prompt, gen_length, B, S, float(threshold), float(temperature), float(top_p), use_block_cache,
-        int(seed), stops, pad_id, style))
+        int(seed), stops, pad_id, style), lambda P: _fastdllm2_canvas(P, gen_length, B))

@@ -42,3 +42,24 @@ def test_fitting_styles_decode(models, name, style):
     gen_length = 32 if style.startswith("fastdllm2") else 8  # Fast-dLLM v2 decodes whole blocks of 32
     out = block_diffusion_generate(models[name], ["hi"], style=style, gen_length=gen_length, **kw)
     assert len(out.sequences) == 1 and out.texts is not None
+
+
+def test_arguments_are_checked_before_any_row_decodes(models, monkeypatch):
+    """A zero block length or step count is refused (it was taken as the default), so are seeds and stop ids of
+    the wrong kind; a prompt beyond the context is refused before the rows before it are decoded."""
+    import dllm.blockdiff as bd
+
+    sdar = models["sdar-tiny"]
+    for bad, needle in (({"block_length": 0}, "block_length must be a positive integer"),
+                        ({"denoising_steps": 0}, "denoising_steps must be a positive integer"),
+                        ({"seed": 2 ** 70}, "seed must be an integer"), ({"seed": 1.7}, "seed must be an integer"),
+                        ({"stop_ids": 5}, "stop_ids must be a list of token ids")):
+        with pytest.raises(ValueError, match=needle):
+            block_diffusion_generate(sdar, ["hi"], gen_length=16, top_k=1, **bad)
+    decoded = []
+    real = bd._decode_row
+    monkeypatch.setattr(bd, "_decode_row", lambda *a, **k: decoded.append(1) or real(*a, **k))
+    with pytest.raises(ValueError, match=r"prompt 2: .* more than the model's context"):
+        block_diffusion_generate(sdar, ["hi", "hello", "word " * 600], gen_length=64, top_k=1)
+    assert decoded == []
+    assert block_diffusion_generate(sdar, ["hi"], gen_length=16, top_k=1, stop_ids=(sdar.eos_id,)).sequences

@@ -181,3 +181,17 @@ def test_serve_checks_its_model_dtype_and_guides_before_loading(capsys, llada, s
             f"--guide {tmp_path / 'none'}: guide", "is neither a bundled guide")
     assert main(["serve", "--model", llada, "--guide", "ar-tiny", "--port", "8123"]) == 2
     assert WEIGHTS_ERROR in capsys.readouterr().err  # all fine: on to loading, which fails on the weights
+
+
+def test_a_prompt_filling_the_context_is_refused_without_a_negative_suggestion(capsys, llada):
+    context = json.loads((Path(llada) / "config.json").read_text())["max_sequence_length"]
+    line = refused(capsys, ["generate", "word " * context, "--model", llada, "--gen-length", "8"],
+                   f"the model's whole context (config.json: {context} tokens) or more", "shorten it")
+    assert "--gen-length -" not in line
+
+
+def test_the_compared_samplers_block_layout_is_checked_before_loading(capsys, tmp_path):
+    sdar = _corrupt(tmp_path, "sdar-tiny")
+    refused(capsys, ["generate", "What is 12 + 30?", "--model", sdar, "--gen-length", "420", "--cache", "none",
+                     "--trace-out", str(tmp_path / "t.html"), "--compare", "multiblock"],
+            "gen_length (420) must be a multiple of the multi-block block_length (32)")

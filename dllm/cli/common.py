@@ -63,14 +63,16 @@ def load_model_arg(args):
     return load_model(model_path(args.model), dtype=args.dtype, device=args.device)
 
 
-def check_decode_args(args, prompts=None):
+def check_decode_args(args, prompts=None, also=None):
     """Every decoding option checked without loading the model, against the checkpoint's config.json
     (:func:`dllm.cli.checks.model_dir`): ``--dtype``, ``--cache`` (``block`` needs a block-diffusion checkpoint),
     ``--gen-length`` (the model's context), ``--guide`` (a causal LM), the sampler and its ``--param`` names and
     values, and the block layout :func:`dllm.recipes.resolve` would pick for the checkpoint's block size (see
-    :func:`dllm.recipes.precheck_layout`); with ``prompts`` (strings, conversations, token-id lists), the token-id
-    prompts too (inside the vocabulary, no mask token, fitting the context with ``--gen-length``). Returns
-    :func:`decode_setup`'s pair. Commands call it before :func:`load_model_arg`."""
+    :func:`dllm.recipes.precheck_layout`); with ``prompts`` (strings, conversations, token-id lists), the prompts
+    too (token ids inside the vocabulary, no mask token; every prompt, measured with the tokenizer, fitting the
+    context with ``--gen-length``); ``also``: another sampler decoding the same prompts (``--compare``), whose
+    block layout is checked too. Returns :func:`decode_setup`'s pair. Commands call it before
+    :func:`load_model_arg`."""
     from dllm.cli import checks
     from dllm.recipes import check_cache_fits, precheck_layout
 
@@ -86,11 +88,16 @@ def check_decode_args(args, prompts=None):
         checks.guide_dir(sampler.guide, f"--param guide={sampler.guide}")
     lengths = [len(r) for r in _token_id_prompts(prompts or [], facts)] + _text_prompt_lengths(args.model, prompts)
     longest = max(lengths, default=1)  # no prompts given (eval builds its own): a prompt takes 1 token at least
+    if longest >= facts.context:
+        raise ValueError(f"the longest prompt has {longest} tokens, the model's whole context (config.json: "
+                         f"{facts.context} tokens) or more, leaving none to generate: shorten it")
     if longest + config.gen_length > facts.context:
         shown = f"the longest prompt has {longest} tokens" if lengths else "a prompt takes at least 1 token"
         raise ValueError(f"--gen-length {config.gen_length} does not fit the model's context of {facts.context} "
                          f"tokens (config.json; {shown}): use --gen-length {facts.context - longest} or less")
     precheck_layout(sampler, facts.block_size, config)
+    if also is not None:  # a second sampler run on the same prompts (generate --compare)
+        precheck_layout(also, facts.block_size, config)
     return config, sampler
 
 

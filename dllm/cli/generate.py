@@ -95,7 +95,7 @@ def cmd_generate(args) -> int:
         from dllm.samplers import get_sampler
 
         theirs = get_sampler(args.compare)  # an unknown name is refused before the model loads
-    config, sampler = check_decode_args(args, prompts)  # before the model loads
+    config, sampler = check_decode_args(args, prompts, also=theirs)  # before the model loads
     model = load_model_arg(args)
     if args.trace_out:
         import dataclasses
