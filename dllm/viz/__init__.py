@@ -53,7 +53,10 @@ def trajectory(out, row: int = 0, tokenizer=None) -> dict:
     forwards), ``tpf`` (its tokens per forward), ``counts`` (positions committed at each step 1..``steps``;
     index 0 unused) and ``ran`` (``{"sampler": name, "cache": name}``: what ``generate`` resolved and ran, from
     ``stats.sampler`` / ``stats.cache``; empty for outputs that do not record it)."""
-    stats = out.stats
+    stats = getattr(out, "stats", None)
+    if stats is None or not hasattr(stats, "commit_step"):
+        raise TypeError(f"out is a {type(out).__name__}, which records no commit steps; pass the GenerateOutput of "
+                        "dllm.generate (block-diffusion styles run by dllm.blockdiff have no trajectory record)")
     if not stats.commit_step:
         raise ValueError("this output has no commit_step record; generate it with this version of dllm.generate")
     if not 0 <= row < len(stats.commit_step):
@@ -64,9 +67,12 @@ def trajectory(out, row: int = 0, tokenizer=None) -> dict:
     conf = [None if c is None or (isinstance(c, float) and math.isnan(c)) else c for c in conf]
     P = out.prompt_lengths and max(out.prompt_lengths)
     P = (stats.trace[0]["lo"][row] if stats.trace and "lo" in stats.trace[0] else P) or 0
-    starts = sorted({rec["lo"][row] - P for rec in stats.trace if "lo" in rec and 0 <= rec["lo"][row] - P < len(ids)})
+    starts = _block_starts(stats.trace, row, P, len(ids))
     early = [i + 1 for i, rec in enumerate(stats.trace) if rec.get("early_commit") and rec["early_commit"][row]]
-    cached = any(rec.get("refresh_layer", 0) != 0 for rec in stats.trace)  # NoCache recomputes every step
+    ran_cache = getattr(stats, "cache", "")
+    # the cache that ran, where the output records it (a cached run whose every step is a full refresh still
+    # refreshes); else the refresh layers tell (NoCache recomputes every step: layer 0 throughout)
+    cached = (ran_cache != "none") if ran_cache else any(rec.get("refresh_layer", 0) != 0 for rec in stats.trace)
     refresh = [i + 1 for i, rec in enumerate(stats.trace) if cached and i > 0 and rec.get("refresh_layer") == 0]
     delim = sorted({rec["hi"][row] - P for rec in stats.trace  # AdaBlock ended a block at a delimiter
                     if rec.get("delimiter_block") and rec["delimiter_block"][row]
@@ -82,6 +88,24 @@ def trajectory(out, row: int = 0, tokenizer=None) -> dict:
             "steps": steps, "starts": starts, "early": early, "refresh": refresh, "delim": delim,
             "nfe": nfe, "tpf": len(ids) / max(nfe, 1), "counts": counts,
             "ran": {k: v for k in ("sampler", "cache") if (v := getattr(stats, k, ""))}}
+
+
+def _block_starts(trace: list, row: int, P: int, n: int) -> list[int]:
+    """Generation offsets where a block begins: where a region that ran began. When every region that ran is a
+    block of one length ``L`` on the grid of ``L`` (fixed blocks; the last may be cut by the generation's end), the
+    blocks that never ran as a region (the row finished early: EOS early stop, an early commit) begin on that grid
+    too."""
+    starts = sorted({rec["lo"][row] - P for rec in trace if "lo" in rec and 0 <= rec["lo"][row] - P < n})
+    regions = sorted({(rec["lo"][row] - P, rec["hi"][row] - P) for rec in trace if "lo" in rec and "hi" in rec})
+    if not regions or any(lo < 0 or hi > n or hi <= lo for lo, hi in regions):
+        return starts
+    sizes = {hi - lo for lo, hi in regions if hi < n} or {hi - lo for lo, hi in regions}
+    if len(sizes) != 1:
+        return starts
+    (L,) = sizes
+    if all(lo % L == 0 and (hi - lo == L or hi == n) for lo, hi in regions):
+        return list(range(0, n, L))
+    return starts
 
 
 def _token_texts(tok, ids: list[int]) -> tuple[list[str], list[str], list[bool]]:
@@ -212,6 +236,28 @@ def _wrap(label: str, per_line: int, max_lines: int) -> str:
     return "\n".join(parts)
 
 
+# --------------------------------------------------------------------------------------------------- arguments
+
+
+def _check_width(width) -> None:
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        raise ValueError(f"width must be a whole number of cells per line, at least 1; got {width!r} (e.g. width=32)")
+
+
+def _check_path(path, exts: tuple[str, ...], what: str) -> None:
+    ext = Path(path).suffix.lower()
+    if ext not in exts:
+        raise ValueError(f"path {str(path)!r} has the extension {ext or 'none'!r}, but {what} writes "
+                         f"{' or '.join(exts)}; name the file with {exts[0]!r}")
+
+
+def _check_outs(outs) -> list:
+    outs = list(outs)
+    if not outs:
+        raise ValueError("outs is empty: a comparison needs at least one output; pass a list of GenerateOutputs")
+    return outs
+
+
 # --------------------------------------------------------------------------------------------------- PNG / GIF
 
 
@@ -261,10 +307,12 @@ def _draw(ax, t: dict, lines: list, width: int, S: int, upto: int | None = None)
             if i % 4 == 0 or i == hi - 1:
                 ax.text(x + 0.5, y - 0.32, str(i), ha="center", va="top", fontsize=5, color="0.3")
                 ticks.append([(x + 0.5, y - 0.3), (x + 0.5, y - 0.26)])
-            if i in starts or i == lo:
+            if i in starts or i == 0:
                 delim = i in t["delim"]
                 ax.plot([x, x], [y - 0.25, y + 1.08], color="#d95f02" if delim else "black",
                         linewidth=2.2, linestyle=(0, (2, 1)) if delim else "solid", solid_capstyle="butt")
+            elif i == lo:  # a long block wrapped onto this line: a thin dotted cut edge, no block start
+                ax.plot([x, x], [y - 0.25, y + 1.08], color="0.6", linewidth=0.8, linestyle=(0, (1, 1.5)))
     ax.add_collection(PolyCollection(tracks, facecolors="0.88", linewidths=0))
     ax.add_collection(LineCollection(ticks, colors="0.3", linewidths=0.5))
     art = {"cells": ax.add_collection(PolyCollection(cells, linewidths=0)),
@@ -406,8 +454,10 @@ def _figure(plt, ts: list, infos: list, labels: list, width: int, S: int, head: 
 def heatmap(out, path, row: int = 0, width: int = 32, title: str = "", tokenizer=None, info: dict | None = None):
     """PNG of the commit steps of one row, with its caption and legend (see the module docstring). Returns
     ``path``."""
-    plt = _require_mpl()
+    _check_width(width)
+    _check_path(path, (".png",), "heatmap")
     t = trajectory(out, row, tokenizer)
+    plt = _require_mpl()
     fig, _ = _figure(plt, [t], [info], [""], width, t["steps"], head=title or "decoding trajectory")
     _save(fig, path)
     plt.close(fig)
@@ -424,8 +474,10 @@ def _save(fig, path) -> None:
 def compare(outs, path, labels=None, row: int = 0, width: int = 32, tokenizer=None, infos=None, title: str = ""):
     """One PNG with the trajectories of several generations of the same prompt, one panel each, on one
     commit-step colour scale; each panel's caption gives its sampler, NFE and tokens per forward."""
+    outs = _check_outs(outs)
+    _check_width(width)
+    _check_path(path, (".png",), "compare")
     plt = _require_mpl()
-    outs = list(outs)
     ts, infos, labels = _runs(outs, labels, row, tokenizer, infos)
     S = max(t["steps"] for t in ts)
     fig, _ = _figure(plt, ts, infos, labels, width, S, head=title or "decoding trajectories compared")
@@ -448,10 +500,17 @@ def animate(out, path, row: int = 0, width: int = 32, fps: int = 4, tokenizer=No
             info: dict | None = None, title: str = ""):
     """Animated GIF of the canvas filling in: a frame shows what is committed after step ``k`` (the first: all
     masks; at most ``max_frames`` frames, evenly spaced steps, the last always included). Returns ``path``."""
+    _check_width(width)
+    _check_path(path, (".gif",), "animate")
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0:
+        raise ValueError(f"fps must be a positive number of frames per second; got {fps!r} (e.g. fps=4)")
+    if isinstance(max_frames, bool) or not isinstance(max_frames, int) or max_frames < 2:
+        raise ValueError(f"max_frames must be a whole number of at least 2 (the first frame, all masks, and the "
+                         f"last); got {max_frames!r} (e.g. max_frames=64)")
+    t = trajectory(out, row, tokenizer)
     plt = _require_mpl()
     from matplotlib.animation import FuncAnimation, PillowWriter
 
-    t = trajectory(out, row, tokenizer)
     S = t["steps"]
     head = title or "decoding trajectory"
     fig, (artists,) = _figure(plt, [t], [info], [""], width, S, head=f"{head}: after step {S} of {S}", upto=0)
@@ -601,7 +660,10 @@ def _page(ts, infos, labels, title: str, width: int) -> str:
                   'committed yet · small number = position · <i>italic</i> = special token</div></div>')
     caps = "".join(f'<p class="cap{" prompt" if c.startswith("prompt:") else ""}">{_html.escape(c)}</p>'
                    for c in shared)
-    script = "const D=" + json.dumps(data).replace("</", "<\\/") + ";\n" + _JS
+    # every <, > and & of the data as a JSON escape: no "</script", "<!--" or "<script" can reach the HTML parser
+    # (a "<!--" followed by "<script" in a token would swallow the rest of the page)
+    blob = json.dumps(data).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+    script = "const D=" + blob + ";\n" + _JS
     return (f'<!doctype html><html><head><meta charset="utf-8"><title>{_html.escape(title)}</title>'
             f"<style>{_CSS}</style></head><body>\n<h1>{_html.escape(title)}</h1>{caps}\n"
             f'<div id="legend">{"".join(legend)}</div>\n'
@@ -616,6 +678,7 @@ def html(out, path, row: int = 0, title: str = "", tokenizer=None, info: dict | 
     """Self-contained HTML page (no network) with the caption, the legend, a step slider over the canvas
     (``?step=K`` in the URL sets it) and a side panel with the pointed position's whole token. Returns
     ``path``."""
+    _check_width(width)
     t = trajectory(out, row, tokenizer)
     head = title or "Decoding trajectory" + (f" — {info['sampler']}" if info and info.get("sampler") else "")
     Path(path).write_text(_page([t], [info], [""], head, width), encoding="utf-8")
@@ -625,7 +688,9 @@ def html(out, path, row: int = 0, title: str = "", tokenizer=None, info: dict | 
 def compare_html(outs, path, labels=None, row: int = 0, tokenizer=None, infos=None, title: str = "",
                  width: int = 32):
     """:func:`compare` as a self-contained page: one step slider moves every run."""
-    ts, infos, labels = _runs(list(outs), labels, row, tokenizer, infos)
+    outs = _check_outs(outs)
+    _check_width(width)
+    ts, infos, labels = _runs(outs, labels, row, tokenizer, infos)
     head = title or "Decoding trajectories compared: " + " vs ".join(labels)
     Path(path).write_text(_page(ts, infos, labels, head, width), encoding="utf-8")
     return path
