@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 DLLM_FAMILIES = ("llada", "dream", "sdar", "llada2", "fastdllm2")  # --family: these and the AR guide, "ar"
@@ -22,12 +23,23 @@ def _check_train_args(args) -> None:
     for option in ("save_every", "eval_every", "examples_per_task"):
         if getattr(args, option) < 0:
             raise ValueError(f"--{option.replace('_', '-')} must be >= 0, got {getattr(args, option)}")
-    if not args.lr > 0:
-        raise ValueError(f"--lr must be > 0, got {args.lr}")
-    if args.time_budget is not None and not args.time_budget > 0:
-        raise ValueError(f"--time-budget must be > 0 seconds, got {args.time_budget}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise ValueError(f"--lr must be > 0 and finite, got {args.lr}; give a learning rate such as 2e-3")
+    if args.time_budget is not None and not (math.isfinite(args.time_budget) and args.time_budget > 0):
+        raise ValueError(f"--time-budget must be > 0 seconds and finite, got {args.time_budget}; "
+                         "give the seconds to train for, or leave it out to run all --steps")
+    from dllm.assets import model_path
+
+    for option in ("init_from", "init_from_ar"):  # before the tokenizer is built or anything is written
+        if getattr(args, option) is not None:
+            checks.input_dir(model_path(getattr(args, option)), f"--{option.replace('_', '-')}")
     if args.d_model % args.heads:
         raise ValueError(f"--d-model {args.d_model} must be divisible by --heads {args.heads}")
+    if (args.d_model // args.heads) % 2:  # every family (the ar guide too) rotates head-size pairs (RoPE)
+        raise ValueError(f"--d-model {args.d_model} / --heads {args.heads} gives a head size of "
+                         f"{args.d_model // args.heads}, but rotary position embeddings need an even head size; "
+                         "choose --d-model and --heads whose quotient is even (e.g. --d-model "
+                         f"{2 * args.heads * max(1, -(-args.d_model // (2 * args.heads)))} --heads {args.heads})")
 
 
 def cmd_train_tiny(args) -> int:

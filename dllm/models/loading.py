@@ -4,6 +4,7 @@ or a bundled name)."""
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from pathlib import Path
 
@@ -317,26 +318,68 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     return t.clone() if t.untyped_storage().nbytes() != t.numel() * t.element_size() else t
 
 
+# what a tokenizer's save_pretrained (and the tiny trainer's training.json) may leave in a checkpoint directory:
+# removed from an earlier save when the new save does not write them, so they cannot override the new tokenizer
+_SAVED_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                          "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "vocab.txt",
+                          "tokenizer.model", "spiece.model")
+_STALE_RECORDS = ("training.json",)
+
+
+def _shard_size(max_shard_bytes) -> int | str | None:
+    """``max_shard_bytes`` checked: None, a positive whole number of bytes, or a positive size like ``"5GB"``."""
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    fix = "give a positive number of bytes or a size like '5GB' (units KB, MB, GB, TB)"
+    if max_shard_bytes is None:
+        return None
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, (int, float, str)):
+        raise ValueError(f"max_shard_bytes {max_shard_bytes!r} is not a size; {fix}")
+    if isinstance(max_shard_bytes, str):
+        try:
+            n = parse_size_to_int(max_shard_bytes)
+        except ValueError:
+            raise ValueError(f"max_shard_bytes {max_shard_bytes!r} is not a size; {fix}") from None
+    else:
+        n = max_shard_bytes
+    if not (math.isfinite(n) and n >= 1 and n == int(n)):
+        raise ValueError(f"max_shard_bytes {max_shard_bytes!r} must be at least one whole byte; {fix}")
+    return max_shard_bytes if isinstance(max_shard_bytes, str) else int(n)
+
+
 def save_pretrained(model: Transformer, path, *, dtype=None, max_shard_bytes: int | str | None = None) -> Path:
     """Write ``model`` in its family's published format (config.json, safetensors, tokenizer).
 
-    ``max_shard_bytes`` (bytes, or a size such as ``"5GB"``) splits the weights into
+    ``max_shard_bytes`` (a positive number of bytes, or a size such as ``"5GB"``) splits the weights into
     ``model-0000N-of-0000M.safetensors`` plus ``model.safetensors.index.json`` through ``huggingface_hub``'s
-    state-dict saving; without it one ``model.safetensors`` is written. Weight files of an earlier save in
-    ``path`` are removed."""
+    state-dict saving; without it one ``model.safetensors`` is written. The arguments are checked before anything
+    is created or written.
+
+    Saving into the directory of an earlier save replaces it: the earlier weight files are removed, and so are the
+    earlier tokenizer files (``tokenizer.json``, ``special_tokens_map.json``, ``chat_template.jinja`` and the
+    other standard tokenizer file names) that this save does not write, and the tiny trainer's ``training.json``,
+    which described the earlier model. Other files in the directory are left alone.
+
+    A model without a tokenizer (loaded with ``tokenizer=False``) is refused when ``path`` already holds tokenizer
+    files: they belong to another save and may not match this model. Load the model with its tokenizer, save into
+    a new directory, or remove those files first."""
     from huggingface_hub import save_torch_state_dict
 
-    if isinstance(max_shard_bytes, bool) or (isinstance(max_shard_bytes, int) and max_shard_bytes < 1):
-        raise ValueError(f"max_shard_bytes must be a positive number of bytes or a size like '5GB', "
-                         f"got {max_shard_bytes!r}")
+    shard_size = _shard_size(max_shard_bytes)
     path = Path(path)
     existing = next((p for p in (path, *path.parents) if p.exists()), None)  # what mkdir would run into
     if existing is not None and not existing.is_dir():
         raise ValueError(f"save_pretrained: {existing} is a file, not a directory; give a directory path to write "
                          "the checkpoint in (a new one, or the directory of an earlier save to replace it)")
+    dt = resolve_dtype(dtype) or model.dtype
+    old_tok = [name for name in _SAVED_TOKENIZER_FILES if (path / name).is_file()] if path.is_dir() else []
+    if model.tokenizer is None and old_tok:
+        raise ValueError(f"save_pretrained: {path} holds another save's tokenizer ({', '.join(old_tok)}) and this "
+                         "model has none (loaded with tokenizer=False), so the checkpoint would pair it with a "
+                         "tokenizer that may not match; load the model with its tokenizer, save into a new "
+                         "directory, or remove those files first")
     path.mkdir(parents=True, exist_ok=True)
     spec = model.spec
-    dt = resolve_dtype(dtype) or model.dtype
     ids = {"mask_id": model.mask_id, "eos_id": model.eos_id, "pad_id": model.pad_id}
     hf_cfg = spec.config_to_hf(model.config, ids)
     hf_cfg["torch_dtype"] = str(dt).removeprefix("torch.")
@@ -345,7 +388,11 @@ def save_pretrained(model: Transformer, path, *, dtype=None, max_shard_bytes: in
                for ours, theirs in spec.key_map(model.config).items()}
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     (path / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
-    save_torch_state_dict(tensors, path, max_shard_size=max(total, 1) if max_shard_bytes is None else max_shard_bytes)
+    save_torch_state_dict(tensors, path, max_shard_size=max(total, 1) if shard_size is None else shard_size)
+    written: set[str] = set()
     if model.tokenizer is not None:
-        model.tokenizer.save_pretrained(str(path))
+        written = {Path(f).name for f in model.tokenizer.save_pretrained(str(path))}
+    for name in (*old_tok, *_STALE_RECORDS):
+        if name not in written and (path / name).is_file():
+            (path / name).unlink()
     return path

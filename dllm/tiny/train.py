@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import random
+import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -382,10 +383,12 @@ def train(cfg: TrainConfig, out_dir, *, progress=None) -> dict:
     if cfg.block_size is not None and not blockwise:
         raise ValueError(f"block_size applies to the block-diffusion families ({', '.join(block.BLOCK_FAMILIES)}), "
                          f"not {cfg.family!r}")
-    # the block-diffusion families use the Qwen-style (Dream) chat template and mask token of the tiny vocabulary
-    tok_dir = build_tokenizer(out_dir, "dream" if blockwise else cfg.family, list_items=cfg.list_item_tokens,
-                              layout=cfg.tokenizer_layout)
-    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    # the block-diffusion families use the Qwen-style (Dream) chat template and mask token of the tiny vocabulary;
+    # built aside: out_dir is written only by the first save, after the checks of init_from / init_from_ar below
+    with tempfile.TemporaryDirectory() as tmp:
+        tok_dir = build_tokenizer(tmp, "dream" if blockwise else cfg.family, list_items=cfg.list_item_tokens,
+                                  layout=cfg.tokenizer_layout)
+        tok = AutoTokenizer.from_pretrained(str(tok_dir))
     ids = {
         "mask_id": tok.mask_token_id if blockwise else tok.convert_tokens_to_ids(spec.mask_token),
         "eot_id": tok.convert_tokens_to_ids(spec.eot_token),
@@ -422,8 +425,14 @@ def train(cfg: TrainConfig, out_dir, *, progress=None) -> dict:
         def explicit(c):  # a loaded config names its head size (SDAR's head_dim); a fresh one may leave it implied
             return replace(c, head_size=c.head_dim)
 
-        if explicit(start.config) != explicit(mcfg):
-            raise ValueError(f"--init-from {cfg.init_from}: its config {start.config} differs from {mcfg}")
+        theirs, ours = asdict(explicit(start.config)), asdict(explicit(mcfg))
+        diff = [f"{k}: checkpoint {theirs.get(k)!r}, run {v!r}" for k, v in ours.items() if theirs.get(k) != v]
+        if start.spec.family != spec.family:
+            diff.insert(0, f"family: checkpoint {start.spec.family!r}, run {spec.family!r}")
+        if diff:
+            raise ValueError(f"--init-from {cfg.init_from}: the checkpoint differs from this run ({'; '.join(diff)}); "
+                             "train with the checkpoint's --family, --d-model/--layers/--heads/--mlp, "
+                             "--tie-embeddings, --block-size and tokenizer layout")
         model.load_state_dict(start.state_dict())
     if cfg.init_from_ar and blockwise:  # the causal LM's weights through a dense twin, then upcycled
         twin = Transformer(dense, SPECS["dream"])

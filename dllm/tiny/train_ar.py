@@ -53,15 +53,17 @@ class ARTrainConfig:
     save_every: int = 0  # also write the checkpoint (and training.json so far) every this many steps
 
 
-def _tokenizers(out_dir: Path, list_items: bool = False, layout: str | None = None):
-    """(LLaDA-template tokenizer saved in ``out_dir``, Dream-template tokenizer from a scratch directory)."""
+def _tokenizers(list_items: bool = False, layout: str | None = None):
+    """(LLaDA-template tokenizer, Dream-template tokenizer), both built in a scratch directory."""
     from transformers import AutoTokenizer
 
     from dllm.tiny.tokenizer import build_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(build_tokenizer(out_dir, "llada", list_items=list_items, layout=layout)))
-    with tempfile.TemporaryDirectory() as tmp:
-        tok_dream = AutoTokenizer.from_pretrained(str(build_tokenizer(tmp, "dream", list_items=list_items, layout=layout)))
+    with tempfile.TemporaryDirectory() as tmp:  # built aside: out_dir is written only by the first save
+        tok = AutoTokenizer.from_pretrained(str(build_tokenizer(Path(tmp) / "llada", "llada", list_items=list_items,
+                                                                layout=layout)))
+        tok_dream = AutoTokenizer.from_pretrained(str(build_tokenizer(Path(tmp) / "dream", "dream",
+                                                                      list_items=list_items, layout=layout)))
     if tok.get_vocab() != tok_dream.get_vocab():  # pragma: no cover - guarded by tokenizer_build
         raise RuntimeError("the LLaDA and Dream tokenizer builds differ in vocabulary")
     return tok, tok_dream
@@ -111,8 +113,20 @@ def train(cfg: ARTrainConfig, out_dir, *, progress=None) -> dict:
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tok, tok_dream = _tokenizers(out_dir, cfg.list_item_tokens, cfg.tokenizer_layout)
+    tok, tok_dream = _tokenizers(cfg.list_item_tokens, cfg.tokenizer_layout)
+    start = None
+    if cfg.init_from:  # read and checked before anything is written to out_dir
+        from transformers import AutoModelForCausalLM
+
+        start = AutoModelForCausalLM.from_pretrained(str(cfg.init_from), dtype=torch.float32)
+        want = {"vocab_size": len(tok), "hidden_size": cfg.d_model, "intermediate_size": cfg.mlp_hidden,
+                "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+                "num_key_value_heads": cfg.n_kv_heads or cfg.n_heads, "tie_word_embeddings": True}
+        diff = [f"{k}: checkpoint {getattr(start.config, k, None)!r}, run {v!r}" for k, v in want.items()
+                if getattr(start.config, k, None) != v]
+        if diff:
+            raise ValueError(f"--init-from {cfg.init_from}: the checkpoint differs from this run ({'; '.join(diff)}); "
+                             "train with the checkpoint's --d-model/--layers/--heads/--mlp and tokenizer layout")
     toks = {"llada": tok, "dream": tok_dream}
     if cfg.examples_per_task > 0:
         pools = {fam: build_pools(t, cfg.examples_per_task, seed=cfg.seed + 1000) for fam, t in toks.items()}
@@ -129,10 +143,7 @@ def train(cfg: ARTrainConfig, out_dir, *, progress=None) -> dict:
     eot = {"llada": tok.convert_tokens_to_ids("<|eot_id|>"), "dream": tok.convert_tokens_to_ids("<|im_end|>")}
     pad = tok.convert_tokens_to_ids("<|endoftext|>")
     model = build_model(cfg, tok)
-    if cfg.init_from:
-        from transformers import AutoModelForCausalLM
-
-        start = AutoModelForCausalLM.from_pretrained(str(cfg.init_from), dtype=torch.float32)
+    if start is not None:
         model.load_state_dict(start.state_dict())
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     names = T.task_names()
