@@ -276,17 +276,9 @@ def _fastdllm2_canvas(P: int, gen_length: int, B: int) -> tuple[int, str]:
             "+ the token after them")
 
 
-def _check_fits(model, total: int, layout: str, row: int | None = None) -> None:
-    if total > model.max_seq_len:
-        where = f"prompt {row}: " if row is not None else ""
-        raise ValueError(f"{where}{layout}: {total} positions, more than the model's context of {model.max_seq_len}; "
-                         "shorten the prompt or lower gen_length")
-
-
-def _row_canvas(model, prompt: list[int], total: int, seed: int, layout: str):
-    """One row's canvas ``[1, total]`` (the prompt, then masks), its positions and its generator; ``layout``
-    says what the ``total`` positions hold, for the error when they exceed the model's context."""
-    _check_fits(model, total, layout)
+def _row_canvas(model, prompt: list[int], total: int, seed: int):
+    """One row's canvas ``[1, total]`` (the prompt, then masks), its positions and its generator (its length
+    checked against the model's context for every row before any is decoded: :func:`_decode_rows`)."""
     dev = model.device
     x = torch.full((1, total), model.mask_id, dtype=torch.long, device=dev)
     x[0, :len(prompt)] = torch.tensor(prompt, device=dev)
@@ -298,7 +290,10 @@ def _decode_rows(model, rows: list[list[int]], decode_row, canvas) -> BlockDiffu
     ``(length, what it holds)`` of a row of ``P`` prompt tokens: every row must fit the model's context before
     the first is decoded."""
     for i, prompt in enumerate(rows):
-        _check_fits(model, *canvas(len(prompt)), row=i)
+        total, layout = canvas(len(prompt))
+        if total > model.max_seq_len:
+            raise ValueError(f"prompt {i}: {layout}: {total} positions, more than the model's context of "
+                             f"{model.max_seq_len}; shorten the prompt or lower gen_length")
     out = BlockDiffusionOutput([], None, [len(r) for r in rows], [], [])
     for i, prompt in enumerate(rows):
         try:
@@ -317,8 +312,8 @@ def _decode_row(model, prompt: list[int], gen_length: int, B: int, quota: list[i
                 eos_early_stop: bool = False):
     """One row: (generated region, forwards, per-forward trace)."""
     P = len(prompt)
-    total, layout = _blocks_canvas(P, gen_length, B)
-    x, pos, gen = _row_canvas(model, prompt, total, seed, layout)
+    total, _ = _blocks_canvas(P, gen_length, B)
+    x, pos, gen = _row_canvas(model, prompt, total, seed)
     mask_id, steps = model.mask_id, len(quota)
     cache = _BlockKV(len(model.layers))
     trace: list[dict] = []
@@ -389,8 +384,8 @@ def _decode_row_llada21(model, prompt: list[int], gen_length: int, B: int, thres
     """One row of LLaDA2.1's ``generate`` (``style="llada21"``): (the region cut after its first stop token,
     forwards, per-forward trace with the mask-to-token commits and the token-to-token edits)."""
     P = len(prompt)
-    total, layout = _blocks_canvas(P, gen_length, B)
-    x, pos, gen = _row_canvas(model, prompt, total, seed, layout)
+    total, _ = _blocks_canvas(P, gen_length, B)
+    x, pos, gen = _row_canvas(model, prompt, total, seed)
     mask_id = model.mask_id
     cache = _BlockKV(len(model.layers))
     trace: list[dict] = []
@@ -495,8 +490,8 @@ def _decode_row_fastdllm2(model, prompt: list[int], gen_length: int, B: int, S: 
     P = len(prompt)
     n_blocks = gen_length // B
     first = P // B
-    total, layout = _fastdllm2_canvas(P, gen_length, B)  # the last block's storing forward appends one token
-    x, pos, gen = _row_canvas(model, prompt, total, seed, layout)
+    total, _ = _fastdllm2_canvas(P, gen_length, B)  # the last block's storing forward appends one token
+    x, pos, gen = _row_canvas(model, prompt, total, seed)
     dev, mask_id = model.device, model.mask_id
     cache = _SubBlockKV(len(model.layers))
     trace: list[dict] = []
