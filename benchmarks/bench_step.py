@@ -303,6 +303,40 @@ def e2e(model, a, B: int = 1):
     return rows
 
 
+def fastdllm_model(modeling, conf, model, device):
+    """Fast-dLLM's ``LLaDAModelLM`` (its modeling file) holding ``model``'s weights, every tensor on ``device``.
+
+    Its wrapper builds the inner model with ``init_device = "cpu"`` whatever the default device is, so a model built
+    under ``torch.device("cuda")`` keeps its parameters in host memory and the whole reference decode runs on the
+    CPU: the inner model is built here, on ``device``, and handed to the wrapper. The weights are ``model``'s own
+    tensors (``assign=True``: no second copy of 16 GB), and every parameter and buffer is checked to be on
+    ``device`` before anything is timed."""
+    hf = LLADA.config_to_hf(model.config, {"mask_id": model.mask_id, "eos_id": model.eos_id, "pad_id": model.pad_id})
+    config = conf.LLaDAConfig(**hf)
+    inner_config = modeling.create_model_config_from_pretrained_config(config)
+    inner_config.init_device = str(device)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(model.dtype)
+    try:
+        with torch.device(device):
+            inner = modeling.LLaDAModel(inner_config, init_params=False)
+            ref = modeling.LLaDAModelLM(config, model=inner, init_params=False)
+    finally:
+        torch.set_default_dtype(prev)
+    km = LLADA.key_map(model.config)
+    weights = {km[k]: v for k, v in model.state_dict().items() if k in km}
+    missing, unexpected = ref.load_state_dict(weights, strict=False, assign=True)
+    if missing or unexpected:
+        raise RuntimeError(f"Fast-dLLM's model does not take these weights: missing {missing[:4]}, "
+                           f"unexpected {unexpected[:4]}")
+    want = torch.device(device)
+    stray = {n: t.device for n, t in [*ref.named_parameters(), *ref.named_buffers()]
+             if t.device.type != want.type or (want.index is not None and t.device.index != want.index)}
+    if stray:
+        raise RuntimeError(f"Fast-dLLM's model has tensors off {device}: {dict(list(stray.items())[:4])}")
+    return ref.eval().requires_grad_(False)
+
+
 def fastdllm(model, a, B: int = 1):
     """Fast-dLLM's generate_with_dual_cache on the same weights (their modeling file), against dllm's dual cache."""
     llada = Path(a.fastdllm) / "llada"
@@ -312,17 +346,7 @@ def fastdllm(model, a, B: int = 1):
     fd = importlib.import_module("generate")
     conf = importlib.import_module("model.configuration_llada")
     modeling = importlib.import_module("model.modeling_llada")
-    hf = LLADA.config_to_hf(model.config, {"mask_id": model.mask_id, "eos_id": model.eos_id, "pad_id": model.pad_id})
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(model.dtype)
-    try:
-        with torch.device(a.device):
-            ref = modeling.LLaDAModelLM(conf.LLaDAConfig(**hf), init_params=False)
-    finally:
-        torch.set_default_dtype(prev)
-    km = LLADA.key_map(model.config)
-    ref.load_state_dict({km[k]: v for k, v in model.state_dict().items() if k in km}, strict=False)
-    ref = ref.eval().requires_grad_(False)
+    ref = fastdllm_model(modeling, conf, model, a.device)
     g = torch.Generator().manual_seed(7)
     prompt = torch.randint(3, model.config.vocab_size - 1, (B, a.prompt), generator=g).to(a.device)
     out, seqs = [], []
@@ -347,7 +371,8 @@ def fastdllm(model, a, B: int = 1):
         print(json.dumps(out[-1]), flush=True)
     same = float((seqs[0].to(seqs[1].device) == seqs[1]).float().mean())
     out.append({"what": "fastdllm", "impl": "speed-up of dllm", "ratio": round(out[0]["s"] / out[1]["s"], 2),
-                "same_tokens": round(same, 3)})
+                "same_tokens": round(same, 3), "ref_device": str(next(ref.parameters()).device.type),
+                "ref_tokens_device": str(seqs[0].device.type)})
     print(json.dumps(out[-1]), flush=True)
     return out
 

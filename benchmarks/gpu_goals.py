@@ -91,9 +91,13 @@ def goals(folder: Path) -> list[dict]:
 
     fd = next((r for r in step if r.get("what") == "fastdllm" and "ratio" in r), None)
     ratio = fd["ratio"] if fd else None
+    fd_status = _timed(_judge(ratio, (ratio or 0) >= 2), on_gpu)
+    # Fast-dLLM's model must have run where dllm ran: its wrapper once kept the weights in host memory
+    ref_dev = fd.get("ref_device") if fd else None
+    if fd and on_gpu and ref_dev != "cuda":
+        fd_status = f"{MISSING} (Fast-dLLM ran on {ref_dev or 'a device not recorded'})"
     add("against Fast-dLLM's generate_with_dual_cache, same weights", ">= 2x",
-        f"{ratio}x (same tokens: {fd['same_tokens']:.1%})" if fd else "-",
-        _timed(_judge(ratio, (ratio or 0) >= 2), on_gpu))
+        f"{ratio}x (same tokens: {fd['same_tokens']:.1%})" if fd else "-", fd_status)
 
     fwd = [r["forward_launches_per_layer"] for k, r in steps.items() if k[0] == "graph" and k[1] != "none"
            and "forward_launches_per_layer" in r]

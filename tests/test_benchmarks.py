@@ -134,7 +134,7 @@ def test_bench_kernels_runs_every_kernel(tmp_path):
 
 
 def _gpu_figures(folder: Path, x_floor=1.4, fastdllm=2.5, splitk=0.025, caches=1.1,
-                 tests="22 passed, 113 deselected in 40s"):
+                 tests="22 passed, 113 deselected in 40s", fastdllm_device="cuda"):
     """The files gpu_check.sh writes, in the benchmarks' formats, with figures chosen by the test."""
     folder.mkdir(exist_ok=True)
     step = [{"what": "floor", "device": "NVIDIA H100 80GB HBM3", "layers": 32, "floor_ms": 5.33},
@@ -144,7 +144,8 @@ def _gpu_figures(folder: Path, x_floor=1.4, fastdllm=2.5, splitk=0.025, caches=1
              "forward_launches_per_layer": 9.0, "syncs_per_step": 1},
             {"what": "e2e", "cache": "none", "s": 7.5, "speedup_vs_none": 1.0},
             {"what": "e2e", "cache": "dual", "s": 2.0, "speedup_vs_none": 3.75},
-            {"what": "fastdllm", "impl": "speed-up of dllm", "ratio": fastdllm, "same_tokens": 1.0}]
+            {"what": "fastdllm", "impl": "speed-up of dllm", "ratio": fastdllm, "same_tokens": 1.0,
+             "ref_device": fastdllm_device}]
     att = {"kernel": "attention", "B": 1, "Hq": 32, "Hkv": 32, "Lq": 32, "Lk": 4096, "D": 128,
            "dtype": "torch.bfloat16", "auto_choice": "splitk",
            "ms": {"sdpa": 0.055, "triton": 0.048, "splitk": 0.07, "splitk4": 0.06, "auto": 0.055},
@@ -169,6 +170,11 @@ def test_gpu_goals_judges_each_goal_against_its_target(tmp_path):
     for goal in ("dual-cache step, batch 1, graph path", "against Fast-dLLM's generate_with_dual_cache, same weights",
                  "every cache pays at batch 1 (bench_caches.py)", "gpu tests"):
         assert bad[goal]["status"] == "NOT met", bad[goal]
+    # Fast-dLLM's model left in host memory (its wrapper builds it there) while dllm ran on the GPU: no comparison
+    for dev, said in (("cpu", "Fast-dLLM ran on cpu"), (None, "Fast-dLLM ran on a device not recorded")):
+        off = {g["goal"]: g for g in gpu_goals.goals(_gpu_figures(tmp_path / f"off-{dev}", fastdllm=75.4,
+                                                                  fastdllm_device=dev))}
+        assert off["against Fast-dLLM's generate_with_dual_cache, same weights"]["status"] == f"not measured ({said})"
     split = bad["split-K attention, Lq 32, Lk 4096, bf16, 32:32 heads"]
     assert split["status"] == "met" and split["measured"].startswith("1.83x (splitk4)")  # the better split count
     assert {g["status"] for g in gpu_goals.goals(tmp_path / "nothing")} == {"not measured"}

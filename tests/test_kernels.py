@@ -18,6 +18,7 @@ if DEV == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"  # before triton's decorators run (see the module docstring)
 
 import math  # noqa: E402
+import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
@@ -940,12 +941,42 @@ def test_gpu_splitk_bf16_matches_sdpa_and_oracle(shape):
                        _naive(q, k, v, mask)[0], torch.float16, "masked out")
 
 
+def _replayed_ms(fn, flush: torch.Tensor, calls: int = 20, rounds: int = 5) -> float:
+    """Device milliseconds per call of ``fn`` as a CUDA graph replays it after the L2 cache was overwritten: one graph
+    of ``calls`` (zero ``flush``, call ``fn``) pairs against one of the zeroings alone, the median of ``rounds``
+    replays of each, the difference per call. Written apart from the dispatch's own timer, which times each replay
+    between events."""
+    fn()
+    torch.cuda.synchronize()
+    graphs = []
+    for with_fn in (True, False):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                flush.zero_()
+                if with_fn:
+                    fn()
+        graphs.append(graph)
+    spans: list[list[float]] = [[], []]
+    for _ in range(rounds):
+        for i, graph in enumerate(graphs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            spans[i].append(start.elapsed_time(end))
+    return (statistics.median(spans[0]) - statistics.median(spans[1])) / calls
+
+
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("shape", BENCH_SHAPES[:3], ids=lambda s: "B{}H{}x{}Lq{}Lk{}D{}".format(*s))
 def test_gpu_dispatch_picks_the_fastest(shape):
-    import triton.testing
-
+    """The dispatch's choice is within 1.3x of the fastest candidate timed the way it chooses: replayed from a CUDA
+    graph with the L2 cache cleared, as the cached decode steps run attention. Eager calls of these shapes are
+    host-bound (a Triton launch costs more host time than the kernel's device time), so eager timings would rank
+    the launchers, not the kernels."""
     from dllm.kernels import dispatch as D
 
     K.set_backend("triton")
@@ -957,7 +988,9 @@ def test_gpu_dispatch_picks_the_fastest(shape):
         out = K.attention(q, k, v)
         got = K.attention_choices()[D.bucket(q, k, None, False)]
         assert set(got["ms"]) == {"sdpa", "triton"} | set(T.splitk_candidates(B, Hq, Hkv, Lq, Lk, q.dtype))
-        ms = {c: triton.testing.do_bench(lambda: D.run(c, T, q, k, v, None, False), rep=50)  # noqa: B023
+        l2 = torch.cuda.get_device_properties(q.device).L2_cache_size
+        flush = torch.empty(2 * l2 // 4, dtype=torch.int32, device="cuda")
+        ms = {c: _replayed_ms(lambda: D.run(c, T, q, k, v, None, False), flush)  # noqa: B023
               for c in got["ms"]}
         assert ms[got["choice"]] <= 1.3 * min(ms.values()), (got, ms)
         torch.testing.assert_close(out, D.run("sdpa", T, q, k, v, None, False), atol=1e-2, rtol=1e-2)
