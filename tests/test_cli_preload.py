@@ -195,3 +195,36 @@ def test_the_compared_samplers_block_layout_is_checked_before_loading(capsys, tm
     refused(capsys, ["generate", "What is 12 + 30?", "--model", sdar, "--gen-length", "420", "--cache", "none",
                      "--trace-out", str(tmp_path / "t.html"), "--compare", "multiblock"],
             "gen_length (420) must be a multiple of the multi-block block_length (32)")
+
+
+def test_generate_reads_the_tokenizer_once(capsys, monkeypatch, tmp_path):
+    """The tokenizer that measured the text prompts before the model loads is the model's: read once, not twice."""
+    import dllm.models.loading as loading
+
+    calls = []
+    real = loading.load_tokenizer
+
+    def counted(path):
+        calls.append(path)
+        return real(path)
+
+    monkeypatch.setattr(loading, "load_tokenizer", counted)
+    assert main(["generate", "What is 2 + 2?", "--model", "llada-tiny", "--gen-length", "8", "--steps", "8"]) == 0
+    assert capsys.readouterr().out.strip()
+    assert len(calls) == 1, calls
+    calls.clear()
+    ids = tmp_path / "ids.txt"
+    ids.write_text(json.dumps(list(range(10, 20))) + "\n")
+    assert main(["generate", "--batch-file", str(ids), "--model", "llada-tiny", "--gen-length", "8"]) == 0
+    assert len(calls) == 1  # token ids: no prompt check needs it, the model still loads its tokenizer
+
+
+def test_load_model_takes_a_loaded_tokenizer():
+    from dllm.models import load_model
+    from dllm.models.loading import load_tokenizer
+
+    tok = load_tokenizer(Path(model_path("llada-tiny")))
+    assert load_model("llada-tiny", tokenizer=tok).tokenizer is tok
+    assert load_model("llada-tiny", tokenizer=False).tokenizer is None
+    with pytest.raises(ValueError, match="tokenizer must be True, False or a tokenizer"):
+        load_model("/nonexistent/checkpoint", tokenizer="yes")

@@ -361,6 +361,16 @@ def test_load_model_compile_option():
         dllm.load_model("llada-tiny", compile="yes")
     with pytest.raises(ValueError, match="not torch.compile arguments"):
         dllm.load_model("llada-tiny", compile={"modes": "max-autotune"})
+    # values torch.compile would only refuse at the first forward, refused before the checkpoint is read
+    for kw, said in (({"backend": "inductr"}, "backend='inductr': must be a callable or one of"),
+                     ({"mode": "fast"}, "mode='fast': must be one of"),
+                     ({"mode": "max-autotune", "options": {"trace.enabled": True}}, "cannot both be given"),
+                     ({"fullgraph": "yes"}, "fullgraph='yes': must be True or False"),
+                     ({"dynamic": 1}, "dynamic=1: must be True, False or None"),
+                     ({"options": ["x"]}, "options=\\['x'\\]: must be a dict"),
+                     ({"recompile_limit": 0}, "recompile_limit=0: must be a positive integer")):
+        with pytest.raises(ValueError, match=said):
+            dllm.load_model("/nonexistent/checkpoint", compile=kw)
     torch._dynamo.reset()  # compiled code is cached per code object (Transformer.forward), across tests
     eager = dllm.load_model("llada-tiny")
     compiled = dllm.load_model("llada-tiny", compile={"backend": "aot_eager", "dynamic": True})

@@ -60,7 +60,10 @@ def load_model_arg(args):
     from dllm.assets import model_path
     from dllm.models import load_model
 
-    return load_model(model_path(args.model), dtype=args.dtype, device=args.device)
+    # the tokenizer the prompt check loaded (check_decode_args), not read a second time
+    tokenizer = getattr(args, "prompt_tokenizer", None)
+    tokenizer = True if tokenizer is None else tokenizer
+    return load_model(model_path(args.model), dtype=args.dtype, device=args.device, tokenizer=tokenizer)
 
 
 def check_decode_args(args, prompts=None, also=None):
@@ -86,7 +89,9 @@ def check_decode_args(args, prompts=None, also=None):
     config, sampler = decode_setup(args)
     if guide is None and isinstance(getattr(sampler, "guide", None), str):  # --sampler guided --param guide=DIR
         checks.guide_dir(sampler.guide, f"--param guide={sampler.guide}")
-    lengths = [len(r) for r in _token_id_prompts(prompts or [], facts)] + _text_prompt_lengths(args.model, prompts)
+    lengths = [len(r) for r in _token_id_prompts(prompts or [], facts)]
+    text_lengths, args.prompt_tokenizer = _text_prompt_lengths(args.model, prompts)
+    lengths += text_lengths
     longest = max(lengths, default=1)  # no prompts given (eval builds its own): a prompt takes 1 token at least
     if longest >= facts.context:
         raise ValueError(f"the longest prompt has {longest} tokens, the model's whole context (config.json: "
@@ -101,18 +106,19 @@ def check_decode_args(args, prompts=None, also=None):
     return config, sampler
 
 
-def _text_prompt_lengths(model: str | None, prompts) -> list[int]:
+def _text_prompt_lengths(model: str | None, prompts) -> tuple[list[int], object]:
     """The token counts of the string and conversation prompts, encoded as :func:`dllm.generate` encodes them (the
-    chat template applied), with the checkpoint's tokenizer alone: no weights are read."""
+    chat template applied), with the checkpoint's tokenizer alone: no weights are read. Returns the counts and the
+    tokenizer (None where no prompt is text), which :func:`load_model_arg` hands to the model."""
     from dllm.assets import model_path
     from dllm.generate import encode_prompt, is_conversation
     from dllm.models.loading import load_tokenizer
 
     texts = [p for p in prompts or [] if isinstance(p, str) or is_conversation(p)]
     if not texts:
-        return []
+        return [], None
     tok = load_tokenizer(Path(model_path(model)))
-    return [len(encode_prompt(tok, p)) for p in texts]
+    return [len(encode_prompt(tok, p)) for p in texts], tok
 
 
 def _token_id_prompts(prompts: list, facts) -> list[list[int]]:

@@ -130,7 +130,7 @@ def load_model(
     dtype=None,
     device=None,
     device_map=None,
-    tokenizer: bool = True,
+    tokenizer=True,
     fast="auto",
     compile=False,
 ) -> Transformer:
@@ -152,7 +152,8 @@ def load_model(
         device: a single device for all weights (``"cpu"``, ``"cuda"``, ``"cuda:1"``...).
         device_map: ``"auto"`` or a dict module name -> device (accelerate's format); layers are placed over
             several devices and dispatched through accelerate (for checkpoints larger than one device).
-        tokenizer: load the tokenizer (``model.tokenizer``); required for string prompts.
+        tokenizer: load the tokenizer (``model.tokenizer``); required for string prompts. A tokenizer already
+            loaded from this checkpoint (:func:`load_tokenizer`) may be given instead, and is used as it is.
         fast: the fast layer path (:mod:`dllm.models.fast`: projections fused at load time, fused Triton kernels):
             ``"auto"`` turns it on when every weight is on a CUDA device, ``True`` / ``False`` force it on / off
             (on the CPU the fused kernels run as their PyTorch twins). The published parameter names and
@@ -164,6 +165,9 @@ def load_model(
     """
     check_fast(fast)
     compile_kw = _compile_options(compile)
+    if not isinstance(tokenizer, bool) and not (callable(getattr(tokenizer, "encode", None))
+                                                and callable(getattr(tokenizer, "decode", None))):
+        raise ValueError(f"tokenizer must be True, False or a tokenizer (load_tokenizer(path)), got {tokenizer!r}")
     if isinstance(path, str):
         from dllm.assets import model_path
 
@@ -182,7 +186,7 @@ def load_model(
     placement = _device_map(model, device_map, dt) if device_map is not None else None
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     plan = inspect_files(files, spec, cfg, read_index(path), shapes)
-    tok = load_tokenizer(path) if tokenizer else None
+    tok = (load_tokenizer(path) if tokenizer else None) if isinstance(tokenizer, bool) else tokenizer
     ids = _special_ids(hf_cfg, spec, cfg.vocab_size, tok)
     devices = {ours: _placed(ours, placement) if placement else target for keys in plan.values() for _, ours in keys}
     state = read_tensors(plan, dt, devices.__getitem__)
@@ -219,8 +223,44 @@ def _compile_options(compile) -> dict | None:
         unknown = sorted(set(compile) - known)
         if unknown:
             raise ValueError(f"compile options {unknown} are not torch.compile arguments; known: {', '.join(sorted(known))}")
+        _check_compile_values(compile)
         return dict(compile)
     raise ValueError(f"compile must be True, False or a dict of torch.compile keyword arguments, got {compile!r}")
+
+
+def _check_compile_values(kw: dict) -> None:
+    """The values of ``load_model(compile={...})`` that torch.compile would only refuse at the first forward."""
+    def bad(name, want):
+        return ValueError(f"compile option {name}={kw[name]!r}: {want}")
+
+    for name in ("fullgraph", "disable", "isolate_recompiles"):
+        if name in kw and not isinstance(kw[name], bool):
+            raise bad(name, "must be True or False")
+    if "dynamic" in kw and kw["dynamic"] is not None and not isinstance(kw["dynamic"], bool):
+        raise bad("dynamic", "must be True, False or None")
+    if kw.get("backend") is not None and not callable(kw["backend"]):
+        import torch._dynamo
+
+        backends = torch._dynamo.list_backends(exclude_tags=())
+        if kw["backend"] not in backends:
+            raise bad("backend", f"must be a callable or one of {', '.join(backends)}")
+    if kw.get("mode") is not None:
+        import torch._inductor
+
+        modes = list(torch._inductor.list_mode_options())
+        if kw["mode"] not in modes:
+            raise bad("mode", f"must be one of {', '.join(modes)} (or None)")
+        if kw.get("options") is not None:
+            raise ValueError("compile options mode and options cannot both be given (torch.compile takes one); "
+                             "drop one of them")
+    if kw.get("options") is not None and not (isinstance(kw["options"], dict)
+                                             and all(isinstance(k, str) for k in kw["options"])):
+        raise bad("options", "must be a dict of Inductor settings keyed by name")
+    limit = kw.get("recompile_limit")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise bad("recompile_limit", "must be a positive integer or None")
+    if kw.get("name") is not None and not isinstance(kw["name"], str):
+        raise bad("name", "must be a string")
 
 
 def _device_map(model: Transformer, device_map, dtype: torch.dtype) -> dict[str, torch.device]:
