@@ -78,6 +78,10 @@ class GenerateStats:
     # bytes the cache's K/V buffers held at the end of decoding (0 without buffers; on the graph path they go back to
     # the runner's pool when the call ends)
     cache_bytes: int = 0
+    # the run's fixed block length (fixed blocks: regions of this length from the generation's start, the layout
+    # dllm.viz draws even where a step's region spans more, as in Prophet's early commit); 0 where the regions are
+    # laid out otherwise (adaptive, aligned to the prompt, sliding) or unknown
+    block_length: int = 0
 
 
 @dataclass
@@ -662,6 +666,10 @@ class Decoder:
         st.n_start = torch.where(advance, new_masks, st.n_start)
         return x, hi, committed
 
+    def _fixed_block_length(self) -> int:
+        """:attr:`GenerateStats.block_length` of this run."""
+        return _fixed_block_length_of(self.policy, self.config)
+
     def output(self, st: DecodeState) -> GenerateOutput:
         t = self.clock.totals()
         time_total = time.perf_counter() - self.t_start
@@ -689,8 +697,17 @@ class Decoder:
             sampler=_name_of(self.sampler),
             cache=_name_of(self.cache),
             cache_bytes=int(getattr(self.cache, "nbytes", 0) or 0),
+            block_length=self._fixed_block_length(),
         )
         return GenerateOutput(seqs, decode_texts(self.model, seqs), [len(r) for r in st.rows], stats)
+
+
+def _fixed_block_length_of(policy, config) -> int:
+    from dllm.blocks.fixed import FixedBlocks
+
+    if type(policy) is not FixedBlocks or policy.slide is not None:
+        return 0
+    return int(policy.size(config))
 
 
 def _name_of(part) -> str:

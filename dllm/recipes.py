@@ -72,6 +72,7 @@ def resolve(model, sampler, cache, block_policy, config: GenerateConfig):
     if sampler is None:
         sampler = default_sampler(model)
     check_sampler(sampler)
+    check_policy(block_policy)
     check_flags(config)
     recipe = as_recipe(sampler)
     recipe = dataclasses.replace(recipe, sampler=_Declared.wrap(recipe.sampler, SamplerBase)).bind_model(model)
@@ -102,6 +103,15 @@ def check_sampler(sampler) -> None:
         raise TypeError(f"sampler={sampler!r} ({type(sampler).__name__}) is not a sampler: pass a registered name "
                         "(dllm.list_samplers() or `dllm samplers` lists them), dllm.get_sampler(name, **params), or "
                         "an object with a step(logits, ctx) method")
+
+
+def check_policy(block_policy) -> None:
+    """``block_policy`` is None or a block policy: an object with a ``next_region`` method (``dllm.blocks``);
+    else ``TypeError`` naming the accepted forms (a name such as ``"adablock"`` is not looked up)."""
+    if block_policy is not None and not callable(getattr(block_policy, "next_region", None)):
+        raise TypeError(f"block_policy={block_policy!r} ({type(block_policy).__name__}) is not a block policy: pass "
+                        "an object from dllm.blocks (FixedBlocks(32), AdaBlock(), SlidingWindow(64), ...), one with a "
+                        "next_region method, or None (the sampler's own, else fixed blocks of block_length)")
 
 
 def check_flags(config: GenerateConfig) -> None:

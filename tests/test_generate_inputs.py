@@ -73,6 +73,13 @@ def test_sampler_must_be_a_name_a_recipe_or_a_sampler(tiny, sampler):
         generate(tiny, ["hi"], gen_length=4, sampler=sampler)
 
 
+@pytest.mark.parametrize("policy", ["adablock", 8, object()])
+def test_block_policy_must_be_a_policy(tiny, policy):
+    """A name or a number is refused with the accepted forms (it failed inside the decoder with an AttributeError)."""
+    with pytest.raises(TypeError, match=r"is not a block policy: pass an object from dllm.blocks \(FixedBlocks"):
+        generate(tiny, ["hi"], gen_length=4, block_policy=policy)
+
+
 def test_sampler_forms_that_are_accepted(tiny):
     by_name = generate(tiny, ["hi"], gen_length=4, sampler="threshold").sequences.tolist()
     assert generate(tiny, ["hi"], gen_length=4, sampler=get_sampler("threshold")).sequences.tolist() == by_name

@@ -101,7 +101,7 @@ def test_many_empty_messages_are_refused_before_the_conversation_is_tokenised(se
     monkeypatch.setattr(engine_module, "prepare_prompts", lambda *a, **kw: tokenised.append(1) or real(*a, **kw))
     n = model.max_seq_len + 1
     msg = _refused(_post(url, {"messages": [{"role": "user", "content": ""}] * n, "max_tokens": 8}, chat=True),
-                   "messages", f"{n} messages", "send fewer messages")
+                   "messages", f"{n} messages, at least {n} tokens", "send fewer or shorter messages")
     assert "context" in msg
     # fewer messages than the context, but with max_tokens more than it holds: still refused untokenised
     _refused(_post(url, {"messages": [{"role": "user", "content": ""}] * 300, "max_tokens": 300}, chat=True),

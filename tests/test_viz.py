@@ -138,6 +138,20 @@ def test_legend_names_early_commits_where_present(tiny, tmp_path):
         assert "↻ = committed at a step with a full cache refresh" in im.info["Description"]
 
 
+def test_prophet_early_commit_keeps_the_block_layout(tiny):
+    """Prophet's early commit decodes the rest of the generation in one step (its region spans it), yet the run's
+    blocks are the fixed layout's, which the output records (``stats.block_length``)."""
+    o = dllm.generate(tiny, [PROMPT], gen_length=32, block_length=8, steps=32, sampler="prophet")
+    assert o.stats.block_length == 8
+    assert any(rec["hi"][0] - rec["lo"][0] > 8 for rec in o.stats.trace)  # a region wider than a block
+    t = V.trajectory(o, 0, tiny.tokenizer)
+    assert t["early"] and t["starts"] == [0, 8, 16, 24]
+    assert V.caption(t)[-1].startswith("gen 32 / block 8 / 1 steps")
+    # regions laid out otherwise record none: the pictures read the regions that ran
+    assert dllm.generate(tiny, [PROMPT], gen_length=32, block_length=8, steps=32,
+                         block_policy=dllm.blocks.AdaBlock()).stats.block_length == 0
+
+
 def test_adablock_decisions_are_drawn_and_named(tmp_path):
     """A record as AdaBlock leaves it (blocks of 5 and 11 ended at a delimiter, then a fallback block of 16): the
     boundaries it chose at a delimiter are named in the legend of both pictures."""

@@ -416,15 +416,15 @@ class Engine:
                                     graphs=self.graphs)
         except (ValueError, TypeError) as exc:
             raise RequestError(str(exc)) from None
-        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict) \
-                and len(prompt) > self.model.max_seq_len:  # every message takes at least one token
-            raise RequestError(f"{len(prompt)} messages cannot fit the model's context of {self.model.max_seq_len} "
-                               f"tokens (every message takes at least one token); send fewer messages", "prompt")
         least = self._least_tokens(prompt)  # before tokenising: a prompt already too long costs nothing
         if least + gen_length > self.model.max_seq_len:
-            raise RequestError(f"prompt (at least {least} tokens) + gen_length ({gen_length}) exceeds the model's "
-                               f"context of {self.model.max_seq_len} tokens; shorten the prompt or lower "
-                               f"gen_length (max_tokens)", "prompt")
+            if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+                what = f"{len(prompt)} messages, at least {least} tokens: every message takes one at least"
+                fix = "send fewer or shorter messages, or lower gen_length (max_tokens)"
+            else:
+                what, fix = f"at least {least} tokens", "shorten the prompt or lower gen_length (max_tokens)"
+            raise RequestError(f"prompt ({what}) + gen_length ({gen_length}) exceeds the model's context of "
+                               f"{self.model.max_seq_len} tokens; {fix}", "prompt")
         cut = top_p if top_p is not None and top_p < 1 else None
         own_cut = cut is not None and name in SAMPLERS and "top_p" in SAMPLERS[name].params()
         if own_cut:  # the sampler's own nucleus cut (Dream's, as its reference applies it)

@@ -67,7 +67,7 @@ def trajectory(out, row: int = 0, tokenizer=None) -> dict:
     conf = [None if c is None or (isinstance(c, float) and math.isnan(c)) else c for c in conf]
     P = out.prompt_lengths and max(out.prompt_lengths)
     P = (stats.trace[0]["lo"][row] if stats.trace and "lo" in stats.trace[0] else P) or 0
-    starts = _block_starts(stats.trace, row, P, len(ids))
+    starts = _block_starts(stats.trace, row, P, len(ids), getattr(stats, "block_length", 0) or 0)
     early = [i + 1 for i, rec in enumerate(stats.trace) if rec.get("early_commit") and rec["early_commit"][row]]
     ran_cache = getattr(stats, "cache", "")
     # the cache that ran, where the output records it (a cached run whose every step is a full refresh still
@@ -90,11 +90,14 @@ def trajectory(out, row: int = 0, tokenizer=None) -> dict:
             "ran": {k: v for k in ("sampler", "cache") if (v := getattr(stats, k, ""))}}
 
 
-def _block_starts(trace: list, row: int, P: int, n: int) -> list[int]:
-    """Generation offsets where a block begins: where a region that ran began. When every region that ran is a
-    block of one length ``L`` on the grid of ``L`` (fixed blocks; the last may be cut by the generation's end), the
-    blocks that never ran as a region (the row finished early: EOS early stop, an early commit) begin on that grid
-    too."""
+def _block_starts(trace: list, row: int, P: int, n: int, fixed: int = 0) -> list[int]:
+    """Generation offsets where a block begins. ``fixed`` (the output's ``stats.block_length``): the run's fixed
+    block length, every block on its grid (a step's region may span more: Prophet's early commit decodes the rest of
+    the generation at once). Otherwise where a region that ran began; when every region that ran is a block of one
+    length ``L`` on the grid of ``L`` (the last may be cut by the generation's end), the blocks that never ran as a
+    region (the row finished early: EOS early stop, an early commit) begin on that grid too."""
+    if fixed > 0:
+        return list(range(0, n, fixed))
     starts = sorted({rec["lo"][row] - P for rec in trace if "lo" in rec and 0 <= rec["lo"][row] - P < n})
     regions = sorted({(rec["lo"][row] - P, rec["hi"][row] - P) for rec in trace if "lo" in rec and "hi" in rec})
     if not regions or any(lo < 0 or hi > n or hi <= lo for lo, hi in regions):
