@@ -205,3 +205,44 @@ def test_without_data_a_cached_dataset_is_still_loaded(no_hub, monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", lambda path, cfg, split: rows if path == "openai/gsm8k" else [])
     samples, _ = load_samples(get_standard_task("gsm8k"), None)
     assert [s.reference for s in samples] == ["3"]
+    from huggingface_hub import constants
+
+    seen = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda path, cfg, split: seen.append(
+        (constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE)) or rows)
+    load_samples(get_standard_task("gsm8k"), None)
+    assert seen == [(True, True)]  # the Hub is unreachable: `datasets` reads its cache in offline mode
+    assert (constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE) == (False, False)  # and only then
+
+
+def _cache_as_the_hub_would(datasets, cache: Path, tmp_path: Path, rows: list[dict]) -> None:
+    """A prepared GSM8K in the `datasets` cache, laid out as loading it from the Hub leaves it (built from a local
+    JSONL by `datasets`' own json builder, then moved and named as the Hub's ``openai/gsm8k``, config ``main``)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for split in ("train", "test"):
+        (src / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    build = tmp_path / "build"
+    datasets.load_dataset_builder("json", data_files={s: str(src / f"{s}.jsonl") for s in ("train", "test")},
+                                  cache_dir=str(build)).download_and_prepare()
+    (prepared,) = [p for p in build.glob("json/*/*/*") if p.is_dir()]
+    dest = cache / "openai___gsm8k" / "main" / "0.0.0" / prepared.name
+    dest.parent.mkdir(parents=True)
+    prepared.rename(dest)
+    for split in ("train", "test"):
+        (dest / f"json-{split}.arrow").rename(dest / f"gsm8k-{split}.arrow")
+    info = json.loads((dest / "dataset_info.json").read_text())
+    (dest / "dataset_info.json").write_text(json.dumps({**info, "config_name": "main", "dataset_name": "gsm8k",
+                                                        "builder_name": "gsm8k"}))
+
+
+def test_a_cached_dataset_loads_at_once_with_the_hub_unreachable(no_hub, tmp_path):
+    """HF_HUB_OFFLINE unset, the Hub unreachable, the dataset in the cache: the real `datasets` reads it without
+    spending its retries on the Hub (it took about 25 s before, with the Hub's name unresolvable)."""
+    datasets, cache = no_hub
+    rows = [{"question": f"What is {i} + 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}"} for i in range(3)]
+    _cache_as_the_hub_would(datasets, cache, tmp_path, rows)
+    t0 = time.monotonic()
+    samples, _ = load_samples(get_standard_task("gsm8k"), None)
+    assert [s.reference for s in samples] == ["1", "2", "3"]
+    assert time.monotonic() - t0 < 10

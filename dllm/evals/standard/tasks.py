@@ -19,6 +19,7 @@ concatenated as plain text.
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import os
 import re
@@ -365,24 +366,46 @@ def _hub_rows(task: StandardTask, split: str) -> list[dict]:
                          f"--data PATH (a JSONL with fields {fields})") from None
     specs = _HUB_SPECS[task.name]
     offline = _truthy("HF_HUB_OFFLINE") or _truthy("HF_DATASETS_OFFLINE") or bool(datasets.config.HF_HUB_OFFLINE)
-    if not offline and not all(_in_datasets_cache(datasets, path, cfg) for path, cfg in specs):
-        # Not cached: `datasets` would retry the Hub for half a minute on a machine without network. Ask once.
+    cached = all(_in_datasets_cache(datasets, path, cfg) for path, cfg in specs)
+    from_cache = False
+    if not offline:
+        # `datasets` retries an unreachable Hub for half a minute before it fails, or falls back to its cache: ask
+        # the Hub once, briefly, first
         endpoint = _hub_endpoint()
         why = _hub_unreachable(endpoint)
-        if why is not None:
+        if why is not None and not cached:
             raise ValueError(f"{task.name}: no --data file given, {task.hub} is not in the `datasets` cache, and the "
                              f"Hugging Face Hub ({endpoint}) cannot be reached ({why}); pass --data PATH, a JSONL "
                              f"with fields {fields} (docs/evaluation.md describes the format), or set "
                              "HF_HUB_OFFLINE=1 on a machine whose cache holds the dataset")
+        from_cache = why is not None  # cached, Hub unreachable: read the cache as HF_HUB_OFFLINE=1 would
     rows = []
     try:
-        for path, cfg in specs:
-            rows.extend(dict(r) for r in datasets.load_dataset(path, cfg, split=split))
+        with _hub_offline(datasets, from_cache):
+            for path, cfg in specs:
+                rows.extend(dict(r) for r in datasets.load_dataset(path, cfg, split=split))
     except Exception as exc:  # offline, hub unreachable, dataset moved
         raise ValueError(f"{task.name}: could not load {task.hub} with `datasets` ({type(exc).__name__}: "
                          f"{str(exc)[:200]}); on an offline machine pass --data PATH, a JSONL with fields "
                          f"{fields} (docs/evaluation.md describes the format)") from None
     return rows
+
+
+@contextlib.contextmanager
+def _hub_offline(datasets, on: bool):
+    """``datasets`` and the Hub client in offline mode (what ``HF_HUB_OFFLINE=1`` sets at import) while the block
+    runs, when ``on``: every Hub request fails at once and ``datasets`` reads its cache."""
+    if not on:
+        yield
+        return
+    from huggingface_hub import constants
+
+    saved = constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE
+    constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE = saved
 
 
 def load_samples(task: StandardTask, data: str | None = None, fewshot_data: str | None = None,
