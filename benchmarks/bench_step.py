@@ -13,7 +13,7 @@ cached steps replayed as CUDA graphs; ``compile``: ``torch.compile`` of the mode
   allocations, and Triton launches when the kernels run under ``TRITON_INTERPRET=1 DLLM_KERNELS=triton``, plus the
   calls that would synchronise on CUDA).
 
-``--e2e`` adds whole generations (prompt 512, gen 256, batch 1) with no cache, prefix and dual cache and the
+``--e2e`` adds whole generations (``--prompt`` / ``--gen``: 512 and 256 on a GPU by default, batch 1) with no cache, prefix and dual cache and the
 speed-up of each cache over none; ``--breakdown`` (CUDA) the kernels that take a full forward's and a cached step's
 device time, published layer against fast layer; ``--fastdllm DIR`` (a checkout of NVlabs/Fast-dLLM, its ``llada`` folder with
 ``generate.py`` and ``model/``) times Fast-dLLM's own ``generate_with_dual_cache`` on the same weights and steps;
@@ -441,7 +441,8 @@ def main(argv=None):
                                       "error": f"{type(exc).__name__}: {exc}"[:400]}), flush=True)
                     continue
                 r = {"what": "step", "mode": mode, "cache": cache, "batch": B, "ms_per_step": round(step_ms, 3),
-                     "ms_partial_step": round(partial_ms, 3), "x_floor": round(step_ms / floor_ms, 2),
+                     "ms_partial_step": round(partial_ms, 3) if partial_ms == partial_ms else None,  # none: null
+                     "x_floor": round(step_ms / floor_ms, 2),
                      "x_floor_partial": round(partial_ms / floor_ms, 2) if partial_ms == partial_ms else None,
                      "launches_per_step": launches, "launches_per_layer": round(launches / a.layers, 1),
                      "forward_launches_per_layer": round(fwd / a.layers, 1),
@@ -462,12 +463,14 @@ def main(argv=None):
                 print(json.dumps({"what": fn.__name__, "error": f"{type(exc).__name__}: {exc}"[:400]}), flush=True)
             print(f"({fn.__name__}: {time.perf_counter() - t0:.0f} s)", flush=True)
     print()
-    print(f"| mode | cache | batch | ms / step | ms / cached step | x floor ({floor_ms:.2f} ms) | launches / step | "
+    print(f"| mode | cache | batch | ms / step | ms / cached step | x floor ({floor_ms:.2f} ms; cached step, else step) | "
+          "launches / step | "
           "per layer | forward's per layer | host syncs / step |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if r["what"] == "step":
-            print(f"| {r['mode']} | {r['cache']} | {r['batch']} | {r['ms_per_step']} | {r['ms_partial_step']} | "
+            cached = r['ms_partial_step'] if r['ms_partial_step'] is not None else "-"
+            print(f"| {r['mode']} | {r['cache']} | {r['batch']} | {r['ms_per_step']} | {cached} | "
                   f"{r['x_floor_partial'] if r['x_floor_partial'] is not None else r['x_floor']} | "
                   f"{r['launches_per_step']} | {r['launches_per_layer']} | {r['forward_launches_per_layer']} | "
                   f"{r['syncs_per_step']} |")

@@ -54,7 +54,11 @@ def test_bench_step_counts_one_host_sync_per_step(tmp_path):
         assert r["syncs_per_step"] == 1, r  # the decode loop's one sync, as a CUDA run takes it
         assert r["launches_per_step"] > r["forward_launches_per_layer"] * 2 > 0, r  # 2 layers and the loop's own
         assert r["ms_per_step"] > 0
-        assert (r["ms_partial_step"] > 0) == (r["cache"] == "dual"), r
+        assert (r["ms_partial_step"] is not None and r["ms_partial_step"] > 0) == (r["cache"] == "dual"), r
+    def strict(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    json.loads((tmp_path / "bench_step.py.json").read_text(), parse_constant=strict)  # no NaN: strict parsers read it
     by = {(r["mode"], r["cache"], r["batch"]): r for r in steps}
     for b in (1, 2):  # a cached step computes fewer positions but launches the cache's own kernels too
         g = by[("graph", "dual", b)]["graphs"]
