@@ -9,9 +9,11 @@
 #     QUICK=1 bash benchmarks/gpu_check.sh ...        # batch 1 and 16, no/dual cache, two modes: a short lease
 #     PARTS="step tests" bash benchmarks/gpu_check.sh # some parts only (step kernels tests caches extra; default all)
 #
-# The parts take at most 300 + 100 + 140 + 120 + 180 seconds: where one command may run 600 seconds, run
-# PARTS="step kernels" and then PARTS="tests caches extra" (each call's goals table judges that call's files; unpack
-# both calls' gpu-check.tgz into one folder and run `python benchmarks/gpu_goals.py FOLDER` for the whole table).
+# The parts take at most 300 + 100 + 140 + 120 + 180 seconds. On an H200 (2026-11-27) with QUICK=1: kernels 68 s, tests
+# 74 s, extra 85 s, step 300 s (cut; 220 s of it Fast-dLLM's reference, which then ran on the CPU by mistake: on the
+# GPU it takes seconds), so all parts fit one 600-second command with DEADLINE=560. Otherwise run PARTS="step kernels"
+# and then PARTS="tests caches extra" (each call's goals table judges that call's files; unpack both calls'
+# gpu-check.tgz into one folder and run `python benchmarks/gpu_goals.py FOLDER` for the whole table).
 # DEADLINE=S (seconds) bounds the whole call: each part runs for at most what is left of S after a margin for the
 # goals table and the archive, and a part with under 20 seconds left is skipped, saying so (set it a little under the
 # call's own time limit, or under the device time a lease has left, so the call always returns its files).
