@@ -3,6 +3,7 @@ table and the JSON dump of the rows each benchmark prints."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import torch
@@ -48,3 +49,11 @@ def write_json(path: str | None, rows) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(rows, f, indent=1)
+
+
+def positive(text: str) -> int:
+    """An argparse ``type``: a positive integer, else the option's usage error."""
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v} is not a positive integer")
+    return v

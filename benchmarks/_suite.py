@@ -8,6 +8,8 @@ import argparse
 import torch
 
 from dllm.assets import model_path
+from dllm.evals import parallelbench as PB
+from dllm.evals.parallelbench.sweep import subset_indices
 from dllm.models.loading import load_model
 
 
@@ -29,3 +31,12 @@ def load_suite_model(args: argparse.Namespace):
     if args.threads:
         torch.set_num_threads(args.threads)
     return load_model(model_path(args.model), dtype=torch.float32)
+
+
+def requested(lines: list[dict], result, n: int | None) -> list[dict]:
+    """The stored ``lines`` of the request ``result`` (a :class:`SweepResult`) with ``n`` samples per task: its
+    settings, its tasks and, per task, the samples ``run_sweep`` decodes for ``n`` (an earlier run into the same
+    directory may hold other tasks, settings or samples)."""
+    want = {(s, t, i) for t in result.tasks for i in subset_indices(PB.get_task(t).num_samples, n)
+            for s in result.settings}
+    return [x for x in lines if (x["setting"], x["task"], int(x["index"])) in want]

@@ -20,6 +20,7 @@ import statistics
 import time
 
 import torch
+from _common import positive
 
 from dllm.blockdiff import _BlockKV
 from dllm.models import Transformer, TransformerConfig
@@ -65,10 +66,10 @@ def time_block(m: Transformer, context: int, steps: int, reps: int) -> tuple[flo
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--contexts", type=int, nargs="+", default=[64, 256, 1024])
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=4, help="denoising forwards per block (SDAR: 4)")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--contexts", type=positive, nargs="+", default=[64, 256, 1024])
+    ap.add_argument("--layers", type=positive, default=2)
+    ap.add_argument("--steps", type=positive, default=4, help="denoising forwards per block (SDAR: 4)")
+    ap.add_argument("--reps", type=positive, default=3, help="timed runs per context (at least 1)")
     a = ap.parse_args()
     m = model(a.layers)
     n = sum(p.numel() for p in m.parameters())

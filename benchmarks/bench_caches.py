@@ -38,6 +38,34 @@ def build(layers: int, width: int, heads: int, vocab: int, max_len: int, device,
     return random_llada(cfg, device, dtype, std=0.5)
 
 
+def check_layout(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Refuse (an argparse error naming the fix) a layout the runs cannot decode, before the model is built: the
+    blocks must tile ``--gen``, ``--steps`` (1..gen) must split evenly over them, the warm-up's three steps per block
+    must fit a block, and the LLaDA-shaped model takes no ``block`` cache."""
+    for name in ("layers", "width", "vocab", "prompt", "gen", "block", "steps"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name} {getattr(a, name)}: give a positive integer")
+    if any(b < 1 for b in a.batch):
+        p.error(f"--batch {' '.join(map(str, a.batch))}: give positive batch sizes")
+    if a.block > a.gen or a.gen % a.block:
+        fit = max(d for d in range(1, min(a.block, a.gen) + 1) if a.gen % d == 0)
+        p.error(f"--block {a.block} must divide --gen {a.gen}; e.g. --block {fit}, or a --gen that is a multiple of "
+                f"{a.block}")
+    blocks = a.gen // a.block
+    if a.block < 3:
+        p.error(f"--block {a.block}: give at least 3 (the warm-up decodes three steps per block)")
+    if not 1 <= a.steps <= a.gen or a.steps % blocks:
+        p.error(f"--steps {a.steps} must be between 1 and --gen {a.gen} and a multiple of the {blocks} blocks "
+                f"(--gen / --block), e.g. --steps {min(a.gen, max(blocks, a.steps // blocks * blocks))}")
+    unknown = [c for c in a.caches if c not in CACHES]
+    if unknown:
+        p.error(f"--caches: unknown {', '.join(unknown)}; choose from {', '.join(c for c in CACHES if c != 'block')}")
+    if "block" in a.caches:
+        p.error("--caches block: 'block' is the exact cache of block-diffusion checkpoints (e.g. SDAR) and this "
+                "benchmark's model is LLaDA-shaped; choose from "
+                f"{', '.join(c for c in CACHES if c != 'block')}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=12)
@@ -59,6 +87,7 @@ def main(argv=None):
                    help="the fast layer path (auto: on CUDA, as load_model does)")
     p.add_argument("--json", default=None, help="also write the rows here")
     a = p.parse_args(argv)
+    check_layout(p, a)
     if a.threads:
         torch.set_num_threads(a.threads)
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if a.device == "cuda" else torch.float32)

@@ -1,7 +1,8 @@
 """Decode-loop benchmark.
 
 Part 1: NFE, tokens per forward, tokens/s and the model / sampler / cache time split on the bundled tiny
-models (a few synthetic-task prompts).
+models (a few synthetic-task prompts). "steps requested" is the ``steps`` passed to ``generate``; a model or
+sampler with its own schedule (block-diffusion models, threshold-style rules) may run another count: NFE is what ran.
 Part 2: each baseline sampler's per-step cost against the floor of one softmax pass over the same logits,
 on a random-weight model with LLaDA's vocabulary (126,464) and a 32-token block.
 
@@ -14,6 +15,7 @@ import argparse
 import time
 
 import torch
+from _common import positive
 
 import dllm
 from dllm.assets import BUNDLED
@@ -25,7 +27,7 @@ from dllm.samplers import get_sampler
 
 def part1(batch: int) -> None:
     print("## Tiny models (gen 32, one token per step and 4 tokens per step)")
-    print("| model | sampler | steps | batch | NFE | tokens/forward | tokens/s | model s | sampler s | cache s |")
+    print("| model | sampler | steps requested | batch | NFE | tokens/forward | tokens/s | model s | sampler s | cache s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     convs = [ex.messages for ex in T.generate("waiting_line/reverse", batch, seed=7)]
     for name, path in BUNDLED.items():
@@ -78,9 +80,9 @@ def part2(batch: int, repeats: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=positive, default=1)
+    ap.add_argument("--repeats", type=positive, default=5)
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
     if args.threads:

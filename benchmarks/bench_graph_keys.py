@@ -12,9 +12,10 @@ own buffers" is the runner without either.
 An evaluation's loop: ``--calls`` calls of ``--batch`` prompts each (synthetic task prompts of different lengths),
 per sampler and cache, on one runner per configuration, bucketed and exact. Printed per configuration: forwards,
 full forwards (eager by design), first sights (eager, a key seen once), captures, replays, the replayed share of
-the cached forwards, graphs kept at the end, evictions, whether the tokens are the eager path's, and seconds (on
-the CPU the runner's static-buffer path without capture: counts only, the time is no GPU figure; on CUDA real
-graphs, the time of the whole loop with the card named).
+the cached forwards, graphs kept at the end (the runner's entries holding a captured graph, on the CPU its
+static-buffer stand-in: shape keys seen once and never captured are not counted), evictions, whether the tokens
+are the eager path's, and seconds (on the CPU the runner's static-buffer path without capture: counts only, the
+time is no GPU figure; on CUDA real graphs, the time of the whole loop with the card named).
 
     python benchmarks/bench_graph_keys.py [--model llada-tiny] [--calls 6] [--batch 1 4] [--gen 64] [--block 16]
 """
@@ -29,7 +30,9 @@ import torch
 from _common import print_table, task_prompts, write_json
 
 import dllm
+from dllm.caches import CACHES
 from dllm.graphs import GraphRunner
+from dllm.samplers import SAMPLERS
 
 CONFIGS = [("llada", "dual"), ("llada", "prefix"), ("llada", "dkv-decode"), ("fast-dllm", "dual"),
            ("threshold", "freecache")]
@@ -70,7 +73,10 @@ def run(model, sampler: str, cache: str, batch: int, calls: int, gen: int, block
            "forwards": nfe,
            "full": full, "first_sight": s.get("eager:first sight", 0), "captures": s.get("captures", 0),
            "replays": s.get("replays", 0), "replayed": round(s.get("replays", 0) / cached, 3) if cached else 0.0,
-           "graphs": len(runner.graphs) if runner is not None else 0, "evicted": s.get("evicted", 0),
+           # graphs kept: the runner's entries that hold a graph (captured; on the CPU the static-buffer path's
+           # stand-in), not the shape keys seen once and never captured
+           "graphs": sum(g.captured and not g.failed for g in runner.graphs.values()) if runner is not None else 0,
+           "keys": len(runner.graphs) if runner is not None else 0, "evicted": s.get("evicted", 0),
            "other_eager": sum(v for k, v in s.items() if k.startswith("eager:")
                               and k not in ("eager:full forward", "eager:first sight")),
            "s": round(dt, 3)}
@@ -90,6 +96,21 @@ def main(argv=None) -> list[dict]:
                     help="sampler:cache pairs")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    pairs = []
+    for pair in a.configs:
+        sampler, sep, cache = pair.partition(":")
+        if not sep or not sampler or not cache or ":" in cache:
+            ap.error(f"--configs {pair!r}: give sampler:cache pairs, e.g. llada:dual or fast-dllm:prefix")
+        if sampler not in SAMPLERS:
+            ap.error(f"--configs {pair!r}: unknown sampler {sampler!r}; choose from {', '.join(sorted(SAMPLERS))}")
+        if cache not in CACHES:
+            ap.error(f"--configs {pair!r}: unknown cache {cache!r}; choose from {', '.join(CACHES)}")
+        pairs.append((sampler, cache))
+    for name in ("calls", "gen", "block"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name} {getattr(a, name)}: give a positive integer")
+    if any(b < 1 for b in a.batch):
+        ap.error(f"--batch {' '.join(map(str, a.batch))}: give positive batch sizes")
     dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float32")
     if a.device == "cpu":
         torch.set_num_threads(1)
@@ -97,8 +118,7 @@ def main(argv=None) -> list[dict]:
     card = torch.cuda.get_device_name() if a.device == "cuda" else "CPU (static-buffer path, no capture)"
     print(f"model {a.model} ({dtype}) on {card}; {a.calls} calls per configuration, gen {a.gen}, block {a.block}")
     rows = []
-    for pair in a.configs:
-        sampler, cache = pair.split(":")
+    for sampler, cache in pairs:
         for B in a.batch:
             eager, want = run(model, sampler, cache, B, a.calls, a.gen, a.block, None)
             for buckets in (False, True):

@@ -28,6 +28,8 @@ from dllm.models import load_model
 from dllm.samplers import get_sampler
 from dllm.samplers.guided import guided_summary, load_guide
 
+METHODS = ("threshold", "guided-det", "guided-topk", "ar")
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -37,10 +39,19 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=5, help="records per task (spread evenly, as parallelbench run)")
     ap.add_argument("--seed", type=int, default=PB.DEFAULT_SEED)
     ap.add_argument("--gen-length", type=int, default=None, help="default: each task's budget")
-    ap.add_argument("--methods", default="threshold,guided-det,guided-topk,ar")
+    ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated, from " + ", ".join(METHODS))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        ap.error(f"--methods {args.methods!r}: " + (f"unknown {', '.join(map(repr, unknown))}; " if unknown else "")
+                 + f"give comma-separated names from {', '.join(METHODS)}")
+    if args.n < 1:
+        ap.error(f"--n {args.n}: give at least 1 record per task")
+    if not PB.task_names(args.tasks):
+        ap.error(f"--tasks {args.tasks!r} matches no task; known tasks: {', '.join(PB.task_names())}")
     torch.set_num_threads(args.threads)
 
     model = load_model(model_path(args.model), dtype="float32")
@@ -50,7 +61,6 @@ def main(argv=None) -> int:
     samplers = {"threshold": lambda: get_sampler("threshold"),
                 "guided-det": lambda: get_sampler("guided", guide=(guide, gtok), mode="deterministic"),
                 "guided-topk": lambda: get_sampler("guided", guide=(guide, gtok), mode="topk")}
-    methods = args.methods.split(",")
     work = []
     for name in PB.task_names(args.tasks):
         records = PB.generate_task(name, None, args.seed, style="short")

@@ -33,6 +33,7 @@ import statistics
 import time
 
 import torch
+from _common import positive
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
@@ -214,7 +215,7 @@ def bench_confidence(cfg, device, dtypes, repeats, tk, rows):
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--repeats", type=positive, default=20, help="timed runs per figure (at least 1)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--json", default=None, help="write the figures to this file")
     args = ap.parse_args(argv)

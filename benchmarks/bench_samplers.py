@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from _common import positive
 
 import dllm
 from dllm.models import LLADA, Transformer, TransformerConfig
@@ -117,10 +118,10 @@ def sampler_for(name: str):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--gen", type=int, default=64, help="generation length (blocks of 32)")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=positive, default=1)
+    ap.add_argument("--repeats", type=positive, default=5)
+    ap.add_argument("--gen", type=positive, default=64, help=f"generation length (blocks of {BLOCK}: a multiple of {BLOCK})")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--samplers", default=None,
@@ -128,6 +129,9 @@ def main() -> None:
     ap.add_argument("--confident", type=float, default=0.0,
                     help="share of the columns made confident and stable (0: the random model alone)")
     args = ap.parse_args()
+    if args.gen % BLOCK:
+        ap.error(f"--gen {args.gen}: the samplers decode blocks of {BLOCK}, so give a multiple of {BLOCK}, e.g. --gen "
+                 f"{max(BLOCK, args.gen // BLOCK * BLOCK)}")
     if not 0 <= args.confident <= 1:
         ap.error(f"--confident {args.confident} is out of range; give a share in [0, 1]")
     names = [n for n in (*BASELINES, *PRESETS) if n not in SKIPPED]

@@ -22,15 +22,19 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=20)
     ap.add_argument("--seed", type=int, default=12345)
     ap.add_argument("--template", choices=["llada", "dream"], default="llada")
-    ap.add_argument("--tasks", default=None, help="fnmatch pattern (default: all)")
+    ap.add_argument("--tasks", default=None,
+                    help="names, categories or fnmatch patterns, comma-separated (default: all)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
     from dllm.evals import tasks as T
 
+    names = T.task_names(args.tasks)
+    if not names:
+        ap.error(f"--tasks {args.tasks!r} matches no synthetic task; known tasks: {', '.join(T.task_names())}")
+    torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    res = evaluate(guide_path(args.path), T.task_names(args.tasks), n=args.n, seed=args.seed, template=args.template)
+    res = evaluate(guide_path(args.path), names, n=args.n, seed=args.seed, template=args.template)
     fams: dict[str, list[float]] = {}
     print(f"| task | accuracy ({args.template} template, n={args.n}) | strict |")
     print("|---|---|---|")

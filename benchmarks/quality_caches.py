@@ -3,18 +3,21 @@
 For each cache policy with its default refresh, one sampler (threshold 0.9 over blocks of 32 by default) runs
 the same samples as without a cache; the table gives the fraction of outputs identical to the no-cache run,
 the task score, NFE and wall time. The ``fast-dllm`` (threshold 0.9 + dual cache) and ``elastic`` presets
-run against threshold decoding without cache. Results go to ``--out`` (one resumable sweep per cache).
+run against threshold decoding without cache. Results go to ``--out`` (one resumable sweep per cache); the
+table covers the tasks and samples asked for (results of other tasks or samples stored in ``--out`` by earlier
+runs are kept there, not reported).
 
     python benchmarks/quality_caches.py --model llada-tiny --n 10 --out runs/cache-quality
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 from pathlib import Path
 
 import torch
-from _suite import load_suite_model, suite_parser
+from _suite import load_suite_model, requested, suite_parser
 
 from dllm.evals.parallelbench.sweep import load_samples, run_sweep
 from dllm.evals.stats import fmt_ci, mean_ci, paired_test
@@ -23,9 +26,9 @@ CACHES = ("none", "prefix", "dual", "dkv-decode", "dkv-greedy", "freecache", "el
 
 
 def _run(model, out: Path, method: str, cache: str | None, args) -> list[dict]:
-    run_sweep(model, out, [method], tasks=args.tasks, n=args.n, style="short", cache=cache,
-              gen_length=args.gen_length, batch_size=args.batch_size, model_name=args.model)
-    return load_samples(out)
+    result = run_sweep(model, out, [method], tasks=args.tasks, n=args.n, style="short", cache=cache,
+                       gen_length=args.gen_length, batch_size=args.batch_size, model_name=args.model)
+    return requested(load_samples(out), result, args.n)
 
 
 def _key(line: dict) -> tuple:
@@ -36,7 +39,10 @@ def main() -> None:
     ap = suite_parser("runs/cache-quality")
     ap.add_argument("--block-length", type=int, default=32)
     ap.add_argument("--method", default=None, help="method spec (default: threshold:tau=0.9:block_length=B)")
+    ap.description, ap.formatter_class = __doc__, argparse.RawDescriptionHelpFormatter
     args = ap.parse_args()
+    if args.n < 1:
+        ap.error(f"--n {args.n}: give at least 1 sample per task")
     model = load_suite_model(args)
     method = args.method or f"threshold:tau=0.9:block_length={args.block_length}"
     root = Path(args.out)

@@ -3,23 +3,28 @@
 Part 1: each registered preset with its defaults: score, tokens per forward, NFE and wall time per sample.
 Part 2: score-vs-tokens-per-step curves and their AUP: Fast-dLLM's threshold rule over tau (the reference
 curve) against our other rules swept over their main parameter. All runs go to ``--out`` (resumable); the
-markdown report with the plot is written to ``<out>/report.md``.
+markdown report with the plot is written to ``<out>/report.md``. The tables cover the tasks and samples asked
+for (results of other tasks or samples stored in ``--out`` by earlier runs are kept there, not reported). A
+preset or curve whose block layout cannot decode ``--gen-length`` (e.g. multi-block's blocks of 32 at a length
+of 16) is skipped, and the skip is printed.
 
     python benchmarks/quality_samplers.py --model llada-tiny --n 10 --out runs/sampler-quality
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 from collections import defaultdict
 from pathlib import Path
 
 import torch
-from _suite import load_suite_model, suite_parser
+from _suite import load_suite_model, requested, suite_parser
 
-from dllm.evals.parallelbench.report import write_report
-from dllm.evals.parallelbench.sweep import load_samples, run_sweep
+from dllm.evals.parallelbench.report import build_report
+from dllm.evals.parallelbench.sweep import load_samples, parse_methods, run_sweep
 from dllm.evals.stats import fmt_ci, mean_ci, paired_test
+from dllm.recipes import resolve
 from dllm.samplers import SAMPLERS
 
 SKIP = {"guided"}  # needs a guide model: benchmarks/bench_guided.py
@@ -34,11 +39,48 @@ CURVES = (
 )
 
 
+def layout_problem(model, setting, gen_length: int | None) -> str | None:
+    """Why ``setting`` (a :class:`Setting`) cannot decode ``gen_length`` tokens on ``model`` (its block layout
+    refuses the length), or None (also when no single length is given: each task's own budget)."""
+    if gen_length is None:
+        return None
+    try:
+        sampler, config = setting.resolve(model, gen_length)
+        resolve(model, sampler, None, None, config)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def runnable(model, specs, gen_length: int | None, what: str) -> list:
+    """``specs`` less the settings whose block layout refuses ``gen_length`` (each skip printed): a spec all of whose
+    settings run stays as it is, one with some refused settings gives the others."""
+    out: list = []
+    for spec in specs:
+        settings = parse_methods([spec])
+        ok = []
+        for st in settings:
+            why = layout_problem(model, st, gen_length)
+            if why is None:
+                ok.append(st)
+            else:
+                print(f"skipping {what} setting {st.label!r} at gen length {gen_length}: {why}")
+        out += [spec] if len(ok) == len(settings) else ok
+    return out
+
+
 def main() -> None:
     ap = suite_parser("runs/sampler-quality")
-    ap.add_argument("--curves", nargs="*", default=list(CURVES))
+    ap.description, ap.formatter_class = __doc__, argparse.RawDescriptionHelpFormatter
+    ap.add_argument("--curves", nargs="+", default=list(CURVES), help="method specs of the curves (part 2)")
     ap.add_argument("--curves-only", action="store_true", help="skip part 1 (every preset with its defaults)")
     args = ap.parse_args()
+    if args.n < 1:
+        ap.error(f"--n {args.n}: give at least 1 sample per task")
+    try:
+        parse_methods(args.curves)
+    except ValueError as exc:
+        ap.error(f"--curves: {exc}")
     model = load_suite_model(args)
     root = Path(args.out)
     kw = dict(tasks=args.tasks, n=args.n, style="short", gen_length=args.gen_length, batch_size=args.batch_size,
@@ -47,8 +89,15 @@ def main() -> None:
           f"torch threads {torch.get_num_threads()}")
     if not args.curves_only:
         presets_table(model, root, kw)
-    run_sweep(model, root / "curves", args.curves, **kw)
-    report = write_report([root / "curves"], root / "report.md")
+    curves = runnable(model, args.curves, args.gen_length, "curve")
+    if not curves:
+        print(f"\nno curve can decode gen length {args.gen_length}: no part 2")
+        return
+    result = run_sweep(model, root / "curves", curves, **kw)
+    lines = requested(load_samples(root / "curves"), result, args.n)
+    report = build_report(lines, plot_dir=root, sources=[str(root / "curves")], needs_data=result.needs_data)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "report.md").write_text(report.markdown, encoding="utf-8")
     print()
     print("| curve | AUP | 95% CI | PB90 | PB80 | PB70 |")
     print("|---|---|---|---|---|---|")
@@ -67,9 +116,10 @@ def presets_table(model, root: Path, kw: dict) -> None:
     family = getattr(model.spec, "family", "llada")
     presets = [n for n in sorted(SAMPLERS) if n not in SKIP
                and not (family == "llada" and n.startswith("dream")) and not (family != "llada" and n.startswith("llada"))]
-    run_sweep(model, root / "presets", presets, **kw)
+    presets = runnable(model, presets, kw["gen_length"], "preset")
+    result = run_sweep(model, root / "presets", presets, **kw)
     by = defaultdict(list)
-    for line in load_samples(root / "presets"):
+    for line in requested(load_samples(root / "presets"), result, kw["n"]):
         by[line["setting"]].append(line)
     base = "dream" if family == "dream" else "llada"
     base_scores = {(x["task"], x["index"]): x["score"] for x in by[base]}
