@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from dllm.blocks import AlignedBlocks, BlockPolicyBase, FixedBlocks
+from dllm.blocks import AlignedBlocks, BlockPolicyBase, FixedBlocks, SlidingWindow
 from dllm.config import GenerateConfig
 from dllm.samplers.recipe import Recipe, as_recipe, configure
 
@@ -163,10 +163,12 @@ class BlockLayout:
     def needs_model(self) -> bool:
         """Whether :attr:`policy` must be bound to a model before it can be validated: all but
         :class:`~dllm.blocks.AlignedBlocks` with a block length and the policies that keep
-        :meth:`BlockPolicyBase.bind <dllm.blocks.BlockPolicyBase.bind>` (fixed blocks, a sliding window,
-        multi-block; AdaBlock reads its delimiters from the model's tokenizer)."""
+        :meth:`BlockPolicyBase.bind <dllm.blocks.BlockPolicyBase.bind>` (fixed blocks, multi-block; AdaBlock reads
+        its delimiters from the model's tokenizer), and a sliding window (binding only picks the family's window)."""
         if isinstance(self.policy, AlignedBlocks):
             return self.policy.block_length is None
+        if isinstance(self.policy, SlidingWindow):  # binding picks the family's window; validation ignores it
+            return False
         return not (isinstance(self.policy, BlockPolicyBase) and type(self.policy).bind is BlockPolicyBase.bind)
 
 

@@ -403,10 +403,11 @@ def test_elastic_preset_slides_and_matches_plain_sliding_threshold_with_full_ref
     from dllm.samplers import SlidingWindow
 
     assert isinstance(get_sampler("elastic").block_policy, SlidingWindow)
-    for family in ("llada", "dream"):
+    for family, window in (("llada", 16), ("dream", 32)):  # the reference's window per family
         model = cached_model(family, 2)
-        kw = dict(gen_length=32, steps=32)
-        base = generate(model, prompt_set(3, 2), sampler="threshold", block_policy=SlidingWindow(16), **kw)
+        assert get_sampler("elastic").block_policy.bind(model).window == window
+        kw = dict(gen_length=48, steps=48)
+        base = generate(model, prompt_set(3, 2), sampler="threshold", block_policy=SlidingWindow(window), **kw)
         out = generate(model, prompt_set(3, 2), sampler="elastic",
                        cache=get_cache("elastic", refresh_every=1), **kw)
         assert torch.equal(out.sequences, base.sequences), family

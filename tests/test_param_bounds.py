@@ -36,7 +36,7 @@ INT_PARAMS = [
     (AdaBlock, "block_length", 1, True),
     (AlignedBlocks, "block_length", 1, True),
     (MultiBlock, "block_length", 1, False),
-    (SlidingWindow, "window", 1, False),
+    (SlidingWindow, "window", 1, True),  # None: the model family's window
     (PrefixCache, "refresh_every", 1, True),
     (DualCache, "refresh_every", 1, True),
     (DKVGreedy, "refresh_every", 1, True),

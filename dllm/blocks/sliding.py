@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -9,6 +10,9 @@ import torch
 from dllm.blocks.fixed import BlockPolicyBase
 from dllm.config import GenerateConfig
 from dllm.ops import check_int
+
+#: Elastic-Cache's decoding window per model family (``SlidingWindow(None)`` takes the model's)
+FAMILY_WINDOWS = {"llada": 16, "dream": 32}
 
 
 @dataclass(frozen=True)
@@ -19,11 +23,20 @@ class SlidingWindow(BlockPolicyBase):
     (masked columns only are candidates); the whole generation is one schedule region (``steps`` spread over
     ``gen_length``). The decode loop calls :meth:`slide` before every forward."""
 
-    window: int = 16
+    window: int | None = 16
     name: str = "sliding"
 
     def __post_init__(self):
-        check_int("window", self.window, 1, fix=" (masks decoded at once; Elastic-Cache uses 16)")
+        if self.window is not None:
+            check_int("window", self.window, 1, fix=" (masks decoded at once; Elastic-Cache uses 16, 32 on Dream; "
+                      "None: the model family's)")
+
+    def bind(self, model) -> SlidingWindow:
+        """``window=None``: Elastic-Cache's default for ``model``'s family, 16 (LLaDA) or 32 (Dream)."""
+        if self.window is not None:
+            return self
+        family = getattr(getattr(model, "spec", None), "family", "llada")
+        return dataclasses.replace(self, window=FAMILY_WINDOWS.get(family, 16))
 
     def validate(self, cfg: GenerateConfig) -> None:
         if cfg.total_steps > cfg.gen_length:
@@ -42,6 +55,7 @@ class SlidingWindow(BlockPolicyBase):
         m = masked & (cols[None] >= lo[:, None])
         csum = m.long().cumsum(-1)
         new_lo = (csum == 0).sum(-1)  # columns before the first remaining mask
-        hi = torch.where(csum[:, -1] >= self.window, (csum < self.window).sum(-1) + 1, torch.full_like(lo, T))
+        window = self.window or FAMILY_WINDOWS["llada"]  # None outside generate (which binds it to the model)
+        hi = torch.where(csum[:, -1] >= window, (csum < window).sum(-1) + 1, torch.full_like(lo, T))
         hi = torch.where(new_lo >= T, new_lo, hi)
         return new_lo, hi

@@ -141,10 +141,12 @@ def fast_dllm(tau: float = 0.9, temperature: float = 0.0, confidence: str = "pro
                   block_length=block_length, cache=_cache(cache), name=name)
 
 
-def elastic(tau: float = 0.9, window: int = 16, gamma: float = 0.9, track_num: int = 1, temperature: float = 0.0,
-            confidence: str = "prob", softmax_dtype: str = "float32", noise_scope: str = "row", name: str = "elastic") -> ComposedSampler:
-    """Elastic-Cache: threshold 0.9 over a window sliding over the first ``window`` (16) remaining masks
-    (:class:`~dllm.blocks.SlidingWindow`), elastic cache (gamma 0.9, one tracked token per layer)."""
+def elastic(tau: float = 0.9, window: int | None = None, gamma: float = 0.9, track_num: int = 1,
+            temperature: float = 0.0, confidence: str = "prob", softmax_dtype: str = "float32", noise_scope: str = "row",
+            name: str = "elastic") -> ComposedSampler:
+    """Elastic-Cache: threshold 0.9 over a window sliding over the first ``window`` remaining masks
+    (:class:`~dllm.blocks.SlidingWindow`; None: 16 on LLaDA, 32 on Dream, the reference's), elastic cache (gamma
+    0.9, one tracked token per layer)."""
     return Recipe(ComposedSampler(Threshold(tau), **_common(temperature, confidence, softmax_dtype, name, noise_scope=noise_scope)),
                   block_policy=SlidingWindow(window), cache=_cache_spec("elastic", gamma=gamma, track_num=track_num),
                   name=name)

@@ -217,8 +217,8 @@ class KLStable:
     eager per-step history's and each value computed is the eager one, bit for bit (tested).
     """
 
-    conf_threshold: float = 0.9
-    kl_threshold: float = 0.01
+    conf_threshold: float = 0.6  # KLASS's GSM8K setting, as the klass preset
+    kl_threshold: float = 0.015
     history: int = 2
     fallback: Any = field(default_factory=Quota)
     inclusive: bool = False
