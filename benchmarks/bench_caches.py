@@ -6,8 +6,8 @@ fraction of token-layers computed (from generate's per-step statistics), K/V mem
 and the fraction of output tokens equal to the no-cache run (random weights: staleness shows up here far
 more than on a trained model).
 
-    python benchmarks/bench_caches.py                        # 12 layers, width 1024 (GPU-sized)
-    python benchmarks/bench_caches.py --layers 4 --width 256 --steps 64   # CPU-sized
+    python benchmarks/bench_caches.py                        # GPU: 12 layers, width 1024, prompt 512, gen 256
+    python benchmarks/bench_caches.py                        # CPU: 2 layers, width 256, prompt 64, gen 64 (minutes)
     python benchmarks/bench_caches.py --layers 8 --width 4096 --mlp 12288 --vocab 126464 --batch 1   # LLaDA-8B's layer
 
 The model runs as ``load_model`` runs it: the fast layer on CUDA (``--fast auto``), CUDA graphs for the cached
@@ -68,15 +68,15 @@ def check_layout(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=None, help="default 12 on GPU, 2 on CPU")
+    p.add_argument("--width", type=int, default=None, help="default 1024 on GPU, 256 on CPU")
     p.add_argument("--heads", type=int, default=None, help="default width // 64")
     p.add_argument("--mlp", type=int, default=None, help="MLP width (default 8/3 of the width, rounded up to 64)")
     p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--prompt", type=int, default=512)
-    p.add_argument("--gen", type=int, default=256)
+    p.add_argument("--prompt", type=int, default=None, help="default 512 on GPU, 64 on CPU")
+    p.add_argument("--gen", type=int, default=None, help="default 256 on GPU, 64 on CPU")
     p.add_argument("--block", type=int, default=32)
-    p.add_argument("--steps", type=int, default=256)
+    p.add_argument("--steps", type=int, default=None, help="default --gen (one token per step)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     # every cache of LLaDA-format models ("block" is the exact cache of block-diffusion checkpoints)
     p.add_argument("--caches", nargs="+", default=[c for c in CACHES if c not in ("none", "block")])
@@ -87,6 +87,11 @@ def main(argv=None):
                    help="the fast layer path (auto: on CUDA, as load_model does)")
     p.add_argument("--json", default=None, help="also write the rows here")
     a = p.parse_args(argv)
+    gpu = a.device == "cuda"
+    for name, on_gpu, on_cpu in (("layers", 12, 2), ("width", 1024, 256), ("prompt", 512, 64), ("gen", 256, 64)):
+        if getattr(a, name) is None:  # a GPU-sized run, or one the CPU finishes in minutes
+            setattr(a, name, on_gpu if gpu else on_cpu)
+    a.steps = a.gen if a.steps is None else a.steps
     check_layout(p, a)
     if a.threads:
         torch.set_num_threads(a.threads)

@@ -21,8 +21,8 @@ def check_int(name: str, value, lo: int, hi: int = MAX_INT_PARAM, *, fix: str = 
     ``"an integer >= lo"``); the message adds the upper bound and ``fix``."""
     ok = isinstance(value, numbers.Integral) and not isinstance(value, bool) and lo <= value <= hi
     if not ok:
-        raise ValueError(f"{name}={value!r} is out of range; it must be {what or f'an integer >= {lo}'} and at most "
-                         f"{hi}{fix}")
+        said = "is out of range" if isinstance(value, numbers.Number) else "is not a number"  # e.g. --param window=wide
+        raise ValueError(f"{name}={value!r} {said}; it must be {what or f'an integer >= {lo}'} and at most {hi}{fix}")
 
 
 #: A real-valued parameter given as an integer beyond this is refused: it is not exact as a float, and past 2**63 it
