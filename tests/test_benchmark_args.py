@@ -243,3 +243,14 @@ def test_bench_fast_layer_help_and_cuda_check():
     p = bench("bench_fast_layer.py", timeout=60)
     assert p.returncode != 0 and p.stdout == "", (p.stdout, p.stderr)
     assert len(p.stderr.strip().splitlines()) == 1 and "needs a CUDA device" in p.stderr, p.stderr
+
+
+def test_bench_caches_defaults_are_cpu_sized_on_the_cpu(tmp_path):
+    """Without shape options the CPU run is a small one (the GPU-sized defaults ran for minutes there)."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU defaults apply where no GPU is")
+    out = tmp_path / "caches.json"
+    p = bench("bench_caches.py", "--batch", "1", "--caches", "dual", "--json", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "model: 2 layers, width 256" in p.stdout and "prompt 64, gen 64, block 32, steps 64" in p.stdout
+    assert {r["cache"] for r in json.loads(out.read_text())} == {"none", "dual"}

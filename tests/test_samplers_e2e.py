@@ -517,3 +517,16 @@ def test_precheck_layout_leaves_what_needs_the_model_to_resolve():
         precheck_layout("klass", None, GenerateConfig(gen_length=64, block_length=24))
     assert precheck_layout("fast-dllm", None, cfg).config.block_length == 32
     assert precheck_layout("fast-dllm", 4, cfg).source == "aligned"
+
+
+def test_klstable_defaults_are_the_klass_presets():
+    """The bare rule and the ``klass`` preset decide alike by default: ALGORITHMS.md's 0.6 / 0.015 (the rule's own
+    defaults were 0.9 / 0.01)."""
+    import inspect
+
+    from dllm.samplers.presets import klass
+
+    rule = KLStable()
+    preset = inspect.signature(klass).parameters
+    assert (rule.conf_threshold, rule.kl_threshold, rule.history) == (
+        preset["conf_threshold"].default, preset["kl_threshold"].default, preset["history"].default) == (0.6, 0.015, 2)
