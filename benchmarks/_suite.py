@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+from _common import positive
 
 from dllm.assets import model_path
 from dllm.evals import parallelbench as PB
@@ -18,7 +19,7 @@ def suite_parser(out: str) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llada-tiny")
     ap.add_argument("--tasks", default="waiting_line,puzzle")
-    ap.add_argument("--n", type=int, default=10, help="samples per task")
+    ap.add_argument("--n", type=positive, default=10, help="samples per task")
     ap.add_argument("--gen-length", type=int, default=32)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=None)

@@ -23,7 +23,7 @@ import json
 import time
 
 import torch
-from _common import print_table, random_llada, write_json
+from _common import positive, print_table, random_llada, write_json
 
 from dllm import generate, get_sampler
 from dllm.caches import CACHES, get_cache
@@ -42,11 +42,6 @@ def check_layout(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     """Refuse (an argparse error naming the fix) a layout the runs cannot decode, before the model is built: the
     blocks must tile ``--gen``, ``--steps`` (1..gen) must split evenly over them, the warm-up's three steps per block
     must fit a block, and the LLaDA-shaped model takes no ``block`` cache."""
-    for name in ("layers", "width", "vocab", "prompt", "gen", "block", "steps"):
-        if getattr(a, name) < 1:
-            p.error(f"--{name} {getattr(a, name)}: give a positive integer")
-    if any(b < 1 for b in a.batch):
-        p.error(f"--batch {' '.join(map(str, a.batch))}: give positive batch sizes")
     if a.block > a.gen or a.gen % a.block:
         fit = max(d for d in range(1, min(a.block, a.gen) + 1) if a.gen % d == 0)
         p.error(f"--block {a.block} must divide --gen {a.gen}; e.g. --block {fit}, or a --gen that is a multiple of "
@@ -68,16 +63,16 @@ def check_layout(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=None, help="default 12 on GPU, 2 on CPU")
-    p.add_argument("--width", type=int, default=None, help="default 1024 on GPU, 256 on CPU")
+    p.add_argument("--layers", type=positive, default=None, help="default 12 on GPU, 2 on CPU")
+    p.add_argument("--width", type=positive, default=None, help="default 1024 on GPU, 256 on CPU")
     p.add_argument("--heads", type=int, default=None, help="default width // 64")
     p.add_argument("--mlp", type=int, default=None, help="MLP width (default 8/3 of the width, rounded up to 64)")
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--prompt", type=int, default=None, help="default 512 on GPU, 64 on CPU")
-    p.add_argument("--gen", type=int, default=None, help="default 256 on GPU, 64 on CPU")
-    p.add_argument("--block", type=int, default=32)
-    p.add_argument("--steps", type=int, default=None, help="default --gen (one token per step)")
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--vocab", type=positive, default=4096)
+    p.add_argument("--prompt", type=positive, default=None, help="default 512 on GPU, 64 on CPU")
+    p.add_argument("--gen", type=positive, default=None, help="default 256 on GPU, 64 on CPU")
+    p.add_argument("--block", type=positive, default=32)
+    p.add_argument("--steps", type=positive, default=None, help="default --gen (one token per step)")
+    p.add_argument("--batch", type=positive, nargs="+", default=[1, 4])
     # every cache of LLaDA-format models ("block" is the exact cache of block-diffusion checkpoints)
     p.add_argument("--caches", nargs="+", default=[c for c in CACHES if c not in ("none", "block")])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -27,7 +27,7 @@ import json
 import time
 
 import torch
-from _common import print_table, task_prompts, write_json
+from _common import positive, print_table, task_prompts, write_json
 
 import dllm
 from dllm.caches import CACHES
@@ -88,10 +88,10 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--model", default="llada-tiny")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 elsewhere")
-    ap.add_argument("--calls", type=int, default=6)
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
-    ap.add_argument("--gen", type=int, default=64)
-    ap.add_argument("--block", type=int, default=16)
+    ap.add_argument("--calls", type=positive, default=6)
+    ap.add_argument("--batch", type=positive, nargs="+", default=[1, 4])
+    ap.add_argument("--gen", type=positive, default=64)
+    ap.add_argument("--block", type=positive, default=16)
     ap.add_argument("--configs", nargs="+", default=[f"{s}:{c}" for s, c in CONFIGS],
                     help="sampler:cache pairs")
     ap.add_argument("--json", default=None)
@@ -106,11 +106,6 @@ def main(argv=None) -> list[dict]:
         if cache not in CACHES:
             ap.error(f"--configs {pair!r}: unknown cache {cache!r}; choose from {', '.join(CACHES)}")
         pairs.append((sampler, cache))
-    for name in ("calls", "gen", "block"):
-        if getattr(a, name) < 1:
-            ap.error(f"--{name} {getattr(a, name)}: give a positive integer")
-    if any(b < 1 for b in a.batch):
-        ap.error(f"--batch {' '.join(map(str, a.batch))}: give positive batch sizes")
     dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float32")
     if a.device == "cpu":
         torch.set_num_threads(1)

@@ -18,6 +18,7 @@ import sys
 import time
 
 import torch
+from _common import positive
 
 from dllm import generate
 from dllm.assets import model_path
@@ -36,7 +37,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="llada-tiny")
     ap.add_argument("--guide", default="ar-tiny")
     ap.add_argument("--tasks", default="waiting_line,puzzle")
-    ap.add_argument("--n", type=int, default=5, help="records per task (spread evenly, as parallelbench run)")
+    ap.add_argument("--n", type=positive, default=5, help="records per task (spread evenly, as parallelbench run)")
     ap.add_argument("--seed", type=int, default=PB.DEFAULT_SEED)
     ap.add_argument("--gen-length", type=int, default=None, help="default: each task's budget")
     ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated, from " + ", ".join(METHODS))
@@ -48,8 +49,6 @@ def main(argv=None) -> int:
     if unknown or not methods:
         ap.error(f"--methods {args.methods!r}: " + (f"unknown {', '.join(map(repr, unknown))}; " if unknown else "")
                  + f"give comma-separated names from {', '.join(METHODS)}")
-    if args.n < 1:
-        ap.error(f"--n {args.n}: give at least 1 record per task")
     if not PB.task_names(args.tasks):
         ap.error(f"--tasks {args.tasks!r} matches no task; known tasks: {', '.join(PB.task_names())}")
     torch.set_num_threads(args.threads)

@@ -41,8 +41,6 @@ def main() -> None:
     ap.add_argument("--method", default=None, help="method spec (default: threshold:tau=0.9:block_length=B)")
     ap.description, ap.formatter_class = __doc__, argparse.RawDescriptionHelpFormatter
     args = ap.parse_args()
-    if args.n < 1:
-        ap.error(f"--n {args.n}: give at least 1 sample per task")
     model = load_suite_model(args)
     method = args.method or f"threshold:tau=0.9:block_length={args.block_length}"
     root = Path(args.out)
