@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dllm.blocks.fixed import FixedBlocks
 from dllm.caches.base import CacheState, KVCache
 from dllm.config import GenerateConfig
 from dllm.graphs import GraphRunner
@@ -666,10 +667,6 @@ class Decoder:
         st.n_start = torch.where(advance, new_masks, st.n_start)
         return x, hi, committed
 
-    def _fixed_block_length(self) -> int:
-        """:attr:`GenerateStats.block_length` of this run."""
-        return _fixed_block_length_of(self.policy, self.config)
-
     def output(self, st: DecodeState) -> GenerateOutput:
         t = self.clock.totals()
         time_total = time.perf_counter() - self.t_start
@@ -697,14 +694,13 @@ class Decoder:
             sampler=_name_of(self.sampler),
             cache=_name_of(self.cache),
             cache_bytes=int(getattr(self.cache, "nbytes", 0) or 0),
-            block_length=self._fixed_block_length(),
+            block_length=_fixed_block_length(self.policy, self.config),
         )
         return GenerateOutput(seqs, decode_texts(self.model, seqs), [len(r) for r in st.rows], stats)
 
 
-def _fixed_block_length_of(policy, config) -> int:
-    from dllm.blocks.fixed import FixedBlocks
-
+def _fixed_block_length(policy, config) -> int:
+    """:attr:`GenerateStats.block_length`: the fixed blocks' length, else 0."""
     if type(policy) is not FixedBlocks or policy.slide is not None:
         return 0
     return int(policy.size(config))

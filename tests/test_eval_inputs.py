@@ -246,3 +246,19 @@ def test_a_cached_dataset_loads_at_once_with_the_hub_unreachable(no_hub, tmp_pat
     samples, _ = load_samples(get_standard_task("gsm8k"), None)
     assert [s.reference for s in samples] == ["1", "2", "3"]
     assert time.monotonic() - t0 < 10
+
+
+def test_the_hub_is_asked_once_for_the_samples_and_the_few_shot_pool(no_hub, tmp_path, monkeypatch):
+    """Test split and few-shot pool from the same cache, the Hub unreachable: one reachability check, not one per
+    split (each may take seconds)."""
+    import dllm.evals.standard.tasks as tasks_module
+
+    datasets, cache = no_hub
+    rows = [{"question": f"What is {i} + 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}"} for i in range(3)]
+    _cache_as_the_hub_would(datasets, cache, tmp_path, rows)
+    probes = []
+    real = tasks_module._hub_unreachable
+    monkeypatch.setattr(tasks_module, "_hub_unreachable", lambda endpoint: probes.append(endpoint) or real(endpoint))
+    samples, pool = load_samples(get_standard_task("gsm8k"), None, shots=2)
+    assert [s.reference for s in samples] == [s.reference for s in pool] == ["1", "2", "3"]
+    assert len(probes) == 1

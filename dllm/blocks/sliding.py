@@ -36,7 +36,7 @@ class SlidingWindow(BlockPolicyBase):
         if self.window is not None:
             return self
         family = getattr(getattr(model, "spec", None), "family", "llada")
-        return dataclasses.replace(self, window=FAMILY_WINDOWS.get(family, 16))
+        return dataclasses.replace(self, window=FAMILY_WINDOWS.get(family, FAMILY_WINDOWS["llada"]))
 
     def validate(self, cfg: GenerateConfig) -> None:
         if cfg.total_steps > cfg.gen_length:

