@@ -157,7 +157,8 @@ def _gpu_figures(folder: Path, x_floor=1.4, fastdllm=2.5, splitk=0.025, caches=1
     conf = {"kernel": "confidence_stats", "N": 32, "V": 126464, "dtype": "torch.bfloat16",
             "ms": {"torch": 0.2, "reference": 0.2, "triton": 0.033}}
     caches = [{"batch": 1, "cache": c, "speedup": s, "device": "NVIDIA H100 80GB HBM3"}
-              for c, s in (("none", 1.0), ("dual", 3.2), ("elastic", caches))]
+              for c, s in (("none", 1.0), ("prefix", 2.4), ("dual", 3.2), ("dkv-decode", 1.5), ("dkv-greedy", 1.4),
+                           ("freecache", 2.0), ("elastic", caches))]
     (folder / "step.json").write_text(json.dumps(step))
     (folder / "kernels.json").write_text(json.dumps({"device": "NVIDIA H100 80GB HBM3", "rows": [att, conf]}))
     (folder / "caches.json").write_text(json.dumps(caches))
@@ -186,6 +187,13 @@ def test_gpu_goals_judges_each_goal_against_its_target(tmp_path):
     assert gpu_goals.main([str(tmp_path / "bad"), "--json", str(out)]) == 0
     assert [g["status"] for g in json.loads(out.read_text())].count("NOT met") == 4
     assert "elastic 0.8x" in bad["every cache pays at batch 1 (bench_caches.py)"]["measured"]
+    # a bench_caches run its time limit cut after some caches: judged on every cache, not on those it reached
+    short = _gpu_figures(tmp_path / "short")
+    rows = json.loads((short / "caches.json").read_text())
+    (short / "caches.json").write_text(json.dumps([r for r in rows if r["cache"] in ("none", "prefix", "dual")]))
+    (g,) = [g for g in gpu_goals.goals(short) if g["goal"].startswith("every cache pays")]
+    assert g["status"] == "not measured", g
+    assert g["measured"] == "prefix 2.4x, dual 3.2x; not reached: dkv-decode, dkv-greedy, freecache, elastic", g
     # a benchmark stopped by its time limit writes no figures file: the rows its log printed stand in for it
     cut = tmp_path / "cut"
     _gpu_figures(cut)
@@ -195,6 +203,12 @@ def test_gpu_goals_judges_each_goal_against_its_target(tmp_path):
                                '"timeout"}\n{"truncated\n')
         (cut / name).unlink()
     assert gpu_goals.goals(cut) == gpu_goals.goals(tmp_path / "good")
+
+
+def test_gpu_goals_knows_every_cache_bench_caches_times():
+    from dllm.caches import CACHES
+
+    assert set(gpu_goals.EVERY_CACHE) == set(CACHES) - {"none", "block"}
 
 
 def test_gpu_check_runs_its_parts_and_judges_what_they_wrote(tmp_path):
