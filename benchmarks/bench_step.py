@@ -11,7 +11,9 @@ cached steps replayed as CUDA graphs; ``compile``: ``torch.compile`` of the mode
 * kernels launched per step and per layer, and host synchronisations per step (from the profiler on CUDA; on
   CPU the kernels the CUDA path would launch, ``tests/launch_counter.py``: ATen operators that are not views or
   allocations, and Triton launches when the kernels run under ``TRITON_INTERPRET=1 DLLM_KERNELS=triton``, plus the
-  calls that would synchronise on CUDA).
+  calls that would synchronise on CUDA);
+* on the graph path, the host's microseconds from a step's synchronisation to the next graph's launch
+  (``host_gap_us``, the median over a block of steps: the device waits that long at each step).
 
 ``--e2e`` adds whole generations (``--prompt`` / ``--gen``: 512 and 256 on a GPU by default, batch 1) with no cache, prefix and dual cache and the
 speed-up of each cache over none; ``--breakdown`` (CUDA) the kernels that take a full forward's and a cached step's
@@ -171,6 +173,45 @@ def count_step(a, dec, st):
     syncs = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                 and e.name.startswith("Memcpy DtoH"))
     return kernels, syncs
+
+
+def host_gap(dec, st, steps: int) -> float | None:
+    """Median microseconds of host time from a cached step's synchronisation (the host's read of the step's numbers)
+    to the launch of the next forward's graph, over ``steps`` more steps (None without a graph replayed after a
+    synchronisation: no cache, or the eager path). On a GPU the device waits for that long at every step; on the CPU
+    (the static-buffer path: the "launch" is the forward's start) it is the same host work."""
+    if dec.graphs is None:
+        return None
+    marks, gaps = {}, []
+    tolist, runner_forward = torch.Tensor.tolist, type(dec.graphs)._forward
+    graph_replay = torch.cuda.CUDAGraph.replay
+
+    def synced(t):
+        out = tolist(t)
+        marks["sync"] = time.perf_counter()
+        return out
+
+    def launched():
+        if "sync" in marks:
+            gaps.append(time.perf_counter() - marks.pop("sync"))
+
+    def replay(g):
+        launched()
+        return graph_replay(g)
+
+    def forward(runner, g, cache):
+        if g.graph is None and g.captured:  # capture=False: the replay runs the forward on the static buffers
+            launched()
+        return runner_forward(runner, g, cache)
+
+    torch.Tensor.tolist, torch.cuda.CUDAGraph.replay, type(dec.graphs)._forward = synced, replay, forward
+    try:
+        for _ in range(steps):  # the first step's launch follows no measured synchronisation: not counted
+            if not dec.step(st):
+                break
+    finally:
+        torch.Tensor.tolist, torch.cuda.CUDAGraph.replay, type(dec.graphs)._forward = tolist, graph_replay, runner_forward
+    return round(statistics.median(gaps) * 1e6, 1) if gaps else None
 
 
 def forward_launches(a, dec, st) -> int:
@@ -436,6 +477,7 @@ def main(argv=None):
                     to_cached_step(dec, st, a.block)  # the counts are a cached step's (with a cache)
                     launches, syncs = count_step(a, dec, st)
                     fwd = forward_launches(a, dec, st)
+                    gap = host_gap(dec, st, a.block)
                 except Exception as exc:  # one failing setting does not lose the others' figures
                     print(json.dumps({"what": "step", "mode": mode, "cache": cache, "batch": B,
                                       "error": f"{type(exc).__name__}: {exc}"[:400]}), flush=True)
@@ -446,7 +488,7 @@ def main(argv=None):
                      "x_floor_partial": round(partial_ms / floor_ms, 2) if partial_ms == partial_ms else None,
                      "launches_per_step": launches, "launches_per_layer": round(launches / a.layers, 1),
                      "forward_launches_per_layer": round(fwd / a.layers, 1),
-                     "syncs_per_step": syncs}
+                     "syncs_per_step": syncs, "host_gap_us": gap}
                 if dec.graphs is not None:
                     r["graphs"] = {k: v - dec._graph_stats0.get(k, 0) for k, v in dec.graphs.stats.items()}
                 rows.append(r)
@@ -465,15 +507,15 @@ def main(argv=None):
     print()
     print(f"| mode | cache | batch | ms / step | ms / cached step | x floor ({floor_ms:.2f} ms; cached step, else step) | "
           "launches / step | "
-          "per layer | forward's per layer | host syncs / step |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "per layer | forward's per layer | host syncs / step | host us, sync to launch |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if r["what"] == "step":
             cached = r['ms_partial_step'] if r['ms_partial_step'] is not None else "-"
             print(f"| {r['mode']} | {r['cache']} | {r['batch']} | {r['ms_per_step']} | {cached} | "
                   f"{r['x_floor_partial'] if r['x_floor_partial'] is not None else r['x_floor']} | "
                   f"{r['launches_per_step']} | {r['launches_per_layer']} | {r['forward_launches_per_layer']} | "
-                  f"{r['syncs_per_step']} |")
+                  f"{r['syncs_per_step']} | {r['host_gap_us'] if r.get('host_gap_us') is not None else '-'} |")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
 

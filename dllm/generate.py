@@ -391,9 +391,25 @@ class DecodeState:
     # version, active-row mask, partial?, largest active set, KVCache.plan_rows's tensors); used only while the
     # canvas is that same tensor
     plan_hint: tuple | None = None
+    # the next forward, planned and made ready before the last step's synchronisation (Decoder._prepare_next), used
+    # while the canvas is that same tensor and the window the one it was planned for
+    ahead: Any = None
     state: dict = field(default_factory=dict)  # sampler scratch space
     trace: list = field(default_factory=list)
     nfe: int = 0
+
+
+@dataclass
+class _Ahead:
+    """A next forward made ready ahead (:meth:`Decoder._prepare_next`)."""
+
+    ready: Any  # dllm.graphs.Prepared
+    x: torch.Tensor  # the canvas it was planned on, and its version
+    version: int
+    window: tuple[int, int]
+    Q: int  # the active width and packed rows of its plan (rounded; N None: not packed)
+    N: int | None
+    query_idx: torch.Tensor
 
 
 class Decoder:
@@ -422,6 +438,10 @@ class Decoder:
         self.graphed = self.graphs is not None and self._eager_setting is None
         if self.graphed:
             cache.buckets, cache.pool = self.graphs.buckets, self.graphs.buffers
+        # the next partial forward planned and made ready before each step's synchronisation (_prepare_next): the graph
+        # path, a cache that plans through KVCache.plan from the decode state alone, a window no sampler widens
+        self._pipelined = (self.graphed and self.widen is None and type(cache).plan is KVCache.plan
+                           and cache.pipelined)
 
     def prompt_width(self, longest: int) -> int:
         """The canvas column where generation starts for prompts of at most ``longest`` tokens: ``longest``, or on
@@ -495,10 +515,32 @@ class Decoder:
             return self.policy.next_region(lo, T, self.config, offsets=offsets)
         return self.policy.next_region(lo, T, self.config)
 
+    def _offsets(self, st: DecodeState) -> torch.Tensor:
+        """``[B]`` each row's canvas column of its position 0 (for policies with ``row_offsets``), computed again only
+        when the positions change (the serving engine's rows joining and leaving)."""
+        key = (st.positions, st.positions._version, st.P)
+        memo = getattr(self, "_offsets_memo", None)
+        if memo is None or memo[0][0] is not key[0] or memo[0][1:] != key[1:]:
+            memo = self._offsets_memo = (key, st.P - st.positions[:, st.P])
+        return memo[1]
+
+    def _no_rows(self, like: torch.Tensor) -> torch.Tensor:
+        """An all-False ``[B]`` bool tensor shaped as ``like``, made once per shape and shared by the trace's records
+        (read-only: a new tensor on every step would be a kernel each)."""
+        z = getattr(self, "_false", None)
+        if z is None or z.shape != like.shape or z.device != like.device:
+            z = self._false = torch.zeros_like(like, dtype=torch.bool)
+        return z
+
     def _window(self, st: DecodeState) -> torch.Tensor:
         """``[2]`` (lo, hi) of the union of the active rows' regions, on the device."""
+        return torch.stack(self._window_ends(st))
+
+    @staticmethod
+    def _window_ends(st: DecodeState) -> list[torch.Tensor]:
+        """:meth:`_window` as two 0-d tensors (the step's sync stacks them with its other numbers in one kernel)."""
         T = st.x.shape[1]
-        return torch.stack([torch.where(st.active, st.lo, T).min(), torch.where(st.active, st.hi, 0).max()])
+        return [torch.where(st.active, st.lo, T).min(), torch.where(st.active, st.hi, 0).max()]
 
     def step(self, st: DecodeState) -> bool:
         """One forward and its commits for every unfinished row; returns whether any row is still unfinished.
@@ -512,26 +554,35 @@ class Decoder:
         w_lo, w_hi = self.widen(win_lo, win_hi, P, T) if self.widen is not None else (win_lo, win_hi)
         cols = self.cols_all[w_lo:w_hi]
         tc = clock.mark()
-        cstate = self._cache_state(st, (w_lo, w_hi))
-        hint = st.plan_hint
-        if hint is not None and hint[0] is x and hint[1] == x._version:  # the plan read in the last step's sync
-            query_idx, _ = cache.plan(cstate, hint=hint[2:])
-        else:
-            query_idx, _ = cache.plan(cstate)
-        st.plan_hint = None
-        t0 = clock.mark()
         runner = self.graphs
-        eager = None if runner is None else ("full forward" if query_idx is None else self._eager_setting)
-        # the rows of a partial forward without their padding (rows out of step: one refreshing its block, the
-        # others reading their cache), known from the plan's host numbers
-        n_query = cache.query_tokens if query_idx is not None else None
-        if runner is not None and eager is None:
-            logits = runner(x, st.positions, st.key_mask, cols.expand(B, -1), cache, query_idx, n_query)
+        ahead, st.ahead = st.ahead, None
+        if ahead is not None and ahead.x is x and ahead.version == x._version and ahead.window == (w_lo, w_hi):
+            # planned and made ready before the last step's synchronisation, whose numbers confirmed the plan: the
+            # cache holds this step's plan, the graph its inputs; only the launch is left
+            query_idx, eager = ahead.query_idx, None
+            st.plan_hint = None
+            t0 = clock.mark()
+            logits = runner.replay(ahead.ready)
         else:
-            if eager is not None:
-                runner.stats["eager:" + eager] += 1
-            logits = _forward(model, x, st.positions, st.key_mask, cols.expand(B, -1), config, cache, query_idx,
-                              n_query)
+            cstate = self._cache_state(st, (w_lo, w_hi))
+            hint = st.plan_hint
+            if hint is not None and hint[0] is x and hint[1] == x._version:  # the plan read in the last step's sync
+                query_idx, _ = cache.plan(cstate, hint=hint[2:])
+            else:
+                query_idx, _ = cache.plan(cstate)
+            st.plan_hint = None
+            t0 = clock.mark()
+            eager = None if runner is None else ("full forward" if query_idx is None else self._eager_setting)
+            # the rows of a partial forward without their padding (rows out of step: one refreshing its block, the
+            # others reading their cache), known from the plan's host numbers
+            n_query = cache.query_tokens if query_idx is not None else None
+            if runner is not None and eager is None:
+                logits = runner(x, st.positions, st.key_mask, cols.expand(B, -1), cache, query_idx, n_query)
+            else:
+                if eager is not None:
+                    runner.stats["eager:" + eager] += 1
+                logits = _forward(model, x, st.positions, st.key_mask, cols.expand(B, -1), config, cache, query_idx,
+                                  n_query)
         t1 = clock.mark()
         cstats = self.step_stats(self.n_layers) if self.step_stats is not None else {}
         xw = x[:, w_lo:w_hi]
@@ -560,7 +611,7 @@ class Decoder:
         if res.finish is not None:  # early commit: the row takes the proposal at every mask left, and stops
             commit = commit | (res.finish[:, None] & st.active[:, None] & (xw == mask_id))
             hi = torch.where(res.finish & st.active, torch.full_like(hi, T), hi)
-        x[:, w_lo:w_hi] = torch.where(commit, res.proposal, xw)
+        torch.where(commit, res.proposal, xw, out=xw)  # the canvas's window in place: one kernel, no copy back
         st.commit_step[:, w_lo:w_hi].masked_fill_(commit, st.nfe + 1)
         if st.commit_logprob is not None or st.commit_top_ids is not None:
             lf = logits.float()
@@ -581,11 +632,12 @@ class Decoder:
         clock.add("model", t0, t1)
         clock.add("sampler", t1, t2)
         st.nfe += 1
-        st.row_nfe += st.active.long()
+        st.row_nfe.add_(st.active)
         st.step_in += 1
         # early commit (Prophet's all-in step, a guided row's EOS fill): recorded on every step, False when none
-        early = res.finish & st.active if res.finish is not None else torch.zeros_like(st.active)
-        st.trace.append({"committed": commit.sum(-1), "lo": lo.clone(), "hi": hi.clone(), "early_commit": early,
+        early = res.finish & st.active if res.finish is not None else self._no_rows(st.active)
+        # lo and hi are kept, not copied: the loop replaces its per-row tensors, it never writes into them
+        st.trace.append({"committed": commit.sum(-1), "lo": lo, "hi": hi, "early_commit": early,
                          **pinfo, **res.info, **cstats})
         x, hi, committed = self._advance(st, x, lo, hi, committed)
         st.x, st.committed = x, committed
@@ -593,17 +645,56 @@ class Decoder:
             st.lo, st.hi = self.slide(x == mask_id, st.lo)
         # the next step's cache plan (active rows, partial or full, largest active set), read in this sync
         nxt = self._plan_next(st)
-        synced = torch.cat([torch.stack([st.active.any(), bad.any()]).long(), self._window(st)]
-                           + ([nxt[1]] if nxt is not None else [])).tolist()  # the step's host sync
+        host = torch.stack([st.active.any(), bad.any(), *self._window_ends(st),
+                               *(nxt[1] if nxt is not None else ())])  # one kernel; the bools count as 0 / 1
+        # a partial forward replayed from a graph: the next one is expected alike (same shapes and window), so it is
+        # planned and its graph's inputs filled now, while the device still works on this step
+        ahead = None
+        if self._pipelined and nxt is not None and query_idx is not None and eager is None:
+            ahead = self._prepare_next(st, nxt, w_lo, w_hi)
+        synced = host.tolist()  # the step's host sync
         running, nonfinite, n_lo, n_hi = synced[:4]
         st.window = (n_lo, n_hi)
         if nxt is not None:
             st.plan_hint = (st.x, st.x._version, nxt[0], synced[4], synced[5], synced[6], nxt[2])
+        if ahead is not None:
+            if running and self._confirmed(ahead, synced, st.x.shape):
+                st.ahead = ahead
+                runner.ahead["confirmed"] += 1
+            else:  # the plan differs (a region ended, the active width changed): the next step plans again
+                runner.ahead["missed"] += 1
         if nonfinite:
             raise NonFiniteLogitsError.at(bad, st.nfe - 1, w_lo - P)
         if running and st.nfe >= self.max_iters:
             raise RuntimeError(f"decoding made no progress after {st.nfe} steps; sampler {sampler!r} commits nothing")
         return bool(running)
+
+    def _prepare_next(self, st: DecodeState, nxt, w_lo: int, w_hi: int) -> _Ahead | None:
+        """The next step's partial forward planned with this step's shapes and window (``nxt``: :meth:`_plan_next`'s
+        mask and rows) and its graph's inputs filled (:meth:`GraphRunner.prepare`), or None where no captured graph
+        has that key. Planning is the cache's :meth:`~dllm.caches.base.KVCache.plan` with this step's numbers in
+        place of those the synchronisation will read: where they differ, the next step plans again, and this plan
+        (a function of the decode state alone, ``KVCache.pipelined``) is replaced."""
+        cache, B = self.cache, st.x.shape[0]
+        Q, N = cache._rows.shape[1], cache.query_tokens  # this step's, as the plan rounded them
+        mask, _, rows = nxt
+        query_idx, _ = cache.plan(self._cache_state(st, (w_lo, w_hi)),
+                                  hint=(mask, True, Q, B * Q if N is None else N, rows))
+        ready = self.graphs.prepare(st.x, st.positions, st.key_mask, self.cols_all[w_lo:w_hi].expand(B, -1), cache,
+                                    query_idx, cache.query_tokens)
+        return None if ready is None else _Ahead(ready, st.x, st.x._version, (w_lo, w_hi), Q, N, query_idx)
+
+    def _confirmed(self, ahead: _Ahead, synced: list, shape) -> bool:
+        """Whether the numbers of the step's synchronisation give the plan :meth:`_prepare_next` made: a partial
+        forward, the same window, the same active width and packed rows once rounded as the cache rounds them."""
+        partial, Q, N = synced[4:7]
+        if not partial or tuple(synced[2:4]) != ahead.window:
+            return False
+        if self.cache.buckets:
+            B, T = shape
+            Q = shape_bucket(Q, T)
+            N = shape_bucket(N, B * Q)
+        return Q == ahead.Q and (ahead.N is None or N == ahead.N)
 
     def _cache_state(self, st: DecodeState, cols: tuple[int, int]) -> CacheState:
         """What the cache is told before a forward on ``st`` (``cols``: the window's canvas columns)."""
@@ -620,7 +711,7 @@ class Decoder:
         if not isinstance(cache, KVCache) or not cache.filled or type(cache).plan is not KVCache.plan:
             return None
         cstate = self._cache_state(st, (0, st.x.shape[1]))
-        mask, counts = cache.plan_mask(cstate)
+        mask, counts = cache.plan_mask(cstate, stacked=False)
         # the rows at full width too (sliced to the largest active set after the sync): the work between the sync
         # and the next forward's launch, while the device waits, is host work only
         return mask, counts, cache.plan_rows(cstate, mask)
@@ -655,9 +746,10 @@ class Decoder:
         new_lo = torch.where(done, hi if self.slide is None else torch.full_like(hi, T), lo)
         finished_now = done & (new_lo >= T)
         st.finish = st.finish.masked_fill(finished_now, st.nfe)
-        st.active = st.active & ~finished_now
-        advance = done & ~finished_now
-        nhi, nsteps = self._next_region(new_lo, T, st.P - st.positions[:, st.P])
+        unfinished = ~finished_now
+        st.active = st.active & unfinished
+        advance = done & unfinished
+        nhi, nsteps = self._next_region(new_lo, T, self._offsets(st) if self.policy.row_offsets else None)
         st.lo = new_lo
         hi = torch.where(advance, nhi, hi)
         st.hi = hi

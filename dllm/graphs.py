@@ -30,6 +30,10 @@ few hundred kernel launches.
   ``read_cols``; each step copies the live tensors into them (device-to-device, no host synchronisation; an input
   that is the same tensor, unmodified, as the last copy's is not copied again), replays, and returns a copy of the
   static logits;
+* the decode loop makes the next partial forward ready before its step's host synchronisation (:meth:`GraphRunner.prepare`:
+  the graph looked up and its inputs filled, on the plan the loop expects) and, where the synchronisation confirms
+  that plan, only launches it after (:meth:`GraphRunner.replay`): the host's work between the synchronisation and
+  the launch, while the device waits, is a graph launch;
 * full forwards (refreshes), caches with per-layer hooks (Elastic-Cache's ``layer_input`` / ``observe``),
   classifier-free guidance and models other than dllm's own Transformer run eagerly; :attr:`GraphRunner.stats`
   counts replays, captures and each eager reason, and the decode loop's trace records what each step did.
@@ -129,6 +133,16 @@ class _Graph:
     query_tokens: int | None = None  # the active rows without padding (part of the key: it sets shapes)
 
 
+@dataclass
+class Prepared:
+    """A partial forward made ready for :meth:`GraphRunner.replay` (:meth:`GraphRunner.prepare`)."""
+
+    g: _Graph
+    B: int
+    W: int
+    cache: Any
+
+
 class GraphRunner:
     """Runs a model's cached partial forwards through CUDA graphs (see the module docstring).
 
@@ -150,6 +164,9 @@ class GraphRunner:
         #: ``(id(cache), graph)`` of the last call: the graph a cache's last cached step ran (benchmarks profile it)
         self.last: tuple[int, _Graph] | None = None
         self.stats: Counter = Counter()
+        #: the decode loop's next forwards made ready before its synchronisation (:meth:`prepare`): ``confirmed`` (the
+        #: synchronisation gave the plan expected: the next step only replays) and ``missed`` (it plans again)
+        self.ahead: Counter = Counter()
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         #: shapes rounded up to :func:`shape_bucket` sizes (the decode loop's canvas length, the cache's active and
         #: packed rows, the logits columns here), so that a few graphs serve the shapes a generation goes through
@@ -158,6 +175,7 @@ class GraphRunner:
         #: allocates its own). Between calls the pool holds the last calls' buffers: :meth:`clear` frees them
         self.buffers: BufferPool | None = BufferPool()
         self._signature = self._model_signature()  # the model's tensors the graphs read (check_model)
+        self._dtype = model.dtype  # part of every key; read again with the signature (check_model)
 
     @classmethod
     def for_model(cls, model, mode: str) -> GraphRunner | None:
@@ -187,7 +205,7 @@ class GraphRunner:
         if sig != self._signature and self.graphs:
             self.stats["evicted"] += len(self.graphs)
             self.graphs.clear()
-        self._signature = sig
+        self._signature, self._dtype = sig, self.model.dtype
 
     @staticmethod
     def of(model) -> GraphRunner | None:
@@ -220,8 +238,29 @@ class GraphRunner:
         with on_device(x):  # capture and replay on the model's device, whichever is current (dllm.kernels.device)
             return self._step(x, positions, key_mask, logits_idx, cache, query_idx, query_tokens)
 
-    def _step(self, x, positions, key_mask, logits_idx, cache, query_idx, query_tokens) -> torch.Tensor:
-        bufs = [t for t in cache.k + cache.v if t is not None]
+    def prepare(self, x, positions, key_mask, logits_idx, cache, query_idx, query_tokens=None) -> Prepared | None:
+        """The first half of a replay, done ahead: the graph of this partial forward looked up and its static inputs
+        filled (device-to-device copies, queued), so that :meth:`replay` later only launches it. None, with nothing
+        done, where no captured graph has this key (the call then goes through :meth:`__call__`). The decode loop
+        prepares the next step's forward before its host synchronisation, on the plan it expects (the current
+        step's shapes and window), and replays it after, where the synchronisation's numbers confirm the plan: the
+        host's work between the synchronisation and the launch, while the device waits, is then a few
+        microseconds. Filling a graph's inputs has no effect beyond them: each call fills before it replays."""
+        with on_device(x):
+            B, W, key, live, query_tokens = self._key(x, positions, key_mask, logits_idx, cache, query_idx, query_tokens)
+            g = self.graphs.get(key)
+            if g is None or not g.captured or g.failed:
+                return None
+            self._fill_inputs(g, live)
+            return Prepared(g, B, W, cache)
+
+    def replay(self, p: Prepared) -> torch.Tensor:
+        """The logits of a forward :meth:`prepare` made ready (its graph replayed)."""
+        with on_device(p.g.x):
+            self._touch(p.g, p.cache)
+            return self._run(p.g, p.cache, p.B, p.W)
+
+    def _key(self, x, positions, key_mask, logits_idx, cache, query_idx, query_tokens):
         B, W = logits_idx.shape
         Wb = shape_bucket(W, x.shape[1]) if self.buckets else W  # logits columns: the last one repeated up to Wb
         # a batch in a bucket's buffers (KVCache.batch_buckets) runs as the bucket: the extra rows copy row 0 (their
@@ -235,19 +274,11 @@ class GraphRunner:
         # the pool); a policy with its own update (state of its own, captured by address) by the object too
         owner_id = None if type(cache).update is KVCache.update else id(cache)
         key = ((Bb, *x.shape[1:]), query_idx.shape[1], Wb, key_mask is None, cache.read_cols is None,
-               bool(cache.sparse_logits), x.device, self.model.dtype, owner_id,
-               tuple(t.data_ptr() for t in bufs), query_tokens)
-        g = self.graphs.get(key)
+               bool(cache.sparse_logits), x.device, self._dtype, owner_id, _addresses(cache), query_tokens)
         live = (x, positions, key_mask, logits_idx, query_idx, cache.read_cols)
-        if g is None:  # static buffers like the live inputs (dense, whatever their strides), at the bucket's sizes
-            shapes = [None if t is None else (Bb, Wb if t is logits_idx else t.shape[1]) for t in live]
-            g = self.graphs[key] = _Graph(*(None if t is None else t.new_empty(n) for t, n in zip(live, shapes)),
-                                          query_tokens=query_tokens)
-            self._evict()
-        else:
-            self.graphs.move_to_end(key)
-        g.seen += 1
-        self.last = (id(cache), g)
+        return B, W, key, live, query_tokens
+
+    def _fill_inputs(self, g: _Graph, live) -> None:
         for name, t in zip(_INPUTS, live):
             if t is not None:
                 # positions, key mask and logits columns are usually the very tensors of the last step: their copy
@@ -258,6 +289,24 @@ class GraphRunner:
                 if last is None or last[0] is not owner or last[1:] != sig[1:]:
                     _fill(getattr(g, name), t)
                     g.copied[name] = sig
+
+    def _touch(self, g: _Graph, cache) -> None:
+        g.seen += 1
+        self.last = (id(cache), g)
+
+    def _step(self, x, positions, key_mask, logits_idx, cache, query_idx, query_tokens) -> torch.Tensor:
+        B, W, key, live, query_tokens = self._key(x, positions, key_mask, logits_idx, cache, query_idx, query_tokens)
+        g = self.graphs.get(key)
+        if g is None:  # static buffers like the live inputs (dense, whatever their strides), at the bucket's sizes
+            Bb, Wb = key[0][0], key[2]
+            shapes = [None if t is None else (Bb, Wb if t is logits_idx else t.shape[1]) for t in live]
+            g = self.graphs[key] = _Graph(*(None if t is None else t.new_empty(n) for t, n in zip(live, shapes)),
+                                          query_tokens=query_tokens)
+            self._evict()
+        else:
+            self.graphs.move_to_end(key)
+        self._touch(g, cache)
+        self._fill_inputs(g, live)
         if g.failed:
             self.stats["eager:capture failed"] += 1
             return _narrow(self._forward(g, cache), B, W)
@@ -268,6 +317,9 @@ class GraphRunner:
             out = self._capture(g, cache)
             self.stats["captures"] += 1
             return _narrow(out, B, W)
+        return self._run(g, cache, B, W)
+
+    def _run(self, g: _Graph, cache, B: int, W: int) -> torch.Tensor:
         self.stats["replays"] += 1
         if g.graph is None:  # capture=False: the same forward on the same static buffers
             return _narrow(self._forward(g, cache), B, W)
@@ -322,6 +374,18 @@ class GraphRunner:
         self.graphs.clear()
         if self.buffers is not None:
             self.buffers.clear()
+
+
+_data_ptr = torch.Tensor.data_ptr
+
+
+def _addresses(cache) -> tuple:
+    """The addresses of the cache's K/V buffers (part of a graph's key), read each step: C-level iteration over the
+    layers (a partial forward's cache holds every layer's buffers; before that a layer may still be None)."""
+    try:
+        return (*map(_data_ptr, cache.k), *map(_data_ptr, cache.v))
+    except TypeError:
+        return tuple(t.data_ptr() for t in cache.k + cache.v if t is not None)
 
 
 def _fill(static: torch.Tensor, t: torch.Tensor) -> None:

@@ -73,6 +73,22 @@ def shape_bucket(n: int, cap: int | None = None) -> int:
     return b if cap is None or b <= cap else max(cap, n)
 
 
+_ARANGES: dict = {}  # (n, device) -> arange(n), read-only (cached_arange)
+
+
+def cached_arange(n: int, device) -> torch.Tensor:
+    """``torch.arange(n, device=device)`` (int64), made once per (length, device) and shared: the decode loop's per-step
+    masks compare columns against it every step, and on a GPU each new arange is a kernel. Read-only: never write
+    into it. A few lengths are kept (a generation uses one canvas length; the serving engine a few)."""
+    key = (int(n), torch.device(device))
+    t = _ARANGES.get(key)
+    if t is None:
+        if len(_ARANGES) >= 32:
+            _ARANGES.clear()
+        t = _ARANGES[key] = torch.arange(int(n), device=device)
+    return t
+
+
 def moved_rows(t: torch.Tensor, keep: torch.Tensor | None, n_new: int = 0, *, d: int = 0, dim: int | None = None,
                pad=0, shift: bool = False, fill=0) -> torch.Tensor:
     """``t`` (rows along dimension 0, one per batch row) moved with the rows of its batch, as the serving engine

@@ -441,3 +441,96 @@ def test_triton_launches_and_graphs_go_to_the_tensors_device(monkeypatch):
     assert runner.setting_reason(cache, False) is None
     model.layers[1].to("meta")  # a layer elsewhere, as device_map places them
     assert runner.setting_reason(cache, False) == "model spread over several devices"
+
+
+def test_the_next_forward_is_made_ready_before_the_sync_and_only_launched_after():
+    """The dual cache's partial forwards keep one shape within a block: each step plans the next forward and fills
+    its graph's inputs before its host synchronisation; where the synchronisation's numbers confirm that plan, the
+    next step launches the graph and nothing else (no plan, no input copy between the synchronisation and the
+    launch). A block's last step expects wrongly (the next forward is a full refresh) and the next step plans again.
+    The tokens and every step's record are those of the path that plans after the synchronisation."""
+    import importlib
+
+    from dllm.caches.base import KVCache
+
+    G = importlib.import_module("dllm.generate")
+    model = cached_model("llada", 0)
+    prompts = [ragged_prompts(3, 1)[0]]
+    kw = dict(prompts=prompts, gen_length=32, block_length=8, steps=32)
+    events = []
+
+    def spy(cls, name, tag):
+        orig = getattr(cls, name)
+
+        def wrapped(*a, **k):
+            events.append(tag)
+            return orig(*a, **k)
+        return orig, wrapped
+
+    patches = [(GraphRunner, "_fill_inputs", "fill"), (KVCache, "plan", "plan"), (GraphRunner, "replay", "replay"),
+               (GraphRunner, "_step", "forward"), (G.Decoder, "_confirmed", "sync")]
+    with own_runner(model) as runner:
+        saved = [spy(cls, name, tag) for cls, name, tag in patches]
+        for (cls, name, _), (_, wrapped) in zip(patches, saved):
+            setattr(cls, name, wrapped)
+        try:
+            ahead = _gen(model, "dual", "on", "llada", **kw)
+        finally:
+            for (cls, name, _), (orig, _) in zip(patches, saved):
+                setattr(cls, name, orig)
+        # 4 blocks: the first's graph is captured at its third step, the others' replayed from their second; each
+        # block's last step expected a partial forward where a refresh came
+        assert runner.ahead == {"confirmed": 5 + 3 * 6, "missed": 4}
+        assert ahead.stats.graphs == {"eager:full forward": 4, "eager:first sight": 1, "captures": 1, "replays": 26}
+    # after every confirmed synchronisation the next event is the launch itself
+    after_sync = [events[i + 1] for i, e in enumerate(events[:-1]) if e == "sync"]
+    assert after_sync.count("replay") == 23 and set(after_sync) <= {"replay", "plan"}, after_sync
+    with own_runner(model):
+        cache = get_cache("dual")
+        cache.pipelined = False  # plans after the synchronisation, every step
+        plain = _gen(model, cache, "on", "llada", **kw)
+    eager = _gen(model, "dual", "off", "llada", **kw)
+    for other in (plain, eager):
+        assert torch.equal(ahead.sequences, other.sequences)
+        assert ahead.stats.commit_step == other.stats.commit_step
+    assert ahead.stats.trace == plain.stats.trace  # (the eager path's canvas is not rounded up: other columns)
+
+
+@pytest.mark.parametrize("cache", ["freecache", "elastic"])
+def test_a_cache_whose_plan_keeps_state_for_the_next_is_planned_after_the_sync(cache):
+    model = cached_model("llada", 0)
+    with own_runner(model) as runner:
+        _gen(model, cache, "on", "llada", gen_length=32, block_length=8, steps=32)
+        assert runner.ahead == {}
+
+
+def test_a_canvas_changed_between_steps_drops_the_forward_made_ready():
+    """The serving engine replaces the canvas when rows join or leave: a forward made ready for the old one is not
+    launched, the step plans again on the new one (and decodes what a fresh plan decodes)."""
+    from dllm.generate import Decoder
+    from dllm.recipes import resolve
+
+    model = cached_model("llada", 0)
+    prompts = [ragged_prompts(3, 1)[0]]
+    config = dllm.GenerateConfig(gen_length=16, block_length=8, steps=16, graphs="on")
+    outs = []
+    for replace_at in (None, 5):
+        with own_runner(model):
+            sampler, cache, policy, cfg = resolve(model, "llada", "dual", None, config)
+            dec = Decoder(model, sampler, cache, policy, cfg)
+            st = dec.start(prompts)
+            n = 0
+            while True:
+                if n == replace_at:
+                    assert st.ahead is not None  # within the first block, after its graph was captured
+                    st.x = st.x.clone()
+                running = dec.step(st)
+                if n == replace_at:
+                    assert dec.graphs.stats["replays"] >= 1
+                n += 1
+                if not running:
+                    break
+            outs.append(dec.output(st))
+            dec.release()
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    assert outs[0].stats.commit_step == outs[1].stats.commit_step

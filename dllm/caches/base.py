@@ -17,7 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from dllm.ops import check_int, moved_rows, shape_bucket
+from dllm.ops import cached_arange, check_int, moved_rows, shape_bucket
 
 
 def check_refresh_every(value) -> None:
@@ -121,7 +121,7 @@ def padded_rows(mask: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     (``counts``: ``mask.sum(-1)``); :func:`rows_from_mask` is its first ``Q`` columns. No host number needed, so
     the decode loop builds it before the step's synchronisation."""
     order = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True)
-    pad = torch.arange(mask.shape[1], device=mask.device)[None] >= counts[:, None]
+    pad = cached_arange(mask.shape[1], mask.device)[None] >= counts[:, None]
     return torch.where(pad, order[:, :1].expand_as(order), order)
 
 
@@ -130,7 +130,7 @@ def read_cols(state: CacheState) -> torch.Tensor:
     if state.read_cols_memo is not None:
         return state.read_cols_memo
     B, T = state.x.shape
-    cols = torch.arange(T, device=state.x.device)[None]
+    cols = cached_arange(T, state.x.device)[None]
     if state.read_lo is None:
         c0, c1 = state.cols
         out = ((cols >= c0) & (cols < c1)).expand(B, T)
@@ -201,6 +201,11 @@ class KVCache(CacheBase):
     #: the bucket holds: the graph runner then runs a batch of that bucket, its extra rows copies of row 0, and a
     #: served batch whose size changes keeps its graphs (the serving engine sets it on the graph path)
     batch_buckets = False
+    #: True: a plan leaves nothing that the next plan reads (:meth:`after_plan` keeps no state for :meth:`select`), so
+    #: the decode loop may plan the next step before its host synchronisation, with the shapes it expects, and plan
+    #: again from the same state where the synchronisation's numbers differ (the graph path's
+    #: ``Decoder._prepare_next``). A policy whose plan keeps state for the next one sets it False
+    pipelined = True
 
     def __init__(self, refresh_every: int | None = None):
         check_refresh_every(refresh_every)
@@ -266,12 +271,13 @@ class KVCache(CacheBase):
         counts = mask.sum(-1)
         return padded_rows(mask, counts), counts, read_cols(state)
 
-    def plan_mask(self, state: CacheState) -> tuple[torch.Tensor, torch.Tensor]:
+    def plan_mask(self, state: CacheState, stacked: bool = True):
         """``(mask [B, T] bool, counts [3] int64)`` of a partial forward on ``state``: the rows to compute and, on
         the device, whether some unfinished row keeps a partial forward, the largest active set and the active rows
         over the batch (the forward's ``query_tokens``: its per-token work skips the padding). No host
         synchronisation and no side effect (``select`` / ``refresh_rows`` / ``read_rows`` read only the state and what
-        the previous plan and forward left): the decode loop calls it one step ahead."""
+        the previous plan and forward left): the decode loop calls it one step ahead, with ``stacked=False``: the
+        counts as three 0-d tensors (bool, int64, int64), which it stacks with its own numbers in one kernel."""
         B, T = state.x.shape
         full_rows = self.refresh_rows(state)  # [B] bool: rows recomputed in full this step
         if self.refresh_every is not None:
@@ -283,8 +289,8 @@ class KVCache(CacheBase):
             mask = mask & state.valid
         mask[:, 0] |= ~mask.any(-1)  # a row needs at least one active position
         per_row = mask.sum(-1)
-        counts = torch.stack([(state.active & ~full_rows).any().long(), per_row.max(), per_row.sum()])
-        return mask, counts
+        counts = [(state.active & ~full_rows).any(), per_row.max(), per_row.sum()]
+        return mask, (torch.stack(counts) if stacked else counts)
 
     def _full(self, state: CacheState):
         B, T = state.x.shape
@@ -411,12 +417,12 @@ class KVCache(CacheBase):
         its per-token work, ``query_tokens``, runs the rows' active sets; with per-layer hooks it runs the largest
         active set for every row, and from a refresh layer every row of every row)."""
         T = self.canvas_len
-        counts = self._counts.float()
         if self._refresh_layer == 0:
-            frac = torch.ones_like(counts)
+            frac = torch.ones_like(self._counts, dtype=torch.float32)
         elif getattr(self, "_row_refresh", None) is None:  # no row refreshed in full: the computed rows' share
-            frac = counts / T
+            frac = self._counts / T  # float32, in one kernel
         else:
+            counts = self._counts.float()
             r = self._row_refresh.float()
             full = torch.where(r < 0, torch.zeros_like(r), n_layers - r)
             frac = ((n_layers - full) * counts + full * T) / (n_layers * T)
@@ -429,7 +435,8 @@ class KVCache(CacheBase):
             Q = self.query_tokens / self._rows.shape[0]
         r = self._refresh_layer
         run = 1.0 if r == 0 else (Q / T if r < 0 else (r * Q + (n_layers - r) * T) / (n_layers * T))
-        self.last_stats = {"active": self._counts.clone(), "refresh_layer": self._refresh_layer, "computed": frac,
+        # the counts are kept, not copied: each plan makes new ones and nothing writes into them
+        self.last_stats = {"active": self._counts, "refresh_layer": self._refresh_layer, "computed": frac,
                            "run": run}
         return self.last_stats
 

@@ -38,6 +38,7 @@ class ElasticCache(KVCache):
     tracked tokens per layer (1); ``refresh_every``: also force a full forward every N forwards (None)."""
 
     name = "elastic"
+    pipelined = False  # a plan keeps the tracked tokens and the drift test's state (after_plan)
 
     def __init__(self, gamma: float = 0.9, track_num: int = 1, refresh_every: int | None = None):
         super().__init__(refresh_every)

@@ -13,11 +13,11 @@ from __future__ import annotations
 import torch
 
 from dllm.caches.base import CacheState, KVCache, check_refresh_every, logit_rows, read_cols, region_start
-from dllm.ops import check_choice, check_int, moved_rows
+from dllm.ops import cached_arange, check_choice, check_int, moved_rows
 
 
 def _cols(state: CacheState) -> torch.Tensor:
-    return torch.arange(state.x.shape[1], device=state.x.device)[None]
+    return cached_arange(state.x.shape[1], state.x.device)[None]
 
 
 class PrefixCache(KVCache):
@@ -120,6 +120,7 @@ class FreeCache(KVCache):
     only the block is recomputed (later masks keep their first K/V)."""
 
     name = "freecache"
+    pipelined = False  # a plan keeps the region start the next one reads (after_plan)
 
     def on_reset(self):
         self.cur_lo = None
@@ -157,6 +158,7 @@ class BlockExact(KVCache):
     decoding. Needs a block-diffusion model (``generate`` gives it the model's block size)."""
 
     name = "block"
+    pipelined = False  # a plan keeps the final columns the next one reads (after_plan)
 
     def __init__(self, block_size: int | None = None):
         super().__init__(None)

@@ -27,6 +27,7 @@ import torch
 
 from dllm.ops import (  # noqa: F401 (re-exported)
     MAX_INT_PARAM,
+    cached_arange,
     check_choice,
     check_float_size,
     check_int,
@@ -252,9 +253,9 @@ def gumbel_argmax(logits: torch.Tensor, temperature: float, ctx: StepContext, sc
 
 def select_topk(conf: torch.Tensor, cand: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """Commit mask of the ``k[b]`` most confident candidates of each row (ties: lower column first)."""
-    conf = conf.masked_fill(~cand, float("-inf"))
+    conf = torch.where(cand, conf, float("-inf"))  # masked_fill(~cand, ...) in one kernel, not two
     order = torch.sort(conf, dim=-1, descending=True, stable=True).indices
-    ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(conf.shape[-1], device=conf.device).expand_as(order))
+    ranks = torch.empty_like(order).scatter_(-1, order, cached_arange(conf.shape[-1], conf.device).expand_as(order))
     return (ranks < k[:, None]) & cand
 
 
@@ -279,8 +280,8 @@ def top_k_logits(logits: torch.Tensor, top_k: int, fill: float | None = None) ->
 def ensure_progress(commit: torch.Tensor, conf: torch.Tensor, cand: torch.Tensor, only_empty: bool = False) -> torch.Tensor:
     """Add each row's most confident candidate (rows with candidates always commit at least one); with
     ``only_empty`` only to rows that commit nothing."""
-    best = conf.masked_fill(~cand, float("-inf")).argmax(-1, keepdim=True)
-    top1 = torch.zeros_like(commit).scatter_(-1, best, True) & cand
+    best = torch.where(cand, conf, float("-inf")).argmax(-1, keepdim=True)
+    top1 = (cached_arange(conf.shape[-1], conf.device)[None] == best) & cand  # one-hot at best, in two kernels
     if only_empty:
         top1 = top1 & ~commit.any(-1, keepdim=True)
     return commit | top1
@@ -298,4 +299,4 @@ def even_quota(ctx: StepContext) -> torch.Tensor:
     """LLaDA's linear schedule: ``base = n // S``; the first ``n % S`` steps of the region get one more."""
     steps = ctx.steps.clamp_min(1)
     base = ctx.n_region_start // steps
-    return base + (ctx.step < ctx.n_region_start % steps).long()
+    return base + (ctx.step < ctx.n_region_start % steps)  # int64 + bool: int64, without a cast kernel

@@ -119,9 +119,9 @@ class Threshold:
         check_range("max_slack", self.max_slack, 0, 1, hi_open=True, fix="; dInfer's rule uses 1e-5, 0 disables it")
 
     def select(self, conf, ctx, *, logits=None, probs=None):
-        c = conf.masked_fill(~ctx.cand, NEG_INF)
-        commit = (c >= self.tau) & ctx.cand
+        commit = (conf >= self.tau) & ctx.cand  # tau > 0: no non-candidate could pass at -inf anyway
         if self.max_slack > 0:
+            c = torch.where(ctx.cand, conf, NEG_INF)
             best = c.max(-1, keepdim=True).values
             commit = commit | ((c >= best - self.max_slack) & ctx.cand)
         return ensure_progress(commit, conf, ctx.cand), {}
