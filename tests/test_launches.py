@@ -72,3 +72,48 @@ def test_the_cached_fast_layer_launches_nine_kernels(cache, triton_backend):
     # at LLaDA-8B's depth the forward's own kernels (RoPE tables, embedding, logits) spread over 32 layers
     outside = two.total - 2 * sum(per_layer.values())
     assert (32 * sum(per_layer.values()) + outside) / 32 <= 15
+
+
+@pytest.mark.parametrize("sampler, budget", [("llada", 96), ("threshold", 93)])
+def test_the_decode_loops_own_kernels_per_cached_step_stay_within_budget(sampler, budget, triton_backend):
+    """A dual-cache step's kernels outside its forward (the confidence kernels, the sampler's rule, the commits, the
+    region bookkeeping, the next plan, the step's one stack of host numbers, the graph inputs' copies), counted as the
+    CUDA path runs them: at most ``budget`` (119 and 117 before the loop was trimmed). On a GPU each is a launch and a
+    few microseconds of device time in every step."""
+    import importlib
+
+    from dllm.graphs import GraphRunner
+
+    G = importlib.import_module("dllm.generate")
+    cfg = TransformerConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, mlp_hidden=96,
+                            max_seq_len=128)
+    torch.manual_seed(0)
+    model = Transformer(cfg, LLADA)
+    init_weights(model, std=0.5)
+    model.eval().requires_grad_(False)
+    model.mask_id, model.eos_id, model.eot_id, model.pad_id = 127, 1, 2, 1
+    enable_fast_path(model)
+    config = GenerateConfig(gen_length=16, block_length=8, steps=16, graphs="on")
+    s, c, p, config = resolve(model, sampler, "dual", None, config)
+    dec = Decoder(model, s, c, p, config)
+    st = dec.start(torch.randint(3, 120, (1, 16), generator=torch.Generator().manual_seed(1)).tolist())
+    for _ in range(4):  # the full forward, then cached steps
+        dec.step(st)
+    forward = []
+    orig, free = GraphRunner._forward, G._host_check_free
+
+    with LaunchCounter() as counter:
+        def counted(self, g, cache):
+            n0 = counter.total
+            out = orig(self, g, cache)
+            forward.append(counter.total - n0)
+            return out
+
+        GraphRunner._forward, G._host_check_free = counted, (lambda t: False)  # the path a CUDA run takes
+        try:
+            dec.step(st)
+        finally:
+            GraphRunner._forward, G._host_check_free = orig, free
+    assert len(forward) == 1 and st.trace[-1]["refresh_layer"] == -1  # one partial forward
+    loop = counter.total - forward[0]
+    assert 0 < loop <= budget, dict(counter.counts)

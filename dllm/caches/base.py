@@ -120,7 +120,7 @@ def padded_rows(mask: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """``[B, T]`` int64: each row's active positions ascending, then its first active position repeated
     (``counts``: ``mask.sum(-1)``); :func:`rows_from_mask` is its first ``Q`` columns. No host number needed, so
     the decode loop builds it before the step's synchronisation."""
-    order = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True)
+    order = torch.argsort(mask.view(torch.uint8), dim=-1, descending=True, stable=True)
     pad = cached_arange(mask.shape[1], mask.device)[None] >= counts[:, None]
     return torch.where(pad, order[:, :1].expand_as(order), order)
 
@@ -287,9 +287,9 @@ class KVCache(CacheBase):
         mask = mask & state.active[:, None]  # finished rows compute nothing they need (row 0 as a placeholder)
         if state.valid is not None:
             mask = mask & state.valid
-        mask[:, 0] |= ~mask.any(-1)  # a row needs at least one active position
+        torch.logical_or(mask[:, 0], ~mask.any(-1), out=mask[:, 0])  # a row needs at least one active position
         per_row = mask.sum(-1)
-        counts = [(state.active & ~full_rows).any(), per_row.max(), per_row.sum()]
+        counts = [(state.active > full_rows).any(), per_row.max(), per_row.sum()]  # bools: active and not full
         return mask, (torch.stack(counts) if stacked else counts)
 
     def _full(self, state: CacheState):

@@ -118,7 +118,7 @@ class ElasticCache(KVCache):
             win = win & first
         n = win.sum(-1)
         wm = int(n.max())
-        self._win_pos = torch.argsort((~win).to(torch.int8), dim=-1, stable=True)[:, : max(wm, 1)]
+        self._win_pos = torch.argsort(win.view(torch.uint8), dim=-1, descending=True, stable=True)[:, : max(wm, 1)]
         self._win_ok = torch.arange(self._win_pos.shape[1], device=win.device)[None] < n[:, None]
         self._win_ragged = bool((n != wm).any())
 

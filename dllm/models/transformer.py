@@ -184,7 +184,7 @@ class RowPacking:
         flat = real.flatten()
         torch._assert_async(flat.sum() <= n, "query_tokens is below the number of distinct active rows")
         # the real rows first (row-major), then, where n exceeds their count (a graph's bucket), padding slots
-        self.take = torch.argsort((~flat).to(torch.int8), stable=True)[:n]
+        self.take = torch.argsort(flat.view(torch.uint8), descending=True, stable=True)[:n]
         packed = flat.long().cumsum(0) - 1
         self.spread = torch.where(flat, packed, packed.view(B, Q)[:, :1].expand(B, Q).flatten())
 
