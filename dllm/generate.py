@@ -399,17 +399,28 @@ class DecodeState:
     nfe: int = 0
 
 
+def _versions(st: DecodeState) -> tuple:
+    """The forward's inputs in ``st`` (canvas, positions, key mask) as (tensor, version) pairs: a plan made for them
+    holds while each is the same tensor, unmodified."""
+    return tuple((t, t._version) for t in (st.x, st.positions, st.key_mask) if t is not None)
+
+
 @dataclass
 class _Ahead:
     """A next forward made ready ahead (:meth:`Decoder._prepare_next`)."""
 
     ready: Any  # dllm.graphs.Prepared
-    x: torch.Tensor  # the canvas it was planned on, and its version
-    version: int
+    inputs: tuple  # _versions of the state it was planned on
     window: tuple[int, int]
     Q: int  # the active width and packed rows of its plan (rounded; N None: not packed)
     N: int | None
     query_idx: torch.Tensor
+
+    def matches(self, st: DecodeState, window: tuple[int, int]) -> bool:
+        """Whether ``st`` is the state it was planned on, for ``window``."""
+        now = _versions(st)
+        return window == self.window and len(now) == len(self.inputs) and all(
+            a is b and va == vb for (a, va), (b, vb) in zip(now, self.inputs))
 
 
 class Decoder:
@@ -441,7 +452,7 @@ class Decoder:
         # the next partial forward planned and made ready before each step's synchronisation (_prepare_next): the graph
         # path, a cache that plans through KVCache.plan from the decode state alone, a window no sampler widens
         self._pipelined = (self.graphed and self.widen is None and type(cache).plan is KVCache.plan
-                           and cache.pipelined)
+                           and cache.plans_ahead)
 
     def prompt_width(self, longest: int) -> int:
         """The canvas column where generation starts for prompts of at most ``longest`` tokens: ``longest``, or on
@@ -556,14 +567,17 @@ class Decoder:
         tc = clock.mark()
         runner = self.graphs
         ahead, st.ahead = st.ahead, None
-        if ahead is not None and ahead.x is x and ahead.version == x._version and ahead.window == (w_lo, w_hi):
+        logits = None
+        if ahead is not None and ahead.matches(st, (w_lo, w_hi)):
             # planned and made ready before the last step's synchronisation, whose numbers confirmed the plan: the
-            # cache holds this step's plan, the graph its inputs; only the launch is left
-            query_idx, eager = ahead.query_idx, None
-            st.plan_hint = None
+            # cache holds this step's plan, the graph its inputs; only the launch is left (None: the runner dropped
+            # that graph since, the step plans again)
             t0 = clock.mark()
             logits = runner.replay(ahead.ready)
-        else:
+            if logits is not None:
+                query_idx, eager = ahead.query_idx, None
+                st.plan_hint = None
+        if logits is None:
             cstate = self._cache_state(st, (w_lo, w_hi))
             hint = st.plan_hint
             if hint is not None and hint[0] is x and hint[1] == x._version:  # the plan read in the last step's sync
@@ -611,7 +625,12 @@ class Decoder:
         if res.finish is not None:  # early commit: the row takes the proposal at every mask left, and stops
             commit = commit | (res.finish[:, None] & st.active[:, None] & (xw == mask_id))
             hi = torch.where(res.finish & st.active, torch.full_like(hi, T), hi)
-        torch.where(commit, res.proposal, xw, out=xw)  # the canvas's window in place: one kernel, no copy back
+        prop = res.proposal
+        if prop.shape == xw.shape and prop.dtype == x.dtype and \
+                prop.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
+            torch.where(commit, prop, xw, out=xw)  # the canvas's window in place: one kernel, no copy back
+        else:  # a proposal that broadcasts, casts or reads the canvas itself: computed apart, then copied
+            x[:, w_lo:w_hi] = torch.where(commit, prop, xw)
         st.commit_step[:, w_lo:w_hi].masked_fill_(commit, st.nfe + 1)
         if st.commit_logprob is not None or st.commit_top_ids is not None:
             lf = logits.float()
@@ -651,7 +670,9 @@ class Decoder:
         # planned and its graph's inputs filled now, while the device still works on this step
         ahead = None
         if self._pipelined and nxt is not None and query_idx is not None and eager is None:
+            tp = clock.mark()
             ahead = self._prepare_next(st, nxt, w_lo, w_hi)
+            clock.add("cache", tp, clock.mark())  # the next step's plan, made now
         synced = host.tolist()  # the step's host sync
         running, nonfinite, n_lo, n_hi = synced[:4]
         st.window = (n_lo, n_hi)
@@ -682,7 +703,9 @@ class Decoder:
                                   hint=(mask, True, Q, B * Q if N is None else N, rows))
         ready = self.graphs.prepare(st.x, st.positions, st.key_mask, self.cols_all[w_lo:w_hi].expand(B, -1), cache,
                                     query_idx, cache.query_tokens)
-        return None if ready is None else _Ahead(ready, st.x, st.x._version, (w_lo, w_hi), Q, N, query_idx)
+        if ready is None:
+            return None
+        return _Ahead(ready, _versions(st), (w_lo, w_hi), Q, N, query_idx)
 
     def _confirmed(self, ahead: _Ahead, synced: list, shape) -> bool:
         """Whether the numbers of the step's synchronisation give the plan :meth:`_prepare_next` made: a partial

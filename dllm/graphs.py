@@ -141,6 +141,7 @@ class Prepared:
     B: int
     W: int
     cache: Any
+    key: tuple
 
 
 class GraphRunner:
@@ -165,7 +166,8 @@ class GraphRunner:
         self.last: tuple[int, _Graph] | None = None
         self.stats: Counter = Counter()
         #: the decode loop's next forwards made ready before its synchronisation (:meth:`prepare`): ``confirmed`` (the
-        #: synchronisation gave the plan expected: the next step only replays) and ``missed`` (it plans again)
+        #: synchronisation gave the plan expected: the next step only replays) and ``missed`` (it plans again; the last
+        #: step of every generation counts here too: no step follows)
         self.ahead: Counter = Counter()
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         #: shapes rounded up to :func:`shape_bucket` sizes (the decode loop's canvas length, the cache's active and
@@ -251,11 +253,16 @@ class GraphRunner:
             g = self.graphs.get(key)
             if g is None or not g.captured or g.failed:
                 return None
+            self.graphs.move_to_end(key)  # in use: the last to be dropped
             self._fill_inputs(g, live)
-            return Prepared(g, B, W, cache)
+            return Prepared(g, B, W, cache, key)
 
-    def replay(self, p: Prepared) -> torch.Tensor:
-        """The logits of a forward :meth:`prepare` made ready (its graph replayed)."""
+    def replay(self, p: Prepared) -> torch.Tensor | None:
+        """The logits of a forward :meth:`prepare` made ready (its graph replayed), or None, with nothing done, where
+        the runner no longer holds that graph (dropped since: least recently used, or :meth:`check_model` found the
+        model changed): the caller runs the forward the usual way."""
+        if self.graphs.get(p.key) is not p.g:
+            return None
         with on_device(p.g.x):
             self._touch(p.g, p.cache)
             return self._run(p.g, p.cache, p.B, p.W)

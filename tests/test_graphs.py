@@ -504,9 +504,17 @@ def test_a_cache_whose_plan_keeps_state_for_the_next_is_planned_after_the_sync(c
         assert runner.ahead == {}
 
 
-def test_a_canvas_changed_between_steps_drops_the_forward_made_ready():
-    """The serving engine replaces the canvas when rows join or leave: a forward made ready for the old one is not
-    launched, the step plans again on the new one (and decodes what a fresh plan decodes)."""
+CHANGES = {  # what may happen between two steps, and is seen by the forward made ready before it
+    "canvas replaced": lambda st, runner: setattr(st, "x", st.x.clone()),  # the serving engine's regrouping
+    "positions written": lambda st, runner: st.positions.add_(0),
+    "graph dropped": lambda st, runner: runner.graphs.clear(),  # least recently used, or the model changed
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_change_between_steps_drops_the_forward_made_ready(change):
+    """A forward made ready for a canvas, positions and graph that changed since is not launched: the step plans
+    again (and decodes what a fresh plan decodes)."""
     from dllm.generate import Decoder
     from dllm.recipes import resolve
 
@@ -514,19 +522,25 @@ def test_a_canvas_changed_between_steps_drops_the_forward_made_ready():
     prompts = [ragged_prompts(3, 1)[0]]
     config = dllm.GenerateConfig(gen_length=16, block_length=8, steps=16, graphs="on")
     outs = []
-    for replace_at in (None, 5):
-        with own_runner(model):
+    for change_at in (None, 5):
+        with own_runner(model) as runner:
             sampler, cache, policy, cfg = resolve(model, "llada", "dual", None, config)
             dec = Decoder(model, sampler, cache, policy, cfg)
             st = dec.start(prompts)
             n = 0
             while True:
-                if n == replace_at:
+                if n == change_at:
                     assert st.ahead is not None  # within the first block, after its graph was captured
-                    st.x = st.x.clone()
+                    CHANGES[change](st, runner)
+                    stats = dict(runner.stats)
+                    runner._step = counted = _Counted(runner._step)  # the runner called the usual way
                 running = dec.step(st)
-                if n == replace_at:
-                    assert dec.graphs.stats["replays"] >= 1
+                if n == change_at:  # planned again, and the forward run through the runner's own lookup
+                    del runner._step
+                    assert counted.calls == 1
+                    new = {k: v - stats.get(k, 0) for k, v in runner.stats.items() if v != stats.get(k, 0)}
+                    # a dropped graph is seen anew (the first sight of its key runs eagerly)
+                    assert new == ({"eager:first sight": 1} if change == "graph dropped" else {"replays": 1}), new
                 n += 1
                 if not running:
                     break
@@ -534,3 +548,56 @@ def test_a_canvas_changed_between_steps_drops_the_forward_made_ready():
             dec.release()
     assert torch.equal(outs[0].sequences, outs[1].sequences)
     assert outs[0].stats.commit_step == outs[1].stats.commit_step
+
+
+class _Counted:
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *a, **k):
+        self.calls += 1
+        return self.fn(*a, **k)
+
+
+def test_a_graph_launched_from_a_forward_made_ready_stays_recently_used():
+    """Two decoders on one runner, steps interleaved: the graph one of them replays step after step through the
+    forward made ready ahead is the most recently used one, the one dropped last."""
+    from dllm.generate import Decoder
+    from dllm.recipes import resolve
+
+    model = cached_model("llada", 0)
+    config = dllm.GenerateConfig(gen_length=32, block_length=16, steps=32, graphs="on")
+    with own_runner(model) as runner:
+        decs = []
+        for prompts in ([ragged_prompts(3, 1)[0]], [ragged_prompts(3, 1)[0] * 6]):  # two canvas lengths: two graphs
+            sampler, cache, policy, cfg = resolve(model, "llada", "dual", None, config)
+            dec = Decoder(model, sampler, cache, policy, cfg)
+            decs.append((dec, dec.start(prompts)))
+        for dec, st in decs:  # each captures its graph and makes its next forward ready
+            for _ in range(5):
+                dec.step(st)
+            assert st.ahead is not None
+        first, st = decs[0]
+        graph = st.ahead.ready.g
+        assert list(runner.graphs.values())[-1] is not graph  # the second decoder's graph came last
+        first.step(st)  # launched from the forward made ready
+        assert list(runner.graphs.values())[-1] is graph
+        for dec, st in decs:
+            dec.release()
+
+
+def test_a_cache_overriding_after_plan_is_planned_after_the_sync_unless_it_says_otherwise():
+    from dllm.caches import DualCache
+
+    class Kept(DualCache):  # an after_plan that keeps state for the next plan
+        def after_plan(self, state, rows):
+            self.seen = state.lo.clone()
+
+    assert DualCache().plans_ahead and not Kept().plans_ahead
+    explicit = Kept()
+    explicit.pipelined = True  # a policy that knows its after_plan keeps nothing the next plan reads
+    assert explicit.plans_ahead
+    model = cached_model("llada", 0)
+    with own_runner(model) as runner:
+        _gen(model, Kept(), "on", "llada", gen_length=32, block_length=8, steps=32)
+        assert runner.ahead == {}

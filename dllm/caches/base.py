@@ -204,8 +204,9 @@ class KVCache(CacheBase):
     #: True: a plan leaves nothing that the next plan reads (:meth:`after_plan` keeps no state for :meth:`select`), so
     #: the decode loop may plan the next step before its host synchronisation, with the shapes it expects, and plan
     #: again from the same state where the synchronisation's numbers differ (the graph path's
-    #: ``Decoder._prepare_next``). A policy whose plan keeps state for the next one sets it False
-    pipelined = True
+    #: ``Decoder._prepare_next``); False: never; None (default): True unless the policy overrides
+    #: :meth:`after_plan` (:attr:`plans_ahead`)
+    pipelined: bool | None = None
 
     def __init__(self, refresh_every: int | None = None):
         check_refresh_every(refresh_every)
@@ -223,6 +224,13 @@ class KVCache(CacheBase):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(refresh_every={self.refresh_every})"
+
+    @property
+    def plans_ahead(self) -> bool:
+        """Whether the decode loop may plan this cache's next step ahead (:attr:`pipelined`)."""
+        if self.pipelined is not None:
+            return bool(self.pipelined)
+        return type(self).after_plan is KVCache.after_plan
 
     # -- protocol -----------------------------------------------------------------------------------------
     def reset(self, batch: int, canvas_len: int) -> None:
@@ -420,7 +428,8 @@ class KVCache(CacheBase):
         if self._refresh_layer == 0:
             frac = torch.ones_like(self._counts, dtype=torch.float32)
         elif getattr(self, "_row_refresh", None) is None:  # no row refreshed in full: the computed rows' share
-            frac = self._counts / T  # float32, in one kernel
+            frac = torch.div(self._counts, T,  # float32 whatever the default dtype, in one kernel
+                             out=torch.empty(self._counts.shape, dtype=torch.float32, device=self._counts.device))
         else:
             counts = self._counts.float()
             r = self._row_refresh.float()

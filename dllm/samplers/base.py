@@ -98,7 +98,7 @@ def row_forwards(ctx: StepContext) -> torch.Tensor:
 
 @dataclass
 class StepResult:
-    proposal: torch.Tensor  # [B, W] int64
+    proposal: torch.Tensor  # [B, W] int64 (the decode loop writes the commits into the canvas with it in place)
     commit: torch.Tensor  # [B, W] bool
     info: dict[str, Any] = field(default_factory=dict)  # appended to the loop's per-step trace
     # [B] bool or None. Early commit: a row marked here takes ``proposal`` at every still-masked column of the

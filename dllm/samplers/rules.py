@@ -119,7 +119,7 @@ class Threshold:
         check_range("max_slack", self.max_slack, 0, 1, hi_open=True, fix="; dInfer's rule uses 1e-5, 0 disables it")
 
     def select(self, conf, ctx, *, logits=None, probs=None):
-        commit = (conf >= self.tau) & ctx.cand  # tau > 0: no non-candidate could pass at -inf anyway
+        commit = (conf >= self.tau) & ctx.cand  # the candidates' own confidences: no -inf fill needed
         if self.max_slack > 0:
             c = torch.where(ctx.cand, conf, NEG_INF)
             best = c.max(-1, keepdim=True).values
