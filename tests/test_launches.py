@@ -34,7 +34,9 @@ def test_the_counter_counts_kernels_not_views_or_allocations(triton_backend):
     assert dict(c.counts) == {"triton._norm_kernel": 1}
 
 
-def _cached_forward_launches(layers: int, cache: str = "dual") -> LaunchCounter:
+def _tiny_decoder(layers: int, sampler: str, cache: str, steps: int):
+    """A random-weight LLaDA-shaped model with the fast layer on the graph path (the CPU's static-buffer twin), its
+    decoder and state after ``steps`` steps (the first a full forward, then cached steps)."""
     cfg = TransformerConfig(vocab_size=128, d_model=64, n_layers=layers, n_heads=4, n_kv_heads=4, mlp_hidden=96,
                             max_seq_len=128)
     torch.manual_seed(0)
@@ -44,11 +46,16 @@ def _cached_forward_launches(layers: int, cache: str = "dual") -> LaunchCounter:
     model.mask_id, model.eos_id, model.eot_id, model.pad_id = 127, 1, 2, 1
     enable_fast_path(model)
     config = GenerateConfig(gen_length=16, block_length=8, steps=16, graphs="on")
-    sampler, cache_obj, policy, config = resolve(model, "llada", cache, None, config)
-    dec = Decoder(model, sampler, cache_obj, policy, config)
+    s, c, p, config = resolve(model, sampler, cache, None, config)
+    dec = Decoder(model, s, c, p, config)
     st = dec.start(torch.randint(3, 120, (1, 16), generator=torch.Generator().manual_seed(1)).tolist())
-    for _ in range(3):  # the full forward, then cached steps
+    for _ in range(steps):
         dec.step(st)
+    return dec, st
+
+
+def _cached_forward_launches(layers: int, cache: str = "dual") -> LaunchCounter:
+    dec, st = _tiny_decoder(layers, "llada", cache, 3)
     lo, hi = st.window
     cstate = dec._cache_state(st, (lo, hi))
     rows, _ = dec.cache.plan(cstate)
@@ -85,20 +92,7 @@ def test_the_decode_loops_own_kernels_per_cached_step_stay_within_budget(sampler
     from dllm.graphs import GraphRunner
 
     G = importlib.import_module("dllm.generate")
-    cfg = TransformerConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, mlp_hidden=96,
-                            max_seq_len=128)
-    torch.manual_seed(0)
-    model = Transformer(cfg, LLADA)
-    init_weights(model, std=0.5)
-    model.eval().requires_grad_(False)
-    model.mask_id, model.eos_id, model.eot_id, model.pad_id = 127, 1, 2, 1
-    enable_fast_path(model)
-    config = GenerateConfig(gen_length=16, block_length=8, steps=16, graphs="on")
-    s, c, p, config = resolve(model, sampler, "dual", None, config)
-    dec = Decoder(model, s, c, p, config)
-    st = dec.start(torch.randint(3, 120, (1, 16), generator=torch.Generator().manual_seed(1)).tolist())
-    for _ in range(4):  # the full forward, then cached steps
-        dec.step(st)
+    dec, st = _tiny_decoder(2, sampler, "dual", 4)
     forward = []
     orig, free = GraphRunner._forward, G._host_check_free
 
