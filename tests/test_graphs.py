@@ -582,7 +582,7 @@ def test_a_graph_launched_from_a_forward_made_ready_stays_recently_used():
         assert list(runner.graphs.values())[-1] is not graph  # the second decoder's graph came last
         first.step(st)  # launched from the forward made ready
         assert list(runner.graphs.values())[-1] is graph
-        for dec, st in decs:
+        for dec, _ in decs:
             dec.release()
 
 
