@@ -13,7 +13,9 @@ cached steps replayed as CUDA graphs; ``compile``: ``torch.compile`` of the mode
   allocations, and Triton launches when the kernels run under ``TRITON_INTERPRET=1 DLLM_KERNELS=triton``, plus the
   calls that would synchronise on CUDA);
 * on the graph path, the host's microseconds from a step's synchronisation to the next graph's launch
-  (``host_gap_us``, the median over a block of steps: the device waits that long at each step).
+  (``host_gap_us``, the median over a block of steps: the device waits that long at each step), and how many of
+  the timed steps' next forwards, made ready before their synchronisation, were confirmed or planned again
+  (``ahead``).
 
 ``--e2e`` adds whole generations (``--prompt`` / ``--gen``: 512 and 256 on a GPU by default, batch 1) with no cache, prefix and dual cache and the
 speed-up of each cache over none; ``--breakdown`` (CUDA) the kernels that take a full forward's and a cached step's
@@ -117,6 +119,7 @@ def time_steps(model, B: int, a, cache: str, graphs: str):
         del wst
     del warm
     dec, rows = decoder(model, B, a, cache, graphs)  # its graph statistics count from here
+    ahead0 = dict(dec.graphs.ahead) if dec.graphs is not None else {}
     st = dec.start(rows)
     for _ in range(a.block if cache != "none" else 2):  # warm-up: the first block (autotuning, graph capture)
         dec.step(st)
@@ -130,6 +133,9 @@ def time_steps(model, B: int, a, cache: str, graphs: str):
         times.append(dt)
         if st.trace[-1].get("refresh_layer", 0) != 0:
             partial.append(dt)
+    # the next forwards made ready before the timed steps' synchronisations, confirmed or not (Decoder._prepare_next)
+    dec.ahead_counts = ({k: v - ahead0.get(k, 0) for k, v in dec.graphs.ahead.items()} if dec.graphs is not None
+                        else {})
     return statistics.mean(times), (statistics.median(partial) if partial else float("nan")), (dec, st)
 
 
@@ -491,6 +497,7 @@ def main(argv=None):
                      "syncs_per_step": syncs, "host_gap_us": gap}
                 if dec.graphs is not None:
                     r["graphs"] = {k: v - dec._graph_stats0.get(k, 0) for k, v in dec.graphs.stats.items()}
+                    r["ahead"] = dec.ahead_counts
                 rows.append(r)
                 print(json.dumps(r), flush=True)
                 dec.release()

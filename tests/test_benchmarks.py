@@ -69,6 +69,9 @@ def test_bench_step_counts_one_host_sync_per_step(tmp_path):
         assert g["replays"] > 0  # the graph path's CPU twin ran the cached steps
         # the warm-up generation saw every cached shape twice: the timed decoder captures nothing, it replays
         assert g.get("captures", 0) == 0 and g.get("eager:first sight", 0) == 0, g
+        # the timed steps' next forwards were made ready before their synchronisations: all but a block's last
+        ahead = by[("graph", "dual", b)]["ahead"]
+        assert ahead["confirmed"] > 0 and ahead.get("missed", 0) <= ahead["confirmed"], ahead
     (pack,) = [r for r in rows if r["what"] == "packing"]  # 16 rows, one refreshing its canvas of 64
     assert pack["rows_computed_padded"] == 16 * 64 and pack["rows_computed_packed"] == 64 + 15 * 8
     assert pack["padded_ms"] > 0 and pack["packed_ms"] > 0
