@@ -498,7 +498,7 @@ class Decoder:
         self.cols_all = torch.arange(T, device=device)
         lo = torch.full((B,), P, dtype=torch.long, device=device)
         positions = (valid.long().cumsum(-1) - 1).clamp_min(0)
-        hi, steps = self._next_region(lo, T, P - positions[:, P])
+        hi, steps = self._next_region(lo, T, P, positions)
         st = DecodeState(
             rows=rows, x=x, positions=positions,
             key_mask=None if all_valid else valid, P=P, lo=lo, hi=hi, steps=steps,
@@ -519,21 +519,12 @@ class Decoder:
         self.max_iters = 4 * (G + config.total_steps) + 8
         return st
 
-    def _next_region(self, lo, T: int, offsets):
-        """The policy's next regions; ``offsets`` (each row's canvas column of its position 0) for policies that
-        declare ``row_offsets`` (blocks aligned to the model's grid)."""
+    def _next_region(self, lo, T: int, P: int, positions):
+        """The policy's next regions; each row's canvas column of its position 0 (from the RoPE ``positions`` and the
+        generation's start ``P``) for policies that declare ``row_offsets`` (blocks aligned to the model's grid)."""
         if self.policy.row_offsets:
-            return self.policy.next_region(lo, T, self.config, offsets=offsets)
+            return self.policy.next_region(lo, T, self.config, offsets=P - positions[:, P])
         return self.policy.next_region(lo, T, self.config)
-
-    def _offsets(self, st: DecodeState) -> torch.Tensor:
-        """``[B]`` each row's canvas column of its position 0 (for policies with ``row_offsets``), computed again only
-        when the positions change (the serving engine's rows joining and leaving)."""
-        key = (st.positions, st.positions._version, st.P)
-        memo = getattr(self, "_offsets_memo", None)
-        if memo is None or memo[0][0] is not key[0] or memo[0][1:] != key[1:]:
-            memo = self._offsets_memo = (key, st.P - st.positions[:, st.P])
-        return memo[1]
 
     def _no_rows(self, like: torch.Tensor) -> torch.Tensor:
         """An all-False ``[B]`` bool tensor shaped as ``like``, made once per shape and shared by the trace's records
@@ -713,11 +704,7 @@ class Decoder:
         partial, Q, N = synced[4:7]
         if not partial or tuple(synced[2:4]) != ahead.window:
             return False
-        if self.cache.buckets:
-            B, T = shape
-            Q = shape_bucket(Q, T)
-            N = shape_bucket(N, B * Q)
-        return Q == ahead.Q and (ahead.N is None or N == ahead.N)
+        return self.cache.forward_shape(Q, N, *shape) == (ahead.Q, ahead.N)
 
     def _cache_state(self, st: DecodeState, cols: tuple[int, int]) -> CacheState:
         """What the cache is told before a forward on ``st`` (``cols``: the window's canvas columns)."""
@@ -734,7 +721,7 @@ class Decoder:
         if not isinstance(cache, KVCache) or not cache.filled or type(cache).plan is not KVCache.plan:
             return None
         cstate = self._cache_state(st, (0, st.x.shape[1]))
-        mask, counts = cache.plan_mask(cstate, stacked=False)
+        mask, counts = cache.plan_mask(cstate)
         # the rows at full width too (sliced to the largest active set after the sync): the work between the sync
         # and the next forward's launch, while the device waits, is host work only
         return mask, counts, cache.plan_rows(cstate, mask)
@@ -772,7 +759,7 @@ class Decoder:
         unfinished = ~finished_now
         st.active = st.active & unfinished
         advance = done & unfinished
-        nhi, nsteps = self._next_region(new_lo, T, self._offsets(st) if self.policy.row_offsets else None)
+        nhi, nsteps = self._next_region(new_lo, T, st.P, st.positions)
         st.lo = new_lo
         hi = torch.where(advance, nhi, hi)
         st.hi = hi

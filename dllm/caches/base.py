@@ -255,22 +255,28 @@ class KVCache(CacheBase):
             mask, counts = self.plan_mask(state)
             # one host sync: whether some unfinished row keeps a partial forward (else a full forward: the cheaper
             # shape for the same rows), the size of the largest active set and the active rows over the batch
-            partial, Q, N = counts.tolist()
+            partial, Q, N = torch.stack(counts).tolist()
             prepared = None
         else:
             mask, partial, Q, N, prepared = hint
         if not partial:
             return self._full(state)
         rows, self._counts, self.read_cols = prepared if prepared is not None else self.plan_rows(state, mask)
-        if self.buckets:  # rows beyond a row's own count repeat its first active row: padding, written identically
-            B, T = rows.shape
-            Q = shape_bucket(Q, T)
-            N = shape_bucket(N, B * Q)
+        Q, self.query_tokens = self.forward_shape(Q, N, *rows.shape)
         self._rows = rows[:, :Q]
-        self.query_tokens = N if self.pack_rows else None
         self._refresh_layer = -1
         self.after_plan(state, self._rows)
         return self._rows, None
+
+    def forward_shape(self, Q: int, N: int, B: int, T: int) -> tuple[int, int | None]:
+        """``(active width, packed rows or None)`` a partial forward runs at, for a largest active set ``Q`` and ``N``
+        active rows over a batch of ``B`` rows of ``T`` columns: rounded up with :attr:`buckets` (rows beyond a row's
+        own count repeat its first active row: padding, written identically), the packed rows None without
+        :attr:`pack_rows`."""
+        if self.buckets:
+            Q = shape_bucket(Q, T)
+            N = shape_bucket(N, B * Q)
+        return Q, (N if self.pack_rows else None)
 
     def plan_rows(self, state: CacheState, mask: torch.Tensor):
         """``(rows [B, T], counts [B], read_cols [B, T])`` of a partial forward on ``state`` with active ``mask``
@@ -279,13 +285,13 @@ class KVCache(CacheBase):
         counts = mask.sum(-1)
         return padded_rows(mask, counts), counts, read_cols(state)
 
-    def plan_mask(self, state: CacheState, stacked: bool = True):
-        """``(mask [B, T] bool, counts [3] int64)`` of a partial forward on ``state``: the rows to compute and, on
-        the device, whether some unfinished row keeps a partial forward, the largest active set and the active rows
-        over the batch (the forward's ``query_tokens``: its per-token work skips the padding). No host
-        synchronisation and no side effect (``select`` / ``refresh_rows`` / ``read_rows`` read only the state and what
-        the previous plan and forward left): the decode loop calls it one step ahead, with ``stacked=False``: the
-        counts as three 0-d tensors (bool, int64, int64), which it stacks with its own numbers in one kernel."""
+    def plan_mask(self, state: CacheState) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``(mask [B, T] bool, counts)`` of a partial forward on ``state``: the rows to compute and, on the device as
+        three 0-d tensors (bool, int64, int64), whether some unfinished row keeps a partial forward, the largest active
+        set and the active rows over the batch (the forward's ``query_tokens``: its per-token work skips the padding);
+        the decode loop stacks them with its own numbers in one kernel. No host synchronisation and no side effect
+        (``select`` / ``refresh_rows`` / ``read_rows`` read only the state and what the previous plan and forward
+        left): the decode loop calls it one step ahead."""
         B, T = state.x.shape
         full_rows = self.refresh_rows(state)  # [B] bool: rows recomputed in full this step
         if self.refresh_every is not None:
@@ -297,8 +303,7 @@ class KVCache(CacheBase):
             mask = mask & state.valid
         torch.logical_or(mask[:, 0], ~mask.any(-1), out=mask[:, 0])  # a row needs at least one active position
         per_row = mask.sum(-1)
-        counts = [(state.active > full_rows).any(), per_row.max(), per_row.sum()]  # bools: active and not full
-        return mask, (torch.stack(counts) if stacked else counts)
+        return mask, [(state.active > full_rows).any(), per_row.max(), per_row.sum()]  # bools: active and not full
 
     def _full(self, state: CacheState):
         B, T = state.x.shape
