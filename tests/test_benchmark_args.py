@@ -170,6 +170,11 @@ def test_bench_caches_refuses_a_layout_it_cannot_decode():
     assert "multiple of the 2 blocks" in err
 
 
+def test_bench_caches_refuses_a_negative_warmup():
+    err = refused("bench_caches.py", "--warmup", "-1")
+    assert "--warmup -1" in err and "0 or more" in err
+
+
 def test_bench_caches_refuses_the_block_cache():
     err = refused("bench_caches.py", "--caches", "none", "block")
     assert "block-diffusion" in err and "LLaDA-shaped" in err

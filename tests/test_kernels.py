@@ -1016,7 +1016,12 @@ def test_gpu_torch_compile_through_custom_ops():
             torch._dynamo.reset()
             got = torch.compile(step, fullgraph=True)(q, k, v, mask, logits)
             want = step(q, k, v, mask, logits)
-            for g, w in zip(got, want):
+            # attention: Inductor autotunes the tiles of a user Triton kernel itself, and may pick other tiles than
+            # the eager call's autotuner (another order of the sums): one bf16 rounding apart at a few elements
+            # (H200: 12 of 229,376, 2**-7 relative); the confidence statistics have no tile choice: equal
+            torch.testing.assert_close(got[0], want[0], atol=2e-3, rtol=2 ** -6)
+            torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-5)
+            for g, w in zip(got[2:], want[2:]):
                 torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
     finally:
         K.set_attention_backend(None)
