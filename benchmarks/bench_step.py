@@ -13,8 +13,9 @@ cached steps replayed as CUDA graphs; ``compile``: ``torch.compile`` of the mode
   allocations, and Triton launches when the kernels run under ``TRITON_INTERPRET=1 DLLM_KERNELS=triton``, plus the
   calls that would synchronise on CUDA);
 * on the graph path, the host's microseconds from a step's synchronisation to the next graph's launch
-  (``host_gap_us``, the median over a block of steps: the device waits that long at each step), and how many of
-  the timed steps' next forwards, made ready before their synchronisation, were confirmed or planned again
+  (``host_gap_us``, the median over a block of steps: the device waits that long at each step; 0 for a step whose
+  next forward was launched before its synchronisation), and how many of the timed steps' next forwards, made ready
+  before their synchronisation, were launched there, confirmed, planned again, or launched and discarded
   (``ahead``).
 
 ``--e2e`` adds whole generations (``--prompt`` / ``--gen``: 512 and 256 on a GPU by default, batch 1) with no cache, prefix and dual cache and the
@@ -185,20 +186,35 @@ def host_gap(dec, st, steps: int) -> float | None:
     """Median microseconds of host time from a cached step's synchronisation (the host's read of the step's numbers)
     to the launch of the next forward's graph, over ``steps`` more steps (None without a graph replayed after a
     synchronisation: no cache, or the eager path). On a GPU the device waits for that long at every step; on the CPU
-    (the static-buffer path: the "launch" is the forward's start) it is the same host work."""
+    (the static-buffer path: the "launch" is the forward's start) it is the same host work. A forward launched before
+    the synchronisation (``Decoder._sync``) counts 0: the device went on to it without waiting for the host."""
     if dec.graphs is None:
         return None
     marks, gaps = {}, []
     tolist, runner_forward = torch.Tensor.tolist, type(dec.graphs)._forward
     graph_replay = torch.cuda.CUDAGraph.replay
+    sync = dec._sync
 
     def synced(t):
         out = tolist(t)
-        marks["sync"] = time.perf_counter()
+        if marks.pop("early", False):
+            gaps.append(0.0)
+        else:
+            marks["sync"] = time.perf_counter()
         return out
 
+    def in_sync(host, ahead):
+        marks["in_sync"] = True
+        try:
+            return sync(host, ahead)
+        finally:
+            marks.pop("in_sync", None)
+
     def launched():
-        if "sync" in marks:
+        if marks.get("in_sync"):  # launched before the synchronisation it precedes
+            marks["early"] = True
+            marks.pop("sync", None)
+        elif "sync" in marks:
             gaps.append(time.perf_counter() - marks.pop("sync"))
 
     def replay(g):
@@ -211,12 +227,14 @@ def host_gap(dec, st, steps: int) -> float | None:
         return runner_forward(runner, g, cache)
 
     torch.Tensor.tolist, torch.cuda.CUDAGraph.replay, type(dec.graphs)._forward = synced, replay, forward
+    dec._sync = in_sync
     try:
         for _ in range(steps):  # the first step's launch follows no measured synchronisation: not counted
             if not dec.step(st):
                 break
     finally:
         torch.Tensor.tolist, torch.cuda.CUDAGraph.replay, type(dec.graphs)._forward = tolist, graph_replay, runner_forward
+        del dec._sync
     return round(statistics.median(gaps) * 1e6, 1) if gaps else None
 
 

@@ -394,6 +394,11 @@ class DecodeState:
     # the next forward, planned and made ready before the last step's synchronisation (Decoder._prepare_next), used
     # while the canvas is that same tensor and the window the one it was planned for
     ahead: Any = None
+    # from the last step's host sync on the pipelined graph path: (the fewest masks left in an active row's region,
+    # the most tokens a row committed in that step); whether the next forward is launched before the sync
+    # (Decoder._launch_early)
+    pace: tuple[int, int] | None = None
+    left: torch.Tensor | None = None  # [B] masks left in each row's region (the pipelined graph path only)
     state: dict = field(default_factory=dict)  # sampler scratch space
     trace: list = field(default_factory=list)
     nfe: int = 0
@@ -415,6 +420,8 @@ class _Ahead:
     Q: int  # the active width and packed rows of its plan (rounded; N None: not packed)
     N: int | None
     query_idx: torch.Tensor
+    guarded: bool = False  # its inputs filled under Decoder._guard: to be launched before the synchronisation
+    logits: torch.Tensor | None = None  # launched before the step's synchronisation (Decoder._sync): its logits
 
     def matches(self, st: DecodeState, window: tuple[int, int]) -> bool:
         """Whether ``st`` is the state it was planned on, for ``window``."""
@@ -453,6 +460,10 @@ class Decoder:
         # path, a cache that plans through KVCache.plan from the decode state alone, a window no sampler widens
         self._pipelined = (self.graphed and self.widen is None and type(cache).plan is KVCache.plan
                            and cache.plans_ahead)
+        self._pinned: dict[int, torch.Tensor] = {}  # host memory the step's numbers are copied to (_sync)
+        self._host_ready = None  # the event after that copy
+        self._early = True  # next forwards may be launched before the synchronisation (_launch_early)
+        self._bounds = None  # (key, [2, 7] bounds) of _guard
 
     def prompt_width(self, longest: int) -> int:
         """The canvas column where generation starts for prompts of at most ``longest`` tokens: ``longest``, or on
@@ -559,12 +570,18 @@ class Decoder:
         runner = self.graphs
         ahead, st.ahead = st.ahead, None
         logits = None
+        if ahead is not None and ahead.logits is not None and not ahead.matches(st, (w_lo, w_hi)):
+            runner.ahead["discarded"] += 1  # launched, but the state changed since (the serving engine's regrouping)
         if ahead is not None and ahead.matches(st, (w_lo, w_hi)):
             # planned and made ready before the last step's synchronisation, whose numbers confirmed the plan: the
             # cache holds this step's plan, the graph its inputs; only the launch is left (None: the runner dropped
             # that graph since, the step plans again)
             t0 = clock.mark()
-            logits = runner.replay(ahead.ready)
+            if ahead.logits is not None:  # launched before the last step's synchronisation (_sync)
+                logits = ahead.logits
+                runner.stats["replays"] += 1
+            else:
+                logits = runner.replay(ahead.ready)
             if logits is not None:
                 query_idx, eager = ahead.query_idx, None
                 st.plan_hint = None
@@ -655,48 +672,123 @@ class Decoder:
             st.lo, st.hi = self.slide(x == mask_id, st.lo)
         # the next step's cache plan (active rows, partial or full, largest active set), read in this sync
         nxt = self._plan_next(st)
+        # the pipelined graph path also reads how far the regions are from their end (_launch_early)
+        pace = (torch.where(st.active, st.left, T).min(), st.trace[-1]["committed"].max()) if self._pipelined else ()
         host = torch.stack([st.active.any(), bad.any(), *self._window_ends(st),
-                               *(nxt[1] if nxt is not None else ())])  # one kernel; the bools count as 0 / 1
+                            *(nxt[1] if nxt is not None else ()), *pace])  # one kernel; the bools count as 0 / 1
         # a partial forward replayed from a graph: the next one is expected alike (same shapes and window), so it is
         # planned and its graph's inputs filled now, while the device still works on this step
+        # (and, where the regions look far from their end, launched now: _sync)
         ahead = None
         if self._pipelined and nxt is not None and query_idx is not None and eager is None:
             tp = clock.mark()
-            ahead = self._prepare_next(st, nxt, w_lo, w_hi)
+            ahead = self._prepare_next(st, nxt, w_lo, w_hi, host if self._launch_early(st) else None)
             clock.add("cache", tp, clock.mark())  # the next step's plan, made now
-        synced = host.tolist()  # the step's host sync
+        synced = self._sync(host, ahead if ahead is not None and ahead.guarded else None)
         running, nonfinite, n_lo, n_hi = synced[:4]
         st.window = (n_lo, n_hi)
         if nxt is not None:
             st.plan_hint = (st.x, st.x._version, nxt[0], synced[4], synced[5], synced[6], nxt[2])
+        if self._pipelined:
+            st.pace = (synced[-2], synced[-1])
         if ahead is not None:
             if running and self._confirmed(ahead, synced, st.x.shape):
                 st.ahead = ahead
                 runner.ahead["confirmed"] += 1
             else:  # the plan differs (a region ended, the active width changed): the next step plans again
                 runner.ahead["missed"] += 1
+                if ahead.logits is not None:  # launched: its logits are dropped (its writes: _prepare_next)
+                    runner.ahead["discarded"] += 1
+                if running and synced[4] and tuple(synced[2:4]) == ahead.window:
+                    self._early = False  # the active width changes within a region (dKV-Cache-Decode): no more
         if nonfinite:
             raise NonFiniteLogitsError.at(bad, st.nfe - 1, w_lo - P)
         if running and st.nfe >= self.max_iters:
             raise RuntimeError(f"decoding made no progress after {st.nfe} steps; sampler {sampler!r} commits nothing")
         return bool(running)
 
-    def _prepare_next(self, st: DecodeState, nxt, w_lo: int, w_hi: int) -> _Ahead | None:
+    def _prepare_next(self, st: DecodeState, nxt, w_lo: int, w_hi: int, host: torch.Tensor | None = None
+                      ) -> _Ahead | None:
         """The next step's partial forward planned with this step's shapes and window (``nxt``: :meth:`_plan_next`'s
         mask and rows) and its graph's inputs filled (:meth:`GraphRunner.prepare`), or None where no captured graph
         has that key. Planning is the cache's :meth:`~dllm.caches.base.KVCache.plan` with this step's numbers in
         place of those the synchronisation will read: where they differ, the next step plans again, and this plan
-        (a function of the decode state alone, ``KVCache.pipelined``) is replaced."""
+        (a function of the decode state alone, ``KVCache.pipelined``) is replaced.
+
+        With ``host`` (the step's numbers, still on the device) the forward is to be launched before the
+        synchronisation (:meth:`_sync`), so the graph's inputs are filled under a guard computed on the device
+        (:meth:`_guard`): where the numbers say this plan is not a valid forward of the next step (a region ended, an
+        active set grew past the width), the inputs keep this step's, and the launch computes this step's forward
+        again, writing what it wrote. A forward that is launched is thus always the next step's or this step's, and
+        every row it writes is written again, with the same values or before it is read."""
         cache, B = self.cache, st.x.shape[0]
         Q, N = cache._rows.shape[1], cache.query_tokens  # this step's, as the plan rounded them
+        guard = None if host is None else self._guard(host, w_lo, w_hi, Q, N)
         mask, _, rows = nxt
         query_idx, _ = cache.plan(self._cache_state(st, (w_lo, w_hi)),
                                   hint=(mask, True, Q, B * Q if N is None else N, rows))
         ready = self.graphs.prepare(st.x, st.positions, st.key_mask, self.cols_all[w_lo:w_hi].expand(B, -1), cache,
-                                    query_idx, cache.query_tokens)
+                                    query_idx, cache.query_tokens, guard=guard)
         if ready is None:
             return None
-        return _Ahead(ready, _versions(st), (w_lo, w_hi), Q, N, query_idx)
+        return _Ahead(ready, _versions(st), (w_lo, w_hi), Q, N, query_idx, guarded=guard is not None)
+
+    def _guard(self, host: torch.Tensor, w_lo: int, w_hi: int, Q: int, N: int | None) -> torch.Tensor:
+        """0-d bool on the device: the step's numbers (``host``: rows left, non-finite logits, the next window's ends,
+        the next plan's three counts, ...) make the plan :meth:`_prepare_next` made with this step's window, width
+        ``Q`` and packed rows ``N`` a valid forward of the next step: rows left, finite logits, the same window, a
+        partial forward whose largest active set fits ``Q`` (no row's active rows cut) and whose active rows fit
+        ``N``. Every row it computes is then a row the next step computes (or a full forward rewrites). Three
+        kernels; the bounds are made once per window and shape."""
+        key = (w_lo, w_hi, Q, N, host.device)
+        if self._bounds is None or self._bounds[0] != key:
+            big = torch.iinfo(torch.int64).max
+            # from pinned memory without blocking: a plain copy to the device would wait for the device's work
+            lims = torch.tensor([[1, 0, w_lo, w_hi, 1, 0, 0], [1, 0, w_lo, w_hi, 1, Q, big if N is None else N]],
+                                pin_memory=host.is_cuda)
+            self._bounds = (key, lims.to(host.device, non_blocking=True))
+        v, lims = host[:7], self._bounds[1]
+        return (v.clamp(lims[0], lims[1]) == v).all()
+
+    def _launch_early(self, st: DecodeState) -> bool:
+        """Whether the next forward, made ready, is launched before this step's synchronisation: where the last
+        synchronisation's numbers (:attr:`DecodeState.pace`) say that every active row's region keeps masks after
+        this step if it commits what the last step committed, and until a plan made ahead missed within a region
+        (a cache whose active width follows the masks left). Where the next step plans again (a region ended: a
+        refresh or another width) a forward launched for it is discarded, a forward's time spent for nothing."""
+        return self._early and st.pace is not None and st.pace[0] > st.pace[1]
+
+    def _sync(self, host: torch.Tensor, ahead: _Ahead | None) -> list:
+        """The step's host synchronisation: ``host``'s numbers, read on the host. With ``ahead`` (a next forward made
+        ready under a guard, :meth:`_prepare_next`), that forward is launched first: on CUDA the numbers are copied
+        to pinned host memory, the graph is replayed, and the host waits for the copy alone, so the device goes on
+        from this step's last kernel to the next forward without waiting for the host. Its logits are kept in
+        ``ahead``; where the numbers do not confirm its plan they are dropped (the next step plans again). On the CPU
+        the forward runs there and then."""
+        if ahead is None:
+            return host.tolist()
+        clock = self.clock
+        if host.is_cuda:
+            pinned, ready = self._pinned.get(host.shape[0]), self._host_ready
+            if pinned is None:
+                pinned = self._pinned[host.shape[0]] = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+            if ready is None:
+                ready = self._host_ready = torch.cuda.Event()
+            pinned.copy_(host, non_blocking=True)
+            ready.record(torch.cuda.current_stream(host.device))  # the stream of the device the numbers are on
+            tm = clock.mark()
+            ahead.logits = self.graphs.replay(ahead.ready, count=False)  # counted where used
+            clock.add("model", tm, clock.mark())
+            ready.synchronize()
+            out = pinned.tolist()
+        else:
+            tm = clock.mark()
+            ahead.logits = self.graphs.replay(ahead.ready, count=False)
+            clock.add("model", tm, clock.mark())
+            out = host.tolist()
+        if ahead.logits is not None:
+            self.graphs.ahead["launched"] += 1
+        return out
 
     def _confirmed(self, ahead: _Ahead, synced: list, shape) -> bool:
         """Whether the numbers of the step's synchronisation give the plan :meth:`_prepare_next` made: a partial
@@ -767,6 +859,8 @@ class Decoder:
         st.step_in = st.step_in.masked_fill(advance, 0)
         new_masks = (masked & (cols_all[None] >= new_lo[:, None]) & (cols_all[None] < hi[:, None])).sum(-1)
         st.n_start = torch.where(advance, new_masks, st.n_start)
+        if self._pipelined:  # masks left in each row's region after this step (a new region's: all of them)
+            st.left = torch.where(advance, new_masks, region_left)
         return x, hi, committed
 
     def output(self, st: DecodeState) -> GenerateOutput:

@@ -240,32 +240,39 @@ class GraphRunner:
         with on_device(x):  # capture and replay on the model's device, whichever is current (dllm.kernels.device)
             return self._step(x, positions, key_mask, logits_idx, cache, query_idx, query_tokens)
 
-    def prepare(self, x, positions, key_mask, logits_idx, cache, query_idx, query_tokens=None) -> Prepared | None:
+    def prepare(self, x, positions, key_mask, logits_idx, cache, query_idx, query_tokens=None,
+                guard: torch.Tensor | None = None) -> Prepared | None:
         """The first half of a replay, done ahead: the graph of this partial forward looked up and its static inputs
         filled (device-to-device copies, queued), so that :meth:`replay` later only launches it. None, with nothing
         done, where no captured graph has this key (the call then goes through :meth:`__call__`). The decode loop
         prepares the next step's forward before its host synchronisation, on the plan it expects (the current
         step's shapes and window), and replays it after, where the synchronisation's numbers confirm the plan: the
         host's work between the synchronisation and the launch, while the device waits, is then a few
-        microseconds. Filling a graph's inputs has no effect beyond them: each call fills before it replays."""
+        microseconds. Filling a graph's inputs has no effect beyond them: each call fills before it replays.
+
+        ``guard`` (a 0-d bool on the device): each input is filled only where it is True, else keeps what it holds
+        (the last forward's: the decode loop's guard for a forward launched before it knows whether the plan holds,
+        ``Decoder._prepare_next``); the copies are then not remembered (what they hold is known on the device only),
+        so the next call fills again."""
         with on_device(x):
             B, W, key, live, query_tokens = self._key(x, positions, key_mask, logits_idx, cache, query_idx, query_tokens)
             g = self.graphs.get(key)
             if g is None or not g.captured or g.failed:
                 return None
             self.graphs.move_to_end(key)  # in use: the last to be dropped
-            self._fill_inputs(g, live)
+            self._fill_inputs(g, live, guard)
             return Prepared(g, B, W, cache, key)
 
-    def replay(self, p: Prepared) -> torch.Tensor | None:
+    def replay(self, p: Prepared, count: bool = True) -> torch.Tensor | None:
         """The logits of a forward :meth:`prepare` made ready (its graph replayed), or None, with nothing done, where
         the runner no longer holds that graph (dropped since: least recently used, or :meth:`check_model` found the
-        model changed): the caller runs the forward the usual way."""
+        model changed): the caller runs the forward the usual way. ``count=False``: not counted in :attr:`stats`
+        (a forward launched before the decode loop knows whether it uses it: counted there, where used)."""
         if self.graphs.get(p.key) is not p.g:
             return None
         with on_device(p.g.x):
             self._touch(p.g, p.cache)
-            return self._run(p.g, p.cache, p.B, p.W)
+            return self._run(p.g, p.cache, p.B, p.W, count)
 
     def _key(self, x, positions, key_mask, logits_idx, cache, query_idx, query_tokens):
         B, W = logits_idx.shape
@@ -285,7 +292,7 @@ class GraphRunner:
         live = (x, positions, key_mask, logits_idx, query_idx, cache.read_cols)
         return B, W, key, live, query_tokens
 
-    def _fill_inputs(self, g: _Graph, live) -> None:
+    def _fill_inputs(self, g: _Graph, live, guard: torch.Tensor | None = None) -> None:
         for name, t in zip(_INPUTS, live):
             if t is not None:
                 # positions, key mask and logits columns are usually the very tensors of the last step: their copy
@@ -294,8 +301,12 @@ class GraphRunner:
                 sig = (owner, t.data_ptr(), t.shape, t.stride(), t._version)
                 last = g.copied.get(name)
                 if last is None or last[0] is not owner or last[1:] != sig[1:]:
-                    _fill(getattr(g, name), t)
-                    g.copied[name] = sig
+                    if guard is None:
+                        _fill(getattr(g, name), t)
+                        g.copied[name] = sig
+                    else:
+                        _fill_where(guard, getattr(g, name), t)
+                        g.copied.pop(name, None)
 
     def _touch(self, g: _Graph, cache) -> None:
         g.seen += 1
@@ -326,8 +337,9 @@ class GraphRunner:
             return _narrow(out, B, W)
         return self._run(g, cache, B, W)
 
-    def _run(self, g: _Graph, cache, B: int, W: int) -> torch.Tensor:
-        self.stats["replays"] += 1
+    def _run(self, g: _Graph, cache, B: int, W: int, count: bool = True) -> torch.Tensor:
+        if count:
+            self.stats["replays"] += 1
         if g.graph is None:  # capture=False: the same forward on the same static buffers
             return _narrow(self._forward(g, cache), B, W)
         g.graph.replay()
@@ -404,6 +416,15 @@ def _fill(static: torch.Tensor, t: torch.Tensor) -> None:
         static[:B, n:].copy_(t[:, -1:].expand(-1, static.shape[1] - n))
     if static.shape[0] > B:
         static[B:].copy_(static[:1].expand(static.shape[0] - B, -1))
+
+
+def _fill_where(ok: torch.Tensor, static: torch.Tensor, t: torch.Tensor) -> None:
+    """:func:`_fill` where the 0-d bool ``ok`` is True (on the device); where False ``static`` keeps its content."""
+    if t.shape != static.shape:
+        full = torch.empty_like(static)
+        _fill(full, t)
+        t = full
+    torch.where(ok, t, static, out=static)
 
 
 def _narrow(out: torch.Tensor, B: int, W: int) -> torch.Tensor:

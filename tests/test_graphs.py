@@ -305,11 +305,35 @@ def test_cuda_graphs_decode_what_the_eager_path_decodes(cache):
     prompts = ["What is 12 + 30?", "Please reverse the order of the list:\n[\"Alice Adams\", \"Brian Baker\"]"]
     kw = dict(gen_length=32, block_length=8, steps=32, sampler="llada", cache=cache)
     eager = uncaptured(model, prompts, **kw)
+    runner = GraphRunner.for_model(model, "auto")
+    launched = runner.ahead["launched"]
     graph = dllm.generate(model, prompts, graphs="auto", **kw)
     assert graph.stats.graphs.get("captures", 0) >= 1 and graph.stats.graphs.get("replays", 0) >= 1
     assert "eager:capture failed" not in graph.stats.graphs, graph.stats.graphs
+    assert runner.ahead["launched"] > launched  # next forwards launched before the synchronisation (pinned copy)
     assert torch.equal(eager.sequences, graph.sequences)
     torch.rand(4, device="cuda")  # the device's random generator is usable after the captures
+
+
+@pytest.mark.gpu
+@gpu
+def test_cuda_graphs_launched_before_every_sync_decode_what_the_eager_path_decodes(monkeypatch):
+    """Real graphs launched before every synchronisation, whatever the last numbers said: the device guard keeps an
+    invalid plan's inputs (the step's own forward runs again), and every cache and sampler decodes the eager tokens."""
+    from dllm.generate import Decoder
+
+    monkeypatch.setattr(Decoder, "_launch_early", lambda self, st: True)
+    model = dllm.load_model("llada-tiny", device="cuda", dtype="bfloat16")
+    prompts = ["What is 12 + 30?", "Please reverse the order of the list:\n[\"Alice Adams\", \"Brian Baker\"]"]
+    runner = GraphRunner.for_model(model, "auto")
+    for cache in ("dual", "prefix", "dkv-decode", "dkv-greedy"):
+        for sampler in ("threshold", "llada"):
+            kw = dict(gen_length=32, block_length=8, steps=32, sampler=sampler, cache=cache)
+            eager = uncaptured(model, prompts, **kw)
+            for _ in range(2):  # the second call replays what the first captured
+                graph = dllm.generate(model, prompts, graphs="auto", **kw)
+                assert torch.equal(eager.sequences, graph.sequences), (cache, sampler)
+    assert runner.ahead["launched"] > 0 and runner.ahead["discarded"] > 0, runner.ahead
 
 
 @pytest.mark.gpu
@@ -443,12 +467,14 @@ def test_triton_launches_and_graphs_go_to_the_tensors_device(monkeypatch):
     assert runner.setting_reason(cache, False) == "model spread over several devices"
 
 
-def test_the_next_forward_is_made_ready_before_the_sync_and_only_launched_after():
-    """The dual cache's partial forwards keep one shape within a block: each step plans the next forward and fills
-    its graph's inputs before its host synchronisation; where the synchronisation's numbers confirm that plan, the
-    next step launches the graph and nothing else (no plan, no input copy between the synchronisation and the
-    launch). A block's last step expects wrongly (the next forward is a full refresh) and the next step plans again.
-    The tokens and every step's record are those of the path that plans after the synchronisation."""
+def test_the_next_forward_is_launched_before_the_sync_where_the_block_goes_on():
+    """The dual cache's partial forwards keep one shape within a block: each step plans the next forward, fills its
+    graph's inputs and launches it before its host synchronisation, so that the device goes on to it without
+    waiting for the host; the synchronisation's numbers confirm the plan and the next step takes its logits (no
+    plan, no input copy, no launch after the synchronisation). A block's last step, whose numbers said that one
+    mask was left, prepares the next forward but does not launch it: the next forward is a full refresh, and the
+    next step plans again. The tokens and every step's record are those of the path that plans after the
+    synchronisation, and of the eager path."""
     import importlib
 
     from dllm.caches.base import KVCache
@@ -479,12 +505,16 @@ def test_the_next_forward_is_made_ready_before_the_sync_and_only_launched_after(
             for (cls, name, _), (orig, _) in zip(patches, saved):
                 setattr(cls, name, orig)
         # 4 blocks: the first's graph is captured at its third step, the others' replayed from their second; each
-        # block's last step expected a partial forward where a refresh came
-        assert runner.ahead == {"confirmed": 5 + 3 * 6, "missed": 4}
+        # block's last step expected a partial forward where a refresh came, and launched nothing (one mask left)
+        assert runner.ahead == {"confirmed": 5 + 3 * 6, "missed": 4, "launched": 23}
         assert ahead.stats.graphs == {"eager:full forward": 4, "eager:first sight": 1, "captures": 1, "replays": 26}
-    # after every confirmed synchronisation the next event is the launch itself
+    # every confirmed synchronisation comes right after the launch of the forward it confirms; the block's last
+    # steps fill the inputs and launch nothing; after a synchronisation the next step's first runner call is the plan
+    # of the forward after it (the refresh plans too): nothing is launched or filled before it
+    before_sync = [events[i - 1] for i, e in enumerate(events) if e == "sync"]
+    assert before_sync.count("replay") == 23 and set(before_sync) == {"replay", "fill"}, before_sync
     after_sync = [events[i + 1] for i, e in enumerate(events[:-1]) if e == "sync"]
-    assert after_sync.count("replay") == 23 and set(after_sync) <= {"replay", "plan"}, after_sync
+    assert set(after_sync) == {"plan"}, after_sync
     with own_runner(model):
         cache = get_cache("dual")
         cache.pipelined = False  # plans after the synchronisation, every step
@@ -513,8 +543,9 @@ CHANGES = {  # what may happen between two steps, and is seen by the forward mad
 
 @pytest.mark.parametrize("change", list(CHANGES))
 def test_a_change_between_steps_drops_the_forward_made_ready(change):
-    """A forward made ready for a canvas, positions and graph that changed since is not launched: the step plans
-    again (and decodes what a fresh plan decodes)."""
+    """A forward launched before the last synchronisation for a canvas or positions that changed since is dropped:
+    the step plans again (and decodes what a fresh plan decodes). One whose graph was dropped since is kept: it ran
+    on the graph before the graph was dropped, on the state the step has."""
     from dllm.generate import Decoder
     from dllm.recipes import resolve
 
@@ -530,17 +561,20 @@ def test_a_change_between_steps_drops_the_forward_made_ready(change):
             n = 0
             while True:
                 if n == change_at:
-                    assert st.ahead is not None  # within the first block, after its graph was captured
+                    # within the first block, after its graph was captured: launched before the synchronisation
+                    assert st.ahead is not None and st.ahead.logits is not None
                     CHANGES[change](st, runner)
+                    ahead = dict(runner.ahead)
                     stats = dict(runner.stats)
                     runner._step = counted = _Counted(runner._step)  # the runner called the usual way
                 running = dec.step(st)
                 if n == change_at:  # planned again, and the forward run through the runner's own lookup
                     del runner._step
-                    assert counted.calls == 1
+                    kept = change == "graph dropped"
+                    assert counted.calls == (0 if kept else 1)
                     new = {k: v - stats.get(k, 0) for k, v in runner.stats.items() if v != stats.get(k, 0)}
-                    # a dropped graph is seen anew (the first sight of its key runs eagerly)
-                    assert new == ({"eager:first sight": 1} if change == "graph dropped" else {"replays": 1}), new
+                    assert new == {"replays": 1}, new
+                    assert runner.ahead["discarded"] - ahead.get("discarded", 0) == (0 if kept else 1)
                 n += 1
                 if not running:
                     break
@@ -601,3 +635,47 @@ def test_a_cache_overriding_after_plan_is_planned_after_the_sync_unless_it_says_
     with own_runner(model) as runner:
         _gen(model, Kept(), "on", "llada", gen_length=32, block_length=8, steps=32)
         assert runner.ahead == {}
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_a_forward_launched_before_the_sync_on_every_step_decodes_what_the_eager_path_decodes(family, monkeypatch):
+    """The next forward launched before every synchronisation, whatever the last numbers said (``_launch_early``
+    forced): where the plan made ahead is not the next step's (a region ended, an active set outgrew the width, the
+    window moved: the device guard, ``Decoder._guard``) the launch computes the step's own forward again, and where
+    it is valid but not confirmed (another width) it computes the next step's rows; either way every row it writes is
+    written again before it is read, so each cache, sampler and ragged batch decodes exactly what it decodes
+    eagerly. Launches discarded, the invalid plans among them, show the guard was exercised."""
+    from dllm.generate import Decoder
+
+    monkeypatch.setattr(Decoder, "_launch_early", lambda self, st: True)
+    model = cached_model(family, 0)
+    discarded = 0
+    for cache in ["prefix", "dual", "dkv-decode", "dkv-greedy"]:
+        for sampler in ("threshold", "llada"):
+            with own_runner(model) as runner:
+                graph = _gen(model, cache, "on", sampler)
+                assert runner.ahead["launched"] > 0, (cache, sampler)
+                discarded += runner.ahead["discarded"]
+            eager = _gen(model, cache, "off", sampler)
+            assert torch.equal(eager.sequences, graph.sequences), (family, cache, sampler)
+            assert eager.stats.commit_step == graph.stats.commit_step, (family, cache, sampler)
+    assert discarded > 0
+
+
+def test_the_guard_accepts_only_a_valid_forward_of_the_next_step():
+    """``Decoder._guard`` on the step's numbers (rows left, non-finite logits, the next window's ends, the next plan's
+    partial flag, largest active set and active rows): True only for rows left, finite logits, the same window and a
+    partial forward that fits this step's width and packed rows."""
+    from dllm.generate import Decoder
+
+    dec = Decoder.__new__(Decoder)
+    dec._bounds = None
+    w_lo, w_hi, Q, N = 16, 24, 8, 20
+    good = [1, 0, 16, 24, 1, 8, 20, 5, 1]  # ..., and the pace numbers after the seven the guard reads
+    assert bool(dec._guard(torch.tensor(good), w_lo, w_hi, Q, N))
+    assert bool(dec._guard(torch.tensor([1, 0, 16, 24, 1, 3, 7]), w_lo, w_hi, Q, N))  # smaller sets fit
+    for i, bad in [(0, 0), (1, 1), (2, 24), (3, 32), (4, 0), (5, 9), (6, 21)]:
+        v = list(good)
+        v[i] = bad
+        assert not bool(dec._guard(torch.tensor(v), w_lo, w_hi, Q, N)), (i, bad)
+    assert bool(dec._guard(torch.tensor([1, 0, 16, 24, 1, 8, 10 ** 6]), w_lo, w_hi, Q, None))  # not packed

@@ -81,12 +81,14 @@ def test_the_cached_fast_layer_launches_nine_kernels(cache, triton_backend):
     assert (32 * sum(per_layer.values()) + outside) / 32 <= 15
 
 
-@pytest.mark.parametrize("sampler, budget", [("llada", 96), ("threshold", 93)])
+@pytest.mark.parametrize("sampler, budget", [("llada", 104), ("threshold", 101)])
 def test_the_decode_loops_own_kernels_per_cached_step_stay_within_budget(sampler, budget, triton_backend):
     """A dual-cache step's kernels outside its forward (the confidence kernels, the sampler's rule, the commits, the
-    region bookkeeping, the next plan, the step's one stack of host numbers, the graph inputs' copies), counted as the
-    CUDA path runs them: at most ``budget`` (119 and 117 before the loop was trimmed). On a GPU each is a launch and a
-    few microseconds of device time in every step."""
+    region bookkeeping, the next plan, the step's one stack of host numbers, the graph inputs' copies under the
+    guard of a forward launched before the synchronisation), counted as the CUDA path runs them: at most ``budget``
+    (119 and 117 before the loop was trimmed, 96 and 93 before the early launch added its guard and the regions'
+    pace: 8 kernels that spare the device its wait for the host at every step). On a GPU each is a launch and a few
+    microseconds of device time in every step."""
     import importlib
 
     from dllm.graphs import GraphRunner
