@@ -829,13 +829,17 @@ def confidence_splits(V: int, N: int, dtype: torch.dtype, block_v: int = 1024) -
 
 
 def _confidence_impl(x: torch.Tensor, u: torch.Tensor | None, temperature: float, block_v: int, splits: int,
-                     exclude: int = -1, traced: bool = False):
+                     exclude: int = -1, traced: bool = False, lead: tuple | None = None):
+    """Token ``[N]`` and statistics ``[4, N]`` of the ``N`` rows of ``x``; ``lead``: allocated as ``lead`` and
+    ``[4, *lead]`` instead (contiguous: the kernels' flat row index is the same), so an eager caller needs no
+    reshape of the outputs (each a host-side call on every step)."""
     N, V = x.shape
     noised = u is not None
     chunk = _cdiv(_cdiv(V, splits), block_v) * block_v
     nsplit = _cdiv(V, chunk)
-    token = torch.empty((N,), dtype=torch.int64, device=x.device)
-    out = torch.empty((4, N), dtype=torch.float32, device=x.device)
+    shape = (N,) if lead is None else tuple(lead)
+    token = torch.empty(shape, dtype=torch.int64, device=x.device)
+    out = torch.empty((4, *shape), dtype=torch.float32, device=x.device)
     if N == 0:
         return token, out
     stats = torch.empty((N, nsplit, 7), dtype=torch.float32, device=x.device)
@@ -856,13 +860,13 @@ def _confidence_stats(logits, temperature, noise, block_v: int, splits: int, exc
     lead, V = logits.shape[:-1], logits.shape[-1]
     if not 1 <= splits <= _CONF_MAX_SPLITS:
         raise ValueError(f"splits must be in [1, {_CONF_MAX_SPLITS}], got {splits}")
-    x = logits.reshape(-1, V)
+    x = logits if logits.dim() == 2 else logits.reshape(-1, V)
     u = noise.expand(logits.shape).reshape(-1, V) if noised else None
     if torch.compiler.is_compiling() and not _interpreting():
         token, out = torch.ops.dllm.confidence_stats(x, u, float(temperature), block_v, splits, exclude)
-    else:
-        token, out = _confidence_impl(x, u, float(temperature), block_v, splits, exclude)
-    return ConfidenceStats(token.reshape(lead), *(t.reshape(lead) for t in out.unbind(0)))
+        return ConfidenceStats(token.reshape(lead), *(t.reshape(lead) for t in out.unbind(0)))
+    token, out = _confidence_impl(x, u, float(temperature), block_v, splits, exclude, lead=lead)
+    return ConfidenceStats(token, *out.unbind(0))
 
 
 # ------------------------------------------------------------------------------------------ custom ops
