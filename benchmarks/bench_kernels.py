@@ -200,13 +200,26 @@ def bench_confidence(cfg, device, dtypes, repeats, tk, rows):
         logits = torch.randn(n, vocab, device=device, dtype=dtype) * 3
         methods = {"torch": lambda: _torch_confidence(logits),  # noqa: B023
                    "reference": lambda: reference.confidence_stats(logits)}  # noqa: B023
+        modes = {}
         if tk is not None:
             methods["triton"] = lambda: tk.confidence_stats(logits)  # noqa: B023
-        ms = {name: _time_ms(fn, repeats, device) for name, fn in methods.items()}
+            # the same kernels in one launch, the row's last program merging (set_confidence_merge)
+            methods["triton-1launch"] = methods["triton"]
+            modes = {"triton": "kernel", "triton-1launch": "last-program"}
+
+        def timed(name, fn, time_it, modes=modes):
+            prev = tk.set_confidence_merge(modes[name]) if name in modes else None
+            try:
+                return time_it(fn)
+            finally:
+                if prev is not None:
+                    tk.set_confidence_merge(prev)
+
+        ms = {name: timed(name, fn, lambda f: _time_ms(f, repeats, device)) for name, fn in methods.items()}
         print(f"{str(dtype):>15} " + " ".join(f"{c} {t:8.4f} {ms['torch'] / t:5.2f}x" for c, t in ms.items()))
         row = {"kernel": "confidence_stats", "N": n, "V": vocab, "dtype": str(dtype), "ms": ms}
         if device.type == "cuda":
-            g = {name: _time_ms(_graphed(fn), repeats, device) for name, fn in methods.items()}
+            g = {name: timed(name, fn, lambda f: _time_ms(_graphed(f), repeats, device)) for name, fn in methods.items()}
             print(f"{'graph':>15} " + " ".join(f"{c} {t:8.4f} {g['torch'] / t:5.2f}x" for c, t in g.items()))
             row["graph_ms"] = g
         rows.append(row)

@@ -144,7 +144,10 @@ def test_bench_kernels_runs_every_kernel(tmp_path):
         assert all(v > 0 for v in r["ms"].values()), r
     goals = goals_of(tmp_path, "kernels.json", report)
     conf = [g for g in goals if g["goal"].startswith("confidence statistics,")]
-    assert conf and all(g["status"] == "not measured (CPU)" and g["measured"].endswith("x") for g in conf)
+    assert conf and all(g["status"] == "not measured (CPU)" and g["measured"].endswith("x)") for g in conf)
+    assert all("one launch, not the default" in g["measured"] for g in conf)  # both merges timed, the default judged
+    assert all(set(r["ms"]) == {"torch", "reference", "triton", "triton-1launch"} for r in report["rows"]
+               if r["kernel"] == "confidence_stats")
 
 
 def _gpu_figures(folder: Path, x_floor=1.4, fastdllm=2.5, splitk=0.025, caches=1.1,

@@ -613,6 +613,36 @@ def test_confidence_stats_second_stage_lane_and_split_ties():
         T._confidence_stats(x, 0.0, None, 16, 65)
 
 
+@pytest.fixture
+def merge_mode():
+    """The confidence kernels' merge mode for the test (T.set_confidence_merge), then the previous one."""
+    prev = T.set_confidence_merge("kernel")
+    yield T.set_confidence_merge
+    T.set_confidence_merge(prev)
+
+
+def test_confidence_stats_merged_by_the_rows_last_program_give_the_same_values(merge_mode):
+    """One launch, the row's last program merging (an atomic count per row), against two launches: the same bits for
+    every split count, with noise, an excluded column, ties across splits and rows of -inf, and any leading shape."""
+    x = _logits((4, 700), torch.float32, seed=3)
+    x[0, 100] = x[0, 650] = 20.0
+    x[1, :400] = float("-inf")
+    noise = torch.rand(4, 700, generator=torch.Generator().manual_seed(2)).to(DEV)
+    for splits in (1, 3, 11):
+        for temperature, u, excl in ((0.0, None, -1), (1.5, noise, -1), (0.0, None, 650)):
+            got = {}
+            for mode in T.CONFIDENCE_MERGES:
+                merge_mode(mode)
+                got[mode] = T._confidence_stats(x.view(2, 2, 700), temperature,
+                                                u.view(2, 2, 700) if u is not None else None, 64, splits, excl)
+            one, two = got["last-program"], got["kernel"]
+            assert one.token.shape == (2, 2)
+            for f in ("token", "p_token", "p_max", "p_second", "entropy"):
+                assert torch.equal(getattr(one, f), getattr(two, f)), (splits, temperature, excl, f)
+    with pytest.raises(ValueError, match="confidence merge must be one of"):
+        merge_mode("atomic")
+
+
 def test_confidence_stats_excluding_a_column_in_one_pass():
     """``exclude`` (the mask token): never the proposal, still in the softmax, the top-2 and the entropy. The
     kernel skips the column in its proposal; the reference corrects the statistics of a pass without it; both
@@ -891,6 +921,21 @@ def test_gpu_confidence_stats(dtype):
     u = torch.rand(32, 126464, device="cuda")
     for temperature, noise in ((0.0, None), (0.7, u)):
         _check_stats(T.confidence_stats(x, temperature, noise), R.confidence_stats(x, temperature, noise), 1e-4)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("rows", [1, 32, 512])
+def test_gpu_confidence_stats_merged_by_the_last_program_match_two_launches(rows, merge_mode):
+    """On the device the programs of a row run concurrently: the last to finish must see every other's partials.
+    The one-launch form gives the two-launch form's bits, call after call (a missed partial would change them)."""
+    x = _logits((rows, 126464), torch.float32).cuda()
+    want = T.confidence_stats(x)
+    merge_mode("last-program")
+    for _ in range(50):
+        got = T.confidence_stats(x)
+        for f in ("token", "p_token", "p_max", "p_second", "entropy"):
+            assert torch.equal(getattr(got, f), getattr(want, f)), f
 
 
 @gpu

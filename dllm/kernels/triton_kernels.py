@@ -684,8 +684,12 @@ def _conf_partial(
     L, U, Stats, Idx,
     slr, slv, sur, suv,
     V, CHUNK, temperature, EXCL,
+    Count, Token, Out, N,
     HAS_NOISE: tl.constexpr, HAS_EXCL: tl.constexpr, TRACK: tl.constexpr, BLOCK_V: tl.constexpr,
+    LAST_MERGES: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
+    # LAST_MERGES: the row's last program to finish (an atomic count per row, Count zeroed by the caller) merges the
+    # row's partials and writes the outputs (_conf_finish), so that one launch does both stages; else _conf_merge does
     # TRACK (HAS_NOISE or HAS_EXCL): the proposal is tracked apart from the top-2
     # grid (rows, vocabulary splits). Every statistic is kept per lane (BLOCK_V lanes, lane j sees the indices
     # = j mod BLOCK_V of the split) with elementwise updates only; the lanes are merged once at the end.
@@ -753,6 +757,14 @@ def _conf_partial(
     ib = Idx + (row * nsplit + split) * 2
     tl.store(ib + 0, tok1)
     tl.store(ib + 1, btok)
+    if LAST_MERGES:
+        # every thread's stores issued before the count (the barrier), the count's release and acquire order them
+        # before the last program's loads, which bypass L1 (.cg: another SM wrote them)
+        tl.debug_barrier()
+        done = tl.atomic_add(Count + row, 1, sem="acq_rel", scope="gpu")
+        if done == nsplit - 1:
+            tl.debug_barrier()
+            _conf_finish(Stats, Idx, Token, Out, row, N, nsplit, TRACK, BLOCK_S, ".cg")
 
 
 @triton.jit
@@ -763,19 +775,25 @@ def _conf_merge(
     # second stage, one program per row: merge the S split partials and write the outputs
     # (Token [N] int64; Out [4, N] float32: p_token, p_max, p_second, entropy)
     row = tl.program_id(0).to(tl.int64)
+    _conf_finish(Stats, Idx, Token, Out, row, N, S, TRACK, BLOCK_S, "")
+
+
+@triton.jit
+def _conf_finish(Stats, Idx, Token, Out, row, N, S, TRACK: tl.constexpr, BLOCK_S: tl.constexpr, CACHE: tl.constexpr):
+    """Merge row ``row``'s ``S`` split partials (in split order, whichever program runs it) and write its outputs."""
     sp = tl.arange(0, BLOCK_S)
     ok = sp < S
     NEG = float("-inf")
     base = Stats + (row * S + sp) * 7
-    m = tl.load(base + 0, mask=ok, other=NEG)
-    z = tl.load(base + 1, mask=ok, other=0.0)
-    s = tl.load(base + 2, mask=ok, other=0.0)
-    t1 = tl.load(base + 3, mask=ok, other=NEG)
-    t2 = tl.load(base + 4, mask=ok, other=NEG)
-    best = tl.load(base + 5, mask=ok, other=NEG)
-    blog = tl.load(base + 6, mask=ok, other=NEG)
-    i1 = tl.load(Idx + (row * S + sp) * 2, mask=ok, other=2147483647)
-    bidx = tl.load(Idx + (row * S + sp) * 2 + 1, mask=ok, other=2147483647)
+    m = tl.load(base + 0, mask=ok, other=NEG, cache_modifier=CACHE)
+    z = tl.load(base + 1, mask=ok, other=0.0, cache_modifier=CACHE)
+    s = tl.load(base + 2, mask=ok, other=0.0, cache_modifier=CACHE)
+    t1 = tl.load(base + 3, mask=ok, other=NEG, cache_modifier=CACHE)
+    t2 = tl.load(base + 4, mask=ok, other=NEG, cache_modifier=CACHE)
+    best = tl.load(base + 5, mask=ok, other=NEG, cache_modifier=CACHE)
+    blog = tl.load(base + 6, mask=ok, other=NEG, cache_modifier=CACHE)
+    i1 = tl.load(Idx + (row * S + sp) * 2, mask=ok, other=2147483647, cache_modifier=CACHE)
+    bidx = tl.load(Idx + (row * S + sp) * 2 + 1, mask=ok, other=2147483647, cache_modifier=CACHE)
     mx, zt, st, top1, tok1, top2, bmax, btok, blg = _conf_lanes(m, z, s, t1, i1, t2, best, bidx, blog, TRACK)
     lz = tl.log(zt)
     lse = mx + lz
@@ -828,6 +846,23 @@ def confidence_splits(V: int, N: int, dtype: torch.dtype, block_v: int = 1024) -
     return max(1, min(_cdiv(V, 4 * block_v), per_rows, _CONF_MAX_SPLITS))
 
 
+#: how :func:`confidence_stats` merges a row's split partials: ``"kernel"`` (default), a second kernel launch;
+#: ``"last-program"``, inside the one launch, by the row's last program to finish (an atomic count per row): half the
+#: launches, the same values (the same merge in the same order). See :func:`set_confidence_merge`.
+CONFIDENCE_MERGES = ("kernel", "last-program")
+_conf_merge_mode = "kernel"
+
+
+def set_confidence_merge(mode: str) -> str:
+    """Set how eager :func:`confidence_stats` calls merge the split partials (:data:`CONFIDENCE_MERGES`); returns the
+    previous mode. ``torch.compile`` always traces the two-launch form."""
+    global _conf_merge_mode
+    if mode not in CONFIDENCE_MERGES:
+        raise ValueError(f"confidence merge must be one of {', '.join(map(repr, CONFIDENCE_MERGES))}, got {mode!r}")
+    prev, _conf_merge_mode = _conf_merge_mode, mode
+    return prev
+
+
 def _confidence_impl(x: torch.Tensor, u: torch.Tensor | None, temperature: float, block_v: int, splits: int,
                      exclude: int = -1, traced: bool = False, lead: tuple | None = None):
     """Token ``[N]`` and statistics ``[4, N]`` of the ``N`` rows of ``x``; ``lead``: allocated as ``lead`` and
@@ -845,13 +880,18 @@ def _confidence_impl(x: torch.Tensor, u: torch.Tensor | None, temperature: float
     stats = torch.empty((N, nsplit, 7), dtype=torch.float32, device=x.device)
     idx = torch.empty((N, nsplit, 2), dtype=torch.int32, device=x.device)
     uu = u if noised else x
+    last = _conf_merge_mode == "last-program" and not traced
+    count = torch.zeros((N,), dtype=torch.int32, device=x.device) if last else idx
+    block_s = max(2, _pow2(nsplit))
     _launch(_conf_partial, traced)[(N, nsplit)](
         x, uu, stats, idx, x.stride(0), x.stride(1), uu.stride(0), uu.stride(1),
-        V, chunk, float(temperature), exclude,
-        HAS_NOISE=noised, HAS_EXCL=exclude >= 0, TRACK=noised or exclude >= 0, BLOCK_V=block_v, num_warps=4,
+        V, chunk, float(temperature), exclude, count, token, out, N,
+        HAS_NOISE=noised, HAS_EXCL=exclude >= 0, TRACK=noised or exclude >= 0, BLOCK_V=block_v,
+        LAST_MERGES=last, BLOCK_S=block_s, num_warps=4,
     )
-    _launch(_conf_merge, traced)[(N,)](stats, idx, token, out, N, nsplit, TRACK=noised or exclude >= 0,
-                               BLOCK_S=max(2, _pow2(nsplit)), num_warps=1)
+    if not last:
+        _launch(_conf_merge, traced)[(N,)](stats, idx, token, out, N, nsplit, TRACK=noised or exclude >= 0,
+                                   BLOCK_S=block_s, num_warps=1)
     return token, out
 
 
