@@ -33,7 +33,9 @@ few hundred kernel launches.
 * the decode loop makes the next partial forward ready before its step's host synchronisation (:meth:`GraphRunner.prepare`:
   the graph looked up and its inputs filled, on the plan the loop expects) and, where the synchronisation confirms
   that plan, only launches it after (:meth:`GraphRunner.replay`): the host's work between the synchronisation and
-  the launch, while the device waits, is a graph launch;
+  the launch, while the device waits, is a graph launch. Where the regions go on it launches it before the
+  synchronisation, its inputs filled under a guard computed on the device (``prepare(guard=...)``: an invalid plan
+  keeps the last forward's inputs), so that the device does not wait for the host at all (``Decoder._sync``);
 * full forwards (refreshes), caches with per-layer hooks (Elastic-Cache's ``layer_input`` / ``observe``),
   classifier-free guidance and models other than dllm's own Transformer run eagerly; :attr:`GraphRunner.stats`
   counts replays, captures and each eager reason, and the decode loop's trace records what each step did.
