@@ -57,11 +57,13 @@ def cases(dt: str):
         dict(BLOCK_S=16, BLOCK_D=128)
     yield "attention mass", T._attn_mass, dict(Q=dt, K=dt, Lse="fp32", Mask="u8", Part="fp32"), \
         dict(QK_SCALE=0.12, HAS_MASK=True, IEEE=ieee, BLOCK_M=32, BLOCK_N=64, BLOCK_D=128)
-    conf = dict(L=dt, U="fp32", Stats="fp32", Idx="i32")
+    conf = dict(L=dt, U="fp32", Stats="fp32", Idx="i32", Count="i32", Token="i64", Out="fp32")
     for noise in (False, True):
         for excl in (False, True):
-            yield f"confidence (noise={noise}, exclude={excl})", T._conf_partial, conf, \
-                dict(HAS_NOISE=noise, HAS_EXCL=excl, TRACK=noise or excl, BLOCK_V=1024)
+            for last in (False, True):  # the row's last program merging: the one-launch form
+                yield f"confidence (noise={noise}, exclude={excl}, last program merges={last})", T._conf_partial, \
+                    conf, dict(HAS_NOISE=noise, HAS_EXCL=excl, TRACK=noise or excl, BLOCK_V=1024,
+                               LAST_MERGES=last, BLOCK_S=64)
     yield "confidence merge", T._conf_merge, dict(Stats="fp32", Idx="i32", Token="i64", Out="fp32"), \
         dict(TRACK=True, BLOCK_S=64)
     k = fused._ops().kernels
