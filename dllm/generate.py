@@ -398,7 +398,6 @@ class DecodeState:
     # the most tokens a row committed in that step); whether the next forward is launched before the sync
     # (Decoder._launch_early)
     pace: tuple[int, int] | None = None
-    left: torch.Tensor | None = None  # [B] masks left in each row's region (the pipelined graph path only)
     state: dict = field(default_factory=dict)  # sampler scratch space
     trace: list = field(default_factory=list)
     nfe: int = 0
@@ -570,9 +569,10 @@ class Decoder:
         runner = self.graphs
         ahead, st.ahead = st.ahead, None
         logits = None
-        if ahead is not None and ahead.logits is not None and not ahead.matches(st, (w_lo, w_hi)):
+        matched = ahead is not None and ahead.matches(st, (w_lo, w_hi))
+        if ahead is not None and ahead.logits is not None and not matched:
             runner.ahead["discarded"] += 1  # launched, but the state changed since (the serving engine's regrouping)
-        if ahead is not None and ahead.matches(st, (w_lo, w_hi)):
+        if matched:
             # planned and made ready before the last step's synchronisation, whose numbers confirmed the plan: the
             # cache holds this step's plan, the graph its inputs; only the launch is left (None: the runner dropped
             # that graph since, the step plans again)
@@ -666,14 +666,14 @@ class Decoder:
         # lo and hi are kept, not copied: the loop replaces its per-row tensors, it never writes into them
         st.trace.append({"committed": commit.sum(-1), "lo": lo, "hi": hi, "early_commit": early,
                          **pinfo, **res.info, **cstats})
-        x, hi, committed = self._advance(st, x, lo, hi, committed)
+        x, hi, committed, left = self._advance(st, x, lo, hi, committed)
         st.x, st.committed = x, committed
         if self.slide is not None:
             st.lo, st.hi = self.slide(x == mask_id, st.lo)
         # the next step's cache plan (active rows, partial or full, largest active set), read in this sync
         nxt = self._plan_next(st)
         # the pipelined graph path also reads how far the regions are from their end (_launch_early)
-        pace = (torch.where(st.active, st.left, T).min(), st.trace[-1]["committed"].max()) if self._pipelined else ()
+        pace = (torch.where(st.active, left, T).min(), st.trace[-1]["committed"].max()) if self._pipelined else ()
         host = torch.stack([st.active.any(), bad.any(), *self._window_ends(st),
                             *(nxt[1] if nxt is not None else ()), *pace])  # one kernel; the bools count as 0 / 1
         # a partial forward replayed from a graph: the next one is expected alike (same shapes and window), so it is
@@ -767,25 +767,23 @@ class Decoder:
         the forward runs there and then."""
         if ahead is None:
             return host.tolist()
-        clock = self.clock
+        pinned = None
         if host.is_cuda:
-            pinned, ready = self._pinned.get(host.shape[0]), self._host_ready
+            pinned = self._pinned.get(host.shape[0])
             if pinned is None:
                 pinned = self._pinned[host.shape[0]] = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
-            if ready is None:
-                ready = self._host_ready = torch.cuda.Event()
+            if self._host_ready is None:
+                self._host_ready = torch.cuda.Event()
             pinned.copy_(host, non_blocking=True)
-            ready.record(torch.cuda.current_stream(host.device))  # the stream of the device the numbers are on
-            tm = clock.mark()
-            ahead.logits = self.graphs.replay(ahead.ready, count=False)  # counted where used
-            clock.add("model", tm, clock.mark())
-            ready.synchronize()
-            out = pinned.tolist()
-        else:
-            tm = clock.mark()
-            ahead.logits = self.graphs.replay(ahead.ready, count=False)
-            clock.add("model", tm, clock.mark())
+            self._host_ready.record(torch.cuda.current_stream(host.device))  # the stream the numbers are on
+        tm = self.clock.mark()
+        ahead.logits = self.graphs.replay(ahead.ready, count=False)  # counted where used
+        self.clock.add("model", tm, self.clock.mark())
+        if pinned is None:
             out = host.tolist()
+        else:
+            self._host_ready.synchronize()
+            out = pinned.tolist()
         if ahead.logits is not None:
             self.graphs.ahead["launched"] += 1
         return out
@@ -859,9 +857,9 @@ class Decoder:
         st.step_in = st.step_in.masked_fill(advance, 0)
         new_masks = (masked & (cols_all[None] >= new_lo[:, None]) & (cols_all[None] < hi[:, None])).sum(-1)
         st.n_start = torch.where(advance, new_masks, st.n_start)
-        if self._pipelined:  # masks left in each row's region after this step (a new region's: all of them)
-            st.left = torch.where(advance, new_masks, region_left)
-        return x, hi, committed
+        # masks left in each row's region after this step (a new region's: all of them), for the pipelined path's pace
+        left = torch.where(advance, new_masks, region_left) if self._pipelined else None
+        return x, hi, committed, left
 
     def output(self, st: DecodeState) -> GenerateOutput:
         t = self.clock.totals()
