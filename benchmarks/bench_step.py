@@ -3,13 +3,15 @@
 Random weights with LLaDA-8B's shape (d 4096, 32 heads of 128, MLP 12,288, vocabulary 126,464; ``--layers``
 default 32: 8.0B parameters), bf16, prompt 512 + generation 256 in blocks of 32 (LLaDA's even quota: one token per
 step). For each cache (none / prefix / dual), batch (1, 4, 16) and execution mode (eager forwards; ``graph``: the
-cached steps replayed as CUDA graphs; ``compile``: ``torch.compile`` of the model) it prints:
+cached steps replayed as CUDA graphs; ``graph-late``: the same with each next forward launched after the step's
+synchronisation, not before it; ``compile``: ``torch.compile`` of the model) it prints:
 
-* ms per step over whole blocks (a block's first, full, forward included) and ms per partial (cached) step;
+* ms per step over whole blocks (a block's first, full, forward included) and ms per partial (cached) step, the
+  steps run back to back (one synchronisation of the device before the first);
 * the weight-read floor: the bytes of the weights divided by the bytes per second a device-to-device copy moves
   (reads and writes counted), measured in the same run; the step's multiple of it;
-* kernels launched per step and per layer, and host synchronisations per step (from the profiler on CUDA; on
-  CPU the kernels the CUDA path would launch, ``tests/launch_counter.py``: ATen operators that are not views or
+* kernels launched per step and per layer, host synchronisations per step and the device's busy ms per step (from
+  the profiler on CUDA, over four steps; on CPU the kernels the CUDA path would launch, ``tests/launch_counter.py``: ATen operators that are not views or
   allocations, and Triton launches when the kernels run under ``TRITON_INTERPRET=1 DLLM_KERNELS=triton``, plus the
   calls that would synchronise on CUDA);
 * on the graph path, the host's microseconds from a step's synchronisation to the next graph's launch
@@ -18,7 +20,8 @@ cached steps replayed as CUDA graphs; ``compile``: ``torch.compile`` of the mode
   before their synchronisation, were launched there, confirmed, planned again, or launched and discarded
   (``ahead``).
 
-``--e2e`` adds whole generations (``--prompt`` / ``--gen``: 512 and 256 on a GPU by default, batch 1) with no cache, prefix and dual cache and the
+``--e2e`` adds whole generations (``--prompt`` / ``--gen``: 512 and 256 on a GPU by default, batch 1) with no cache,
+prefix and dual cache (and the dual cache with each next forward launched after the synchronisation) and the
 speed-up of each cache over none; ``--breakdown`` (CUDA) the kernels that take a full forward's and a cached step's
 device time, published layer against fast layer; ``--fastdllm DIR`` (a checkout of NVlabs/Fast-dLLM, its ``llada`` folder with
 ``generate.py`` and ``model/``) times Fast-dLLM's own ``generate_with_dual_cache`` on the same weights and steps;
@@ -56,6 +59,7 @@ from dllm.models import LLADA, Transformer, TransformerConfig  # noqa: E402
 from dllm.models.fast import disable_fast_path, enable_fast_path  # noqa: E402
 from dllm.recipes import resolve  # noqa: E402
 
+MODES = ("base", "eager", "graph", "graph-late", "compile")
 GPU_SHAPE = dict(d=4096, heads=32, kv=32, mlp=12288, vocab=126464)
 CPU_SHAPE = dict(d=128, heads=4, kv=4, mlp=352, vocab=512)
 
@@ -110,7 +114,13 @@ def time_steps(model, B: int, a, cache: str, graphs: str):
     """(ms per step over ``a.blocks`` whole blocks, ms per partial step) after one warm-up block. On the graph path a
     warm-up generation of every block runs first (:func:`warm_steps`), and gives its K/V buffers back to the pool,
     where the timed decoder takes them: every cached shape it meets has been captured (the prefix cache's width
-    changes with every block)."""
+    changes with every block).
+
+    The steps run back to back, as in a generation: the device is synchronised once before the first, and a step's
+    time is the host's time from the end of the step before it to its own end (each step ends with the loop's one
+    synchronisation). A forward launched before a synchronisation (``Decoder._sync``) overlaps the host's work of
+    the step that launched it, as it does in a generation; synchronising the device before every step would count
+    that forward in no step's time."""
     warm, rows = decoder(model, B, argparse.Namespace(**{**vars(a), "gen_steps": warm_steps(a)}), cache, graphs)
     if warm.graphed:
         wst = warm.start(rows)
@@ -126,14 +136,16 @@ def time_steps(model, B: int, a, cache: str, graphs: str):
         dec.step(st)
     times, partial = [], []
     n = a.block * a.blocks if cache != "none" else a.none_steps
+    sync(a.device)
+    t_end = time.perf_counter()
     for _ in range(n):
-        sync(a.device)
-        t0 = time.perf_counter()
         dec.step(st)
-        dt = (time.perf_counter() - t0) * 1e3  # the step ends with its host sync: the wall time is the step's
+        t0, t_end = t_end, time.perf_counter()
+        dt = (t_end - t0) * 1e3
         times.append(dt)
         if st.trace[-1].get("refresh_layer", 0) != 0:
             partial.append(dt)
+    sync(a.device)
     # the next forwards made ready before the timed steps' synchronisations, confirmed or not (Decoder._prepare_next)
     dec.ahead_counts = ({k: v - ahead0.get(k, 0) for k, v in dec.graphs.ahead.items()} if dec.graphs is not None
                         else {})
@@ -141,17 +153,27 @@ def time_steps(model, B: int, a, cache: str, graphs: str):
 
 
 def to_cached_step(dec, st, limit: int) -> None:
-    """Step on until the next step is a partial (cached) forward: the plan read in the last step's sync says so
-    (a cache without one, e.g. none, is left as it is)."""
+    """Step on until the next step is a partial (cached) forward as most of a block's are: the plan read in the last
+    step's synchronisation says so, and where the decoder launches forwards before the synchronisation, the next
+    step's forward was launched so (the first partial step after a full forward launches its own forward as well as
+    the next one's). A cache without a plan (none) is left as it is."""
     for _ in range(limit):
         hint = st.plan_hint
-        if hint is None or hint[3]:
+        if hint is None:
+            return
+        ahead = getattr(st, "ahead", None)
+        launched = ahead is not None and ahead.logits is not None
+        if hint[3] and (launched or not (dec._pipelined and dec._early)):
             return
         dec.step(st)
 
 
-def count_step(a, dec, st):
-    """(kernels launched, host syncs) of one more step."""
+def count_step(a, dec, st, steps: int = 4):
+    """(kernels launched, host syncs, device ms) per step: on CUDA over ``steps`` more steps (a step launches the
+    next forward, not its own, where the decoder launches ahead: one step alone would count the first of a block's
+    partial steps twice over), with the device's busy time per step (the sum of the kernels' durations: with the
+    step's time, whether the step waits for the device or the device for the host); on the CPU over one step (the
+    kernels the CUDA path would launch; device time None)."""
     if a.device != "cuda":
         import importlib
 
@@ -166,20 +188,24 @@ def count_step(a, dec, st):
                 dec.step(st)
         finally:
             G._host_check_free = free
-        return launches.total, c.count
+        return launches.total, c.count, None
     from torch.profiler import ProfilerActivity, profile
 
     sync("cuda")
+    n = 0
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        dec.step(st)
+        for _ in range(steps):
+            n += 1
+            if not dec.step(st):
+                break
         sync("cuda")
-    kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                  and not e.name.startswith(("Memcpy", "Memset")))
+    cuda = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [e for e in cuda if not e.name.startswith(("Memcpy", "Memset"))]
     # every read of device data by the host is a device-to-host copy the host waits for; the profiler's and this
     # function's own synchronisations are not counted
-    syncs = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                and e.name.startswith("Memcpy DtoH"))
-    return kernels, syncs
+    syncs = sum(1 for e in cuda if e.name.startswith("Memcpy DtoH"))
+    busy_ms = sum(e.time_range.elapsed_us() for e in cuda) / 1e3
+    return round(len(kernels) / n, 1), round(syncs / n, 2), round(busy_ms / n, 3)
 
 
 def host_gap(dec, st, steps: int) -> float | None:
@@ -345,23 +371,31 @@ def packing(model, a, B: int = 16, reps: int = 5):
 
 
 def e2e(model, a, B: int = 1):
+    """Whole generations with no cache, the dual cache, the prefix cache, and the dual cache once more with each next
+    forward launched after the step's synchronisation (``dual-late``, ``Decoder.launch_early`` off)."""
     rows = []
     g = torch.Generator().manual_seed(7)
     prompts = torch.randint(3, model.config.vocab_size - 1, (B, a.prompt), generator=g)
     base = None
-    for cache in ("none", "dual", "prefix"):  # dual second: a run cut by its time limit still has the goal's ratio
+    # dual second: a run cut by its time limit still has the goal's ratio
+    for name, cache in (("none", "none"), ("dual", "dual"), ("prefix", "prefix"), ("dual-late", "dual")):
         kw = dict(gen_length=a.gen, block_length=a.block, steps=a.gen, sampler="llada", cache=cache)
-        # warm-up: the same prompt and length with three steps per block, so every block's shapes (a prefix cache's
-        # active width shrinks from block to block) are compiled, autotuned, timed by the dispatch and captured
-        # before the run (a shape is captured the second time it is seen; the pool hands the run the same buffers)
-        dllm.generate(model, prompts, **{**kw, "steps": warm_steps(a)})
-        sync(a.device)
-        t0 = time.perf_counter()
-        out = dllm.generate(model, prompts, **kw)
-        sync(a.device)
-        dt = time.perf_counter() - t0
+        Decoder.launch_early = name != "dual-late"
+        try:
+            # warm-up: the same prompt and length with three steps per block, so every block's shapes (a prefix
+            # cache's active width shrinks from block to block) are compiled, autotuned, timed by the dispatch and
+            # captured before the run (a shape is captured the second time it is seen; the pool hands the run the
+            # same buffers)
+            dllm.generate(model, prompts, **{**kw, "steps": warm_steps(a)})
+            sync(a.device)
+            t0 = time.perf_counter()
+            out = dllm.generate(model, prompts, **kw)
+            sync(a.device)
+            dt = time.perf_counter() - t0
+        finally:
+            Decoder.launch_early = True
         base = base or dt
-        rows.append({"what": "e2e", "cache": cache, "batch": B, "s": round(dt, 3), "nfe": out.stats.nfe,
+        rows.append({"what": "e2e", "cache": name, "batch": B, "s": round(dt, 3), "nfe": out.stats.nfe,
                      "ms_per_forward": round(dt * 1e3 / out.stats.nfe, 2), "speedup_vs_none": round(base / dt, 2),
                      "graphs": out.stats.graphs})
         print(json.dumps(rows[-1]), flush=True)
@@ -448,7 +482,7 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=None, help="default 32 on GPU, 2 on CPU")
     p.add_argument("--batch", type=int, nargs="+", default=None, help="default 1 4 16 on GPU, 1 4 on CPU")
     p.add_argument("--caches", nargs="+", default=["none", "prefix", "dual"])
-    p.add_argument("--modes", nargs="+", default=None, help="base eager graph compile (default base eager graph)")
+    p.add_argument("--modes", nargs="+", default=None, help="base eager graph graph-late compile (default base eager graph)")
     p.add_argument("--prompt", type=int, default=None, help="default 512 on GPU, 32 on CPU")
     p.add_argument("--gen", type=int, default=None, help="default 256 on GPU, 32 on CPU")
     p.add_argument("--block", type=int, default=None, help="default 32 on GPU, 8 on CPU")
@@ -466,6 +500,9 @@ def main(argv=None):
     a.layers = a.layers or (32 if gpu else 2)
     a.batch = a.batch or ([1, 4, 16] if gpu else [1, 4])
     a.modes = a.modes or ["base", "eager", "graph"]
+    unknown = sorted(set(a.modes) - set(MODES))
+    if unknown:
+        p.error(f"unknown mode(s) {', '.join(unknown)}: choose from {', '.join(MODES)}")
     a.prompt, a.gen, a.block = a.prompt or (512 if gpu else 32), a.gen or (256 if gpu else 32), a.block or (32 if gpu else 8)
     dtype = torch.bfloat16 if gpu else torch.float32
     shape = GPU_SHAPE if gpu else CPU_SHAPE
@@ -486,20 +523,22 @@ def main(argv=None):
     for mode in a.modes:
         # base: the layer as published (separate projections, eager norms and RoPE), eager forwards; eager: the
         # fast layer (fused projections and kernels), eager forwards; graph: the fast layer, cached steps as CUDA
-        # graphs; compile: torch.compile of the fast model
+        # graphs; graph-late: the same, each next forward launched after the step's synchronisation instead of
+        # before it (Decoder.launch_early); compile: torch.compile of the fast model
         (disable_fast_path if mode == "base" else enable_fast_path)(model)
+        Decoder.launch_early = mode != "graph-late"
         if mode == "compile":
             compiled = compiled or torch.compile(model)
         m = compiled if mode == "compile" else model
         for cache in a.caches:
             for B in a.batch:
-                graphs = "auto" if mode == "graph" else "off"
-                if mode == "graph" and not gpu:
+                graphs = "auto" if mode.startswith("graph") else "off"
+                if mode.startswith("graph") and not gpu:
                     graphs = "on"  # the static-buffer path without capture: counts only
                 try:
                     step_ms, partial_ms, (dec, st) = time_steps(m, B, a, cache, graphs)
                     to_cached_step(dec, st, a.block)  # the counts are a cached step's (with a cache)
-                    launches, syncs = count_step(a, dec, st)
+                    launches, syncs, device_ms = count_step(a, dec, st)
                     fwd = forward_launches(a, dec, st)
                     gap = host_gap(dec, st, a.block)
                 except Exception as exc:  # one failing setting does not lose the others' figures
@@ -512,7 +551,7 @@ def main(argv=None):
                      "x_floor_partial": round(partial_ms / floor_ms, 2) if partial_ms == partial_ms else None,
                      "launches_per_step": launches, "launches_per_layer": round(launches / a.layers, 1),
                      "forward_launches_per_layer": round(fwd / a.layers, 1),
-                     "syncs_per_step": syncs, "host_gap_us": gap}
+                     "syncs_per_step": syncs, "device_ms_per_step": device_ms, "host_gap_us": gap}
                 if dec.graphs is not None:
                     r["graphs"] = {k: v - dec._graph_stats0.get(k, 0) for k, v in dec.graphs.stats.items()}
                     r["ahead"] = dec.ahead_counts
@@ -520,6 +559,7 @@ def main(argv=None):
                 print(json.dumps(r), flush=True)
                 dec.release()
                 del dec, st
+    Decoder.launch_early = True
     # Fast-dLLM's own code first: of the whole generations it is the figure a short lease most needs
     for flag, fn in ((a.fastdllm, fastdllm), (a.e2e, e2e), (a.packing, packing), (a.breakdown, breakdown)):
         if flag:
@@ -532,15 +572,16 @@ def main(argv=None):
     print()
     print(f"| mode | cache | batch | ms / step | ms / cached step | x floor ({floor_ms:.2f} ms; cached step, else step) | "
           "launches / step | "
-          "per layer | forward's per layer | host syncs / step | host us, sync to launch |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "per layer | forward's per layer | host syncs / step | device ms / step | host us, sync to launch |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if r["what"] == "step":
             cached = r['ms_partial_step'] if r['ms_partial_step'] is not None else "-"
             print(f"| {r['mode']} | {r['cache']} | {r['batch']} | {r['ms_per_step']} | {cached} | "
                   f"{r['x_floor_partial'] if r['x_floor_partial'] is not None else r['x_floor']} | "
                   f"{r['launches_per_step']} | {r['launches_per_layer']} | {r['forward_launches_per_layer']} | "
-                  f"{r['syncs_per_step']} | {r['host_gap_us'] if r.get('host_gap_us') is not None else '-'} |")
+                  f"{r['syncs_per_step']} | {r['device_ms_per_step'] if r['device_ms_per_step'] is not None else '-'} | "
+                  f"{r['host_gap_us'] if r.get('host_gap_us') is not None else '-'} |")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
 

@@ -434,6 +434,11 @@ class Decoder:
     and commits (one host synchronisation per step in the loop itself), ``output`` collects the result.
     :func:`generate` is ``start``, ``step`` until it returns False, ``output``."""
 
+    #: whether a next forward made ready ahead may be launched before the step's synchronisation (:meth:`_sync`);
+    #: False launches it after the synchronisation, as a step did before (the same tokens: ``bench_step.py``'s
+    #: ``graph-late`` mode sets it to time the difference)
+    launch_early = True
+
     def __init__(self, model, sampler, cache, policy, config: GenerateConfig):
         self.model, self.sampler, self.cache, self.policy, self.config = model, sampler, cache, policy, config
         # the declared hooks (docs/architecture.md); None: not used by this policy / sampler
@@ -461,7 +466,7 @@ class Decoder:
                            and cache.plans_ahead)
         self._pinned: dict[int, torch.Tensor] = {}  # host memory the step's numbers are copied to (_sync)
         self._host_ready = None  # the event after that copy
-        self._early = True  # next forwards may be launched before the synchronisation (_launch_early)
+        self._early = self.launch_early  # next forwards may be launched before the synchronisation (_launch_early)
         self._bounds = None  # (key, [2, 7] bounds) of _guard
 
     def prompt_width(self, longest: int) -> int:

@@ -43,13 +43,13 @@ def goals_of(tmp_path: Path, name: str, figures) -> list[dict]:
 
 
 def test_bench_step_counts_one_host_sync_per_step(tmp_path):
-    rows = run("bench_step.py", "--batch", "1", "2", "--modes", "base", "graph", "--caches", "none", "dual",
-               "--blocks", "1", "--packing", tmp_path=tmp_path)
+    rows = run("bench_step.py", "--batch", "1", "2", "--modes", "base", "graph", "graph-late", "--caches", "none",
+               "dual", "--blocks", "1", "--packing", tmp_path=tmp_path)
     floor = [r for r in rows if r["what"] == "floor"]
     assert len(floor) == 1 and floor[0]["floor_ms"] > 0
     steps = [r for r in rows if r["what"] == "step"]
     assert {(r["mode"], r["cache"], r["batch"]) for r in steps} == {
-        (m, c, b) for m in ("base", "graph") for c in ("none", "dual") for b in (1, 2)}
+        (m, c, b) for m in ("base", "graph", "graph-late") for c in ("none", "dual") for b in (1, 2)}
     for r in steps:
         assert r["syncs_per_step"] == 1, r  # the decode loop's one sync, as a CUDA run takes it
         assert r["launches_per_step"] > r["forward_launches_per_layer"] * 2 > 0, r  # 2 layers and the loop's own
@@ -57,8 +57,9 @@ def test_bench_step_counts_one_host_sync_per_step(tmp_path):
         assert (r["ms_partial_step"] is not None and r["ms_partial_step"] > 0) == (r["cache"] == "dual"), r
         # the host's time from a synchronisation to the next graph's launch: only where cached steps replay graphs
         # (0 where the next forward was launched before the synchronisation, as within a block it is)
-        replayed = r["mode"] == "graph" and r["cache"] == "dual"
+        replayed = r["mode"].startswith("graph") and r["cache"] == "dual"
         assert (r["host_gap_us"] is not None and r["host_gap_us"] >= 0) == replayed, r
+        assert r["device_ms_per_step"] is None  # the profiler's device time: CUDA only
 
     def strict(constant):
         raise ValueError(f"{constant} is not JSON")
@@ -75,6 +76,11 @@ def test_bench_step_counts_one_host_sync_per_step(tmp_path):
         assert ahead["confirmed"] > 0 and ahead.get("missed", 0) <= ahead["confirmed"], ahead
         # and launched before it where the block went on (one token per step: the last step of a block is known)
         assert ahead["launched"] == ahead["confirmed"] and ahead.get("discarded", 0) == 0, ahead
+        # graph-late: made ready and confirmed alike, launched after the synchronisation, and the same loop
+        late = by[("graph-late", "dual", b)]
+        assert late["ahead"]["confirmed"] == ahead["confirmed"] and late["ahead"].get("launched", 0) == 0, late
+        assert late["host_gap_us"] > 0 and by[("graph", "dual", b)]["host_gap_us"] == 0
+        assert late["forward_launches_per_layer"] == by[("graph", "dual", b)]["forward_launches_per_layer"]
     (pack,) = [r for r in rows if r["what"] == "packing"]  # 16 rows, one refreshing its canvas of 64
     assert pack["rows_computed_padded"] == 16 * 64 and pack["rows_computed_packed"] == 64 + 15 * 8
     assert pack["padded_ms"] > 0 and pack["packed_ms"] > 0
@@ -145,8 +151,8 @@ def test_bench_kernels_runs_every_kernel(tmp_path):
     goals = goals_of(tmp_path, "kernels.json", report)
     conf = [g for g in goals if g["goal"].startswith("confidence statistics,")]
     assert conf and all(g["status"] == "not measured (CPU)" and g["measured"].endswith("x)") for g in conf)
-    assert all("one launch, not the default" in g["measured"] for g in conf)  # both merges timed, the default judged
-    assert all(set(r["ms"]) == {"torch", "reference", "triton", "triton-1launch"} for r in report["rows"]
+    assert all("two launches, not the default" in g["measured"] for g in conf)  # both merges timed, the default judged
+    assert all(set(r["ms"]) == {"torch", "reference", "triton", "triton-2launch"} for r in report["rows"]
                if r["kernel"] == "confidence_stats")
 
 

@@ -926,11 +926,13 @@ def test_gpu_confidence_stats(dtype):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("rows", [1, 32, 512])
-def test_gpu_confidence_stats_merged_by_the_last_program_match_two_launches(rows, merge_mode):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_confidence_stats_merged_by_the_last_program_match_two_launches(rows, dtype, merge_mode):
     """On the device the programs of a row run concurrently: the last to finish must see every other's partials.
-    The one-launch form gives the two-launch form's bits, call after call (a missed partial would change them)."""
-    x = _logits((rows, 126464), torch.float32).cuda()
-    want = T.confidence_stats(x)
+    The one-launch form (the default) gives the two-launch form's bits, call after call (a missed partial would
+    change them)."""
+    x = _logits((rows, 126464), dtype).cuda()
+    want = T.confidence_stats(x)  # merge_mode starts with the two launches
     merge_mode("last-program")
     for _ in range(50):
         got = T.confidence_stats(x)

@@ -846,11 +846,12 @@ def confidence_splits(V: int, N: int, dtype: torch.dtype, block_v: int = 1024) -
     return max(1, min(_cdiv(V, 4 * block_v), per_rows, _CONF_MAX_SPLITS))
 
 
-#: how :func:`confidence_stats` merges a row's split partials: ``"kernel"`` (default), a second kernel launch;
-#: ``"last-program"``, inside the one launch, by the row's last program to finish (an atomic count per row): half the
-#: launches, the same values (the same merge in the same order). See :func:`set_confidence_merge`.
+#: how :func:`confidence_stats` merges a row's split partials: ``"last-program"`` (default), inside the one launch,
+#: by the row's last program to finish (an atomic count per row); ``"kernel"``, a second kernel launch. The same
+#: values (the same merge in the same order); the one launch halves an eager call's launches, which bound its time
+#: (docs/performance.md). See :func:`set_confidence_merge`.
 CONFIDENCE_MERGES = ("kernel", "last-program")
-_conf_merge_mode = "kernel"
+_conf_merge_mode = "last-program"
 
 
 def set_confidence_merge(mode: str) -> str:
