@@ -11,12 +11,12 @@
 #     GPU_TESTS_K="confidence or compile" ...         # some of the gpu tests only (pytest -k)
 #
 # The parts run in the order of what the issue's goals still need (step, caches, tests, kernels, extra) and take at
-# most 300 + 180 + 200 + 100 + 180 seconds. On an H200 (2026-11-27, the second check) with QUICK=1: step 121 s (the
-# Fast-dLLM reference 30 s of it), caches 74 s, tests cut at 140 s (they take about 90 s alone, once the kernels are
-# compiled), kernels 64 s, extra 86 s: 492 s in all. bench_caches.py now decodes each cache's generation twice more
-# before timing it, so with DEADLINE=560 the last part (extra) may be cut. Otherwise run PARTS="step kernels"
-# and then PARTS="tests caches extra" (each call's goals table judges that call's files; unpack both calls'
-# gpu-check.tgz into one folder and run `python benchmarks/gpu_goals.py FOLDER` for the whole table).
+# most 300 + 180 + 200 + 100 + 180 seconds. On an H200 (2026-11-27, the third check) with QUICK=1 and no Fast-dLLM
+# (it takes about 30 s more): step about 150 s, caches about 90 s, the gpu tests over 200 s on a fresh machine (34 of
+# 37 in 200 s; their kernels compile first), kernels about 55 s. So run PARTS="step kernels" and then PARTS="caches
+# tests extra" (each call's goals table judges that call's files; unpack both calls' gpu-check.tgz into one folder
+# and run `python benchmarks/gpu_goals.py FOLDER` for the whole table), or name the tests a lease needs with
+# GPU_TESTS_K.
 # DEADLINE=S (seconds) bounds the whole call: each part runs for at most what is left of S after a margin for the
 # goals table and the archive, and a part with under 20 seconds left is skipped, saying so (set it a little under the
 # call's own time limit, or under the device time a lease has left, so the call always returns its files).

@@ -929,15 +929,21 @@ def test_gpu_confidence_stats(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_gpu_confidence_stats_merged_by_the_last_program_match_two_launches(rows, dtype, merge_mode):
     """On the device the programs of a row run concurrently: the last to finish must see every other's partials.
-    The one-launch form (the default) gives the two-launch form's bits, call after call (a missed partial would
-    change them)."""
-    x = _logits((rows, 126464), dtype).cuda()
-    want = T.confidence_stats(x)  # merge_mode starts with the two launches
-    merge_mode("last-program")
-    for _ in range(50):
+    The one-launch form (the default) gives the two-launch form's values, call after call, each call on new logits
+    (a partial missed, or read from the last call's buffers, would be another row's or call's statistics). The token
+    is the same; the probabilities and the entropy may differ by a few roundings, not more: the merge is the same
+    code in both, but the compiler may contract its multiply-adds differently in the two kernels (on an H200, 512
+    rows in bf16, the entropy differed by a rounding; in the interpreter, and so on the CPU, the bits are equal)."""
+    x0 = _logits((rows, 126464), dtype).cuda()
+    for i in range(50):
+        x = torch.roll(x0, 977 * i, dims=-1)  # new logits for every call
+        merge_mode("kernel")
+        want = T.confidence_stats(x)
+        merge_mode("last-program")
         got = T.confidence_stats(x)
-        for f in ("token", "p_token", "p_max", "p_second", "entropy"):
-            assert torch.equal(getattr(got, f), getattr(want, f)), f
+        assert torch.equal(got.token, want.token), i
+        for f in ("p_token", "p_max", "p_second", "entropy"):
+            torch.testing.assert_close(getattr(got, f), getattr(want, f), rtol=5e-7, atol=1e-9, msg=f"{f}, call {i}")
 
 
 @gpu

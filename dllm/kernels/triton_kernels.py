@@ -848,8 +848,9 @@ def confidence_splits(V: int, N: int, dtype: torch.dtype, block_v: int = 1024) -
 
 #: how :func:`confidence_stats` merges a row's split partials: ``"last-program"`` (default), inside the one launch,
 #: by the row's last program to finish (an atomic count per row); ``"kernel"``, a second kernel launch. The same
-#: values (the same merge in the same order); the one launch halves an eager call's launches, which bound its time
-#: (docs/performance.md). See :func:`set_confidence_merge`.
+#: merge in the same order: the same bits in the interpreter; compiled for a GPU the two kernels' multiply-adds may
+#: be contracted differently, a rounding apart (the token is the same). The one launch halves an eager call's
+#: launches, which bound its time (docs/performance.md). See :func:`set_confidence_merge`.
 CONFIDENCE_MERGES = ("kernel", "last-program")
 _conf_merge_mode = "last-program"
 
