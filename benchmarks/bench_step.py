@@ -11,9 +11,9 @@ synchronisation, not before it; ``compile``: ``torch.compile`` of the model) it 
 * the weight-read floor: the bytes of the weights divided by the bytes per second a device-to-device copy moves
   (reads and writes counted), measured in the same run; the step's multiple of it;
 * kernels launched per step and per layer, host synchronisations per step and the device's busy ms per step (from
-  the profiler on CUDA, over four steps; on CPU the kernels the CUDA path would launch, ``tests/launch_counter.py``: ATen operators that are not views or
-  allocations, and Triton launches when the kernels run under ``TRITON_INTERPRET=1 DLLM_KERNELS=triton``, plus the
-  calls that would synchronise on CUDA);
+  the profiler on CUDA, over four steps; on CPU the kernels the CUDA path would launch, ``tests/launch_counter.py``:
+  ATen operators that are not views or allocations, and Triton launches when the kernels run under
+  ``TRITON_INTERPRET=1 DLLM_KERNELS=triton``, plus the calls that would synchronise on CUDA);
 * on the graph path, the host's microseconds from a step's synchronisation to the next graph's launch
   (``host_gap_us``, the median over a block of steps: the device waits that long at each step; 0 for a step whose
   next forward was launched before its synchronisation), and how many of the timed steps' next forwards, made ready
@@ -482,7 +482,8 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=None, help="default 32 on GPU, 2 on CPU")
     p.add_argument("--batch", type=int, nargs="+", default=None, help="default 1 4 16 on GPU, 1 4 on CPU")
     p.add_argument("--caches", nargs="+", default=["none", "prefix", "dual"])
-    p.add_argument("--modes", nargs="+", default=None, help="base eager graph graph-late compile (default base eager graph)")
+    p.add_argument("--modes", nargs="+", default=None,
+                   help="base eager graph graph-late compile (default base eager graph)")
     p.add_argument("--prompt", type=int, default=None, help="default 512 on GPU, 32 on CPU")
     p.add_argument("--gen", type=int, default=None, help="default 256 on GPU, 32 on CPU")
     p.add_argument("--block", type=int, default=None, help="default 32 on GPU, 8 on CPU")
@@ -580,7 +581,8 @@ def main(argv=None):
             print(f"| {r['mode']} | {r['cache']} | {r['batch']} | {r['ms_per_step']} | {cached} | "
                   f"{r['x_floor_partial'] if r['x_floor_partial'] is not None else r['x_floor']} | "
                   f"{r['launches_per_step']} | {r['launches_per_layer']} | {r['forward_launches_per_layer']} | "
-                  f"{r['syncs_per_step']} | {r['device_ms_per_step'] if r['device_ms_per_step'] is not None else '-'} | "
+                  f"{r['syncs_per_step']} | "
+                  f"{r['device_ms_per_step'] if r['device_ms_per_step'] is not None else '-'} | "
                   f"{r['host_gap_us'] if r.get('host_gap_us') is not None else '-'} |")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
