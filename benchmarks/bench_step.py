@@ -21,8 +21,8 @@ synchronisation, not before it; ``compile``: ``torch.compile`` of the model) it 
   (``ahead``).
 
 ``--e2e`` adds whole generations (``--prompt`` / ``--gen``: 512 and 256 on a GPU by default, batch 1) with no cache,
-prefix and dual cache (and the dual cache with each next forward launched after the synchronisation) and the
-speed-up of each cache over none; ``--breakdown`` (CUDA) the kernels that take a full forward's and a cached step's
+prefix and dual cache (and the dual cache with each next forward launched after the synchronisation, and no cache
+with every forward eager, ``none-eager``) and the speed-up of each over none (its full forwards from graphs on CUDA); ``--breakdown`` (CUDA) the kernels that take a full forward's and a cached step's
 device time, published layer against fast layer; ``--fastdllm DIR`` (a checkout of NVlabs/Fast-dLLM, its ``llada`` folder with
 ``generate.py`` and ``model/``) times Fast-dLLM's own ``generate_with_dual_cache`` on the same weights and steps;
 ``--packing`` one partial forward of a batch of 16 rows out of step (one row refreshing its whole canvas, the others
@@ -371,15 +371,19 @@ def packing(model, a, B: int = 16, reps: int = 5):
 
 
 def e2e(model, a, B: int = 1):
-    """Whole generations with no cache, the dual cache, the prefix cache, and the dual cache once more with each next
-    forward launched after the step's synchronisation (``dual-late``, ``Decoder.launch_early`` off)."""
+    """Whole generations with no cache, the dual cache, the prefix cache, the dual cache once more with each next
+    forward launched after the step's synchronisation (``dual-late``, ``Decoder.launch_early`` off), and no cache with
+    every forward eager (``none-eager``, ``graphs="off"``: what the full forwards' graphs save). The speed-ups are
+    over the first row: no cache on the default path (its full forwards replayed from graphs on CUDA)."""
     rows = []
     g = torch.Generator().manual_seed(7)
     prompts = torch.randint(3, model.config.vocab_size - 1, (B, a.prompt), generator=g)
     base = None
     # dual second: a run cut by its time limit still has the goal's ratio
-    for name, cache in (("none", "none"), ("dual", "dual"), ("prefix", "prefix"), ("dual-late", "dual")):
-        kw = dict(gen_length=a.gen, block_length=a.block, steps=a.gen, sampler="llada", cache=cache)
+    for name, cache in (("none", "none"), ("dual", "dual"), ("prefix", "prefix"), ("dual-late", "dual"),
+                        ("none-eager", "none")):
+        kw = dict(gen_length=a.gen, block_length=a.block, steps=a.gen, sampler="llada", cache=cache,
+                  graphs="off" if name == "none-eager" else "auto")
         Decoder.launch_early = name != "dual-late"
         try:
             # warm-up: the same prompt and length with three steps per block, so every block's shapes (a prefix
@@ -489,7 +493,7 @@ def main(argv=None):
     p.add_argument("--block", type=int, default=None, help="default 32 on GPU, 8 on CPU")
     p.add_argument("--blocks", type=int, default=1, help="blocks timed per cached setting (after one warm-up)")
     p.add_argument("--none-steps", type=int, default=4, help="steps timed without a cache")
-    p.add_argument("--e2e", action="store_true", help="whole generations: none / prefix / dual, batch 1")
+    p.add_argument("--e2e", action="store_true", help="whole generations: none / dual / prefix / dual-late / none-eager, batch 1")
     p.add_argument("--fastdllm", default=None, help="a Fast-dLLM checkout: time its generate_with_dual_cache")
     p.add_argument("--packing", action="store_true",
                    help="one partial forward of 16 rows out of step, padded against packed (query_tokens)")

@@ -93,8 +93,10 @@ def goals(folder: Path) -> list[dict]:
 
     e2e = {r["cache"]: r for r in step if r.get("what") == "e2e"}
     sp = e2e["dual"]["speedup_vs_none"] if "dual" in e2e else None
+    eager_none = (f"; no cache with eager forwards {e2e['none-eager']['s']} s (its graphs: "
+                  f"{round(e2e['none-eager']['s'] / e2e['none']['s'], 2)}x)" if sp and "none-eager" in e2e else "")
     add("dual cache against no cache, whole generation, batch 1", ">= 3x",
-        f"{sp}x ({e2e['dual']['s']} s against {e2e['none']['s']} s)" if sp else "-",
+        f"{sp}x ({e2e['dual']['s']} s against {e2e['none']['s']} s{eager_none})" if sp else "-",
         _timed(_judge(sp, (sp or 0) >= 3), on_gpu))
 
     fd = next((r for r in step if r.get("what") == "fastdllm" and "ratio" in r), None)

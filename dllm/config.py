@@ -6,7 +6,7 @@ import math
 import numbers
 from dataclasses import dataclass
 
-#: ``GenerateConfig.graphs``: CUDA graphs for the cached steps (``auto``: on CUDA devices, ``on``: also the
+#: ``GenerateConfig.graphs``: CUDA graphs for the forwards of the decode loop (``auto``: on CUDA devices, ``on``: also the
 #: static-buffer path without capture off CUDA, ``off``: eager forwards only); see :mod:`dllm.graphs`
 GRAPH_MODES = ("auto", "on", "off")
 
@@ -42,10 +42,11 @@ class GenerateConfig:
             committing step's distribution (full-vocabulary softmax) and their log-probabilities in
             ``stats.commit_top_ids`` / ``stats.commit_top_logprobs`` (one log-sum-exp and one top-k over the
             window's logits per step); 0: not recorded.
-        graphs: run the cached steps (partial forwards) as replayed CUDA graphs: ``"auto"`` (default) on CUDA
-            devices, ``"off"`` never, ``"on"`` also off CUDA, where the same static-buffer path runs without
-            capture (the CPU twin of the graph path). Full forwards, Elastic-Cache's hooked forwards and
-            classifier-free guidance always run eagerly (:mod:`dllm.graphs`). On the graph path the shapes are
+        graphs: run the forwards as replayed CUDA graphs (the cached steps' partial forwards, and the full
+            forwards: every step without a cache, a cache's refreshes after its first forward): ``"auto"`` (default)
+            on CUDA devices, ``"off"`` never, ``"on"`` also off CUDA, where the same static-buffer path runs without
+            capture (the CPU twin of the graph path). Elastic-Cache's hooked forwards, classifier-free guidance and
+            models other than dllm's Transformer run eagerly (:mod:`dllm.graphs`). With a cache the shapes are
             rounded up to a few sizes (the canvas gets more left padding; the tokens are the same) and the cache's
             K/V buffers are lent by the model's graph runner and given back at the end of the call (a cache passed
             in holds none afterwards; its next call takes them again).

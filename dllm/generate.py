@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from dllm.blocks.fixed import FixedBlocks
-from dllm.caches.base import CacheState, KVCache
+from dllm.caches.base import CacheState, KVCache, NoCache
 from dllm.config import GenerateConfig
 from dllm.graphs import GraphRunner
 from dllm.models.spec import vocab_size
@@ -451,12 +451,15 @@ class Decoder:
         self.device = model.device
         self.stop_ids = torch.tensor([i for i in (model.eos_id, model.eot_id) if i is not None], device=self.device)
         self.clock = _Clock(self.device)
-        self.graphs = GraphRunner.for_model(model, config.graphs) if isinstance(cache, KVCache) else None
+        self.graphs = GraphRunner.for_model(model, config.graphs) if isinstance(cache, (KVCache, NoCache)) else None
         self._graph_stats0 = dict(self.graphs.stats) if self.graphs is not None else {}
         # why every cached step runs eagerly, decided once (None: through the graphs); where they can replay at all
         # (not with guidance, per-layer hooks, mixtures of experts, other models) the graph path's shapes are rounded
         # up and its K/V buffers lent by the runner's pool
         self._eager_setting = None if self.graphs is None else self.graphs.setting_reason(cache, config.cfg_scale > 0)
+        # why every full forward runs eagerly (None: through graphs, GraphRunner.full: every forward without a cache,
+        # a cache's refreshes once it holds its buffers)
+        self._eager_full = None if self.graphs is None else self.graphs.full_reason(cache, config.cfg_scale > 0)
         self.graphed = self.graphs is not None and self._eager_setting is None
         if self.graphed:
             cache.buckets, cache.pool = self.graphs.buckets, self.graphs.buffers
@@ -603,9 +606,12 @@ class Decoder:
             # the rows of a partial forward without their padding (rows out of step: one refreshing its block, the
             # others reading their cache), known from the plan's host numbers
             n_query = cache.query_tokens if query_idx is not None else None
-            if runner is not None and eager is None:
+            if runner is not None and query_idx is None and self._eager_full is None:
+                # a full forward through a graph (None: the cache takes its buffers now, eagerly)
+                logits = runner.full(x, st.positions, st.key_mask, cols.expand(B, -1), cache)
+            if logits is None and runner is not None and eager is None:
                 logits = runner(x, st.positions, st.key_mask, cols.expand(B, -1), cache, query_idx, n_query)
-            else:
+            elif logits is None:
                 if eager is not None:
                     runner.stats["eager:" + eager] += 1
                 logits = _forward(model, x, st.positions, st.key_mask, cols.expand(B, -1), config, cache, query_idx,

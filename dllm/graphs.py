@@ -1,4 +1,4 @@
-"""CUDA graphs for the cached decode step.
+"""CUDA graphs for the decode step: the cached partial forwards and the full forwards.
 
 A cached step is a *partial forward*: the active rows of the canvas (``query_idx``) are recomputed against the
 K/V buffers of a :class:`~dllm.caches.base.KVCache`. Its shapes repeat from step to step (the dual cache's
@@ -36,9 +36,14 @@ few hundred kernel launches.
   the launch, while the device waits, is a graph launch. Where the regions go on it launches it before the
   synchronisation, its inputs filled under a guard computed on the device (``prepare(guard=...)``: an invalid plan
   keeps the last forward's inputs), so that the device does not wait for the host at all (``Decoder._sync``);
-* full forwards (refreshes), caches with per-layer hooks (Elastic-Cache's ``layer_input`` / ``observe``),
-  classifier-free guidance and models other than dllm's own Transformer run eagerly; :attr:`GraphRunner.stats`
-  counts replays, captures and each eager reason, and the decode loop's trace records what each step did.
+* a full forward (every step without a cache, a cache's refreshes) is a graph of its own (:meth:`GraphRunner.full`):
+  keyed by its exact shapes and, with a cache, the K/V buffers it writes in place, captured the second time it is
+  seen. Without a cache the canvas is not rounded up (each step of a generation has one shape; padding would cost
+  every step of a full forward). A cache's first forward of a call takes its buffers from the pool, eagerly;
+* caches with per-layer hooks (Elastic-Cache's ``layer_input`` / ``observe``) or writes of their own, classifier-free
+  guidance, mixtures of experts and models other than dllm's own Transformer run eagerly; :attr:`GraphRunner.stats`
+  counts replays, captures (``full replays`` / ``full captures`` for full forwards) and each eager reason
+  (``eager:full forward`` for the full forwards run eagerly), and the decode loop's trace records what each step did.
 
 The eager forward is the readable path and the oracle: with ``capture=False`` the runner keeps the same static
 buffers and key bookkeeping but "replays" by running the forward on them (what the CPU tests exercise); on CUDA
@@ -55,7 +60,7 @@ from typing import Any
 
 import torch
 
-from dllm.caches.base import KVCache, storage_of
+from dllm.caches.base import KVCache, NoCache, storage_of
 from dllm.config import GRAPH_MODES, check_graphs
 from dllm.kernels.device import on_device
 from dllm.kernels.dispatch import capture_graph
@@ -122,7 +127,7 @@ class _Graph:
     positions: torch.Tensor
     key_mask: torch.Tensor | None
     logits_idx: torch.Tensor
-    query_idx: torch.Tensor
+    query_idx: torch.Tensor | None  # None: a full forward (GraphRunner.full)
     read_cols: torch.Tensor | None
     captured: bool = False  # replays from now on (capture=False: the forward on the static buffers)
     out: torch.Tensor | None = None  # the captured graph's static logits
@@ -217,10 +222,8 @@ class GraphRunner:
         return model.__dict__.get("_dllm_graphs")
 
     # -- eligibility ------------------------------------------------------------------------------------------
-    def setting_reason(self, cache, cfg: bool) -> str | None:
-        """Why every cached step of this model with this cache (and guidance) runs eagerly (None: they go through
-        graphs; the decode loop buckets its shapes and borrows the pool's buffers only then). Full forwards always
-        run eagerly ("full forward")."""
+    def _model_reason(self, cfg: bool) -> str | None:
+        """Why no forward of this model (with guidance) can go through a graph, or None."""
         if cfg:
             return "classifier-free guidance"
         if not isinstance(self.model, Transformer):
@@ -229,10 +232,37 @@ class GraphRunner:
             return "mixture-of-experts routing (data-dependent shapes)"
         if len({p.device for p in self.model.parameters()}) > 1:  # one capture stream records one device's work
             return "model spread over several devices"
+        return None
+
+    def setting_reason(self, cache, cfg: bool) -> str | None:
+        """Why every cached step (partial forward) of this model with this cache (and guidance) runs eagerly (None:
+        they go through graphs; the decode loop buckets its shapes and borrows the pool's buffers only then). Full
+        forwards: :meth:`full_reason`."""
+        reason = self._model_reason(cfg)
+        if reason is not None:
+            return reason
         if not isinstance(cache, KVCache):
             return "cache without K/V buffers"
         if cache.layer_input is not None or cache.observe is not None:
             return "cache with per-layer hooks"
+        return None
+
+    def full_reason(self, cache, cfg: bool) -> str | None:
+        """Why every full forward of this model with this cache (and guidance) runs eagerly, or None: they go
+        through graphs (:meth:`full`), every forward without a cache (``NoCache``) and a K/V cache's refreshes
+        once it holds its buffers. A cache whose forward runs code of its own (per-layer hooks, its own ``update``:
+        state a replay would not update) runs its full forwards eagerly."""
+        reason = self._model_reason(cfg)
+        if reason is not None:
+            return reason
+        if isinstance(cache, NoCache):
+            return None
+        if not isinstance(cache, KVCache):
+            return "cache without K/V buffers"
+        if cache.layer_input is not None or cache.observe is not None:
+            return "cache with per-layer hooks"
+        if type(cache).update is not KVCache.update:
+            return "cache with writes of its own"
         return None
 
     # -- the step ---------------------------------------------------------------------------------------------
@@ -275,6 +305,50 @@ class GraphRunner:
         with on_device(p.g.x):
             self._touch(p.g, p.cache)
             return self._run(p.g, p.cache, p.B, p.W, count)
+
+    def full(self, x, positions, key_mask, logits_idx, cache) -> torch.Tensor | None:
+        """Logits of a full forward ``model(x, positions=..., attn_mask=key_mask, logits_idx=..., cache=cache)``
+        through a graph (``cache``: a ``NoCache`` or a K/V cache that :meth:`full_reason` accepts), or None, with
+        nothing done, where it must run eagerly: a K/V cache that holds no buffers of this batch and canvas yet (the
+        first forward of a generation takes them from the pool; an allocation is not captured). The graph is keyed
+        by the shapes and the K/V buffers' addresses, captured the second time its key is seen like a partial
+        forward's, and writes every row of the cache's buffers in place; after a replay the cache counts as filled
+        (the one thing its ``update`` does besides the writes)."""
+        kv = isinstance(cache, KVCache)
+        if kv and not _holds_buffers(cache, x.shape, len(self.model.layers), self._dtype):
+            return None
+        with on_device(x):
+            B, W = logits_idx.shape
+            key = ("full", tuple(x.shape), W, key_mask is None, x.device, self._dtype,
+                   _addresses(cache) if kv else ())
+            live = (x, positions, key_mask, logits_idx, None, None)
+            g = self.graphs.get(key)
+            if g is None:
+                g = self.graphs[key] = _Graph(*(None if t is None else torch.empty_like(t) for t in live))
+                self._evict()
+            else:
+                self.graphs.move_to_end(key)
+            self._touch(g, cache)
+            self._fill_inputs(g, live)
+            if g.failed:
+                self.stats["eager:full forward, capture failed"] += 1
+                out = self._forward(g, cache)
+            elif not g.captured and g.seen < self.capture_after:
+                self.stats["eager:full forward, first sight"] += 1
+                out = self._forward(g, cache)
+            elif not g.captured:
+                out = self._capture(g, cache)
+                self.stats["full captures"] += 1
+            else:
+                self.stats["full replays"] += 1
+                if g.graph is None:  # capture=False: the same forward on the same static buffers
+                    out = self._forward(g, cache)
+                else:
+                    g.graph.replay()
+                    out = g.out.clone()
+            if kv:
+                cache.filled = True
+            return out
 
     def _key(self, x, positions, key_mask, logits_idx, cache, query_idx, query_tokens):
         B, W = logits_idx.shape
@@ -348,6 +422,8 @@ class GraphRunner:
         return g.out[:B, :W].clone()
 
     def _forward(self, g: _Graph, cache) -> torch.Tensor:
+        if g.query_idx is None:  # a full forward (:meth:`full`)
+            return self.model(g.x, positions=g.positions, attn_mask=g.key_mask, logits_idx=g.logits_idx, cache=cache)
         live, k, v = cache.read_cols, cache.k, cache.v
         cache.read_cols = g.read_cols  # the forward reads the static copy (captured by address)
         if g.x.shape[0] > (k[0].shape[0] if k else 0):  # a batch bucket: the forward reads and writes the buffers whole
@@ -375,14 +451,13 @@ class GraphRunner:
             # thread_local: CUDA calls of other threads (a server's event loop) do not invalidate the capture
             graph, g.out = capture_graph(lambda: self._forward(g, cache), pool=self.pool)
         except Exception as exc:  # an operation that cannot be captured: this shape stays eager
-            log.warning("CUDA graph capture failed for batch %d, canvas %d, %d active rows (%s: %s); running "
-                        "that shape eagerly", g.x.shape[0], g.x.shape[1], g.query_idx.shape[1],
-                        type(exc).__name__, exc)
+            log.warning("CUDA graph capture failed for batch %d, canvas %d, %s active rows (%s: %s); running "
+                        "that shape eagerly", g.x.shape[0], g.x.shape[1], _active(g), type(exc).__name__, exc)
             g.out, g.graph, g.failed = None, None, True
             return out
         g.graph, g.captured = graph, True
-        log.info("captured a CUDA graph: batch %d, canvas %d, %d active rows, %d logits columns",
-                 g.x.shape[0], g.x.shape[1], g.query_idx.shape[1], g.logits_idx.shape[1])
+        log.info("captured a CUDA graph: batch %d, canvas %d, %s active rows, %d logits columns",
+                 g.x.shape[0], g.x.shape[1], _active(g), g.logits_idx.shape[1])
         return out
 
     def _evict(self) -> None:
@@ -407,6 +482,21 @@ def _addresses(cache) -> tuple:
         return (*map(_data_ptr, cache.k), *map(_data_ptr, cache.v))
     except TypeError:
         return tuple(t.data_ptr() for t in cache.k + cache.v if t is not None)
+
+
+def _active(g: _Graph) -> str:
+    """A graph's active rows, for the log: its width, or "all" (a full forward)."""
+    return "all" if g.query_idx is None else str(g.query_idx.shape[1])
+
+
+def _holds_buffers(cache: KVCache, shape, n_layers: int, dtype) -> bool:
+    """Whether ``cache`` holds every layer's K/V buffers for a full forward of canvas ``shape`` ``(B, T)`` in
+    ``dtype``: its ``update`` then writes them in place (no allocation, which a graph could not capture)."""
+    B, T = shape
+    if len(cache.k) != n_layers or len(cache.v) != n_layers:
+        return False
+    return all(t is not None and t.shape[0] == B and t.shape[2] == T and t.dtype == dtype
+               for t in (*cache.k, *cache.v))
 
 
 def _fill(static: torch.Tensor, t: torch.Tensor) -> None:

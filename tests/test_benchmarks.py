@@ -167,6 +167,7 @@ def _gpu_figures(folder: Path, x_floor=1.4, fastdllm=2.5, splitk=0.025, caches=1
              "forward_launches_per_layer": 9.0, "syncs_per_step": 1},
             {"what": "e2e", "cache": "none", "s": 7.5, "speedup_vs_none": 1.0},
             {"what": "e2e", "cache": "dual", "s": 2.0, "speedup_vs_none": 3.75},
+            {"what": "e2e", "cache": "none-eager", "s": 15.0, "speedup_vs_none": 0.5},
             {"what": "fastdllm", "impl": "speed-up of dllm", "ratio": fastdllm, "same_tokens": 1.0,
              "ref_device": fastdllm_device}]
     att = {"kernel": "attention", "B": 1, "Hq": 32, "Hkv": 32, "Lq": 32, "Lk": 4096, "D": 128,
@@ -186,8 +187,11 @@ def _gpu_figures(folder: Path, x_floor=1.4, fastdllm=2.5, splitk=0.025, caches=1
 
 
 def test_gpu_goals_judges_each_goal_against_its_target(tmp_path):
-    status = {g["goal"]: g["status"] for g in gpu_goals.goals(_gpu_figures(tmp_path / "good"))}
+    good = gpu_goals.goals(_gpu_figures(tmp_path / "good"))
+    status = {g["goal"]: g["status"] for g in good}
     assert set(status.values()) == {"met"}, status
+    e2e = next(g["measured"] for g in good if g["goal"].startswith("dual cache against no cache"))
+    assert e2e == "3.75x (2.0 s against 7.5 s; no cache with eager forwards 15.0 s (its graphs: 2.0x))", e2e
     assert len(status) == 10  # step, e2e, Fast-dLLM, kernels, syncs, split-K, dispatch, confidence, caches, tests
     bad = {g["goal"]: g for g in gpu_goals.goals(_gpu_figures(
         tmp_path / "bad", x_floor=1.56, fastdllm=1.9, splitk=0.05, caches=0.8, tests="3 failed, 19 passed in 56s"))}

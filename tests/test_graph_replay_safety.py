@@ -90,7 +90,8 @@ class Recording:
     def problems(self) -> list[str]:
         out = []
         for g, runs in self.graphs.values():
-            what = (f"graph B={g.x.shape[0]} T={g.x.shape[1]} Q={g.query_idx.shape[1]} W={g.logits_idx.shape[1]} "
+            q = "all (a full forward)" if g.query_idx is None else g.query_idx.shape[1]
+            what = (f"graph B={g.x.shape[0]} T={g.x.shape[1]} Q={q} W={g.logits_idx.shape[1]} "
                     f"N={g.query_tokens} mask={g.key_mask is not None}")
             for i, r in enumerate(runs):
                 if r.syncs:
@@ -118,7 +119,7 @@ def _names(model, g, cache) -> dict[int, str]:
         if isinstance(t, torch.Tensor):
             names[t.untyped_storage().data_ptr()] = f"static {n}"
     for kind in ("k", "v"):
-        for i, t in enumerate(getattr(cache, kind)):
+        for i, t in enumerate(getattr(cache, kind, ())):  # NoCache: no buffers
             if t is not None:
                 names[t.untyped_storage().data_ptr()] = f"cache.{kind}[{i}]"
     return names
@@ -205,6 +206,21 @@ def test_fast_layer_graph_forwards_replay_what_they_captured(family, cache):
     assert_replay_safe(rec)
     ops = {n for runs in rec.replayed() for n in runs[0].trace.names()}
     assert "aten.scatter_.src" in ops  # rope_qk_write_ref's writes into the K/V buffers
+
+
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_full_forward_graphs_replay_what_they_captured(family, fast):
+    """Full forwards: every step without a cache, and a cache's refreshes (every row of its K/V buffers written in
+    place; a graph captured in the first call replayed in the second, on the pooled buffers)."""
+    model = enable_fast_path(dllm.load_model(f"{family}-tiny")) if fast else bundled(family)
+    for cache in ("none", "prefix"):
+        rec = decode_traced(model, cache, "llada", TEXTS[3], gen_length=24)
+        assert_replay_safe(rec, across_calls=cache == "prefix")
+        full = [runs for g, runs in rec.graphs.values() if g.query_idx is None and len(runs) >= 2]
+        assert full, f"{cache}: no full forward replayed"
+        if cache == "prefix":
+            assert any(len({r.call for r in runs}) > 1 for runs in full)
 
 
 @pytest.mark.parametrize(("name", "cache"), [("sdar-tiny", "block"), ("fastdllm2-tiny", "block"),

@@ -41,9 +41,8 @@ def test_static_buffer_path_decodes_what_the_eager_path_decodes(family, cache):
         assert eager.stats.commit_step == graph.stats.commit_step
         assert eager.stats.graphs == {}
         g = graph.stats.graphs
-        assert g.get("eager:full forward", 0) >= 1  # the first forward (and every refresh) is eager
-        assert g.get("replays", 0) + g.get("captures", 0) + g.get("eager:first sight", 0) \
-            == graph.stats.nfe - g.get("eager:full forward", 0)
+        assert g.get("eager:full forward", 0) == 1  # the first forward takes the cache's buffers: eager
+        assert sum(n for k, n in g.items() if k != "evicted") == graph.stats.nfe  # every forward counted once
 
 
 def test_dual_cache_replays_one_graph_for_the_whole_generation():
@@ -54,11 +53,14 @@ def test_dual_cache_replays_one_graph_for_the_whole_generation():
     try:
         prompts = [ragged_prompts(3, 1)[0]]
         first = _gen(model, cache, "on", "llada", prompts=prompts, gen_length=32, block_length=8, steps=32)
-        # 4 blocks of 8 steps: each block starts with a full forward, then 7 partial forwards of one shape
-        assert first.stats.graphs == {"eager:full forward": 4, "eager:first sight": 1, "captures": 1, "replays": 26}
-        assert len(runner.graphs) == 1
+        # 4 blocks of 8 steps: each block starts with a full forward (the first takes the cache's buffers, eagerly;
+        # the others write them in place: a graph of its own), then 7 partial forwards of one shape
+        assert first.stats.graphs == {"eager:full forward": 1, "eager:full forward, first sight": 1, "full captures": 1,
+                                      "full replays": 1, "eager:first sight": 1, "captures": 1, "replays": 26}
+        assert len(runner.graphs) == 2
         second = _gen(model, cache, "on", "llada", prompts=prompts, gen_length=32, block_length=8, steps=32)
-        assert second.stats.graphs == {"eager:full forward": 4, "replays": 28}  # the same buffers: no capture
+        # the same buffers: no capture
+        assert second.stats.graphs == {"eager:full forward": 1, "full replays": 3, "replays": 28}
         assert torch.equal(first.sequences, second.sequences)
     finally:
         model.__dict__["_dllm_graphs"] = saved
@@ -114,8 +116,8 @@ def test_fresh_caches_of_later_calls_replay_the_first_calls_graphs():
         assert 0 < first.stats.cache_bytes <= runner.buffers.nbytes  # the call's buffers went back to the pool
         cache = get_cache("dual")
         second = _gen(model, cache, "on", "llada", prompts=seven, **kw)
-        assert second.stats.graphs == {"eager:full forward": 4, "replays": 28}
-        assert len(runner.graphs) == 1
+        assert second.stats.graphs == {"eager:full forward": 1, "full replays": 3, "replays": 28}
+        assert len(runner.graphs) == 2  # the partial forwards' graph and the refreshes'
         assert cache.k == [] and not cache.filled  # released at the end of the call
         runner.clear()  # the graphs and the pool's free buffers
         assert not runner.graphs and runner.buffers.nbytes == 0
@@ -124,7 +126,7 @@ def test_fresh_caches_of_later_calls_replay_the_first_calls_graphs():
     with own_runner(model, buckets=False) as runner:  # exact canvases: the other length is another graph
         _gen(model, "dual", "on", "llada", prompts=five, **kw)
         assert _gen(model, "dual", "on", "llada", prompts=seven, **kw).stats.graphs.get("captures") == 1
-        assert len(runner.graphs) == 2
+        assert len(runner.graphs) == 4  # per length: the partial forwards' graph and the refreshes'
 
 
 def test_bucketed_widths_replay_where_exact_widths_change_every_step():
@@ -248,8 +250,42 @@ def test_eager_fallbacks_are_named():
     cfg = _gen(model, "dual", "on", "llada", cfg_scale=1.0)
     assert cfg.stats.graphs.get("eager:classifier-free guidance", 0) >= 1
     assert "replays" not in cfg.stats.graphs
-    none = _gen(model, "none", "on")
-    assert none.stats.graphs == {}  # no K/V buffers: the runner is not used at all
+    el_full = el.stats.graphs.get("eager:full forward", 0)
+    assert el_full == sum(1 for t in el.stats.trace if t["refresh_layer"] == 0)  # hooks: full forwards eager too
+    assert "full replays" not in el.stats.graphs and "full captures" not in el.stats.graphs
+    cfg_none = _gen(model, "none", "on", "llada", cfg_scale=1.0)
+    assert cfg_none.stats.graphs == {"eager:full forward": cfg_none.stats.nfe}  # guidance: every forward eager
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_full_forwards_go_through_graphs_without_a_cache_and_for_refreshes(family):
+    """A full forward (every step without a cache; a cache's refreshes) is a graph of its own, keyed by its shapes
+    (and the cache's K/V buffers, written in place): captured the second time it is seen and replayed after, with
+    the tokens of the eager path. A cache's first forward of a call takes its buffers, eagerly."""
+    model = cached_model(family, 0)
+    kw = dict(gen_length=32, block_length=8, steps=32)
+    with own_runner(model) as runner:
+        none = _gen(model, "none", "on", "llada", **kw)
+        assert none.stats.graphs == {"eager:full forward, first sight": 1, "full captures": 1,
+                                     "full replays": none.stats.nfe - 2}
+        assert torch.equal(none.sequences, _gen(model, "none", "off", "llada", **kw).sequences)
+        again = _gen(model, "none", "on", "llada", **kw)  # the next call replays every step
+        assert again.stats.graphs == {"full replays": again.stats.nfe}
+        assert torch.equal(again.sequences, none.sequences)
+        refreshing = _gen(model, "dkv-greedy", "on", "threshold", **kw)  # a full forward every 4 forwards
+        g = refreshing.stats.graphs
+        fulls = sum(1 for t in refreshing.stats.trace if t["refresh_layer"] == 0)
+        assert fulls >= 3 and g["eager:full forward"] == 1
+        assert g.get("eager:full forward, first sight", 0) + g.get("full captures", 0) + g["full replays"] \
+            == fulls - 1 and g["full replays"] >= 1
+        assert torch.equal(refreshing.sequences, _gen(model, "dkv-greedy", "off", "threshold", **kw).sequences)
+    with own_runner(model, capture_after=1) as runner:
+        cache = get_cache("prefix")
+        _gen(model, cache, "on", "llada", **kw)
+        assert cache.k == [] and not cache.filled  # released at the end of the call, ...
+        second = _gen(model, cache, "on", "llada", **kw)
+        assert second.stats.graphs["eager:full forward"] == 1 and second.stats.graphs["full replays"] == 3
+        assert any(key[0] == "full" for key in runner.graphs)
 
 
 def test_mixture_of_experts_models_run_eagerly():
@@ -299,7 +335,7 @@ def uncaptured(model, prompts, **kw):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("cache", ["dual", "prefix"])
+@pytest.mark.parametrize("cache", ["dual", "prefix", "none"])
 def test_cuda_graphs_decode_what_the_eager_path_decodes(cache):
     model = dllm.load_model("llada-tiny", device="cuda", dtype="bfloat16")
     prompts = ["What is 12 + 30?", "Please reverse the order of the list:\n[\"Alice Adams\", \"Brian Baker\"]"]
@@ -308,9 +344,12 @@ def test_cuda_graphs_decode_what_the_eager_path_decodes(cache):
     runner = GraphRunner.for_model(model, "auto")
     launched = runner.ahead["launched"]
     graph = dllm.generate(model, prompts, graphs="auto", **kw)
-    assert graph.stats.graphs.get("captures", 0) >= 1 and graph.stats.graphs.get("replays", 0) >= 1
-    assert "eager:capture failed" not in graph.stats.graphs, graph.stats.graphs
-    assert runner.ahead["launched"] > launched  # next forwards launched before the synchronisation (pinned copy)
+    g = graph.stats.graphs
+    assert not any("capture failed" in k for k in g), g
+    assert g.get("full replays", 0) >= 1, g  # refreshes (a cache's) or every forward (none) from a graph
+    if cache != "none":
+        assert g.get("captures", 0) >= 1 and g.get("replays", 0) >= 1
+        assert runner.ahead["launched"] > launched  # next forwards launched before the synchronisation (pinned copy)
     assert torch.equal(eager.sequences, graph.sequences)
     torch.rand(4, device="cuda")  # the device's random generator is usable after the captures
 
@@ -507,7 +546,9 @@ def test_the_next_forward_is_launched_before_the_sync_where_the_block_goes_on():
         # 4 blocks: the first's graph is captured at its third step, the others' replayed from their second; each
         # block's last step expected a partial forward where a refresh came, and launched nothing (one mask left)
         assert runner.ahead == {"confirmed": 5 + 3 * 6, "missed": 4, "launched": 23}
-        assert ahead.stats.graphs == {"eager:full forward": 4, "eager:first sight": 1, "captures": 1, "replays": 26}
+        assert ahead.stats.graphs == {"eager:full forward": 1, "eager:full forward, first sight": 1,
+                                      "full captures": 1, "full replays": 1, "eager:first sight": 1, "captures": 1,
+                                      "replays": 26}
     # every confirmed synchronisation comes right after the launch of the forward it confirms; the block's last
     # steps fill the inputs and launch nothing; after a synchronisation the next step's first runner call is the plan
     # of the forward after it (the refresh plans too): nothing is launched or filled before it
