@@ -9,6 +9,13 @@ more than on a trained model).
     python benchmarks/bench_caches.py                        # GPU: 12 layers, width 1024, prompt 512, gen 256
     python benchmarks/bench_caches.py                        # CPU: 2 layers, width 256, prompt 64, gen 64 (minutes)
     python benchmarks/bench_caches.py --layers 8 --width 4096 --mlp 12288 --vocab 126464 --batch 1   # LLaDA-8B's layer
+    python benchmarks/bench_caches.py --checkpoint /path/to/LLaDA-8B-Instruct --batch 1   # trained weights
+
+Random weights are not trained ones: Elastic-Cache's attention-drift test, which decides how many layers recompute
+every row, fires at nearly every step on them (a trained model's attention changes little from step to step), and
+staleness shows in the tokens. ``--checkpoint`` (a local LLaDA- or Dream-format directory, or a bundled name such as
+``llada-tiny``) times the caches on a trained model instead, its prompts the synthetic tasks' (chat template applied,
+their own lengths; the shape options do not apply).
 
 The model runs as ``load_model`` runs it: the fast layer on CUDA (``--fast auto``), CUDA graphs for the cached
 steps (``GenerateConfig.graphs="auto"``). Before its timed run each cache decodes the same prompts with three steps
@@ -25,12 +32,14 @@ import json
 import time
 
 import torch
-from _common import positive, print_table, random_llada, write_json
+from _common import positive, print_table, random_llada, task_prompts, write_json
 
-from dllm import generate, get_sampler
+from dllm import generate, get_sampler, load_model
+from dllm.assets import model_path
 from dllm.caches import CACHES, get_cache
 from dllm.models import Transformer, TransformerConfig
 from dllm.models.fast import enable_fast_path, wants_fast
+from dllm.models.loading import checkpoint_block_size
 
 
 def build(layers: int, width: int, heads: int, vocab: int, max_len: int, device, dtype,
@@ -57,6 +66,20 @@ def check_layout(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     unknown = [c for c in a.caches if c not in CACHES]
     if unknown:
         p.error(f"--caches: unknown {', '.join(unknown)}; choose from {', '.join(c for c in CACHES if c != 'block')}")
+    if a.checkpoint is not None:
+        given = [f"--{n}" for n in ("layers", "width", "heads", "mlp", "prompt") if getattr(a, n) is not None]
+        if a.vocab_given:
+            given.append("--vocab")
+        if given:
+            p.error(f"--checkpoint {a.checkpoint}: the checkpoint sets the model's shape and the prompts are the "
+                    f"synthetic tasks'; drop {', '.join(given)}")
+        try:  # from config.json alone, before any weight is read
+            block_size = checkpoint_block_size(model_path(a.checkpoint))
+        except (OSError, ValueError) as e:
+            p.error(f"--checkpoint {a.checkpoint}: {e}")
+        if block_size:
+            p.error(f"--checkpoint {a.checkpoint} is a block-diffusion checkpoint (its cache is 'block', "
+                    "bench_blockdiff.py times it); give a LLaDA- or Dream-format one")
     if "block" in a.caches:
         p.error("--caches block: 'block' is the exact cache of block-diffusion checkpoints (e.g. SDAR) and this "
                 "benchmark's model is LLaDA-shaped; choose from "
@@ -69,7 +92,10 @@ def main(argv=None):
     p.add_argument("--width", type=positive, default=None, help="default 1024 on GPU, 256 on CPU")
     p.add_argument("--heads", type=int, default=None, help="default width // 64")
     p.add_argument("--mlp", type=int, default=None, help="MLP width (default 8/3 of the width, rounded up to 64)")
-    p.add_argument("--vocab", type=positive, default=4096)
+    p.add_argument("--vocab", type=positive, default=None, help="default 4096")
+    p.add_argument("--checkpoint", default=None,
+                   help="a trained LLaDA- or Dream-format checkpoint (local directory or bundled name) in place of the "
+                        "random-weight model")
     p.add_argument("--prompt", type=positive, default=None, help="default 512 on GPU, 64 on CPU")
     p.add_argument("--gen", type=positive, default=None, help="default 256 on GPU, 64 on CPU")
     p.add_argument("--block", type=positive, default=32)
@@ -88,35 +114,50 @@ def main(argv=None):
                         "so captured; 0 on CPU)")
     p.add_argument("--json", default=None, help="also write the rows here")
     a = p.parse_args(argv)
+    a.vocab_given = a.vocab is not None
     gpu = a.device == "cuda"
     if a.warmup is None:
         a.warmup = 2 if gpu else 0
     if a.warmup < 0:
         p.error(f"--warmup {a.warmup}: give 0 or more whole generations")
     for name, on_gpu, on_cpu in (("layers", 12, 2), ("width", 1024, 256), ("prompt", 512, 64), ("gen", 256, 64)):
-        if getattr(a, name) is None:  # a GPU-sized run, or one the CPU finishes in minutes
-            setattr(a, name, on_gpu if gpu else on_cpu)
+        if getattr(a, name) is None and (a.checkpoint is None or name == "gen"):
+            setattr(a, name, on_gpu if gpu else on_cpu)  # a GPU-sized run, or one the CPU finishes in minutes
+    a.vocab = 4096 if a.vocab is None else a.vocab
     a.steps = a.gen if a.steps is None else a.steps
     check_layout(p, a)
     if a.threads:
         torch.set_num_threads(a.threads)
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if a.device == "cuda" else torch.float32)
-    model = build(a.layers, a.width, a.heads or max(a.width // 64, 1), a.vocab, a.prompt + a.gen, a.device, dtype,
-                  a.mlp)
-    fast = wants_fast({"on": True, "off": False}.get(a.fast, a.fast), model)
-    if fast:
-        enable_fast_path(model)
+    fast_opt = {"on": True, "off": False}.get(a.fast, a.fast)
+    if a.checkpoint is not None:
+        model = load_model(a.checkpoint, dtype=dtype, device=a.device, fast=fast_opt)
+        fast = model.fast_path
+        a.layers, a.width = model.config.n_layers, model.config.d_model
+    else:
+        model = build(a.layers, a.width, a.heads or max(a.width // 64, 1), a.vocab, a.prompt + a.gen, a.device,
+                      dtype, a.mlp)
+        fast = wants_fast(fast_opt, model)
+        if fast:
+            enable_fast_path(model)
     L = a.layers
-    print(f"model: {L} layers, width {a.width}, {sum(t.numel() for t in model.parameters()) / 1e6:.1f}M params, "
-          f"{dtype}, {a.device}, {'fast' if fast else 'published'} layer; prompt {a.prompt}, gen {a.gen}, block "
+    prompt_text = "the synthetic tasks' prompts" if a.checkpoint is not None else f"prompt {a.prompt}"
+    print(f"model: {a.checkpoint + ', ' if a.checkpoint else ''}{L} layers, width {a.width}, "
+          f"{sum(t.numel() for t in model.parameters()) / 1e6:.1f}M params, "
+          f"{dtype}, {a.device}, {'fast' if fast else 'published'} layer; {prompt_text}, gen {a.gen}, block "
           f"{a.block}, steps {a.steps} "
           f"(LLaDA even quota: every cache does {a.steps} forwards)")
     rows = []
     for B in a.batch:
-        g = torch.Generator().manual_seed(B)
-        prompts = torch.randint(3, a.vocab - 1, (B, a.prompt), generator=g)
+        if a.checkpoint is not None:  # a trained model's prompts: text, of different lengths
+            prompts = task_prompts(B, 9000 + B)
+            first = prompts[:1]
+        else:
+            g = torch.Generator().manual_seed(B)
+            prompts = torch.randint(3, a.vocab - 1, (B, a.prompt), generator=g)
+            first = prompts[:, :64]
         kw = dict(gen_length=a.gen, block_length=a.block, steps=a.steps, sampler=get_sampler("llada"))
-        generate(model, prompts[:, :64], **{**kw, "gen_length": a.block, "steps": a.block // (a.gen // a.steps)})
+        generate(model, first, **{**kw, "gen_length": a.block, "steps": a.block // (a.gen // a.steps)})
         base_t, base_seq = None, None
         # every block, three steps each: every block's shapes seen twice (a graph is captured the second time)
         warm = {**kw, "steps": 3 * (a.gen // a.block)}

@@ -11,8 +11,8 @@ own buffers" is the runner without either.
 
 An evaluation's loop: ``--calls`` calls of ``--batch`` prompts each (synthetic task prompts of different lengths),
 per sampler and cache, on one runner per configuration, bucketed and exact. Printed per configuration: forwards,
-full forwards (eager by design), first sights (eager, a key seen once), captures, replays, the replayed share of
-the cached forwards, graphs kept at the end (the runner's entries holding a captured graph, on the CPU its
+full forwards (the first of each call eager, the others from graphs of their own), first sights (eager, a key
+seen once), captures, replays, the replayed share of the cached forwards (these four of the partial forwards), graphs kept at the end (the runner's entries holding a captured graph, on the CPU its
 static-buffer stand-in: shape keys seen once and never captured are not counted), evictions, whether the tokens
 are the eager path's, and seconds (on the CPU the runner's static-buffer path without capture: counts only, the
 time is no GPU figure; on CUDA real graphs, the time of the whole loop with the card named).
@@ -66,7 +66,8 @@ def run(model, sampler: str, cache: str, batch: int, calls: int, gen: int, block
         if saved is not None:
             model.__dict__["_dllm_graphs"] = saved
     s = runner.stats if runner is not None else {}
-    full = s.get("eager:full forward", 0)
+    # full forwards, eager or from their own graphs (GraphRunner.full); the rest are the cached steps' partial forwards
+    full = sum(v for k, v in s.items() if k.startswith(("eager:full forward", "full ")))
     cached = nfe - full
     row = {"sampler": sampler, "cache": cache, "batch": batch, "calls": calls,
            "shapes": "eager" if buckets is None else ("bucketed, pooled" if buckets else "exact, own buffers"),
@@ -78,7 +79,7 @@ def run(model, sampler: str, cache: str, batch: int, calls: int, gen: int, block
            "graphs": sum(g.captured and not g.failed for g in runner.graphs.values()) if runner is not None else 0,
            "keys": len(runner.graphs) if runner is not None else 0, "evicted": s.get("evicted", 0),
            "other_eager": sum(v for k, v in s.items() if k.startswith("eager:")
-                              and k not in ("eager:full forward", "eager:first sight")),
+                              and not k.startswith("eager:full forward") and k != "eager:first sight"),
            "s": round(dt, 3)}
     return row, seqs
 

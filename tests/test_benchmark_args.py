@@ -175,6 +175,28 @@ def test_bench_caches_refuses_a_negative_warmup():
     assert "--warmup -1" in err and "0 or more" in err
 
 
+def test_bench_caches_refuses_shape_options_with_a_checkpoint_and_block_diffusion_checkpoints():
+    err = refused("bench_caches.py", "--checkpoint", "llada-tiny", "--layers", "4", "--vocab", "100")
+    assert "--checkpoint llada-tiny" in err and "drop --layers, --vocab" in err
+    err = refused("bench_caches.py", "--checkpoint", "sdar-tiny", "--caches", "dual", "--gen", "32")
+    assert "block-diffusion checkpoint" in err and "bench_blockdiff.py" in err
+    err = refused("bench_caches.py", "--checkpoint", "/nonexistent/model")
+    assert "/nonexistent/model" in err and "does not exist" in err
+
+
+def test_bench_caches_times_the_caches_on_a_trained_checkpoint(tmp_path):
+    """``--checkpoint``: the caches on trained weights (the bundled tiny model), prompts the synthetic tasks'. There
+    Elastic-Cache's drift test leaves the layers in reuse mode: one full forward (the first), unlike random weights."""
+    out = tmp_path / "caches.json"
+    p = bench("bench_caches.py", "--checkpoint", "llada-tiny", "--batch", "1", "--caches", "elastic", "--gen", "32",
+              "--block", "16", "--json", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "model: llada-tiny, 4 layers, width 64" in p.stdout and "the synthetic tasks' prompts" in p.stdout
+    rows = {r["cache"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"none", "elastic"} and rows["elastic"]["nfe"] == 32
+    assert rows["elastic"]["full_refreshes"] == 1 and rows["elastic"]["token_layers"] < 0.6, rows["elastic"]
+
+
 def test_bench_caches_refuses_the_block_cache():
     err = refused("bench_caches.py", "--caches", "none", "block")
     assert "block-diffusion" in err and "LLaDA-shaped" in err
