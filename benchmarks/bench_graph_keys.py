@@ -12,8 +12,10 @@ own buffers" is the runner without either.
 An evaluation's loop: ``--calls`` calls of ``--batch`` prompts each (synthetic task prompts of different lengths),
 per sampler and cache, on one runner per configuration, bucketed and exact. Printed per configuration: forwards,
 full forwards (the first of each call eager, the others from graphs of their own), first sights (eager, a key
-seen once), captures, replays, the replayed share of the cached forwards (these four of the partial forwards), graphs kept at the end (the runner's entries holding a captured graph, on the CPU its
-static-buffer stand-in: shape keys seen once and never captured are not counted), evictions, whether the tokens
+seen once), captures, replays, the replayed share of the cached forwards (these four of the partial forwards),
+the partial forwards' graphs kept at the end (the runner's entries holding a captured graph, on the CPU its
+static-buffer stand-in: shape keys seen once and never captured are not counted; the JSON's ``full_graphs``: the
+full forwards'), evictions, whether the tokens
 are the eager path's, and seconds (on the CPU the runner's static-buffer path without capture: counts only, the
 time is no GPU figure; on CUDA real graphs, the time of the whole loop with the card named).
 
@@ -76,7 +78,10 @@ def run(model, sampler: str, cache: str, batch: int, calls: int, gen: int, block
            "replays": s.get("replays", 0), "replayed": round(s.get("replays", 0) / cached, 3) if cached else 0.0,
            # graphs kept: the runner's entries that hold a graph (captured; on the CPU the static-buffer path's
            # stand-in), not the shape keys seen once and never captured
-           "graphs": sum(g.captured and not g.failed for g in runner.graphs.values()) if runner is not None else 0,
+           "graphs": sum(g.captured and not g.failed and g.query_idx is not None for g in runner.graphs.values())
+           if runner is not None else 0,
+           "full_graphs": sum(g.captured and not g.failed and g.query_idx is None for g in runner.graphs.values())
+           if runner is not None else 0,  # the full forwards' own graphs
            "keys": len(runner.graphs) if runner is not None else 0, "evicted": s.get("evicted", 0),
            "other_eager": sum(v for k, v in s.items() if k.startswith("eager:")
                               and not k.startswith("eager:full forward") and k != "eager:first sight"),

@@ -209,9 +209,9 @@ def count_step(a, dec, st, steps: int = 4):
 
 
 def host_gap(dec, st, steps: int) -> float | None:
-    """Median microseconds of host time from a cached step's synchronisation (the host's read of the step's numbers)
-    to the launch of the next forward's graph, over ``steps`` more steps (None without a graph replayed after a
-    synchronisation: no cache, or the eager path). On a GPU the device waits for that long at every step; on the CPU
+    """Median microseconds of host time from a step's synchronisation (the host's read of the step's numbers) to the
+    launch of the next forward's graph, over ``steps`` more steps (None without a graph replayed after a
+    synchronisation: the eager path; without a cache the full forwards' graphs count). On a GPU the device waits for that long at every step; on the CPU
     (the static-buffer path: the "launch" is the forward's start) it is the same host work. A forward launched before
     the synchronisation (``Decoder._sync``) counts 0: the device went on to it without waiting for the host."""
     if dec.graphs is None:

@@ -330,22 +330,7 @@ class GraphRunner:
                 self.graphs.move_to_end(key)
             self._touch(g, cache)
             self._fill_inputs(g, live)
-            if g.failed:
-                self.stats["eager:full forward, capture failed"] += 1
-                out = self._forward(g, cache)
-            elif not g.captured and g.seen < self.capture_after:
-                self.stats["eager:full forward, first sight"] += 1
-                out = self._forward(g, cache)
-            elif not g.captured:
-                out = self._capture(g, cache)
-                self.stats["full captures"] += 1
-            else:
-                self.stats["full replays"] += 1
-                if g.graph is None:  # capture=False: the same forward on the same static buffers
-                    out = self._forward(g, cache)
-                else:
-                    g.graph.replay()
-                    out = g.out.clone()
+            out = self._go(g, cache, B, W, full=True)
             if kv:
                 cache.filled = True
             return out
@@ -401,21 +386,29 @@ class GraphRunner:
             self.graphs.move_to_end(key)
         self._touch(g, cache)
         self._fill_inputs(g, live)
+        return self._go(g, cache, B, W)
+
+    def _go(self, g: _Graph, cache, B: int, W: int, full: bool = False) -> torch.Tensor:
+        """The logits of graph ``g``'s forward (its inputs filled): eager where its capture failed or its key was not
+        seen often enough yet (on the static buffers), else captured now or replayed; counted in :attr:`stats` under
+        the partial forwards' names or (``full``) the full forwards'."""
+        eager, captures, replays = ("eager:full forward, ", "full captures", "full replays") if full else \
+            ("eager:", "captures", "replays")
         if g.failed:
-            self.stats["eager:capture failed"] += 1
+            self.stats[eager + "capture failed"] += 1
             return _narrow(self._forward(g, cache), B, W)
         if not g.captured and g.seen < self.capture_after:  # not seen often enough yet: eager on the static buffers
-            self.stats["eager:first sight"] += 1
+            self.stats[eager + "first sight"] += 1
             return _narrow(self._forward(g, cache), B, W)
         if not g.captured:
             out = self._capture(g, cache)
-            self.stats["captures"] += 1
+            self.stats[captures] += 1
             return _narrow(out, B, W)
-        return self._run(g, cache, B, W)
+        return self._run(g, cache, B, W, name=replays)
 
-    def _run(self, g: _Graph, cache, B: int, W: int, count: bool = True) -> torch.Tensor:
+    def _run(self, g: _Graph, cache, B: int, W: int, count: bool = True, name: str = "replays") -> torch.Tensor:
         if count:
-            self.stats["replays"] += 1
+            self.stats[name] += 1
         if g.graph is None:  # capture=False: the same forward on the same static buffers
             return _narrow(self._forward(g, cache), B, W)
         g.graph.replay()
