@@ -39,7 +39,8 @@ few hundred kernel launches.
 * a full forward (every step without a cache, a cache's refreshes) is a graph of its own (:meth:`GraphRunner.full`):
   keyed by its exact shapes and, with a cache, the K/V buffers it writes in place, captured the second time it is
   seen. Without a cache the canvas is not rounded up (each step of a generation has one shape; padding would cost
-  every step of a full forward). A cache's first forward of a call takes its buffers from the pool, eagerly;
+  every step of a full forward), so at most ``max_full_graphs`` (4) full-forward graphs are kept, the least recently
+  used dropped. A cache's first forward of a call takes its buffers from the pool, eagerly;
 * caches with per-layer hooks (Elastic-Cache's ``layer_input`` / ``observe``) or writes of their own, classifier-free
   guidance, mixtures of experts and models other than dllm's own Transformer run eagerly; :attr:`GraphRunner.stats`
   counts replays, captures (``full replays`` / ``full captures`` for full forwards) and each eager reason
@@ -156,12 +157,16 @@ class GraphRunner:
 
     ``capture``: capture CUDA graphs (default: whether the model is on a CUDA device); ``False`` runs the same
     static-buffer path without capturing (the CPU twin). ``capture_after``: how many times a shape must be seen
-    before it is captured (2: the second time). ``max_graphs``: graphs kept per runner."""
+    before it is captured (2: the second time). ``max_graphs``: graphs kept per runner; ``max_full_graphs``: of
+    those, full forwards' (their canvases are not rounded up, so an evaluation's prompts of many lengths would
+    otherwise keep a graph, and its ``[B, W, V]`` logits, per canvas length)."""
 
     def __init__(self, model, capture: bool | None = None, capture_after: int = 2, max_graphs: int = 32,
-                 buckets: bool = True):
-        if capture_after < 1 or max_graphs < 1:
-            raise ValueError(f"capture_after ({capture_after}) and max_graphs ({max_graphs}) must be >= 1")
+                 buckets: bool = True, max_full_graphs: int = 4):
+        if capture_after < 1 or max_graphs < 1 or max_full_graphs < 1:
+            raise ValueError(f"capture_after ({capture_after}), max_graphs ({max_graphs}) and max_full_graphs "
+                             f"({max_full_graphs}) must be >= 1")
+        self.max_full_graphs = max_full_graphs
         self.model = model
         self.capture = (model.device.type == "cuda") if capture is None else bool(capture)
         if self.capture and model.device.type != "cuda":
@@ -456,6 +461,10 @@ class GraphRunner:
     def _evict(self) -> None:
         while len(self.graphs) > self.max_graphs:
             self.graphs.popitem(last=False)
+            self.stats["evicted"] += 1
+        full = [k for k in self.graphs if k[0] == "full"]  # least recently used first
+        for k in full[:max(len(full) - self.max_full_graphs, 0)]:
+            del self.graphs[k]
             self.stats["evicted"] += 1
 
     def clear(self) -> None:

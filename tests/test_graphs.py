@@ -279,6 +279,12 @@ def test_full_forwards_go_through_graphs_without_a_cache_and_for_refreshes(famil
         assert g.get("eager:full forward, first sight", 0) + g.get("full captures", 0) + g["full replays"] \
             == fulls - 1 and g["full replays"] >= 1
         assert torch.equal(refreshing.sequences, _gen(model, "dkv-greedy", "off", "threshold", **kw).sequences)
+    with own_runner(model, max_full_graphs=1) as runner:  # canvases of other lengths: the full graphs make way
+        for n in (1, 2, 3):
+            _gen(model, "none", "on", "llada", prompts=ragged_prompts(n, 2), **kw)
+        full = [key for key in runner.graphs if key[0] == "full"]
+        assert len(full) == 1 and full[0][1][1] == max(len(p) for p in ragged_prompts(3, 2)) + 32
+        assert runner.stats["evicted"] == 2
     with own_runner(model, capture_after=1) as runner:
         cache = get_cache("prefix")
         _gen(model, cache, "on", "llada", **kw)
@@ -305,6 +311,8 @@ def test_graph_options_are_checked():
         GraphRunner(model, capture=True)
     with pytest.raises(ValueError, match="capture_after"):
         GraphRunner(model, capture=False, capture_after=0)
+    with pytest.raises(ValueError, match="max_full_graphs"):
+        GraphRunner(model, capture=False, max_full_graphs=0)
     assert GraphRunner.for_model(model, "auto") is None  # CPU: off
     assert GraphRunner.for_model(model, "off") is None
 
