@@ -6,8 +6,8 @@ import math
 import numbers
 from dataclasses import dataclass
 
-#: ``GenerateConfig.graphs``: CUDA graphs for the forwards of the decode loop (``auto``: on CUDA devices, ``on``: also the
-#: static-buffer path without capture off CUDA, ``off``: eager forwards only); see :mod:`dllm.graphs`
+#: ``GenerateConfig.graphs``: CUDA graphs for the forwards of the decode loop (``auto``: on CUDA devices, ``on``:
+#: also the static-buffer path without capture off CUDA, ``off``: eager forwards only); see :mod:`dllm.graphs`
 GRAPH_MODES = ("auto", "on", "off")
 
 
