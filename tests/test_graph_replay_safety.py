@@ -287,6 +287,20 @@ def test_triton_fast_layer_graph_forwards_replay_what_they_captured(family, cach
 
 
 @needs_triton
+def test_triton_fast_layer_full_forward_graphs_replay_what_they_captured(triton_backend):
+    """Full forwards (no cache) through the fast layer's Triton kernels (interpreter): every query row attends."""
+    model = enable_fast_path(dllm.load_model("llada-tiny"))
+    sampler = get_sampler("llada", fused="off")
+    rec = decode_traced(model, "none", sampler, SHORT[1], gen_length=4, block_length=4, chat_template=False)
+    assert_replay_safe(rec, across_calls=False)
+    full = [runs for g, runs in rec.graphs.values() if g.query_idx is None and len(runs) >= 2]
+    assert full
+    launched = {n for runs in full for n in runs[0].trace.names() if n.startswith("triton.")}
+    assert {"triton._norm_kernel", "triton._rope_kernel", "triton._silu_mul_kernel", "triton._attn_fwd"} <= launched, \
+        launched
+
+
+@needs_triton
 def test_triton_splitk_attention_graph_forwards_replay_what_they_captured(triton_backend, splitk):
     """The published layer with the Triton split-K attention (the kernel float32 runs on a GPU), ragged rows."""
     _triton_case("dream", "prefix", False, 2, {"triton._attn_splitk"})
