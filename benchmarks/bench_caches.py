@@ -67,9 +67,7 @@ def check_layout(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if unknown:
         p.error(f"--caches: unknown {', '.join(unknown)}; choose from {', '.join(c for c in CACHES if c != 'block')}")
     if a.checkpoint is not None:
-        given = [f"--{n}" for n in ("layers", "width", "heads", "mlp", "prompt") if getattr(a, n) is not None]
-        if a.vocab_given:
-            given.append("--vocab")
+        given = [f"--{n}" for n in ("layers", "width", "heads", "mlp", "prompt", "vocab") if getattr(a, n) is not None]
         if given:
             p.error(f"--checkpoint {a.checkpoint}: the checkpoint sets the model's shape and the prompts are the "
                     f"synthetic tasks'; drop {', '.join(given)}")
@@ -114,7 +112,6 @@ def main(argv=None):
                         "so captured; 0 on CPU)")
     p.add_argument("--json", default=None, help="also write the rows here")
     a = p.parse_args(argv)
-    a.vocab_given = a.vocab is not None
     gpu = a.device == "cuda"
     if a.warmup is None:
         a.warmup = 2 if gpu else 0
@@ -123,9 +120,9 @@ def main(argv=None):
     for name, on_gpu, on_cpu in (("layers", 12, 2), ("width", 1024, 256), ("prompt", 512, 64), ("gen", 256, 64)):
         if getattr(a, name) is None and (a.checkpoint is None or name == "gen"):
             setattr(a, name, on_gpu if gpu else on_cpu)  # a GPU-sized run, or one the CPU finishes in minutes
-    a.vocab = 4096 if a.vocab is None else a.vocab
     a.steps = a.gen if a.steps is None else a.steps
     check_layout(p, a)
+    a.vocab = 4096 if a.vocab is None else a.vocab
     if a.threads:
         torch.set_num_threads(a.threads)
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if a.device == "cuda" else torch.float32)

@@ -22,8 +22,9 @@ synchronisation, not before it; ``compile``: ``torch.compile`` of the model) it 
 
 ``--e2e`` adds whole generations (``--prompt`` / ``--gen``: 512 and 256 on a GPU by default, batch 1) with no cache,
 prefix and dual cache (and the dual cache with each next forward launched after the synchronisation, and no cache
-with every forward eager, ``none-eager``) and the speed-up of each over none (its full forwards from graphs on CUDA); ``--breakdown`` (CUDA) the kernels that take a full forward's and a cached step's
-device time, published layer against fast layer; ``--fastdllm DIR`` (a checkout of NVlabs/Fast-dLLM, its ``llada`` folder with
+with every forward eager, ``none-eager``) and the speed-up of each over none (its full forwards from graphs on
+CUDA); ``--breakdown`` (CUDA) the kernels that take a full forward's and a cached step's device time, published
+layer against fast layer; ``--fastdllm DIR`` (a checkout of NVlabs/Fast-dLLM, its ``llada`` folder with
 ``generate.py`` and ``model/``) times Fast-dLLM's own ``generate_with_dual_cache`` on the same weights and steps;
 ``--packing`` one partial forward of a batch of 16 rows out of step (one row refreshing its whole canvas, the others
 computing their block of the dual cache), padded (every row computes the whole canvas) against packed
@@ -211,8 +212,9 @@ def count_step(a, dec, st, steps: int = 4):
 def host_gap(dec, st, steps: int) -> float | None:
     """Median microseconds of host time from a step's synchronisation (the host's read of the step's numbers) to the
     launch of the next forward's graph, over ``steps`` more steps (None without a graph replayed after a
-    synchronisation: the eager path; without a cache the full forwards' graphs count). On a GPU the device waits for that long at every step; on the CPU
-    (the static-buffer path: the "launch" is the forward's start) it is the same host work. A forward launched before
+    synchronisation: the eager path; without a cache the full forwards' graphs count). On a GPU the device waits for
+    that long at every step; on the CPU (the static-buffer path: the "launch" is the forward's start) it is the same
+    host work. A forward launched before
     the synchronisation (``Decoder._sync``) counts 0: the device went on to it without waiting for the host."""
     if dec.graphs is None:
         return None
@@ -493,7 +495,8 @@ def main(argv=None):
     p.add_argument("--block", type=int, default=None, help="default 32 on GPU, 8 on CPU")
     p.add_argument("--blocks", type=int, default=1, help="blocks timed per cached setting (after one warm-up)")
     p.add_argument("--none-steps", type=int, default=4, help="steps timed without a cache")
-    p.add_argument("--e2e", action="store_true", help="whole generations: none / dual / prefix / dual-late / none-eager, batch 1")
+    p.add_argument("--e2e", action="store_true",
+                   help="whole generations: none / dual / prefix / dual-late / none-eager, batch 1")
     p.add_argument("--fastdllm", default=None, help="a Fast-dLLM checkout: time its generate_with_dual_cache")
     p.add_argument("--packing", action="store_true",
                    help="one partial forward of 16 rows out of step, padded against packed (query_tokens)")

@@ -257,18 +257,12 @@ class GraphRunner:
         through graphs (:meth:`full`), every forward without a cache (``NoCache``) and a K/V cache's refreshes
         once it holds its buffers. A cache whose forward runs code of its own (per-layer hooks, its own ``update``:
         state a replay would not update) runs its full forwards eagerly."""
-        reason = self._model_reason(cfg)
-        if reason is not None:
-            return reason
         if isinstance(cache, NoCache):
-            return None
-        if not isinstance(cache, KVCache):
-            return "cache without K/V buffers"
-        if cache.layer_input is not None or cache.observe is not None:
-            return "cache with per-layer hooks"
-        if type(cache).update is not KVCache.update:
+            return self._model_reason(cfg)
+        reason = self.setting_reason(cache, cfg)
+        if reason is None and type(cache).update is not KVCache.update:
             return "cache with writes of its own"
-        return None
+        return reason
 
     # -- the step ---------------------------------------------------------------------------------------------
     def __call__(self, x, positions, key_mask, logits_idx, cache, query_idx, query_tokens=None) -> torch.Tensor:
