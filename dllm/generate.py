@@ -463,6 +463,8 @@ class Decoder:
         self.graphed = self.graphs is not None and self._eager_setting is None
         if self.graphed:
             cache.buckets, cache.pool = self.graphs.buckets, self.graphs.buffers
+            if cache.can_speculate:  # its partial forwards run without host synchronisation, redone where needed
+                cache.speculative = True
         # the next partial forward planned and made ready before each step's synchronisation (_prepare_next): the graph
         # path, a cache that plans through KVCache.plan from the decode state alone, a window no sampler widens
         self._pipelined = (self.graphed and self.widen is None and type(cache).plan is KVCache.plan
@@ -611,6 +613,9 @@ class Decoder:
                 logits = runner.full(x, st.positions, st.key_mask, cols.expand(B, -1), cache)
             if logits is None and runner is not None and eager is None:
                 logits = runner(x, st.positions, st.key_mask, cols.expand(B, -1), cache, query_idx, n_query)
+                start = cache.redo_plan() if query_idx is not None and cache.speculative else None
+                if start is not None:  # a speculative forward whose drift test failed: redone from the layer after
+                    logits = runner.redo(x, st.positions, st.key_mask, cols.expand(B, -1), cache, query_idx, start)
             elif logits is None:
                 if eager is not None:
                     runner.stats["eager:" + eager] += 1

@@ -78,12 +78,13 @@ class BufferPool:
     """K/V buffers lent to the caches of a model's graph path, so that the caches of successive ``generate`` calls
     (a fresh cache object per call) write into the same memory: the graphs captured on one call's buffers replay on
     the next call's. A cache takes a buffer of a shape (:meth:`take`, the oldest free one of that shape: a cache
-    that gives its buffers back in layer order takes the same ones again in that order) and gives its buffers back
-    when its generation ends (:meth:`give`); a buffer is lent to one cache at a time. Free buffers are kept for the
-    ``max_shapes`` shapes given back last (the others are freed)."""
+    that gives its buffers back in the order it took them takes the same ones again in that order) and gives its
+    buffers back when its generation ends (:meth:`give`); a buffer is lent to one cache at a time. Free buffers are
+    kept for the ``max_shapes`` shapes given back last (the others are freed), and small ones (under ``small``
+    bytes: a policy's per-step state, e.g. Elastic-Cache's) for the ``max_small`` small shapes given back last."""
 
-    def __init__(self, max_shapes: int = 4):
-        self.max_shapes = max_shapes
+    def __init__(self, max_shapes: int = 4, max_small: int = 64, small: int = 1 << 20):
+        self.max_shapes, self.max_small, self.small = max_shapes, max_small, small
         self.free: OrderedDict[tuple, deque] = OrderedDict()
         self.lock = threading.Lock()
 
@@ -106,8 +107,17 @@ class BufferPool:
                 key = (tuple(t.shape), t.dtype, t.device)
                 self.free.setdefault(key, deque()).append(t)
                 self.free.move_to_end(key)
-            while len(self.free) > self.max_shapes:
-                self.free.popitem(last=False)
+            for small, most in ((False, self.max_shapes), (True, self.max_small)):
+                keys = [k for k in self.free if self._small(k) == small]  # the least recently given first
+                for k in keys[:max(len(keys) - most, 0)]:
+                    del self.free[k]
+
+    def _small(self, key) -> bool:
+        shape, dtype = key[0], key[1]
+        n = 1
+        for d in shape:
+            n *= d
+        return n * dtype.itemsize < self.small
 
     def clear(self) -> None:
         """Free the free buffers."""
@@ -139,6 +149,7 @@ class _Graph:
     seen: int = 0
     failed: bool = False  # the capture raised: this shape stays eager
     query_tokens: int | None = None  # the active rows without padding (part of the key: it sets shapes)
+    start: int = 0  # a partial forward resumed at this layer (a speculative cache's redo, GraphRunner.redo)
 
 
 @dataclass
@@ -248,7 +259,7 @@ class GraphRunner:
             return reason
         if not isinstance(cache, KVCache):
             return "cache without K/V buffers"
-        if cache.layer_input is not None or cache.observe is not None:
+        if (cache.layer_input is not None or cache.observe is not None) and not cache.can_speculate:
             return "cache with per-layer hooks"
         return None
 
@@ -260,6 +271,8 @@ class GraphRunner:
         if isinstance(cache, NoCache):
             return self._model_reason(cfg)
         reason = self.setting_reason(cache, cfg)
+        if reason is None and (cache.layer_input is not None or cache.observe is not None):
+            return "cache with per-layer hooks"
         if reason is None and type(cache).update is not KVCache.update:
             return "cache with writes of its own"
         return reason
@@ -329,7 +342,7 @@ class GraphRunner:
                 self.graphs.move_to_end(key)
             self._touch(g, cache)
             self._fill_inputs(g, live)
-            out = self._go(g, cache, B, W, full=True)
+            out = self._go(g, cache, B, W, kind="full")
             if kv:
                 cache.filled = True
             return out
@@ -346,9 +359,11 @@ class GraphRunner:
         # a cache whose writes are KVCache.update's touches nothing but its K/V buffers inside the forward: its
         # graphs are keyed by the buffers' addresses (any cache object holding them, e.g. the next call's, from
         # the pool); a policy with its own update (state of its own, captured by address) by the object too
-        owner_id = None if type(cache).update is KVCache.update else id(cache)
+        # (or, for a policy that speculates, by what its graph_key names: the state its hooks keep by address)
+        owner_id = None if type(cache).update is KVCache.update or cache.can_speculate else id(cache)
         key = ((Bb, *x.shape[1:]), query_idx.shape[1], Wb, key_mask is None, cache.read_cols is None,
-               bool(cache.sparse_logits), x.device, self._dtype, owner_id, _addresses(cache), query_tokens)
+               bool(cache.sparse_logits), x.device, self._dtype, owner_id, _addresses(cache), query_tokens,
+               cache.graph_key())
         live = (x, positions, key_mask, logits_idx, query_idx, cache.read_cols)
         return B, W, key, live, query_tokens
 
@@ -372,27 +387,39 @@ class GraphRunner:
         g.seen += 1
         self.last = (id(cache), g)
 
-    def _step(self, x, positions, key_mask, logits_idx, cache, query_idx, query_tokens) -> torch.Tensor:
+    def redo(self, x, positions, key_mask, logits_idx, cache, query_idx, start: int) -> torch.Tensor:
+        """Logits of a speculative cache's partial forward redone from layer ``start`` (``cache.redo_plan()`` said
+        where; ``model(..., query_idx=query_idx, start_layer=start)``), through a graph of its own: keyed like the
+        forward it redoes and by the redo's schedule (``cache.redo_key()``: the layer at which each row switches to
+        every row), captured the second time its key is seen. Counted as ``redo replays`` / ``redo captures`` /
+        ``eager:redo, ...``."""
+        with on_device(x):
+            return self._step(x, positions, key_mask, logits_idx, cache, query_idx, None, start)
+
+    def _step(self, x, positions, key_mask, logits_idx, cache, query_idx, query_tokens, start: int = 0
+              ) -> torch.Tensor:
         B, W, key, live, query_tokens = self._key(x, positions, key_mask, logits_idx, cache, query_idx, query_tokens)
+        Bb, Wb = key[0][0], key[2]
+        if start:
+            key = ("redo", start, cache.redo_key(), *key)
         g = self.graphs.get(key)
         if g is None:  # static buffers like the live inputs (dense, whatever their strides), at the bucket's sizes
-            Bb, Wb = key[0][0], key[2]
             shapes = [None if t is None else (Bb, Wb if t is logits_idx else t.shape[1]) for t in live]
             g = self.graphs[key] = _Graph(*(None if t is None else t.new_empty(n) for t, n in zip(live, shapes)),
-                                          query_tokens=query_tokens)
+                                          query_tokens=query_tokens, start=start)
             self._evict()
         else:
             self.graphs.move_to_end(key)
         self._touch(g, cache)
         self._fill_inputs(g, live)
-        return self._go(g, cache, B, W)
+        return self._go(g, cache, B, W, kind="redo" if start else "")
 
-    def _go(self, g: _Graph, cache, B: int, W: int, full: bool = False) -> torch.Tensor:
+    def _go(self, g: _Graph, cache, B: int, W: int, kind: str = "") -> torch.Tensor:
         """The logits of graph ``g``'s forward (its inputs filled): eager where its capture failed or its key was not
         seen often enough yet (on the static buffers), else captured now or replayed; counted in :attr:`stats` under
-        the partial forwards' names or (``full``) the full forwards'."""
-        eager, captures, replays = ("eager:full forward, ", "full captures", "full replays") if full else \
-            ("eager:", "captures", "replays")
+        the partial forwards' names or ``kind``'s (``full``: a full forward; ``redo``: a speculative cache's redo)."""
+        eager, captures, replays = ("eager:", "captures", "replays") if not kind else \
+            (f"eager:{'full forward' if kind == 'full' else kind}, ", f"{kind} captures", f"{kind} replays")
         if g.failed:
             self.stats[eager + "capture failed"] += 1
             return _narrow(self._forward(g, cache), B, W)
@@ -421,8 +448,9 @@ class GraphRunner:
         if g.x.shape[0] > (k[0].shape[0] if k else 0):  # a batch bucket: the forward reads and writes the buffers whole
             cache.k, cache.v = [storage_of(t) for t in k], [storage_of(t) for t in v]
         try:
+            kw = {"start_layer": g.start} if g.start else {}
             return self.model(g.x, positions=g.positions, attn_mask=g.key_mask, logits_idx=g.logits_idx,
-                              cache=cache, query_idx=g.query_idx, query_tokens=g.query_tokens)
+                              cache=cache, query_idx=g.query_idx, query_tokens=g.query_tokens, **kw)
         finally:
             cache.read_cols, cache.k, cache.v = live, k, v
 

@@ -33,6 +33,7 @@ from sync_counter import SyncCounter
 
 import dllm
 from dllm import kernels
+from dllm.caches import ElasticCache
 from dllm.graphs import GraphRunner
 from dllm.models.fast import enable_fast_path
 from dllm.models.transformer import Transformer
@@ -163,7 +164,8 @@ def decode_traced(model, cache: str, sampler, calls, gen_length=16, block_length
     with traced_graphs(model) as rec:
         for i, prompts in enumerate(calls):
             rec.call = i
-            dllm.generate(model, prompts, sampler=sampler, cache=cache, graphs="on", gen_length=gen_length,
+            dllm.generate(model, prompts, sampler=sampler, cache=cache() if callable(cache) else cache, graphs="on",
+                          gen_length=gen_length,
                           block_length=block_length, steps=gen_length, seed=1, **kw)
     return rec
 
@@ -221,6 +223,21 @@ def test_full_forward_graphs_replay_what_they_captured(family, fast):
         assert full, f"{cache}: no full forward replayed"
         if cache == "prefix":
             assert any(len({r.call for r in runs}) > 1 for runs in full)
+
+
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_elastic_speculative_forwards_and_redos_replay_what_they_captured(family, fast):
+    """Elastic-Cache on the graph path: its cached steps run speculatively (the hooks' per-step state in kept
+    buffers, the drift tests into a device buffer) and, where a drift test failed, are redone from a layer (graphs
+    of their own, keyed by each row's switch layer). Both kinds replay what they captured, across calls (the stored
+    inputs, queries and kept buffers come back from the pool in their roles). A strict threshold makes the tests
+    fail often enough on the trained models that redos replay."""
+    model = enable_fast_path(dllm.load_model(f"{family}-tiny")) if fast else bundled(family)
+    rec = decode_traced(model, lambda: ElasticCache(gamma=0.999), "threshold", TEXTS[3], gen_length=24)
+    assert_replay_safe(rec)
+    redos = [runs for g, runs in rec.graphs.values() if g.start and len(runs) >= 2]
+    assert redos, "no redo replayed"
 
 
 @pytest.mark.parametrize(("name", "cache"), [("sdar-tiny", "block"), ("fastdllm2-tiny", "block"),

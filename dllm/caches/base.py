@@ -208,6 +208,12 @@ class KVCache(CacheBase):
     #: :meth:`after_plan` (:attr:`plans_ahead`)
     pipelined: bool | None = None
 
+    #: True for a policy with per-layer hooks that can run a partial forward without host synchronisation once the
+    #: decode loop sets its ``speculative`` mode (Elastic-Cache): its cached steps then go through graphs, and after
+    #: each the decode loop asks ``redo_plan()`` whether to redo it from a layer (``Transformer.forward(start_layer=)``)
+    can_speculate = False
+    speculative = False
+
     def __init__(self, refresh_every: int | None = None):
         check_refresh_every(refresh_every)
         self.refresh_every = None if refresh_every is None else int(refresh_every)
@@ -355,6 +361,11 @@ class KVCache(CacheBase):
         kb.scatter_(2, idx, k)
         vb.scatter_(2, idx, v)
         return kb, vb
+
+    def graph_key(self) -> tuple:
+        """What a graph of a partial forward with this cache reads by address or branches on besides the K/V buffers
+        and the forward's static inputs (part of the graph's key; here nothing)."""
+        return ()
 
     def release(self) -> None:
         """Give the K/V buffers back to :attr:`pool` (the decode loop does at the end of a generation on the graph

@@ -11,6 +11,17 @@ per layer, the ``track_num`` decoded (or prompt) keys with the largest attention
 queries, unioned over layers. Everything is decided per row: each row has its own window, tracked tokens,
 drift test and refresh layer, so a row's output is the same alone or in any batch (up to the float rounding
 of a sum over a padded set of queries in a ragged batch).
+
+On the graph path (:attr:`ElasticCache.speculative`, set by the decode loop where the cached steps replay CUDA
+graphs) a partial forward does not decide inside itself: it runs every layer on its planned rows with no host
+synchronisation, each layer's drift test writing into a device buffer, and the per-step state its hooks read lives
+in buffers that keep their addresses. One synchronisation after it reads the first failing layer of each row
+(:meth:`ElasticCache.redo_plan`); where a test failed, the forward is redone from the layer after the first failure
+(``Transformer.forward(start_layer=...)``) on the layer inputs stored for it, each row switching to every row at the
+layer the eager forward would have switched it at (known now; no test runs again). What the speculative layers
+after the failure wrote is overwritten by the redo: a refreshing row's later layers rewrite every row. The same
+decisions and tokens as the eager forward (the drift test's mean runs over a fixed-width set of tracked tokens,
+padding masked out).
 """
 
 from __future__ import annotations
@@ -20,7 +31,7 @@ import math
 import torch
 
 from dllm import kernels
-from dllm.caches.base import KVCache, logit_rows, rows_from_mask
+from dllm.caches.base import KVCache, logit_rows, padded_rows, rows_from_mask
 from dllm.ops import check_int, check_range, moved_rows
 
 
@@ -39,6 +50,22 @@ class ElasticCache(KVCache):
 
     name = "elastic"
     pipelined = False  # a plan keeps the tracked tokens and the drift test's state (after_plan)
+    #: its hooks can run a partial forward without host synchronisation (:attr:`speculative`, :meth:`redo_plan`)
+    can_speculate = True
+    #: the graph path's mode (the module docstring): partial forwards never switch inside, the drift tests go to a
+    #: device buffer and :meth:`redo_plan` says where to redo the forward from; the per-step state lives in
+    #: buffers that keep their addresses (from :attr:`pool` where it is set)
+    speculative = False
+
+    @property
+    def batch_buckets(self) -> bool:
+        """Always False: the per-row state (stored inputs and queries, tracked tokens) is sized to the batch, so the
+        K/V buffers are too (a batch bucket's spare rows would have none)."""
+        return False
+
+    @batch_buckets.setter
+    def batch_buckets(self, value) -> None:
+        pass
 
     def __init__(self, gamma: float = 0.9, track_num: int = 1, refresh_every: int | None = None):
         super().__init__(refresh_every)
@@ -55,6 +82,74 @@ class ElasticCache(KVCache):
         self.track = None  # [B, T] bool
         self._k_old = None
         self._switch = None  # [B] bool: rows whose drift test failed at the last layer (they refresh from the next)
+        # speculative mode: the per-step tensors the hooks read, in buffers that keep their addresses (by name, in
+        # the order first taken); whether the planned forward runs speculatively; the redo's (start layer, each
+        # row's switch layer, its window's (width, ragged)) or None
+        if not hasattr(self, "_kept"):
+            self._kept: dict[str, torch.Tensor] = {}
+        self._spec = False
+        self._redo = None
+
+    def _buffer_like(self, t: torch.Tensor) -> torch.Tensor:
+        """A buffer of ``t``'s shape for a stored layer input or query: from :attr:`pool` in speculative mode."""
+        if self.speculative:
+            return self._buffer(t.shape, t.dtype, t.device)
+        return torch.empty_like(t)
+
+    def _keep(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """``t``, or in a speculative plan its copy in the buffer kept under ``name`` (the graphs read it by
+        address; a buffer of another shape is given back to the pool and replaced)."""
+        if not self._spec:
+            return t
+        buf = self._kept.get(name)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.device != t.device:
+            if buf is not None and self.pool is not None:
+                self.pool.give([buf])
+            buf = self._kept[name] = self._buffer(t.shape, t.dtype, t.device)
+        return buf.copy_(t)
+
+    def graph_key(self) -> tuple:
+        """What a graph of this cache's partial forward reads besides the K/V buffers and the forward's inputs: the
+        window's width and raggedness, the addresses of the stored inputs and queries and of the kept per-step
+        buffers (:meth:`_keep`)."""
+        return (self._win_pos.shape[1], self._win_ragged, *(t.data_ptr() for t in self.xc + self.qc),
+                *(t.data_ptr() for t in self._kept.values()))
+
+    def release(self) -> None:
+        """:meth:`KVCache.release`, and the stored inputs and queries and the kept buffers, given back in the order
+        taken (a layer's input, its K and V, its queries; then the kept buffers), so that the next cache takes the
+        same buffers for the same roles and the graphs captured on them replay."""
+        if self.pool is None:
+            return
+        n = len(self.k)
+        order = [t for i in range(n) for t in (self.xc[i] if i < len(self.xc) else None, self.k[i], self.v[i],
+                                               self.qc[i] if i < len(self.qc) else None)]
+        order += list(self._kept.values())
+        self.k, self.v, self.xc, self.qc, self.filled, self._kept = [], [], [], [], False, {}
+        self.pool.give([t for t in order if t is not None])
+
+    def redo_plan(self) -> int | None:
+        """After a speculative partial forward: the layer to redo it from, or None where no drift test failed (one
+        host synchronisation). Each row whose test failed at layer ``l`` computes every row from ``l + 1``, the
+        others keep their rows; the redo's statistics are set here (the hooks do not run on a graph's replay)."""
+        if not self._spec:
+            return None
+        L = len(self.xc)
+        first = self._drift_at.tolist()
+        start = min(first) + 1
+        if start >= L:
+            return None
+        refresh = self._keep("refresh_at", (self._drift_at + 1).clamp_max(L))
+        sched = tuple(min(f + 1, L) for f in first)
+        self._row_refresh = torch.where(refresh < L, refresh, torch.full_like(refresh, -1))
+        self._refresh_layer = start
+        self._redo = (start, sched, self._win_pos.shape[1], self._win_ragged)
+        self._testing = None  # the redo runs no drift test
+        return start
+
+    def redo_key(self) -> tuple:
+        """The redo's schedule (each row's switch layer), part of its graph's key."""
+        return self._redo[1]
 
     def refresh_rows(self, state):
         # a row's first forward computes all its rows (in generate: the first forward of all; a row joining a
@@ -86,77 +181,111 @@ class ElasticCache(KVCache):
 
     def after_plan(self, state, rows):
         B, T = state.x.shape
-        self._win = logit_rows(state)  # [B, T] bool, each row's own window
-        self._masked = state.x == state.mask_id
+        dev = state.x.device
+        self._spec = self.speculative and rows is not None
+        self._redo = None
+        self._win = self._keep("win", logit_rows(state))  # [B, T] bool, each row's own window
+        masked = state.x == state.mask_id
         if state.valid is not None:
-            self._masked = self._masked | ~state.valid  # padding is never tracked
-        self._new_track = torch.zeros((B, T), dtype=torch.bool, device=state.x.device)
-        self._row_refresh = torch.full((B,), -1, dtype=torch.long, device=state.x.device)
+            masked = masked | ~state.valid  # padding is never tracked
+        self._masked = self._keep("masked", masked)
+        self._new_track = torch.zeros((B, T), dtype=torch.bool, device=dev)
+        self._row_refresh = torch.full((B,), -1, dtype=torch.long, device=dev)
         self._testing = state.active.clone() if rows is not None and self.track is not None else None
         if self._testing is not None and state.row_nfe is not None:
             self._testing &= state.row_nfe > 0  # a row's first forward: nothing stored to test against
         self._switch = None
-        if self._testing is not None:
+        if self._spec:  # a test in every partial forward (rows not testing fail none), over a fixed width
+            L = len(self.xc)
+            self._testing = self._keep("testing", self._testing if self._testing is not None else
+                                       torch.zeros((B,), dtype=torch.bool, device=dev))
+            self._drift_at = self._keep("drift_at", torch.full((B,), L, dtype=torch.long, device=dev))
+            self._keep("refresh_at", self._drift_at)  # redo_plan's, taken now: the graphs' keys hold its address
+            self._tops = self._keep("tops", torch.zeros((L, B, min(self.track_num, T)), dtype=torch.long, device=dev))
+            track = self.track if self.track is not None else torch.zeros((B, T), dtype=torch.bool, device=dev)
+            n = min(L * self.track_num, T)  # the most tokens a row tracks: track_num per layer
+            self._trk_rows = self._keep("trk_rows", padded_rows(track, track.sum(-1))[:, :n])
+            self._trk_ok = self._keep("trk_ok", torch.arange(n, device=dev)[None] < track.sum(-1, keepdim=True))
+            self._positions(rows)
+            self._trk_pos = self._keep("trk_pos", self._trk_pos)
+        elif self._testing is not None:
             self._trk_rows = rows_from_mask(self.track)
             self._trk_ok = torch.arange(self._trk_rows.shape[1], device=rows.device)[None] < self.track.sum(-1, keepdim=True)
             self._positions(rows)
         else:
             self._trk_rows = None
         self._set_window(rows)
+        if self._spec:
+            self._win_pos, self._win_ok = self._keep("win_pos", self._win_pos), self._keep("win_ok", self._win_ok)
 
     def _positions(self, rows):
         """Where each tracked row sits in ``rows`` (first match)."""
         self._trk_pos = (rows[:, None, :] == self._trk_rows[:, :, None]).to(torch.int8).argmax(-1)
 
-    def _set_window(self, rows):
+    def _set_window(self, rows, known: tuple[int, bool] | None = None):
         """``[B, Wm]`` positions of each row's window rows among the computed rows (``rows``; all ``T`` when
-        None) and ``[B, Wm]`` bool, False on the padding of rows with fewer window rows."""
+        None) and ``[B, Wm]`` bool, False on the padding of rows with fewer window rows. ``known``: ``(Wm, whether
+        the rows' window counts differ)`` from an earlier call of this forward (each row's count is the same among
+        any rows that hold its window: no host synchronisation), else read here."""
         win = self._win if rows is None else self._win.gather(1, rows)
         if rows is not None:  # a repeated row (padding) counts once
             first = torch.ones_like(win)
             first[:, 1:] = rows[:, 1:] != rows[:, :1]
             win = win & first
         n = win.sum(-1)
-        wm = int(n.max())
-        self._win_pos = torch.argsort(win.view(torch.uint8), dim=-1, descending=True, stable=True)[:, : max(wm, 1)]
+        if known is None:  # one host synchronisation
+            top = n.max()
+            wm, ragged = torch.stack([top, (n != top).any().long()]).tolist()
+            known = (max(wm, 1), bool(ragged))
+        self._win_pos = torch.argsort(win.view(torch.uint8), dim=-1, descending=True, stable=True)[:, : known[0]]
         self._win_ok = torch.arange(self._win_pos.shape[1], device=win.device)[None] < n[:, None]
-        self._win_ragged = bool((n != wm).any())
+        self._win_ragged = known[1]
 
     # -- model hooks ---------------------------------------------------------------------------------------
     def layer_input(self, layer, h, rows):
         if rows is None:
             if len(self.xc) <= layer:
-                self.xc.append(torch.empty_like(h))
+                self.xc.append(self._buffer_like(h))
             if self.xc[layer].shape != h.shape:
-                self.xc[layer] = torch.empty_like(h)
+                self.xc[layer] = self._buffer_like(h)
             self.xc[layer].copy_(h)
             return None
         xc = self.xc[layer]
         r = xc.shape[0] // self._row_refresh.shape[0]  # 2 under classifier-free guidance
-        xc.scatter_(1, rows[:, :, None].expand(-1, -1, h.shape[-1]), h)
-        if self._switch is None or not bool(self._switch.any()):
-            return None
-        # Rows whose drift test failed at the previous layer compute every row from this layer on (the stored
-        # inputs for the rows not computed); the others keep their rows (padded with their first row).
-        sw = self._switch
-        self._row_refresh = torch.where(sw, torch.full_like(self._row_refresh, layer), self._row_refresh)
-        self._refresh_layer = layer if self._refresh_layer < 0 else self._refresh_layer
-        self._switch = None
-        if self._testing is not None:
-            self._testing = self._testing & ~sw
+        if h is not None:  # None: the first layer of a redo, its input stored by the speculative forward
+            xc.scatter_(1, rows[:, :, None].expand(-1, -1, xc.shape[-1]), h)
+        if self._redo is not None:  # the switches are known (redo_plan): no host synchronisation
+            start, sched, wm, ragged = self._redo
+            if layer not in sched:
+                return None
+            sw = self._kept["refresh_at"] == layer
+            all_full = all(s <= layer for s in sched)
+        else:
+            if self._spec or self._switch is None or not bool(self._switch.any()):
+                return None
+            # Rows whose drift test failed at the previous layer compute every row from this layer on (the stored
+            # inputs for the rows not computed); the others keep their rows (padded with their first row).
+            sw = self._switch
+            self._row_refresh = torch.where(sw, torch.full_like(self._row_refresh, layer), self._row_refresh)
+            self._refresh_layer = layer if self._refresh_layer < 0 else self._refresh_layer
+            self._switch = None
+            if self._testing is not None:
+                self._testing = self._testing & ~sw
+            all_full = bool((self._row_refresh >= 0).all())
         T = xc.shape[1]
-        full_rows = self._row_refresh >= 0
-        if bool(full_rows.all()):
-            self._set_window(None)
+        known = None if self._redo is None else self._redo[2:]
+        if all_full:
+            self._set_window(None, known)
             return xc.clone(), None
+        full_rows = self._row_refresh >= 0 if self._redo is None else self._kept["refresh_at"] <= layer
         Q = rows.shape[1]
         pad = rows[:, :1].expand(-1, T - Q)
-        keep = torch.cat([rows, pad], 1)
+        keep = torch.cat([rows, pad], 1) if Q < T else rows
         new_rows = torch.where(full_rows.repeat(r)[:, None], torch.arange(T, device=rows.device)[None], keep)
-        new_h = xc.gather(1, new_rows[:, :, None].expand(-1, -1, h.shape[-1]))
+        new_h = xc.gather(1, new_rows[:, :, None].expand(-1, -1, xc.shape[-1]))
         if self._testing is not None:
             self._positions(new_rows[: new_rows.shape[0] // r])
-        self._set_window(new_rows[: new_rows.shape[0] // r])
+        self._set_window(new_rows[: new_rows.shape[0] // r], known)
         return new_h, new_rows
 
     def update(self, layer, k, v, rows=None):
@@ -171,9 +300,9 @@ class ElasticCache(KVCache):
         r = q.shape[0] // B  # 2 under classifier-free guidance (the batch is doubled)
         if rows is None:
             if len(self.qc) <= layer:
-                self.qc.append(torch.empty_like(q))
+                self.qc.append(self._buffer_like(q))
             if self.qc[layer].shape != q.shape:
-                self.qc[layer] = torch.empty_like(q)
+                self.qc[layer] = self._buffer_like(q)
             self.qc[layer].copy_(q)
         else:
             qc = self.qc[layer]
@@ -195,7 +324,10 @@ class ElasticCache(KVCache):
                 sim = (cs * ok).sum((1, 2)) / ok.sum((1, 2)).clamp_min(1)  # per row
                 sim = sim.view(r, B).mean(0)
                 drift = self._testing & (sim < self.gamma)
-                if layer + 1 < L:
+                if layer + 1 < L and self._spec:  # the first failing layer of each row, on the device
+                    first = drift & (self._drift_at == L)
+                    self._drift_at.copy_(torch.where(first, layer, self._drift_at))
+                elif layer + 1 < L:
                     self._switch = drift
             self._k_old = None
             qc.scatter_(2, idx, q)
@@ -209,14 +341,20 @@ class ElasticCache(KVCache):
         mass = mass.view(r, B, -1).sum(0)
         mass = mass.masked_fill(self._masked, -1.0)
         top = mass.topk(min(self.track_num, mass.shape[1]), dim=-1).indices
-        self._new_track.scatter_(1, top, True)
+        if self._spec:  # per layer: a redo rewrites the layers it runs
+            self._tops[layer].copy_(top)
+        else:
+            self._new_track.scatter_(1, top, True)
 
     def step_stats(self, n_layers):
+        if self._spec:
+            B = self._tops.shape[1]
+            self._new_track.scatter_(1, self._tops.transpose(0, 1).reshape(B, -1), True)
         self.track = self._new_track & ~self._masked
         return super().step_stats(n_layers)
 
     @property
     def nbytes(self) -> int:
-        """K/V plus the stored layer inputs and queries."""
-        extra = sum(t.numel() * t.element_size() for t in self.xc + self.qc)
+        """K/V plus the stored layer inputs and queries (and the speculative mode's kept buffers)."""
+        extra = sum(t.numel() * t.element_size() for t in self.xc + self.qc + list(self._kept.values()))
         return super().nbytes + extra

@@ -354,6 +354,7 @@ class Transformer(nn.Module):
         block_size: int | None = None,
         attn_pattern: torch.Tensor | None = None,
         query_tokens: int | None = None,
+        start_layer: int = 0,
     ) -> torch.Tensor:
         """Logits for the positions the caller asks for.
 
@@ -399,6 +400,10 @@ class Transformer(nn.Module):
                 refreshing its block, the others reading their cache) no longer compute their padding. Not with a
                 cache's ``layer_input`` / ``observe`` hooks or a layer's forward hooks (they see the padded rows).
                 ``None``: the padded rows.
+            start_layer: a partial forward resumed at this layer (``0``: the whole forward): the layers before it are
+                not run; the cache's ``layer_input(start_layer, None, query_idx)`` gives the layer's input (``[B, T,
+                d]`` or ``(h, rows)``, as a switch does), e.g. Elastic-Cache redoing a forward from the layer after
+                the first one whose drift test failed, from the layer inputs it stored.
 
         Returns:
             ``[B, R, V]`` (or ``[B, T, V]``) logits in the model dtype.
@@ -408,7 +413,13 @@ class Transformer(nn.Module):
             positions = default_positions(attn_mask, B, T, tokens.device)
         hd, theta = self.config.rope_dim or self.config.head_dim, self.config.rope_theta
         shift = 1 if self.shift_logits else 0
-        if query_idx is None:
+        if start_layer:
+            if query_idx is None or cache is None or cache.layer_input is None \
+                    or not 0 < start_layer < len(self.layers):
+                raise ValueError(f"start_layer={start_layer}: a partial forward (query_idx) resumed at a layer 1 to "
+                                 f"{len(self.layers) - 1} needs a cache whose layer_input gives that layer's input")
+            cos = sin = h = None  # from the cache's layer_input at start_layer
+        elif query_idx is None:
             cos, sin = rope_tables(positions, hd, theta)
             h = self.embed(tokens)
         else:
@@ -435,6 +446,8 @@ class Transformer(nn.Module):
                 h = pack.pack(h)
         pending = None  # a fast layer's last residual add, done by the next layer inside its norm kernel
         for i, layer in enumerate(self.layers):
+            if i < start_layer:
+                continue
             if layer_input is not None:  # the cache sees each layer's input; it may switch to every row
                 if pending is not None:
                     h, pending = h + pending, None
