@@ -612,10 +612,10 @@ class Decoder:
                 # a full forward through a graph (None: the cache takes its buffers now, eagerly)
                 logits = runner.full(x, st.positions, st.key_mask, cols.expand(B, -1), cache)
             if logits is None and runner is not None and eager is None:
-                logits = runner(x, st.positions, st.key_mask, cols.expand(B, -1), cache, query_idx, n_query)
-                start = cache.redo_plan() if query_idx is not None and cache.speculative else None
-                if start is not None:  # a speculative forward whose drift test failed: redone from the layer after
-                    logits = runner.redo(x, st.positions, st.key_mask, cols.expand(B, -1), cache, query_idx, start)
+                if query_idx is not None and cache.speculative:
+                    logits = self._speculate(st, cols.expand(B, -1), query_idx, n_query)
+                else:
+                    logits = runner(x, st.positions, st.key_mask, cols.expand(B, -1), cache, query_idx, n_query)
             elif logits is None:
                 if eager is not None:
                     runner.stats["eager:" + eager] += 1
@@ -722,6 +722,23 @@ class Decoder:
         if running and st.nfe >= self.max_iters:
             raise RuntimeError(f"decoding made no progress after {st.nfe} steps; sampler {sampler!r} commits nothing")
         return bool(running)
+
+    def _speculate(self, st: DecodeState, logits_idx, query_idx, n_query) -> torch.Tensor:
+        """The logits of a speculative cache's partial forward (Elastic-Cache on the graph path): run without host
+        synchronisation up to where the cache expects its drift test to fail (``speculate_until``; else every layer),
+        its tests read (one synchronisation), then resumed where a row's tests did not fail (and read again), and
+        redone from the layer after the first failure where one did. Each part is a graph of its own."""
+        runner, cache = self.graphs, self.cache
+        args = (st.x, st.positions, st.key_mask, logits_idx, cache, query_idx)
+        stop = cache.speculate_until()
+        logits = runner(*args, n_query, stop=stop)
+        start = cache.redo_plan(stop)
+        if start is None and stop is not None:  # a row's tests did not fail up to the stop: the rest of the forward
+            logits = runner.segment(*args, start=stop)
+            start = cache.redo_plan()
+        if start is not None:
+            logits = runner.segment(*args, start=start)
+        return logits
 
     def _prepare_next(self, st: DecodeState, nxt, w_lo: int, w_hi: int, host: torch.Tensor | None = None
                       ) -> _Ahead | None:

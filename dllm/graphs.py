@@ -149,7 +149,8 @@ class _Graph:
     seen: int = 0
     failed: bool = False  # the capture raised: this shape stays eager
     query_tokens: int | None = None  # the active rows without padding (part of the key: it sets shapes)
-    start: int = 0  # a partial forward resumed at this layer (a speculative cache's redo, GraphRunner.redo)
+    start: int = 0  # a partial forward run from this layer (a speculative cache's resumed forward or redo) ...
+    stop: int | None = None  # ... or up to this one (its first part: no logits), GraphRunner.segment
 
 
 @dataclass
@@ -278,11 +279,14 @@ class GraphRunner:
         return reason
 
     # -- the step ---------------------------------------------------------------------------------------------
-    def __call__(self, x, positions, key_mask, logits_idx, cache, query_idx, query_tokens=None) -> torch.Tensor:
+    def __call__(self, x, positions, key_mask, logits_idx, cache, query_idx, query_tokens=None,
+                 stop: int | None = None) -> torch.Tensor | None:
         """Logits of a partial forward ``model(x, positions=..., attn_mask=key_mask, logits_idx=...,
-        cache=cache, query_idx=query_idx, query_tokens=query_tokens)``, through a graph."""
+        cache=cache, query_idx=query_idx, query_tokens=query_tokens)``, through a graph. ``stop``: run it up to that
+        layer only (``stop_layer``; a speculative cache reads its drift tests there, then :meth:`segment` resumes or
+        redoes it): None returned."""
         with on_device(x):  # capture and replay on the model's device, whichever is current (dllm.kernels.device)
-            return self._step(x, positions, key_mask, logits_idx, cache, query_idx, query_tokens)
+            return self._step(x, positions, key_mask, logits_idx, cache, query_idx, query_tokens, stop=stop)
 
     def prepare(self, x, positions, key_mask, logits_idx, cache, query_idx, query_tokens=None,
                 guard: torch.Tensor | None = None) -> Prepared | None:
@@ -387,37 +391,41 @@ class GraphRunner:
         g.seen += 1
         self.last = (id(cache), g)
 
-    def redo(self, x, positions, key_mask, logits_idx, cache, query_idx, start: int) -> torch.Tensor:
-        """Logits of a speculative cache's partial forward redone from layer ``start`` (``cache.redo_plan()`` said
-        where; ``model(..., query_idx=query_idx, start_layer=start)``), through a graph of its own: keyed like the
-        forward it redoes and by the redo's schedule (``cache.redo_key()``: the layer at which each row switches to
-        every row), captured the second time its key is seen. Counted as ``redo replays`` / ``redo captures`` /
-        ``eager:redo, ...``."""
+    def segment(self, x, positions, key_mask, logits_idx, cache, query_idx, start: int) -> torch.Tensor:
+        """Logits of a speculative cache's partial forward run from layer ``start`` (``model(..., query_idx=query_idx,
+        start_layer=start)``): resumed where its first part stopped (:meth:`__call__`'s ``stop``), or redone from the
+        layer ``cache.redo_plan()`` named, each row switching to every row at its layer (``cache.redo_key()``, part
+        of the key). A graph of its own, keyed like the forward it continues, captured the second time its key is
+        seen; counted as ``resume ...`` / ``redo replays``, ``redo captures``, ``eager:redo, ...``."""
         with on_device(x):
             return self._step(x, positions, key_mask, logits_idx, cache, query_idx, None, start)
 
-    def _step(self, x, positions, key_mask, logits_idx, cache, query_idx, query_tokens, start: int = 0
-              ) -> torch.Tensor:
+    def _step(self, x, positions, key_mask, logits_idx, cache, query_idx, query_tokens, start: int = 0,
+              stop: int | None = None) -> torch.Tensor | None:
         B, W, key, live, query_tokens = self._key(x, positions, key_mask, logits_idx, cache, query_idx, query_tokens)
         Bb, Wb = key[0][0], key[2]
-        if start:
-            key = ("redo", start, cache.redo_key(), *key)
+        kind = ""
+        if start or stop is not None:  # a part of a speculative cache's forward
+            redo = cache.redo_key()
+            kind = "" if not start else "resume" if redo is None else "redo"
+            key = ("part", start, stop, redo, *key)
         g = self.graphs.get(key)
         if g is None:  # static buffers like the live inputs (dense, whatever their strides), at the bucket's sizes
             shapes = [None if t is None else (Bb, Wb if t is logits_idx else t.shape[1]) for t in live]
             g = self.graphs[key] = _Graph(*(None if t is None else t.new_empty(n) for t, n in zip(live, shapes)),
-                                          query_tokens=query_tokens, start=start)
+                                          query_tokens=query_tokens, start=start, stop=stop)
             self._evict()
         else:
             self.graphs.move_to_end(key)
         self._touch(g, cache)
         self._fill_inputs(g, live)
-        return self._go(g, cache, B, W, kind="redo" if start else "")
+        return self._go(g, cache, B, W, kind=kind)
 
     def _go(self, g: _Graph, cache, B: int, W: int, kind: str = "") -> torch.Tensor:
         """The logits of graph ``g``'s forward (its inputs filled): eager where its capture failed or its key was not
         seen often enough yet (on the static buffers), else captured now or replayed; counted in :attr:`stats` under
-        the partial forwards' names or ``kind``'s (``full``: a full forward; ``redo``: a speculative cache's redo)."""
+        the partial forwards' names or ``kind``'s (``full``: a full forward; ``resume`` / ``redo``: a speculative
+        cache's forward resumed or redone from a layer)."""
         eager, captures, replays = ("eager:", "captures", "replays") if not kind else \
             (f"eager:{'full forward' if kind == 'full' else kind}, ", f"{kind} captures", f"{kind} replays")
         if g.failed:
@@ -438,7 +446,7 @@ class GraphRunner:
         if g.graph is None:  # capture=False: the same forward on the same static buffers
             return _narrow(self._forward(g, cache), B, W)
         g.graph.replay()
-        return g.out[:B, :W].clone()
+        return None if g.out is None else g.out[:B, :W].clone()
 
     def _forward(self, g: _Graph, cache) -> torch.Tensor:
         if g.query_idx is None:  # a full forward (:meth:`full`)
@@ -449,6 +457,8 @@ class GraphRunner:
             cache.k, cache.v = [storage_of(t) for t in k], [storage_of(t) for t in v]
         try:
             kw = {"start_layer": g.start} if g.start else {}
+            if g.stop is not None:
+                kw["stop_layer"] = g.stop
             return self.model(g.x, positions=g.positions, attn_mask=g.key_mask, logits_idx=g.logits_idx,
                               cache=cache, query_idx=g.query_idx, query_tokens=g.query_tokens, **kw)
         finally:
@@ -544,8 +554,9 @@ def _fill_where(ok: torch.Tensor, static: torch.Tensor, t: torch.Tensor) -> None
 
 
 def _narrow(out: torch.Tensor, B: int, W: int) -> torch.Tensor:
-    """The logits of the ``B`` rows and ``W`` columns asked for (a bucket's extra rows and columns dropped)."""
-    return out if out.shape[:2] == (B, W) else out[:B, :W].contiguous()
+    """The logits of the ``B`` rows and ``W`` columns asked for (a bucket's extra rows and columns dropped); None for
+    a forward stopped before its logits."""
+    return out if out is None or out.shape[:2] == (B, W) else out[:B, :W].contiguous()
 
 
 __all__ = ["GRAPH_MODES", "BufferPool", "GraphRunner", "shape_bucket"]

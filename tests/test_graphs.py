@@ -794,13 +794,14 @@ def test_elastic_speculative_steps_decode_what_the_eager_path_decodes(family):
     from dllm.caches import ElasticCache
 
     model = deep_model(family)
-    starts, mixed = set(), False
+    starts, mixed, stopped, resumed = set(), False, False, False
     for gamma, track in ((0.9, 1), (0.999, 2)):
         for prompts in (ragged_prompts(1, 1), ragged_prompts(3, 1)):
             kw = dict(prompts=prompts, gen_length=24, steps=24)
             with own_runner(model) as runner:
                 graph = _gen(model, ElasticCache(gamma=gamma, track_num=track), "on", **kw)
-                redos = [k for k in runner.graphs if k[0] == "redo"]
+                parts = [k for k in runner.graphs if k[0] == "part"]  # ("part", start, stop, schedule, ...)
+                redos = [k for k in parts if k[3] is not None]
             eager = _gen(model, ElasticCache(gamma=gamma, track_num=track), "off", **kw)
             assert torch.equal(eager.sequences, graph.sequences), (gamma, len(prompts))
             for te, tg in zip(eager.stats.trace, graph.stats.trace, strict=True):
@@ -809,14 +810,16 @@ def test_elastic_speculative_steps_decode_what_the_eager_path_decodes(family):
                     assert torch.equal(torch.as_tensor(te["active"]), torch.as_tensor(tg["active"]))
             assert graph.stats.graphs.get("replays", 0) > 0
             starts |= {k[1] for k in redos}
-            mixed |= any(len(set(k[2])) > 1 for k in redos)  # rows switching at different layers (or not at all)
-    assert len(starts) >= 2 and mixed, (starts, mixed)
+            mixed |= any(len(set(k[3])) > 1 for k in redos)  # rows switching at different layers (or not at all)
+            stopped |= any(k[2] is not None for k in parts)  # a forward run up to the layer expected to fail ...
+            resumed |= any(k[1] and k[3] is None for k in parts)  # ... and resumed where no row's test failed there
+    assert len(starts) >= 2 and mixed and stopped and resumed, (starts, mixed, stopped, resumed)
 
 
 def test_elastic_graphs_of_one_call_replay_in_the_next():
     """The stored layer inputs and queries and the kept per-step buffers come from the runner's pool and go back in
-    the order taken: a fresh Elastic-Cache in the next call replays the first call's graphs (a redo seen once in the
-    first call is captured in the second, seen twice), and a third call captures nothing."""
+    the order taken: a fresh Elastic-Cache in the next call sees no forward for the first time (a part seen once in
+    the first call is captured in the second, seen twice), and a third call captures nothing."""
     from dllm.caches import ElasticCache
 
     model = deep_model("llada")
@@ -824,7 +827,7 @@ def test_elastic_graphs_of_one_call_replay_in_the_next():
         first = _gen(model, ElasticCache(), "on", prompts=ragged_prompts(1, 1), gen_length=24, steps=24)
         assert first.stats.graphs.get("captures") and first.stats.graphs.get("redo replays")
         second = _gen(model, ElasticCache(), "on", prompts=ragged_prompts(1, 1), gen_length=24, steps=24)
-        assert not {"captures", "eager:first sight", "eager:redo, first sight"} & set(second.stats.graphs)
+        assert not any("first sight" in k for k in second.stats.graphs if k != "eager:full forward"), second.stats.graphs
         third = _gen(model, ElasticCache(), "on", prompts=ragged_prompts(1, 1), gen_length=24, steps=24)
         stats = third.stats.graphs
         assert not any("captures" in k or "first sight" in k for k in stats), stats
@@ -833,7 +836,7 @@ def test_elastic_graphs_of_one_call_replay_in_the_next():
     assert torch.equal(first.sequences, second.sequences) and torch.equal(first.sequences, third.sequences)
 
 
-def test_a_resumed_forward_needs_a_cache_that_gives_its_input():
+def test_a_resumed_or_stopped_forward_needs_a_cache_that_takes_its_layer_input():
     model = deep_model("llada", layers=2)
     x = torch.full((1, 8), model.mask_id)
     rows = torch.arange(4)[None]
@@ -843,3 +846,7 @@ def test_a_resumed_forward_needs_a_cache_that_gives_its_input():
         model(x, query_idx=rows, cache=get_cache("elastic"), start_layer=2)
     with pytest.raises(ValueError, match="layer_input"):
         model(x, query_idx=rows, cache=get_cache("dual"), start_layer=1)
+    with pytest.raises(ValueError, match="stop_layer=1: a partial forward"):
+        model(x, stop_layer=1)
+    with pytest.raises(ValueError, match="stop_layer=1"):
+        model(x, query_idx=rows, cache=get_cache("elastic"), start_layer=1, stop_layer=1)

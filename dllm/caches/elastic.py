@@ -89,6 +89,7 @@ class ElasticCache(KVCache):
             self._kept: dict[str, torch.Tensor] = {}
         self._spec = False
         self._redo = None
+        self._last_drift = None  # the first failing layer of the last partial forward (None: none failed)
 
     def _buffer_like(self, t: torch.Tensor) -> torch.Tensor:
         """A buffer of ``t``'s shape for a stored layer input or query: from :attr:`pool` in speculative mode."""
@@ -128,15 +129,30 @@ class ElasticCache(KVCache):
         self.k, self.v, self.xc, self.qc, self.filled, self._kept = [], [], [], [], False, {}
         self.pool.give([t for t in order if t is not None])
 
-    def redo_plan(self) -> int | None:
+    def speculate_until(self) -> int | None:
+        """Where the planned speculative forward stops for its first read of the drift tests: the layer after the
+        one where the last partial forward's first test failed (drift tends to fail at the same layer from step to
+        step: stopping there spares the cached layers a redo would rewrite), or None: every layer (none failed, or
+        it failed at one of the last two layers). The forward resumes there where no test failed."""
+        L = len(self.xc)
+        p = self._last_drift
+        return None if p is None or p + 2 >= L else p + 1
+
+    def redo_plan(self, stop: int | None = None) -> int | None:
         """After a speculative partial forward: the layer to redo it from, or None where no drift test failed (one
         host synchronisation). Each row whose test failed at layer ``l`` computes every row from ``l + 1``, the
-        others keep their rows; the redo's statistics are set here (the hooks do not run on a graph's replay)."""
+        others keep their rows; the redo's statistics are set here (the hooks do not run on a graph's replay).
+        ``stop``: the forward ran up to that layer only; None (resume it) unless every row still testing failed
+        before it (a row that did not has tests left to run, and where they fail decides where it switches)."""
         if not self._spec:
             return None
-        L = len(self.xc)
-        first = self._drift_at.tolist()
+        L, B = len(self.xc), self._drift_at.shape[0]
+        read = torch.cat([self._drift_at, self._testing.long()]).tolist()
+        first, testing = read[:B], read[B:]
+        if stop is not None and any(t and f >= L for f, t in zip(first, testing)):
+            return None
         start = min(first) + 1
+        self._last_drift = start - 1 if start < L else None
         if start >= L:
             return None
         refresh = self._keep("refresh_at", (self._drift_at + 1).clamp_max(L))
@@ -147,9 +163,9 @@ class ElasticCache(KVCache):
         self._testing = None  # the redo runs no drift test
         return start
 
-    def redo_key(self) -> tuple:
-        """The redo's schedule (each row's switch layer), part of its graph's key."""
-        return self._redo[1]
+    def redo_key(self) -> tuple | None:
+        """The redo's schedule (each row's switch layer; part of its graph's key), None outside a redo."""
+        return None if self._redo is None else self._redo[1]
 
     def refresh_rows(self, state):
         # a row's first forward computes all its rows (in generate: the first forward of all; a row joining a
@@ -252,8 +268,10 @@ class ElasticCache(KVCache):
             return None
         xc = self.xc[layer]
         r = xc.shape[0] // self._row_refresh.shape[0]  # 2 under classifier-free guidance
-        if h is not None:  # None: the first layer of a redo, its input stored by the speculative forward
+        if h is not None:  # None: the first layer of a redo or a resumed forward, its input stored before
             xc.scatter_(1, rows[:, :, None].expand(-1, -1, xc.shape[-1]), h)
+        elif self._redo is None:  # a speculative forward resumed where its first part stopped
+            return xc.gather(1, rows[:, :, None].expand(-1, -1, xc.shape[-1])), rows
         if self._redo is not None:  # the switches are known (redo_plan): no host synchronisation
             start, sched, wm, ragged = self._redo
             if layer not in sched:

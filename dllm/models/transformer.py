@@ -355,7 +355,8 @@ class Transformer(nn.Module):
         attn_pattern: torch.Tensor | None = None,
         query_tokens: int | None = None,
         start_layer: int = 0,
-    ) -> torch.Tensor:
+        stop_layer: int | None = None,
+    ) -> torch.Tensor | None:
         """Logits for the positions the caller asks for.
 
         Args:
@@ -404,6 +405,10 @@ class Transformer(nn.Module):
                 not run; the cache's ``layer_input(start_layer, None, query_idx)`` gives the layer's input (``[B, T,
                 d]`` or ``(h, rows)``, as a switch does), e.g. Elastic-Cache redoing a forward from the layer after
                 the first one whose drift test failed, from the layer inputs it stored.
+            stop_layer: a partial forward run up to this layer only (after ``start_layer``, below the number of
+                layers): the layer's input goes to the cache's ``layer_input(stop_layer, h, rows)`` (which must not
+                switch) and the forward returns None, to be resumed at ``start_layer=stop_layer`` (Elastic-Cache
+                reading its drift tests between the two).
 
         Returns:
             ``[B, R, V]`` (or ``[B, T, V]``) logits in the model dtype.
@@ -413,6 +418,11 @@ class Transformer(nn.Module):
             positions = default_positions(attn_mask, B, T, tokens.device)
         hd, theta = self.config.rope_dim or self.config.head_dim, self.config.rope_theta
         shift = 1 if self.shift_logits else 0
+        if stop_layer is not None and (query_idx is None or cache is None or cache.layer_input is None
+                                       or not start_layer < stop_layer < len(self.layers)):
+            raise ValueError(f"stop_layer={stop_layer}: a partial forward (query_idx) stopped at a layer after "
+                             f"start_layer ({start_layer}) and below {len(self.layers)} needs a cache whose "
+                             f"layer_input takes that layer's input")
         if start_layer:
             if query_idx is None or cache is None or cache.layer_input is None \
                     or not 0 < start_layer < len(self.layers):
@@ -452,6 +462,8 @@ class Transformer(nn.Module):
                 if pending is not None:
                     h, pending = h + pending, None
                 switch = layer_input(i, h, rows)
+                if i == stop_layer:  # the input of the first layer not run went to the cache
+                    return None
                 if switch is not None and rows is not None:  # every row ([B, T, d]) or new rows ((h, rows))
                     h, rows = switch if isinstance(switch, tuple) else (switch, None)
                     cos, sin = rope_tables(positions if rows is None else positions.gather(1, rows), hd, theta)
