@@ -81,9 +81,9 @@ def test_elastic_cache_on_the_graph_path_synchronises_a_fixed_number_of_times_pe
     layers."""
     from test_graphs import deep_model
 
+    prompts = ragged_prompts(3, 1)
     for layers in (2, 6):
         model = deep_model("llada", layers=layers)
-        prompts = ragged_prompts(3, 1)
         per_step, where, steps = syncs_per_step(lambda m=model: dllm.generate(
             m, prompts, gen_length=16, block_length=8, steps=16, sampler="threshold", cache="elastic", seed=1,
             graphs="on"))
