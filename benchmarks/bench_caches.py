@@ -37,6 +37,7 @@ from _common import positive, print_table, random_llada, task_prompts, write_jso
 from dllm import generate, get_sampler, load_model
 from dllm.assets import model_path
 from dllm.caches import CACHES, get_cache
+from dllm.config import GRAPH_MODES
 from dllm.models import Transformer, TransformerConfig
 from dllm.models.fast import enable_fast_path, wants_fast
 from dllm.models.loading import checkpoint_block_size
@@ -106,6 +107,9 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--fast", default="auto", choices=["auto", "on", "off"],
                    help="the fast layer path (auto: on CUDA, as load_model does)")
+    p.add_argument("--graphs", default="auto", choices=list(GRAPH_MODES),
+                   help="GenerateConfig.graphs: auto (CUDA graphs on CUDA), on (on the CPU: the static-buffer path, "
+                        "whose token-layers run count Elastic-Cache's speculative layers), off (eager)")
     p.add_argument("--warmup", type=int, default=None,
                    help="whole generations each cache decodes before its timed run, after the three steps per block "
                         "(default 2 on GPU: a width that changes step by step, dKV-Cache-Decode's, is seen twice and "
@@ -153,7 +157,7 @@ def main(argv=None):
             g = torch.Generator().manual_seed(B)
             prompts = torch.randint(3, a.vocab - 1, (B, a.prompt), generator=g)
             first = prompts[:, :64]
-        kw = dict(gen_length=a.gen, block_length=a.block, steps=a.steps, sampler=get_sampler("llada"))
+        kw = dict(gen_length=a.gen, block_length=a.block, steps=a.steps, sampler=get_sampler("llada"), graphs=a.graphs)
         generate(model, first, **{**kw, "gen_length": a.block, "steps": a.block // (a.gen // a.steps)})
         base_t, base_seq = None, None
         # every block, three steps each: every block's shapes seen twice (a graph is captured the second time)
@@ -180,7 +184,8 @@ def main(argv=None):
                    "token_layers": round(computed, 3), "token_layers_run": round(run, 3), "nfe": out.stats.nfe,
                    "full_refreshes": sum(r["refresh_layer"] == 0 for r in tr),
                    "kv_mib": round(out.stats.cache_bytes / 2**20, 1),
-                   "same_tokens": round(float((out.sequences == base_seq).float().mean()), 3)}
+                   "same_tokens": round(float((out.sequences == base_seq).float().mean()), 3),
+                   "graphs": out.stats.graphs}  # how the forwards ran (replays, captures, eager reasons)
             row["device"] = torch.cuda.get_device_name() if a.device == "cuda" else "CPU"
             if a.device == "cuda":
                 row["peak_mib"] = round(torch.cuda.max_memory_allocated() / 2**20)

@@ -41,10 +41,15 @@ few hundred kernel launches.
   seen. Without a cache the canvas is not rounded up (each step of a generation has one shape; padding would cost
   every step of a full forward), so at most ``max_full_graphs`` (4) full-forward graphs are kept, the least recently
   used dropped. A cache's first forward of a call takes its buffers from the pool, eagerly;
-* caches with per-layer hooks (Elastic-Cache's ``layer_input`` / ``observe``) or writes of their own, classifier-free
+* a cache with per-layer hooks that can speculate (Elastic-Cache: ``KVCache.can_speculate``) runs its partial forwards
+  without host synchronisation, in parts (:meth:`GraphRunner.segment`): up to a layer (``stop``), then resumed or
+  redone from a layer once its drift tests are read (``Decoder._speculate``); each part a graph keyed by its layers,
+  the redo's schedule and the addresses of the state the cache keeps (``KVCache.graph_key``);
+* other caches with per-layer hooks, caches with writes of their own (their full forwards too), classifier-free
   guidance, mixtures of experts and models other than dllm's own Transformer run eagerly; :attr:`GraphRunner.stats`
-  counts replays, captures (``full replays`` / ``full captures`` for full forwards) and each eager reason
-  (``eager:full forward`` for the full forwards run eagerly), and the decode loop's trace records what each step did.
+  counts replays, captures (``full ...`` for full forwards, ``resume ...`` / ``redo ...`` for the parts of a
+  speculative forward) and each eager reason (``eager:full forward`` for the full forwards run eagerly), and the
+  decode loop's trace records what each step did.
 
 The eager forward is the readable path and the oracle: with ``capture=False`` the runner keeps the same static
 buffers and key bookkeeping but "replays" by running the forward on them (what the CPU tests exercise); on CUDA

@@ -850,3 +850,22 @@ def test_a_resumed_or_stopped_forward_needs_a_cache_that_takes_its_layer_input()
         model(x, stop_layer=1)
     with pytest.raises(ValueError, match="stop_layer=1"):
         model(x, query_idx=rows, cache=get_cache("elastic"), start_layer=1, stop_layer=1)
+
+
+def test_elastic_speculative_steps_count_the_layers_a_redo_rewrote():
+    """With exact shapes the speculative steps compute the eager path's token-layers (``computed``), and ``run`` adds
+    the layers run at the active width that a redo rewrote: none where the forward stopped at the failing layer,
+    some where it ran past it (the first cached step, with no failure to expect yet, or a failure that moved)."""
+    from dllm.caches import ElasticCache
+
+    model = deep_model("llada")
+    kw = dict(prompts=ragged_prompts(1, 1), gen_length=24, steps=24)
+    with own_runner(model, buckets=False):
+        graph = _gen(model, ElasticCache(), "on", **kw)
+    eager = _gen(model, ElasticCache(), "off", **kw)
+    extra = []
+    for te, tg in zip(eager.stats.trace, graph.stats.trace, strict=True):
+        assert te["computed"] == tg["computed"]
+        assert tg["run"] >= te["run"] - 1e-12
+        extra.append(tg["run"] - te["run"] > 1e-12)
+    assert any(extra) and not all(extra[1:]), extra

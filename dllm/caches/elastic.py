@@ -136,7 +136,9 @@ class ElasticCache(KVCache):
         it failed at one of the last two layers). The forward resumes there where no test failed."""
         L = len(self.xc)
         p = self._last_drift
-        return None if p is None or p + 2 >= L else p + 1
+        stop = None if p is None or p + 2 >= L else p + 1
+        self._ran = L if stop is None else stop  # layers run at the active width (step_stats)
+        return stop
 
     def redo_plan(self, stop: int | None = None) -> int | None:
         """After a speculative partial forward: the layer to redo it from, or None where no drift test failed (one
@@ -150,6 +152,7 @@ class ElasticCache(KVCache):
         read = torch.cat([self._drift_at, self._testing.long()]).tolist()
         first, testing = read[:B], read[B:]
         if stop is not None and any(t and f >= L for f, t in zip(first, testing)):
+            self._ran = L  # resumed: every layer at the active width
             return None
         start = min(first) + 1
         self._last_drift = start - 1 if start < L else None
@@ -200,6 +203,7 @@ class ElasticCache(KVCache):
         dev = state.x.device
         self._spec = self.speculative and rows is not None
         self._redo = None
+        self._ran = len(self.xc)
         self._win = self._keep("win", logit_rows(state))  # [B, T] bool, each row's own window
         masked = state.x == state.mask_id
         if state.valid is not None:
@@ -365,11 +369,18 @@ class ElasticCache(KVCache):
             self._new_track.scatter_(1, top, True)
 
     def step_stats(self, n_layers):
+        """:meth:`KVCache.step_stats`; a speculative forward's ``run`` also counts the layers it ran at the active
+        width that the eager forward would have run at every row (those a redo rewrote)."""
         if self._spec:
             B = self._tops.shape[1]
             self._new_track.scatter_(1, self._tops.transpose(0, 1).reshape(B, -1), True)
         self.track = self._new_track & ~self._masked
-        return super().step_stats(n_layers)
+        stats = super().step_stats(n_layers)
+        if self._spec:
+            r = self._refresh_layer if self._refresh_layer >= 0 else n_layers
+            extra = (self._ran - r) * self._rows.shape[1] / (n_layers * self.canvas_len)
+            stats["run"] = stats["run"] + extra
+        return stats
 
     @property
     def nbytes(self) -> int:
