@@ -463,8 +463,10 @@ class Decoder:
         self.graphed = self.graphs is not None and self._eager_setting is None
         if self.graphed:
             cache.buckets, cache.pool = self.graphs.buckets, self.graphs.buffers
-            if cache.can_speculate:  # its partial forwards run without host synchronisation, redone where needed
-                cache.speculative = True
+        if isinstance(cache, KVCache) and cache.can_speculate:
+            # on the graph path its partial forwards run without host synchronisation, in parts (_speculate); a cache
+            # object used again off the graph path decides inside its forwards again
+            cache.speculative = self.graphed
         # the next partial forward planned and made ready before each step's synchronisation (_prepare_next): the graph
         # path, a cache that plans through KVCache.plan from the decode state alone, a window no sampler widens
         self._pipelined = (self.graphed and self.widen is None and type(cache).plan is KVCache.plan

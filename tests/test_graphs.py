@@ -869,3 +869,19 @@ def test_elastic_speculative_steps_count_the_layers_a_redo_rewrote():
         assert tg["run"] >= te["run"] - 1e-12
         extra.append(tg["run"] - te["run"] > 1e-12)
     assert any(extra) and not all(extra[1:]), extra
+
+
+def test_an_elastic_cache_used_again_off_the_graph_path_decides_inside_its_forwards():
+    """The decode loop sets a speculating cache's mode for each call: one object used on the graph path and then off
+    it decodes the eager tokens both times (its speculative mode would skip every switch without the loop's redos)."""
+    from dllm.caches import ElasticCache
+
+    model = deep_model("llada")
+    kw = dict(prompts=ragged_prompts(1, 1), gen_length=24, steps=24)
+    eager = _gen(model, ElasticCache(), "off", **kw)
+    cache = ElasticCache()
+    with own_runner(model):
+        assert torch.equal(_gen(model, cache, "on", **kw).sequences, eager.sequences) and cache.speculative
+    again = _gen(model, cache, "off", **kw)
+    assert torch.equal(again.sequences, eager.sequences) and not cache.speculative
+    assert any(t["refresh_layer"] > 0 for t in again.stats.trace)  # its drift tests switched layers

@@ -13,15 +13,17 @@ drift test and refresh layer, so a row's output is the same alone or in any batc
 of a sum over a padded set of queries in a ragged batch).
 
 On the graph path (:attr:`ElasticCache.speculative`, set by the decode loop where the cached steps replay CUDA
-graphs) a partial forward does not decide inside itself: it runs every layer on its planned rows with no host
+graphs) a partial forward does not decide inside itself: it runs its layers on its planned rows with no host
 synchronisation, each layer's drift test writing into a device buffer, and the per-step state its hooks read lives
-in buffers that keep their addresses. One synchronisation after it reads the first failing layer of each row
-(:meth:`ElasticCache.redo_plan`); where a test failed, the forward is redone from the layer after the first failure
-(``Transformer.forward(start_layer=...)``) on the layer inputs stored for it, each row switching to every row at the
-layer the eager forward would have switched it at (known now; no test runs again). What the speculative layers
-after the failure wrote is overwritten by the redo: a refreshing row's later layers rewrite every row. The same
-decisions and tokens as the eager forward (the drift test's mean runs over a fixed-width set of tracked tokens,
-padding masked out).
+in buffers that keep their addresses. It runs up to the layer after the one where the last step's first test failed
+(:meth:`ElasticCache.speculate_until`, ``Transformer.forward(stop_layer=...)``; every layer where none failed), then
+one synchronisation reads the first failing layer of each row (:meth:`ElasticCache.redo_plan`). Where a row's tests
+have not all run yet the forward is resumed there (``start_layer``) and read again; where a test failed, the forward
+is redone from the layer after the first failure on the layer inputs stored for it, each row switching to every row
+at the layer the eager forward would have switched it at (known now; no test runs again). What the speculative
+layers after the failure wrote is overwritten by the redo: a refreshing row's later layers rewrite every row, the
+others write the same values again. The same decisions and tokens as the eager forward, up to the float rounding
+of the drift test's mean (over a fixed width of tracked tokens, padding masked out).
 """
 
 from __future__ import annotations
