@@ -318,6 +318,18 @@ def test_triton_fast_layer_full_forward_graphs_replay_what_they_captured(triton_
 
 
 @needs_triton
+def test_triton_elastic_speculative_forwards_replay_what_they_captured(triton_backend):
+    """Elastic-Cache's speculative parts through the Triton kernels (interpreter): the attention-mass kernel that
+    picks the tracked tokens, and the attention, launched alike in every replay."""
+    sampler = get_sampler("llada", fused="off")
+    rec = decode_traced(bundled("llada"), lambda: ElasticCache(gamma=0.999), sampler, SHORT[1], gen_length=4,
+                        block_length=4, chat_template=False)
+    assert_replay_safe(rec)
+    launched = {n for runs in rec.replayed() for n in runs[0].trace.names() if n.startswith("triton.")}
+    assert {"triton._attn_mass", "triton._attn_fwd"} <= launched, launched
+
+
+@needs_triton
 def test_triton_splitk_attention_graph_forwards_replay_what_they_captured(triton_backend, splitk):
     """The published layer with the Triton split-K attention (the kernel float32 runs on a GPU), ragged rows."""
     _triton_case("dream", "prefix", False, 2, {"triton._attn_splitk"})
