@@ -706,7 +706,8 @@ class Decoder:
         running, nonfinite, n_lo, n_hi = synced[:4]
         st.window = (n_lo, n_hi)
         if nxt is not None:
-            st.plan_hint = (st.x, st.x._version, nxt[0], synced[4], synced[5], synced[6], nxt[2])
+            extra = synced[7:7 + len(nxt[1]) - 3]  # the policy's own numbers (KVCache.plan_mask)
+            st.plan_hint = (st.x, st.x._version, nxt[0], synced[4], synced[5], synced[6], nxt[2], extra)
         if self._pipelined:
             st.pace = (synced[-2], synced[-1])
         if ahead is not None:
@@ -761,7 +762,7 @@ class Decoder:
         guard = None if host is None else self._guard(host, w_lo, w_hi, Q, N)
         mask, _, rows = nxt
         query_idx, _ = cache.plan(self._cache_state(st, (w_lo, w_hi)),
-                                  hint=(mask, True, Q, B * Q if N is None else N, rows))
+                                  hint=(mask, True, Q, B * Q if N is None else N, rows, []))
         ready = self.graphs.prepare(st.x, st.positions, st.key_mask, self.cols_all[w_lo:w_hi].expand(B, -1), cache,
                                     query_idx, cache.query_tokens, guard=guard)
         if ready is None:

@@ -207,6 +207,8 @@ class KVCache(CacheBase):
     #: ``Decoder._prepare_next``); False: never; None (default): True unless the policy overrides
     #: :meth:`after_plan` (:attr:`plans_ahead`)
     pipelined: bool | None = None
+    #: the numbers :meth:`plan_mask` adds after its three (a policy's own), on the host, for :meth:`after_plan`
+    plan_numbers: list = []
 
     #: True for a policy with per-layer hooks that can run a partial forward without host synchronisation once the
     #: decode loop sets its ``speculative`` mode (Elastic-Cache): its cached steps then go through graphs, and after
@@ -251,20 +253,22 @@ class KVCache(CacheBase):
         pass
 
     def plan(self, state: CacheState, hint=None) -> tuple[torch.Tensor | None, int | None]:
-        """The active rows of this step's forward (``[B, Q]``) or a full forward. ``hint``: ``(mask, partial, Q,
-        rows)`` from :meth:`plan_mask` and :meth:`plan_rows` on this same state, its two numbers already on the host
-        (the decode loop reads them in the previous step's synchronisation, after building ``rows``); without it,
-        one host sync here."""
+        """The active rows of this step's forward (``[B, Q]``) or a full forward. ``hint``: ``(mask, partial, Q, N,
+        rows, extra numbers)`` from :meth:`plan_mask` and :meth:`plan_rows` on this same state, its numbers already
+        on the host (the decode loop reads them in the previous step's synchronisation, after building ``rows``);
+        without it, one host sync here. The numbers after the first three (a policy's own, :meth:`plan_mask`) are
+        :attr:`plan_numbers` for :meth:`after_plan`."""
         if not self.filled:
             return self._full(state)
         if hint is None:
             mask, counts = self.plan_mask(state)
             # one host sync: whether some unfinished row keeps a partial forward (else a full forward: the cheaper
             # shape for the same rows), the size of the largest active set and the active rows over the batch
-            partial, Q, N = torch.stack(counts).tolist()
+            partial, Q, N, *extra = torch.stack(counts).tolist()
             prepared = None
         else:
-            mask, partial, Q, N, prepared = hint
+            mask, partial, Q, N, prepared, extra = hint
+        self.plan_numbers = extra
         if not partial:
             return self._full(state)
         rows, self._counts, self.read_cols = prepared if prepared is not None else self.plan_rows(state, mask)
@@ -294,7 +298,8 @@ class KVCache(CacheBase):
     def plan_mask(self, state: CacheState) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """``(mask [B, T] bool, counts)`` of a partial forward on ``state``: the rows to compute and, on the device as
         three 0-d tensors (bool, int64, int64), whether some unfinished row keeps a partial forward, the largest active
-        set and the active rows over the batch (the forward's ``query_tokens``: its per-token work skips the padding);
+        set and the active rows over the batch (the forward's ``query_tokens``: its per-token work skips the padding),
+        then any numbers of the policy's own (0-d int64; Elastic-Cache's window; :attr:`plan_numbers` on the host);
         the decode loop stacks them with its own numbers in one kernel. No host synchronisation and no side effect
         (``select`` / ``refresh_rows`` / ``read_rows`` read only the state and what the previous plan and forward
         left): the decode loop calls it one step ahead."""

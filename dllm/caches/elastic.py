@@ -86,7 +86,7 @@ class ElasticCache(KVCache):
         self._switch = None  # [B] bool: rows whose drift test failed at the last layer (they refresh from the next)
         # speculative mode: the per-step tensors the hooks read, in buffers that keep their addresses (by name, in
         # the order first taken); whether the planned forward runs speculatively; the redo's (start layer, each
-        # row's switch layer, its window's (width, ragged)) or None
+        # row's switch layer) or None
         if not hasattr(self, "_kept"):
             self._kept: dict[str, torch.Tensor] = {}
         self._spec = False
@@ -164,13 +164,22 @@ class ElasticCache(KVCache):
         sched = tuple(min(f + 1, L) for f in first)
         self._row_refresh = torch.where(refresh < L, refresh, torch.full_like(refresh, -1))
         self._refresh_layer = start
-        self._redo = (start, sched, self._win_pos.shape[1], self._win_ragged)
+        self._redo = (start, sched)
         self._testing = None  # the redo runs no drift test
         return start
 
     def redo_key(self) -> tuple | None:
         """The redo's schedule (each row's switch layer; part of its graph's key), None outside a redo."""
         return None if self._redo is None else self._redo[1]
+
+    def plan_mask(self, state):
+        """:meth:`KVCache.plan_mask`, and the window's numbers among the rows to compute: the most window rows of a
+        row, and whether the rows' counts differ (:meth:`_set_window` reads them from :attr:`plan_numbers`, where the
+        plan's synchronisation carried them)."""
+        mask, counts = super().plan_mask(state)
+        n = (logit_rows(state) & mask).sum(-1)
+        top = n.max()
+        return mask, [*counts, top, (n != top).any().long()]
 
     def refresh_rows(self, state):
         # a row's first forward computes all its rows (in generate: the first forward of all; a row joining a
@@ -236,7 +245,12 @@ class ElasticCache(KVCache):
             self._positions(rows)
         else:
             self._trk_rows = None
-        self._set_window(rows)
+        known = None
+        if rows is not None and len(self.plan_numbers) == 2:  # the window's numbers, read with the plan's
+            wm, ragged = self.plan_numbers
+            known = (max(wm, 1), bool(ragged))
+        self._set_window(rows, known)
+        self._win_known = (self._win_pos.shape[1], self._win_ragged)  # the same among any rows holding the windows
         if self._spec:
             self._win_pos, self._win_ok = self._keep("win_pos", self._win_pos), self._keep("win_ok", self._win_ok)
 
@@ -279,7 +293,7 @@ class ElasticCache(KVCache):
         elif self._redo is None:  # a speculative forward resumed where its first part stopped
             return xc.gather(1, rows[:, :, None].expand(-1, -1, xc.shape[-1])), rows
         if self._redo is not None:  # the switches are known (redo_plan): no host synchronisation
-            start, sched, wm, ragged = self._redo
+            start, sched = self._redo
             if layer not in sched:
                 return None
             sw = self._kept["refresh_at"] == layer
@@ -297,7 +311,7 @@ class ElasticCache(KVCache):
                 self._testing = self._testing & ~sw
             all_full = bool((self._row_refresh >= 0).all())
         T = xc.shape[1]
-        known = None if self._redo is None else self._redo[2:]
+        known = self._win_known  # each row's window count is the same among every row (no host synchronisation)
         if all_full:
             self._set_window(None, known)
             return xc.clone(), None
