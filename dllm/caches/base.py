@@ -214,6 +214,7 @@ class KVCache(CacheBase):
     #: decode loop sets its ``speculative`` mode (Elastic-Cache): its cached steps then go through graphs, and after
     #: each the decode loop asks ``redo_plan()`` whether to redo it from a layer (``Transformer.forward(start_layer=)``)
     can_speculate = False
+    #: set by the decode loop on every call: True where such a policy's cached steps go through graphs
     speculative = False
 
     def __init__(self, refresh_every: int | None = None):
