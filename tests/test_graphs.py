@@ -7,6 +7,7 @@ replay. It must decode exactly what the eager path decodes. The ``gpu`` tests ca
 
 from __future__ import annotations
 
+from collections import Counter
 from contextlib import contextmanager
 
 import pytest
@@ -423,12 +424,13 @@ def test_cuda_graphs_of_elastic_speculative_steps_and_redos_decode_what_the_eage
     prompts = ["What is 12 + 30?", "Please reverse the order of the list:\n[\"Alice Adams\", \"Brian Baker\"]"]
     kw = dict(gen_length=32, block_length=8, steps=32, sampler="threshold")
     eager = uncaptured(model, prompts, cache=ElasticCache(gamma=0.999), **kw)
+    stats = Counter()
     for _ in range(2):
         graph = dllm.generate(model, prompts, graphs="auto", cache=ElasticCache(gamma=0.999), **kw)
-        g = graph.stats.graphs
-        assert not any("capture failed" in k for k in g), g
-        assert g.get("replays", 0) >= 1 and g.get("redo replays", 0) >= 1, g
         assert torch.equal(eager.sequences, graph.sequences)
+        stats.update(graph.stats.graphs)
+    assert not any("capture failed" in k for k in stats), stats
+    assert stats["replays"] >= 1 and stats["redo replays"] >= 1, stats  # the second call replays the first's parts
     torch.rand(4, device="cuda")
 
 
