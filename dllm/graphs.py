@@ -59,6 +59,7 @@ the captured graph gives the same logits as that forward (the same kernels, repl
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
@@ -119,10 +120,7 @@ class BufferPool:
 
     def _small(self, key) -> bool:
         shape, dtype = key[0], key[1]
-        n = 1
-        for d in shape:
-            n *= d
-        return n * dtype.itemsize < self.small
+        return math.prod(shape) * dtype.itemsize < self.small
 
     def clear(self) -> None:
         """Free the free buffers."""

@@ -235,8 +235,9 @@ class ElasticCache(KVCache):
             self._tops = self._keep("tops", torch.zeros((L, B, min(self.track_num, T)), dtype=torch.long, device=dev))
             track = self.track if self.track is not None else torch.zeros((B, T), dtype=torch.bool, device=dev)
             n = min(L * self.track_num, T)  # the most tokens a row tracks: track_num per layer
-            self._trk_rows = self._keep("trk_rows", padded_rows(track, track.sum(-1))[:, :n])
-            self._trk_ok = self._keep("trk_ok", torch.arange(n, device=dev)[None] < track.sum(-1, keepdim=True))
+            count = track.sum(-1)
+            self._trk_rows = self._keep("trk_rows", padded_rows(track, count)[:, :n])
+            self._trk_ok = self._keep("trk_ok", torch.arange(n, device=dev)[None] < count[:, None])
             self._positions(rows)
             self._trk_pos = self._keep("trk_pos", self._trk_pos)
         elif self._testing is not None:

@@ -418,14 +418,14 @@ class Transformer(nn.Module):
             positions = default_positions(attn_mask, B, T, tokens.device)
         hd, theta = self.config.rope_dim or self.config.head_dim, self.config.rope_theta
         shift = 1 if self.shift_logits else 0
-        if stop_layer is not None and (query_idx is None or cache is None or cache.layer_input is None
-                                       or not start_layer < stop_layer < len(self.layers)):
+        # a forward run in part hands a layer's input to the cache or takes it from it
+        in_parts = query_idx is not None and cache is not None and cache.layer_input is not None
+        if stop_layer is not None and not (in_parts and start_layer < stop_layer < len(self.layers)):
             raise ValueError(f"stop_layer={stop_layer}: a partial forward (query_idx) stopped at a layer after "
                              f"start_layer ({start_layer}) and below {len(self.layers)} needs a cache whose "
                              f"layer_input takes that layer's input")
         if start_layer:
-            if query_idx is None or cache is None or cache.layer_input is None \
-                    or not 0 < start_layer < len(self.layers):
+            if not (in_parts and 0 < start_layer < len(self.layers)):
                 raise ValueError(f"start_layer={start_layer}: a partial forward (query_idx) resumed at a layer 1 to "
                                  f"{len(self.layers) - 1} needs a cache whose layer_input gives that layer's input")
             cos = sin = h = None  # from the cache's layer_input at start_layer
