@@ -83,9 +83,12 @@ _INPUTS = ("x", "positions", "key_mask", "logits_idx", "query_idx", "read_cols")
 class BufferPool:
     """K/V buffers lent to the caches of a model's graph path, so that the caches of successive ``generate`` calls
     (a fresh cache object per call) write into the same memory: the graphs captured on one call's buffers replay on
-    the next call's. A cache takes a buffer of a shape (:meth:`take`, the oldest free one of that shape: a cache
-    that gives its buffers back in the order it took them takes the same ones again in that order) and gives its
-    buffers back when its generation ends (:meth:`give`); a buffer is lent to one cache at a time. Free buffers are
+    the next call's. A cache takes a buffer of a shape (:meth:`take`) and gives its buffers back when its generation
+    ends (:meth:`give`); a buffer is lent to one cache at a time. The buffers given back last are lent first, in the
+    order they were given: a cache that gives its buffers back in the order it took them takes the same ones again
+    in that order, even where another cache left more buffers of that shape behind (Elastic-Cache's stored queries
+    have the K/V buffers' shape; taking the oldest first would hand the next cache a rotating set, and its graphs,
+    keyed by the addresses, would be captured again at every call). Free buffers are
     kept for the ``max_shapes`` shapes given back last (the others are freed), and small ones (under ``small``
     bytes: a policy's per-step state, e.g. Elastic-Cache's) for the ``max_small`` small shapes given back last."""
 
@@ -106,12 +109,15 @@ class BufferPool:
         return torch.empty(key[0], dtype=dtype, device=device)
 
     def give(self, tensors) -> None:
+        given: dict[tuple, list] = {}
+        for t in tensors:
+            if t is None or not t.is_contiguous() or t._base is not None:
+                continue
+            key = (tuple(t.shape), t.dtype, t.device)
+            given[key] = given.pop(key, []) + [t]  # the shapes in the order of their last buffer given
         with self.lock:
-            for t in tensors:
-                if t is None or not t.is_contiguous() or t._base is not None:
-                    continue
-                key = (tuple(t.shape), t.dtype, t.device)
-                self.free.setdefault(key, deque()).append(t)
+            for key, ts in given.items():  # ahead of the older free buffers of their shape, in the order given
+                self.free.setdefault(key, deque()).extendleft(reversed(ts))
                 self.free.move_to_end(key)
             for small, most in ((False, self.max_shapes), (True, self.max_small)):
                 keys = [k for k in self.free if self._small(k) == small]  # the least recently given first

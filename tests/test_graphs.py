@@ -95,12 +95,26 @@ def test_buffer_pool_lends_a_buffer_to_one_cache_at_a_time_and_in_order():
     assert a.data_ptr() != b.data_ptr()
     pool.give([a, b])
     c, d, e = (pool.take((2, 3), torch.float32, "cpu") for _ in range(3))
-    assert c is a and d is b and e is not a and e is not b  # the oldest first; none lent twice
+    assert c is a and d is b and e is not a and e is not b  # in the order given back; none lent twice
     pool.give([torch.zeros(1), torch.zeros(4, 4)[:, :2], None])  # a view (not its own memory) is not kept
     assert [len(q) for q in pool.free.values()] == [1]
     pool.give([torch.zeros(2), torch.zeros(3)])  # a third shape: the one given back longest ago is freed
     assert len(pool.free) == 2 and ((1,), torch.float32, torch.device("cpu")) not in pool.free
     assert pool.nbytes == 5 * 4
+
+
+def test_buffer_pool_lends_a_cache_the_buffers_it_gave_back_whatever_another_left():
+    """A cache that takes fewer buffers of a shape than the last one gave back (dKV-Cache's K and V after
+    Elastic-Cache's K, V and stored queries, all of one shape) takes the same ones at every later call: its graphs,
+    keyed by the addresses, replay instead of being captured again."""
+    pool = BufferPool(small=0)
+    pool.give([torch.zeros(2, 3) for _ in range(3)])  # what the other cache left
+    first = [pool.take((2, 3), torch.float32, "cpu") for _ in range(2)]
+    for _ in range(3):
+        pool.give(first)
+        again = [pool.take((2, 3), torch.float32, "cpu") for _ in range(2)]
+        assert [t.data_ptr() for t in again] == [t.data_ptr() for t in first]
+    assert len(pool.free[((2, 3), torch.float32, torch.device("cpu"))]) == 1  # the third is still free
 
 
 def test_buffer_pool_keeps_small_shapes_apart_from_large_ones():
