@@ -40,7 +40,8 @@ few hundred kernel launches.
   keyed by its exact shapes and, with a cache, the K/V buffers it writes in place, captured the second time it is
   seen. Without a cache the canvas is not rounded up (each step of a generation has one shape; padding would cost
   every step of a full forward), so at most ``max_full_graphs`` (4) full-forward graphs are kept, the least recently
-  used dropped. A cache's first forward of a call takes its buffers from the pool, eagerly;
+  used dropped. Before a cache's first forward of a call it takes its buffers from the pool
+  (:meth:`KVCache.take_buffers`, outside the graph), so that forward replays a graph too;
 * a cache with per-layer hooks that can speculate (Elastic-Cache: ``KVCache.can_speculate``) runs its partial forwards
   without host synchronisation, in parts (:meth:`GraphRunner.segment`): up to a layer (``stop``), then resumed or
   redone from a layer once its drift tests are read (``Decoder._speculate``); each part a graph keyed by its layers,
@@ -333,15 +334,19 @@ class GraphRunner:
 
     def full(self, x, positions, key_mask, logits_idx, cache) -> torch.Tensor | None:
         """Logits of a full forward ``model(x, positions=..., attn_mask=key_mask, logits_idx=..., cache=cache)``
-        through a graph (``cache``: a ``NoCache`` or a K/V cache that :meth:`full_reason` accepts), or None, with
-        nothing done, where it must run eagerly: a K/V cache that holds no buffers of this batch and canvas yet (the
-        first forward of a generation takes them from the pool; an allocation is not captured). The graph is keyed
-        by the shapes and the K/V buffers' addresses, captured the second time its key is seen like a partial
-        forward's, and writes every row of the cache's buffers in place; after a replay the cache counts as filled
-        (the one thing its ``update`` does besides the writes)."""
+        through a graph (``cache``: a ``NoCache`` or a K/V cache that :meth:`full_reason` accepts). A K/V cache that
+        holds no buffers of this batch and canvas yet (a generation's first forward) takes them first
+        (:meth:`KVCache.take_buffers`, from the pool: those the last call of this shape gave back), outside the
+        graph, since an allocation is not captured. The graph is keyed by the shapes and the K/V buffers'
+        addresses, captured the second time its key is seen like a partial forward's, and writes every row of the
+        cache's buffers in place; after a replay the cache counts as filled (the one thing its ``update`` does
+        besides the writes)."""
         kv = isinstance(cache, KVCache)
-        if kv and not _holds_buffers(cache, x.shape, len(self.model.layers), self._dtype):
-            return None
+        n_layers = len(self.model.layers)
+        if kv and not _holds_buffers(cache, x.shape, n_layers, self._dtype):
+            cfg = self.model.config
+            cache.take_buffers(n_layers, (x.shape[0], cfg.n_kv_heads, x.shape[1], cfg.head_dim), self._dtype,
+                               x.device)
         with on_device(x):
             B, W = logits_idx.shape
             key = ("full", tuple(x.shape), W, key_mask is None, x.device, self._dtype,

@@ -125,7 +125,7 @@ def test_metrics_count_how_the_forwards_ran():
     fam = {f.name: f for f in _EngineCollector(engine).collect()}["dllm_forward_paths"]
     got = {s.labels["how"]: s.value for s in fam.samples if s.name == "dllm_forward_paths_total"}
     counts = engine.stats()["graphs"]
-    assert got == {k: v for k, v in counts.items() if k != "evicted"} and got["eager:full forward"] >= 1
+    assert got == {k: v for k, v in counts.items() if k != "evicted"} and got["replays"] >= 1
     assert len(got) >= 2
     # the batch's K/V buffers went back to the graph path's pool when it ended
     pool = {f.name: f for f in _EngineCollector(engine).collect()}["dllm_graph_pool_bytes"]

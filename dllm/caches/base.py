@@ -383,6 +383,23 @@ class KVCache(CacheBase):
         self.k, self.v, self.filled = [], [], False
         self.pool.give(pairs)
 
+    def take_buffers(self, n_layers: int, shape, dtype, device) -> None:
+        """Hold every layer's K/V buffers of ``shape`` (``[B, Hkv, T, D]``) before a full forward, as :meth:`update`
+        takes them layer by layer (from :attr:`pool`, a layer's K then its V; buffers of another shape given back
+        first): the forward then writes them in place, so that a generation's first forward, like its refreshes,
+        can replay a graph captured on the buffers an earlier call held."""
+        for buf in (self.k, self.v):
+            buf.extend([None] * (n_layers - len(buf)))
+        for layer in range(n_layers):
+            kb, vb = self.k[layer], self.v[layer]
+            if kb is not None and vb is not None and kb.shape == shape and vb.shape == shape and \
+                    kb.dtype == dtype and vb.dtype == dtype and kb.device == device and vb.device == device:
+                continue
+            if self.pool is not None:
+                self.pool.give([storage_of(kb), storage_of(vb)])
+            self.k[layer] = self._buffer(shape, dtype, device)
+            self.v[layer] = self._buffer(shape, dtype, device)
+
     def _buffer(self, shape, dtype, device, reuse: torch.Tensor | None = None) -> torch.Tensor:
         """A contiguous ``[B, Hkv, T, D]`` K/V buffer: from :attr:`pool` (or new), with :attr:`batch_buckets` the first
         ``B`` rows of one whose batch is rounded up; ``reuse``: a buffer already of that storage shape, used again."""
