@@ -421,6 +421,9 @@ class _Ahead:
     query_idx: torch.Tensor
     guarded: bool = False  # its inputs filled under Decoder._guard: to be launched before the synchronisation
     logits: torch.Tensor | None = None  # launched before the step's synchronisation (Decoder._sync): its logits
+    launched: bool = False  # ... whether it was (a speculative cache's first part returns no logits)
+    stop: int | None = None  # a speculative cache's first part: up to this layer (None: every layer)
+    extra: tuple = ()  # the policy's own plan numbers it was planned with (KVCache.plan_numbers)
 
     def matches(self, st: DecodeState, window: tuple[int, int]) -> bool:
         """Whether ``st`` is the state it was planned on, for ``window``."""
@@ -474,7 +477,8 @@ class Decoder:
         self._pinned: dict[int, torch.Tensor] = {}  # host memory the step's numbers are copied to (_sync)
         self._host_ready = None  # the event after that copy
         self._early = self.launch_early  # next forwards may be launched before the synchronisation (_launch_early)
-        self._bounds = None  # (key, [2, 7] bounds) of _guard
+        self._bounds = None  # (key, [2, 7 + policy's numbers] bounds) of _guard
+        self._relaunch = None  # a speculative cache's first part that may be launched again (_speculate)
 
     def prompt_width(self, longest: int) -> int:
         """The canvas column where generation starts for prompts of at most ``longest`` tokens: ``longest``, or on
@@ -582,22 +586,27 @@ class Decoder:
         ahead, st.ahead = st.ahead, None
         logits = None
         matched = ahead is not None and ahead.matches(st, (w_lo, w_hi))
-        if ahead is not None and ahead.logits is not None and not matched:
+        if ahead is not None and ahead.launched and not matched:
             runner.ahead["discarded"] += 1  # launched, but the state changed since (the serving engine's regrouping)
+        held = False
         if matched:
             # planned and made ready before the last step's synchronisation, whose numbers confirmed the plan: the
-            # cache holds this step's plan, the graph its inputs; only the launch is left (None: the runner dropped
-            # that graph since, the step plans again)
+            # cache holds this step's plan, the graph its inputs; only the launch is left (not held: the runner
+            # dropped that graph since, the step plans again)
             t0 = clock.mark()
-            if ahead.logits is not None:  # launched before the last step's synchronisation (_sync)
-                logits = ahead.logits
+            if ahead.launched:  # launched before the last step's synchronisation (_sync)
+                held, logits = True, ahead.logits
                 runner.stats["replays"] += 1
             else:
-                logits = runner.replay(ahead.ready)
-            if logits is not None:
+                held = runner.holds(ahead.ready)
+                logits = runner.replay(ahead.ready) if held else None
+            if held:
                 query_idx, eager = ahead.query_idx, None
                 st.plan_hint = None
-        if logits is None:
+                if cache.speculative:  # its first part ran: the drift tests read, the forward resumed or redone
+                    logits = self._speculate(st, cols.expand(B, -1), query_idx, cache.query_tokens,
+                                             first=(logits, ahead.stop))
+        if not held:
             cstate = self._cache_state(st, (w_lo, w_hi))
             hint = st.plan_hint
             if hint is not None and hint[0] is x and hint[1] == x._version:  # the plan read in the last step's sync
@@ -716,7 +725,7 @@ class Decoder:
                 runner.ahead["confirmed"] += 1
             else:  # the plan differs (a region ended, the active width changed): the next step plans again
                 runner.ahead["missed"] += 1
-                if ahead.logits is not None:  # launched: its logits are dropped (its writes: _prepare_next)
+                if ahead.launched:  # launched: its logits are dropped (its writes: _prepare_next)
                     runner.ahead["discarded"] += 1
                 if running and synced[4] and tuple(synced[2:4]) == ahead.window:
                     self._early = False  # the active width changes within a region (dKV-Cache-Decode): no more
@@ -726,21 +735,31 @@ class Decoder:
             raise RuntimeError(f"decoding made no progress after {st.nfe} steps; sampler {sampler!r} commits nothing")
         return bool(running)
 
-    def _speculate(self, st: DecodeState, logits_idx, query_idx, n_query) -> torch.Tensor:
+    def _speculate(self, st: DecodeState, logits_idx, query_idx, n_query, first=None) -> torch.Tensor:
         """The logits of a speculative cache's partial forward (Elastic-Cache on the graph path): run without host
         synchronisation up to where the cache expects its drift test to fail (``speculate_until``; else every layer),
         its tests read (one synchronisation), then resumed where a row's tests did not fail (and read again), and
-        redone from the layer after the first failure where one did. Each part is a graph of its own."""
+        redone from the layer after the first failure where one did. Each part is a graph of its own. ``first``:
+        ``(logits, stop)`` of a first part already run (made ready and launched ahead: :meth:`_prepare_next`).
+
+        Records in :attr:`_relaunch` the first part's graph when running it again would write what this step wrote
+        (no later part rewrote a layer below its stop): :meth:`_prepare_next` may then launch the next step's
+        first part before the synchronisation under a guard, which may replay this step's."""
         runner, cache = self.graphs, self.cache
         args = (st.x, st.positions, st.key_mask, logits_idx, cache, query_idx)
-        stop = cache.speculate_until()
-        logits = runner(*args, n_query, stop=stop)
+        if first is None:
+            stop = cache.speculate_until()
+            logits = runner(*args, n_query, stop=stop)
+        else:
+            logits, stop = first
+        part = runner.last[1] if runner.last is not None else None
         start = cache.redo_plan(stop)
         if start is None and stop is not None:  # a row's tests did not fail up to the stop: the rest of the forward
             logits = runner.segment(*args, start=stop)
             start = cache.redo_plan()
         if start is not None:
             logits = runner.segment(*args, start=start)
+        self._relaunch = part if start is None or start >= (stop if stop is not None else self.n_layers) else None
         return logits
 
     def _prepare_next(self, st: DecodeState, nxt, w_lo: int, w_hi: int, host: torch.Tensor | None = None
@@ -759,31 +778,56 @@ class Decoder:
         every row it writes is written again, with the same values or before it is read."""
         cache, B = self.cache, st.x.shape[0]
         Q, N = cache._rows.shape[1], cache.query_tokens  # this step's, as the plan rounded them
-        guard = None if host is None else self._guard(host, w_lo, w_hi, Q, N)
+        extra = tuple(cache.plan_numbers)  # this step's numbers of the policy's own (Elastic-Cache's window)
         mask, _, rows = nxt
         query_idx, _ = cache.plan(self._cache_state(st, (w_lo, w_hi)),
-                                  hint=(mask, True, Q, B * Q if N is None else N, rows, []))
-        ready = self.graphs.prepare(st.x, st.positions, st.key_mask, self.cols_all[w_lo:w_hi].expand(B, -1), cache,
-                                    query_idx, cache.query_tokens, guard=guard)
+                                  hint=(mask, True, Q, B * Q if N is None else N, rows, list(extra)))
+        stop = cache.speculate_until() if cache.speculative else None
+        relaunch = self._relaunch if cache.speculative else None
+        if host is not None and cache.speculative and (relaunch is None or relaunch.stop != stop):
+            # a speculative cache's first part is launched ahead only where, the guard failing, it replays this
+            # step's and writes what this step wrote (another stop: another graph, whose inputs are an older step's)
+            host = None
+        # a speculative cache's forward is launched only for the plan itself, not one at a larger width: a first part
+        # that the next step plans again and runs once more would find its drift tests' old keys and queries
+        # overwritten by the first run
+        guard = None if host is None else self._guard(host, w_lo, w_hi, Q, N, extra,
+                                                      exact=st.x.shape if cache.speculative else None)
+        args = (st.x, st.positions, st.key_mask, self.cols_all[w_lo:w_hi].expand(B, -1), cache, query_idx,
+                cache.query_tokens)
+        ready = self.graphs.prepare(*args, guard=guard, stop=stop)
         if ready is None:
             return None
-        return _Ahead(ready, _versions(st), (w_lo, w_hi), Q, N, query_idx, guarded=guard is not None)
+        if guard is not None and cache.speculative and ready.g is not relaunch:  # not this step's graph after all
+            ready, guard = self.graphs.prepare(*args, stop=stop), None  # filled again, launched after
+        return _Ahead(ready, _versions(st), (w_lo, w_hi), Q, N, query_idx, guarded=guard is not None, stop=stop,
+                      extra=extra)
 
-    def _guard(self, host: torch.Tensor, w_lo: int, w_hi: int, Q: int, N: int | None) -> torch.Tensor:
+    def _guard(self, host: torch.Tensor, w_lo: int, w_hi: int, Q: int, N: int | None, extra: tuple = (),
+               exact: tuple[int, int] | None = None) -> torch.Tensor:
         """0-d bool on the device: the step's numbers (``host``: rows left, non-finite logits, the next window's ends,
         the next plan's three counts, ...) make the plan :meth:`_prepare_next` made with this step's window, width
         ``Q`` and packed rows ``N`` a valid forward of the next step: rows left, finite logits, the same window, a
         partial forward whose largest active set fits ``Q`` (no row's active rows cut) and whose active rows fit
-        ``N``. Every row it computes is then a row the next step computes (or a full forward rewrites). Three
-        kernels; the bounds are made once per window and shape."""
-        key = (w_lo, w_hi, Q, N, host.device)
+        ``N``, and the policy's own numbers (``extra``, after those seven: Elastic-Cache's window) those it was
+        planned with. Every row it computes is then a row the next step computes (or a full forward rewrites).
+        ``exact`` (the canvas's ``(B, T)``): the largest active set and active rows must also round to ``Q`` and ``N``
+        (the plan the synchronisation confirms, :meth:`_confirmed`), not merely fit. Three kernels; the bounds are
+        made once per window and shape."""
+        key = (w_lo, w_hi, Q, N, extra, exact, host.device)
         if self._bounds is None or self._bounds[0] != key:
             big = torch.iinfo(torch.int64).max
+            q_lo = n_lo = 0
+            if exact is not None:  # the smallest numbers the cache rounds to Q and N (rounding only goes up)
+                shape = self.cache.forward_shape
+                q_lo = _least(Q, lambda q: shape(q, N or 1, *exact)[0] >= Q)
+                n_lo = 0 if N is None else _least(N, lambda n: shape(Q, n, *exact)[1] >= N)
             # from pinned memory without blocking: a plain copy to the device would wait for the device's work
-            lims = torch.tensor([[1, 0, w_lo, w_hi, 1, 0, 0], [1, 0, w_lo, w_hi, 1, Q, big if N is None else N]],
-                                pin_memory=host.is_cuda)
+            lims = torch.tensor([[1, 0, w_lo, w_hi, 1, q_lo, n_lo, *extra],
+                                 [1, 0, w_lo, w_hi, 1, Q, big if N is None else N, *extra]], pin_memory=host.is_cuda)
             self._bounds = (key, lims.to(host.device, non_blocking=True))
-        v, lims = host[:7], self._bounds[1]
+        lims = self._bounds[1]
+        v = host[:lims.shape[1]]
         return (v.clamp(lims[0], lims[1]) == v).all()
 
     def _launch_early(self, st: DecodeState) -> bool:
@@ -813,14 +857,15 @@ class Decoder:
             pinned.copy_(host, non_blocking=True)
             self._host_ready.record(torch.cuda.current_stream(host.device))  # the stream the numbers are on
         tm = self.clock.mark()
-        ahead.logits = self.graphs.replay(ahead.ready, count=False)  # counted where used
+        ahead.launched = self.graphs.holds(ahead.ready)
+        ahead.logits = self.graphs.replay(ahead.ready, count=False) if ahead.launched else None  # counted where used
         self.clock.add("model", tm, self.clock.mark())
         if pinned is None:
             out = host.tolist()
         else:
             self._host_ready.synchronize()
             out = pinned.tolist()
-        if ahead.logits is not None:
+        if ahead.launched:
             self.graphs.ahead["launched"] += 1
         return out
 
@@ -828,7 +873,7 @@ class Decoder:
         """Whether the numbers of the step's synchronisation give the plan :meth:`_prepare_next` made: a partial
         forward, the same window, the same active width and packed rows once rounded as the cache rounds them."""
         partial, Q, N = synced[4:7]
-        if not partial or tuple(synced[2:4]) != ahead.window:
+        if not partial or tuple(synced[2:4]) != ahead.window or tuple(synced[7:7 + len(ahead.extra)]) != ahead.extra:
             return False
         return self.cache.forward_shape(Q, N, *shape) == (ahead.Q, ahead.N)
 
@@ -927,6 +972,18 @@ class Decoder:
             block_length=_fixed_block_length(self.policy, self.config),
         )
         return GenerateOutput(seqs, decode_texts(self.model, seqs), [len(r) for r in st.rows], stats)
+
+
+def _least(hi: int, ok) -> int:
+    """The least ``n`` in ``[1, hi]`` with ``ok(n)`` (``ok`` monotone, ``ok(hi)`` true): a binary search."""
+    lo = 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def _fixed_block_length(policy, config) -> int:

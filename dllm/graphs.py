@@ -299,7 +299,7 @@ class GraphRunner:
             return self._step(x, positions, key_mask, logits_idx, cache, query_idx, query_tokens, stop=stop)
 
     def prepare(self, x, positions, key_mask, logits_idx, cache, query_idx, query_tokens=None,
-                guard: torch.Tensor | None = None) -> Prepared | None:
+                guard: torch.Tensor | None = None, stop: int | None = None) -> Prepared | None:
         """The first half of a replay, done ahead: the graph of this partial forward looked up and its static inputs
         filled (device-to-device copies, queued), so that :meth:`replay` later only launches it. None, with nothing
         done, where no captured graph has this key (the call then goes through :meth:`__call__`). The decode loop
@@ -311,9 +311,11 @@ class GraphRunner:
         ``guard`` (a 0-d bool on the device): each input is filled only where it is True, else keeps what it holds
         (the last forward's: the decode loop's guard for a forward launched before it knows whether the plan holds,
         ``Decoder._prepare_next``); the copies are then not remembered (what they hold is known on the device only),
-        so the next call fills again."""
+        so the next call fills again. ``stop``: the first part of a speculative cache's forward, up to that layer
+        (:meth:`__call__`'s; its replay returns None, the decode loop goes on from its drift tests)."""
         with on_device(x):
             B, W, key, live, query_tokens = self._key(x, positions, key_mask, logits_idx, cache, query_idx, query_tokens)
+            key = _part_key(key, cache, 0, stop)
             g = self.graphs.get(key)
             if g is None or not g.captured or g.failed:
                 return None
@@ -326,11 +328,16 @@ class GraphRunner:
         the runner no longer holds that graph (dropped since: least recently used, or :meth:`check_model` found the
         model changed): the caller runs the forward the usual way. ``count=False``: not counted in :attr:`stats`
         (a forward launched before the decode loop knows whether it uses it: counted there, where used)."""
-        if self.graphs.get(p.key) is not p.g:
+        if not self.holds(p):
             return None
         with on_device(p.g.x):
             self._touch(p.g, p.cache)
             return self._run(p.g, p.cache, p.B, p.W, count)
+
+    def holds(self, p: Prepared) -> bool:
+        """Whether the graph :meth:`prepare` made ready is still held (not dropped since): :meth:`replay` launches
+        it. A first part of a speculative forward (``stop``) returns no logits, so its caller asks here first."""
+        return self.graphs.get(p.key) is p.g
 
     def full(self, x, positions, key_mask, logits_idx, cache) -> torch.Tensor | None:
         """Logits of a full forward ``model(x, positions=..., attn_mask=key_mask, logits_idx=..., cache=cache)``
@@ -418,11 +425,8 @@ class GraphRunner:
               stop: int | None = None) -> torch.Tensor | None:
         B, W, key, live, query_tokens = self._key(x, positions, key_mask, logits_idx, cache, query_idx, query_tokens)
         Bb, Wb = key[0][0], key[2]
-        kind = ""
-        if start or stop is not None:  # a part of a speculative cache's forward
-            redo = cache.redo_key()
-            kind = "" if not start else "resume" if redo is None else "redo"
-            key = ("part", start, stop, redo, *key)
+        kind = "" if not start else "resume" if cache.redo_key() is None else "redo"
+        key = _part_key(key, cache, start, stop)
         g = self.graphs.get(key)
         if g is None:  # static buffers like the live inputs (dense, whatever their strides), at the bucket's sizes
             shapes = [None if t is None else (Bb, Wb if t is logits_idx else t.shape[1]) for t in live]
@@ -521,6 +525,14 @@ class GraphRunner:
 
 
 _data_ptr = torch.Tensor.data_ptr
+
+
+def _part_key(key: tuple, cache, start: int, stop: int | None) -> tuple:
+    """A partial forward's graph key, or for a part of a speculative cache's forward (run from layer ``start`` or up
+    to layer ``stop``) the part's: its layers and the redo's schedule (``cache.redo_key()``) before the key."""
+    if not start and stop is None:
+        return key
+    return ("part", start, stop, cache.redo_key(), *key)
 
 
 def _addresses(cache) -> tuple:

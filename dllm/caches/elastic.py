@@ -51,7 +51,10 @@ class ElasticCache(KVCache):
     tracked tokens per layer (1); ``refresh_every``: also force a full forward every N forwards (None)."""
 
     name = "elastic"
-    pipelined = False  # a plan keeps the tracked tokens and the drift test's state (after_plan)
+    #: its plan (the tracked tokens, the window, the drift tests' buffers: :meth:`after_plan`) is a function of the
+    #: decode state and of the numbers read with the last plan (:attr:`plan_numbers`): the decode loop may make the
+    #: next step's ready before the synchronisation (made again where the synchronisation's numbers differ)
+    pipelined = True
     #: its hooks can run a partial forward without host synchronisation (:attr:`speculative`, :meth:`redo_plan`)
     can_speculate = True
     #: the graph path's mode (the module docstring): partial forwards never switch inside, the drift tests go to a
