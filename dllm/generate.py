@@ -441,6 +441,9 @@ class Decoder:
     #: False launches it after the synchronisation, as a step did before (the same tokens: ``bench_step.py``'s
     #: ``graph-late`` mode sets it to time the difference)
     launch_early = True
+    #: whether rows may join and leave the batch between steps (the serving engine sets it): a speculative cache's
+    #: next first part is then not launched before the synchronisation (:meth:`_prepare_next`)
+    rows_move = False
 
     def __init__(self, model, sampler, cache, policy, config: GenerateConfig):
         self.model, self.sampler, self.cache, self.policy, self.config = model, sampler, cache, policy, config
@@ -784,9 +787,11 @@ class Decoder:
                                   hint=(mask, True, Q, B * Q if N is None else N, rows, list(extra)))
         stop = cache.speculate_until() if cache.speculative else None
         relaunch = self._relaunch if cache.speculative else None
-        if host is not None and cache.speculative and (relaunch is None or relaunch.stop != stop):
+        if host is not None and cache.speculative and (relaunch is None or relaunch.stop != stop or self.rows_move):
             # a speculative cache's first part is launched ahead only where, the guard failing, it replays this
-            # step's and writes what this step wrote (another stop: another graph, whose inputs are an older step's)
+            # step's and writes what this step wrote (another stop: another graph, whose inputs are an older step's),
+            # and where no row can join or leave before the next step: a first part launched for rows that then
+            # move runs again after, its drift tests finding their old keys and queries overwritten by the first run
             host = None
         # a speculative cache's forward is launched only for the plan itself, not one at a larger width: a first part
         # that the next step plans again and runs once more would find its drift tests' old keys and queries

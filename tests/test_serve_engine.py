@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -286,6 +288,8 @@ def test_stateful_samplers_and_caches_join_and_leave_exactly(kind, family, graph
     graph path (static buffers on the CPU) too: bucketed canvases, K/V buffers moved through the runner's pool."""
     model = llada if family == "llada" else dream
     settings = STATEFUL[kind]
+    runner = GraphRunner.of(model)
+    ahead0 = Counter(runner.ahead if runner is not None else {})
     eng = Engine(model, max_rows=3, graphs=graphs)
     reqs = []
     for wave in range(3):
@@ -322,6 +326,9 @@ def test_stateful_samplers_and_caches_join_and_leave_exactly(kind, family, graph
     reqs.append((short, PROMPTS[2], sampler, params, cache, G, B, 0))
     assert eng.stats()["retried"] == 0 and eng.stats()["engine_errors"] == 0
     assert not eng.groups and not eng.waiting
+    if graphs == "on" and kind == "elastic":  # served: its next steps made ready ahead, never launched ahead
+        ahead = Counter(GraphRunner.of(model).ahead) - ahead0
+        assert ahead["confirmed"] > 0 and ahead["launched"] == 0, ahead
     for h, prompt, sampler, params, cache, G, B, seed in reqs:
         r = h.result(timeout=0)
         tokens, nfe = _alone(model, prompt, sampler, params, cache, G, B, seed)

@@ -707,6 +707,7 @@ class Engine:
         recipe = reqs[0].recipe
         sampler, cache, policy, config = resolve(self.model, recipe, reqs[0].sampler_spec[2], None, reqs[0].config)
         dec = Decoder(self.model, sampler, cache, policy, config)
+        dec.rows_move = True  # rows join and leave between steps
         if dec.graphed:  # the graph path: the K/V buffers sized for a batch bucket, rows move within
             dec.cache.batch_buckets = True
         st = dec.start([r.rows for r in reqs], None)
