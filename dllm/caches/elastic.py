@@ -34,7 +34,7 @@ import torch
 
 from dllm import kernels
 from dllm.caches.base import KVCache, logit_rows, padded_rows, rows_from_mask
-from dllm.ops import check_int, check_range, moved_rows
+from dllm.ops import cached_arange, check_int, check_range, moved_rows
 
 
 def _probs(q: torch.Tensor, k: torch.Tensor, key_mask) -> torch.Tensor:
@@ -113,6 +113,17 @@ class ElasticCache(KVCache):
                 self.pool.give([buf])
             buf = self._kept[name] = self._buffer(t.shape, t.dtype, t.device)
         return buf.copy_(t)
+
+    def _kept_buffer(self, name: str, shape, dtype, device) -> tuple[torch.Tensor, bool]:
+        """``(the buffer kept under name, whether it is new)``, of that shape (a buffer of another shape is given back
+        to the pool and replaced): the plan writes into it in place (``out=``), where :meth:`_keep` would copy."""
+        buf = self._kept.get(name)
+        if buf is not None and tuple(buf.shape) == tuple(shape) and buf.dtype == dtype and buf.device == device:
+            return buf, False
+        if buf is not None and self.pool is not None:
+            self.pool.give([buf])
+        buf = self._kept[name] = self._buffer(tuple(shape), dtype, device)
+        return buf, True
 
     def graph_key(self) -> tuple:
         """What a graph of this cache's partial forward reads besides the K/V buffers and the forward's inputs: the
@@ -219,54 +230,64 @@ class ElasticCache(KVCache):
         self._redo = None
         self._ran = len(self.xc)
         self._win = self._keep("win", logit_rows(state))  # [B, T] bool, each row's own window
-        masked = state.x == state.mask_id
+        if self._spec:  # into the kept buffer (its address is captured)
+            masked = torch.eq(state.x, state.mask_id, out=self._kept_buffer("masked", (B, T), torch.bool, dev)[0])
+        else:
+            masked = state.x == state.mask_id
         if state.valid is not None:
-            masked = masked | ~state.valid  # padding is never tracked
-        self._masked = self._keep("masked", masked)
+            masked = masked.logical_or_(~state.valid) if self._spec else masked | ~state.valid  # padding: never tracked
+        self._masked = masked
         self._new_track = torch.zeros((B, T), dtype=torch.bool, device=dev)
         self._row_refresh = torch.full((B,), -1, dtype=torch.long, device=dev)
-        self._testing = state.active.clone() if rows is not None and self.track is not None else None
-        if self._testing is not None and state.row_nfe is not None:
-            self._testing &= state.row_nfe > 0  # a row's first forward: nothing stored to test against
+        testing = rows is not None and self.track is not None
         self._switch = None
         if self._spec:  # a test in every partial forward (rows not testing fail none), over a fixed width
             L = len(self.xc)
-            self._testing = self._keep("testing", self._testing if self._testing is not None else
-                                       torch.zeros((B,), dtype=torch.bool, device=dev))
-            self._drift_at = self._keep("drift_at", torch.full((B,), L, dtype=torch.long, device=dev))
-            self._keep("refresh_at", self._drift_at)  # redo_plan's, taken now: the graphs' keys hold its address
-            self._tops = self._keep("tops", torch.zeros((L, B, min(self.track_num, T)), dtype=torch.long, device=dev))
+            self._testing = self._kept_buffer("testing", (B,), torch.bool, dev)[0]
+            if not testing:
+                self._testing.zero_()
+            elif state.row_nfe is not None:  # a row's first forward: nothing stored to test against
+                torch.logical_and(state.active, state.row_nfe > 0, out=self._testing)
+            else:
+                self._testing.copy_(state.active)
+            self._drift_at = self._kept_buffer("drift_at", (B,), torch.long, dev)[0].fill_(L)
+            self._kept_buffer("refresh_at", (B,), torch.long, dev)  # redo_plan's, taken now: its address is captured
+            # each layer's top-attended tokens: every layer of every forward writes its own (no reset needed)
+            self._tops = self._kept_buffer("tops", (L, B, min(self.track_num, T)), torch.long, dev)[0]
             track = self.track if self.track is not None else torch.zeros((B, T), dtype=torch.bool, device=dev)
             n = min(L * self.track_num, T)  # the most tokens a row tracks: track_num per layer
             count = track.sum(-1)
             self._trk_rows = self._keep("trk_rows", padded_rows(track, count)[:, :n])
-            self._trk_ok = self._keep("trk_ok", torch.arange(n, device=dev)[None] < count[:, None])
-            self._positions(rows)
-            self._trk_pos = self._keep("trk_pos", self._trk_pos)
-        elif self._testing is not None:
+            self._trk_ok = torch.lt(cached_arange(n, dev)[None], count[:, None],
+                                    out=self._kept_buffer("trk_ok", (B, n), torch.bool, dev)[0])
+            self._positions(rows, out=self._kept_buffer("trk_pos", (B, n), torch.long, dev)[0])
+        elif testing:
+            self._testing = state.active.clone()
+            if state.row_nfe is not None:
+                self._testing &= state.row_nfe > 0  # a row's first forward: nothing stored to test against
             self._trk_rows = rows_from_mask(self.track)
             self._trk_ok = torch.arange(self._trk_rows.shape[1], device=rows.device)[None] < self.track.sum(-1, keepdim=True)
             self._positions(rows)
         else:
-            self._trk_rows = None
+            self._testing, self._trk_rows = None, None
         known = None
         if rows is not None and len(self.plan_numbers) == 2:  # the window's numbers, read with the plan's
             wm, ragged = self.plan_numbers
             known = (max(wm, 1), bool(ragged))
-        self._set_window(rows, known)
+        self._set_window(rows, known, keep=self._spec)
         self._win_known = (self._win_pos.shape[1], self._win_ragged)  # the same among any rows holding the windows
-        if self._spec:
-            self._win_pos, self._win_ok = self._keep("win_pos", self._win_pos), self._keep("win_ok", self._win_ok)
 
-    def _positions(self, rows):
-        """Where each tracked row sits in ``rows`` (first match)."""
-        self._trk_pos = (rows[:, None, :] == self._trk_rows[:, :, None]).to(torch.int8).argmax(-1)
+    def _positions(self, rows, out: torch.Tensor | None = None):
+        """Where each tracked row sits in ``rows`` (first match); ``out``: into that buffer."""
+        hit = (rows[:, None, :] == self._trk_rows[:, :, None]).view(torch.uint8)
+        self._trk_pos = hit.argmax(-1) if out is None else torch.argmax(hit, -1, out=out)
 
-    def _set_window(self, rows, known: tuple[int, bool] | None = None):
+    def _set_window(self, rows, known: tuple[int, bool] | None = None, keep: bool = False):
         """``[B, Wm]`` positions of each row's window rows among the computed rows (``rows``; all ``T`` when
         None) and ``[B, Wm]`` bool, False on the padding of rows with fewer window rows. ``known``: ``(Wm, whether
         the rows' window counts differ)`` from an earlier call of this forward (each row's count is the same among
-        any rows that hold its window: no host synchronisation), else read here."""
+        any rows that hold its window: no host synchronisation), else read here. ``keep``: into the buffers kept
+        under ``win_pos`` and ``win_ok`` (a speculative plan's)."""
         win = self._win if rows is None else self._win.gather(1, rows)
         if rows is not None:  # a repeated row (padding) counts once
             first = torch.ones_like(win)
@@ -277,8 +298,14 @@ class ElasticCache(KVCache):
             top = n.max()
             wm, ragged = torch.stack([top, (n != top).any().long()]).tolist()
             known = (max(wm, 1), bool(ragged))
-        self._win_pos = torch.argsort(win.view(torch.uint8), dim=-1, descending=True, stable=True)[:, : known[0]]
-        self._win_ok = torch.arange(self._win_pos.shape[1], device=win.device)[None] < n[:, None]
+        pos = torch.argsort(win.view(torch.uint8), dim=-1, descending=True, stable=True)[:, : known[0]]
+        ar = cached_arange(pos.shape[1], win.device)[None]
+        if keep:
+            self._win_pos = self._keep("win_pos", pos)
+            self._win_ok = torch.lt(ar, n[:, None], out=self._kept_buffer("win_ok", pos.shape, torch.bool,
+                                                                           win.device)[0])
+        else:
+            self._win_pos, self._win_ok = pos, ar < n[:, None]
         self._win_ragged = known[1]
 
     # -- model hooks ---------------------------------------------------------------------------------------
