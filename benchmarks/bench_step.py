@@ -23,8 +23,9 @@ synchronisation, not before it; ``compile``: ``torch.compile`` of the model) it 
 ``--e2e`` adds whole generations (``--prompt`` / ``--gen``: 512 and 256 on a GPU by default, batch 1) with no cache,
 prefix and dual cache (and the dual cache with each next forward launched after the synchronisation, and no cache
 with every forward eager, ``none-eager``) and the speed-up of each over none (its full forwards from graphs on
-CUDA); ``--breakdown`` (CUDA) the kernels that take a full forward's and a cached step's device time, published
-layer against fast layer; ``--fastdllm DIR`` (a checkout of NVlabs/Fast-dLLM, its ``llada`` folder with
+CUDA; ``--e2e-profile`` adds, for none and dual, one more generation under the profiler: the device's busy time and
+its idle time by the length of the gaps, where a whole generation's time goes); ``--breakdown`` (CUDA) the kernels
+that take a full forward's and a cached step's device time, published layer against fast layer; ``--fastdllm DIR`` (a checkout of NVlabs/Fast-dLLM, its ``llada`` folder with
 ``generate.py`` and ``model/``) times Fast-dLLM's own ``generate_with_dual_cache`` on the same weights and steps;
 ``--packing`` one partial forward of a batch of 16 rows out of step (one row refreshing its whole canvas, the others
 computing their block of the dual cache), padded (every row computes the whole canvas) against packed
@@ -404,8 +405,50 @@ def e2e(model, a, B: int = 1):
         rows.append({"what": "e2e", "cache": name, "batch": B, "s": round(dt, 3), "nfe": out.stats.nfe,
                      "ms_per_forward": round(dt * 1e3 / out.stats.nfe, 2), "speedup_vs_none": round(base / dt, 2),
                      "graphs": out.stats.graphs})
+        if a.e2e_profile and a.device == "cuda" and name in ("none", "dual"):
+            Decoder.launch_early = True
+            rows[-1].update(device_timeline(lambda kw=kw: dllm.generate(model, prompts, **kw)))
         print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def device_timeline(run) -> dict:
+    """Where a whole generation's time goes on the device (CUDA, one more generation under the profiler): its wall
+    time there (the profiler's own overhead included), the device's busy time (kernels and copies, overlaps counted
+    once), and the idle time between them: in gaps of at most 50 us (launch spacing), of 50 us to 1 ms (the host
+    keeping the device waiting at a step) and longer (the host's work outside the steps), with the count of each."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync("cuda")
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        sync("cuda")
+    wall = time.perf_counter() - t0
+    spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
+             if e.device_type == torch.autograd.DeviceType.CUDA]
+    return {"profiled_s": round(wall, 3), **timeline(spans)}
+
+
+def timeline(spans) -> dict:
+    """Busy and idle time of a device from its work's ``(start, end)`` spans in microseconds (overlaps counted
+    once): ``device_busy_s``, ``kernels`` and, per kind of gap between the spans (at most 50 us, 50 us to 1 ms,
+    longer), its total seconds and count."""
+    busy, gaps, end = 0.0, [], None
+    for a0, a1 in sorted(spans):
+        if end is None or a0 > end:
+            if end is not None:
+                gaps.append(a0 - end)
+            busy += a1 - a0
+            end = a1
+        elif a1 > end:
+            busy += a1 - end
+            end = a1
+    out = {"device_busy_s": round(busy / 1e6, 6), "kernels": len(spans)}
+    for name, lo, hi in (("short", 0, 50), ("step", 50, 1000), ("long", 1000, float("inf"))):
+        g = [x for x in gaps if lo < x <= hi]
+        out[f"idle_{name}_s"], out[f"idle_{name}_n"] = round(sum(g) / 1e6, 6), len(g)
+    return out
 
 
 def fastdllm_model(modeling, conf, model, device):
@@ -497,6 +540,9 @@ def main(argv=None):
     p.add_argument("--none-steps", type=int, default=4, help="steps timed without a cache")
     p.add_argument("--e2e", action="store_true",
                    help="whole generations: none / dual / prefix / dual-late / none-eager, batch 1")
+    p.add_argument("--e2e-profile", action="store_true",
+                   help="with --e2e on CUDA: one more generation of none and dual under the profiler, its device's "
+                        "busy and idle time (where a whole generation's time goes)")
     p.add_argument("--fastdllm", default=None, help="a Fast-dLLM checkout: time its generate_with_dual_cache")
     p.add_argument("--packing", action="store_true",
                    help="one partial forward of 16 rows out of step, padded against packed (query_tokens)")

@@ -59,7 +59,7 @@ if want step 300; then
         # published layer's eager figures, mode base, are in docs/performance.md); prefix: in the whole generations
         extra+=(--batch 1 16 --modes graph graph-late --caches none dual)
     fi
-    timeout "$LIMIT" python3 benchmarks/bench_step.py --e2e "${extra[@]}" --json "$OUT/step.json" 2>&1 \
+    timeout "$LIMIT" python3 benchmarks/bench_step.py --e2e --e2e-profile "${extra[@]}" --json "$OUT/step.json" 2>&1 \
         | grep --line-buffered -v USDT | tee "$OUT/bench_step.log"
 fi
 

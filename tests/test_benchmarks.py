@@ -263,3 +263,15 @@ def test_gpu_check_skips_the_parts_its_deadline_leaves_no_time_for(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "== step skipped" in p.stdout and "== kernels skipped" in p.stdout and "== done" in p.stdout
     assert "bench_step" not in p.stdout and (out / "goals.md").exists()
+
+
+def test_bench_step_timeline_counts_overlapping_work_once_and_sorts_the_gaps():
+    """``--e2e-profile``'s accounting of a generation's device time (its spans in microseconds): overlapping spans
+    count once, and each idle gap goes to its kind by its length."""
+    import bench_step
+
+    spans = [(0, 10), (5, 20), (40, 50), (200, 300), (5000, 5001), (120, 130)]  # unsorted, two overlapping
+    got = bench_step.timeline(spans)
+    assert got["kernels"] == 6 and got["device_busy_s"] == round((20 + 10 + 10 + 100 + 1) / 1e6, 6)
+    assert (got["idle_short_n"], got["idle_step_n"], got["idle_long_n"]) == (1, 2, 1)  # 20; 70 and 70; 4700
+    assert got["idle_short_s"] == 20e-6 and got["idle_step_s"] == 140e-6 and got["idle_long_s"] == 4700e-6
