@@ -93,6 +93,7 @@ class ElasticCache(KVCache):
         if not hasattr(self, "_kept"):
             self._kept: dict[str, torch.Tensor] = {}
         self._spec = False
+        self._pending = False  # a speculative plan's device part left to the first part's forward (_begin)
         self._redo = None
         self._last_drift = None  # the first failing layer of the last partial forward (None: none failed)
 
@@ -127,9 +128,9 @@ class ElasticCache(KVCache):
 
     def graph_key(self) -> tuple:
         """What a graph of this cache's partial forward reads besides the K/V buffers and the forward's inputs: the
-        window's width and raggedness, the addresses of the stored inputs and queries and of the kept per-step
-        buffers (:meth:`_keep`)."""
-        return (self._win_pos.shape[1], self._win_ragged, *(t.data_ptr() for t in self.xc + self.qc),
+        window's width and raggedness, whether the plan's device part runs in the forward (:meth:`_begin`), the
+        addresses of the stored inputs and queries and of the kept per-step buffers (:meth:`_keep`)."""
+        return (self._win_pos.shape[1], self._win_ragged, self._pending, *(t.data_ptr() for t in self.xc + self.qc),
                 *(t.data_ptr() for t in self._kept.values()))
 
     def release(self) -> None:
@@ -229,39 +230,27 @@ class ElasticCache(KVCache):
         self._spec = self.speculative and rows is not None
         self._redo = None
         self._ran = len(self.xc)
-        self._win = self._keep("win", logit_rows(state))  # [B, T] bool, each row's own window
-        if self._spec:  # into the kept buffer (its address is captured)
-            masked = torch.eq(state.x, state.mask_id, out=self._kept_buffer("masked", (B, T), torch.bool, dev)[0])
-        else:
-            masked = state.x == state.mask_id
-        if state.valid is not None:
-            masked = masked.logical_or_(~state.valid) if self._spec else masked | ~state.valid  # padding: never tracked
-        self._masked = masked
-        self._new_track = torch.zeros((B, T), dtype=torch.bool, device=dev)
+        self._switch = None
         self._row_refresh = torch.full((B,), -1, dtype=torch.long, device=dev)
         testing = rows is not None and self.track is not None
-        self._switch = None
-        if self._spec:  # a test in every partial forward (rows not testing fail none), over a fixed width
-            L = len(self.xc)
-            self._testing = self._kept_buffer("testing", (B,), torch.bool, dev)[0]
-            if not testing:
-                self._testing.zero_()
-            elif state.row_nfe is not None:  # a row's first forward: nothing stored to test against
-                torch.logical_and(state.active, state.row_nfe > 0, out=self._testing)
-            else:
-                self._testing.copy_(state.active)
-            self._drift_at = self._kept_buffer("drift_at", (B,), torch.long, dev)[0].fill_(L)
-            self._kept_buffer("refresh_at", (B,), torch.long, dev)  # redo_plan's, taken now: its address is captured
-            # each layer's top-attended tokens: every layer of every forward writes its own (no reset needed)
-            self._tops = self._kept_buffer("tops", (L, B, min(self.track_num, T)), torch.long, dev)[0]
-            track = self.track if self.track is not None else torch.zeros((B, T), dtype=torch.bool, device=dev)
-            n = min(L * self.track_num, T)  # the most tokens a row tracks: track_num per layer
-            count = track.sum(-1)
-            self._trk_rows = self._keep("trk_rows", padded_rows(track, count)[:, :n])
-            self._trk_ok = torch.lt(cached_arange(n, dev)[None], count[:, None],
-                                    out=self._kept_buffer("trk_ok", (B, n), torch.bool, dev)[0])
-            self._positions(rows, out=self._kept_buffer("trk_pos", (B, n), torch.long, dev)[0])
-        elif testing:
+        known = None
+        if rows is not None and len(self.plan_numbers) == 2:  # the window's numbers, read with the plan's
+            wm, ragged = self.plan_numbers
+            known = (max(wm, 1), bool(ragged))
+        self._pending = False
+        if self._spec:
+            self._plan_speculative(state, rows, testing, known)
+            if known is None:  # the window's numbers were not read with the plan: its device part runs now
+                self._win.copy_(logit_rows(state))
+                self._begin(rows, None)  # (one host synchronisation: the window's numbers)
+            return
+        self._win = logit_rows(state)  # [B, T] bool, each row's own window
+        masked = state.x == state.mask_id
+        if state.valid is not None:
+            masked = masked | ~state.valid  # padding is never tracked
+        self._masked = masked
+        self._new_track = torch.zeros((B, T), dtype=torch.bool, device=dev)
+        if testing:
             self._testing = state.active.clone()
             if state.row_nfe is not None:
                 self._testing &= state.row_nfe > 0  # a row's first forward: nothing stored to test against
@@ -270,12 +259,74 @@ class ElasticCache(KVCache):
             self._positions(rows)
         else:
             self._testing, self._trk_rows = None, None
-        known = None
-        if rows is not None and len(self.plan_numbers) == 2:  # the window's numbers, read with the plan's
-            wm, ragged = self.plan_numbers
-            known = (max(wm, 1), bool(ragged))
-        self._set_window(rows, known, keep=self._spec)
+        self._set_window(rows, known)
         self._win_known = (self._win_pos.shape[1], self._win_ragged)  # the same among any rows holding the windows
+
+    def _plan_speculative(self, state, rows, testing: bool, known: tuple[int, bool] | None) -> None:
+        """A speculative plan: the kept buffers the graphs read by address, taken (from the pool where new) at
+        their shapes, and the host's part of their content (the masks, the rows testing, the tracked set); the rest,
+        a function of the forward's static inputs (the window and tracked rows, their positions among the active
+        rows, the drift tests' reset), is computed by the forward itself at its first layer (:meth:`_begin`, in the
+        first part's graph: device work, not the host's), where ``known`` (the window's numbers) is given."""
+        B, T = state.x.shape
+        dev = state.x.device
+        L = len(self.xc)
+        n = min(L * self.track_num, T)  # the most tokens a row tracks: track_num per layer
+        kept = self._kept_buffer  # taken in this order at every plan (the graphs' keys list them in it)
+        self._masked = torch.eq(state.x, state.mask_id, out=kept("masked", (B, T), torch.bool, dev)[0])
+        if state.valid is not None:
+            self._masked.logical_or_(~state.valid)  # padding is never tracked
+        self._testing = kept("testing", (B,), torch.bool, dev)[0]
+        if not testing:  # a test in every partial forward: rows not testing fail none
+            self._testing.zero_()
+        elif state.row_nfe is not None:  # a row's first forward: nothing stored to test against
+            torch.logical_and(state.active, state.row_nfe > 0, out=self._testing)
+        else:
+            self._testing.copy_(state.active)
+        track = kept("track", (B, T), torch.bool, dev)[0]
+        if self.track is None:
+            track.zero_()
+        elif self.track is not track:  # the last full forward's, or moved with the rows (the serving engine)
+            track.copy_(self.track)
+        self.track = track
+        self._drift_at = kept("drift_at", (B,), torch.long, dev)[0]
+        kept("refresh_at", (B,), torch.long, dev)  # redo_plan's, taken now: its address is captured
+        # each layer's top-attended tokens: every layer of every forward writes its own (no reset needed)
+        self._tops = kept("tops", (L, B, min(self.track_num, T)), torch.long, dev)[0]
+        self._trk_rows = kept("trk_rows", (B, n), torch.long, dev)[0]
+        self._trk_ok = kept("trk_ok", (B, n), torch.bool, dev)[0]
+        self._trk_pos = kept("trk_pos", (B, n), torch.long, dev)[0]
+        self._shift = state.shift
+        self._win = kept("win", (B, T), torch.bool, dev)[0]
+        if known is None:  # the window's positions are taken once its numbers are read (_begin)
+            return
+        self._win_pos = kept("win_pos", (B, known[0]), torch.long, dev)[0]
+        self._win_ok = kept("win_ok", (B, known[0]), torch.bool, dev)[0]
+        self._win_ragged = known[1]
+        self._win_known = known
+        self._pending = True  # _begin runs at the forward's first layer
+
+    def _begin(self, rows, known: tuple[int, bool] | None) -> None:
+        """The speculative plan's device part, run by the first part's forward at its first layer (so inside its
+        graph) or, where the window's numbers were not known at plan time, by the plan: each row's window (from the
+        forward's ``read_cols``), the drift tests reset, the tracked rows at a fixed width and where they sit among
+        the active ``rows``, the window's positions among them."""
+        if known is not None:  # inside the forward: the window from the columns it reads
+            c = self.read_cols
+            if self._shift:  # column c from row c - 1 (column 0 from row 0), as logit_rows
+                self._win.zero_()
+                self._win[:, :-1] = c[:, 1:]
+                self._win[:, :1].logical_or_(c[:, :1])
+            else:
+                self._win.copy_(c)
+        self._drift_at.fill_(len(self.xc))
+        count = self.track.sum(-1)
+        n = self._trk_rows.shape[1]
+        self._trk_rows.copy_(padded_rows(self.track, count)[:, :n])
+        torch.lt(cached_arange(n, rows.device)[None], count[:, None], out=self._trk_ok)
+        self._positions(rows, out=self._trk_pos)
+        self._set_window(rows, known, keep=True)
+        self._win_known = (self._win_pos.shape[1], self._win_ragged)
 
     def _positions(self, rows, out: torch.Tensor | None = None):
         """Where each tracked row sits in ``rows`` (first match); ``out``: into that buffer."""
@@ -317,6 +368,8 @@ class ElasticCache(KVCache):
                 self.xc[layer] = self._buffer_like(h)
             self.xc[layer].copy_(h)
             return None
+        if self._spec and self._pending and layer == 0 and h is not None:  # a speculative first part's first layer
+            self._begin(rows, self._win_known)
         xc = self.xc[layer]
         r = xc.shape[0] // self._row_refresh.shape[0]  # 2 under classifier-free guidance
         if h is not None:  # None: the first layer of a redo or a resumed forward, its input stored before
@@ -365,7 +418,7 @@ class ElasticCache(KVCache):
 
     def observe(self, layer, q, k, key_mask, rows):
         L = len(self.xc)
-        B = self._new_track.shape[0]
+        B = self._masked.shape[0]
         r = q.shape[0] // B  # 2 under classifier-free guidance (the batch is doubled)
         if rows is None:
             if len(self.qc) <= layer:
@@ -418,10 +471,12 @@ class ElasticCache(KVCache):
     def step_stats(self, n_layers):
         """:meth:`KVCache.step_stats`; a speculative forward's ``run`` also counts the layers it ran at the active
         width that the eager forward would have run at every row (those a redo rewrote)."""
-        if self._spec:
+        if self._spec:  # into the kept buffer, which the next plan's first part reads by address
             B = self._tops.shape[1]
-            self._new_track.scatter_(1, self._tops.transpose(0, 1).reshape(B, -1), True)
-        self.track = self._new_track & ~self._masked
+            new = torch.zeros_like(self._masked).scatter_(1, self._tops.transpose(0, 1).reshape(B, -1), True)
+            self.track = torch.logical_and(new, ~self._masked, out=self._kept["track"])
+        else:
+            self.track = self._new_track & ~self._masked
         stats = super().step_stats(n_layers)
         if self._spec:
             r = self._refresh_layer if self._refresh_layer >= 0 else n_layers
