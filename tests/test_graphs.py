@@ -815,16 +815,24 @@ def test_elastic_speculative_steps_decode_what_the_eager_path_decodes(family):
         for prompts in (ragged_prompts(1, 1), ragged_prompts(3, 1)):
             kw = dict(prompts=prompts, gen_length=24, steps=24)
             with own_runner(model) as runner:
-                graph = _gen(model, ElasticCache(gamma=gamma, track_num=track), "on", **kw)
+                gcache, ecache = ElasticCache(gamma=gamma, track_num=track), ElasticCache(gamma=gamma, track_num=track)
+                graph = _gen(model, gcache, "on", **kw)
                 parts = [k for k in runner.graphs if k[0] == "part"]  # ("part", start, stop, schedule, ...)
                 redos = [k for k in parts if k[3] is not None]
                 ahead.update(runner.ahead)
-            eager = _gen(model, ElasticCache(gamma=gamma, track_num=track), "off", **kw)
+            eager = _gen(model, ecache, "off", **kw)
             assert torch.equal(eager.sequences, graph.sequences), (gamma, len(prompts))
+            L, Te, Tg = len(model.layers), ecache.canvas_len, gcache.canvas_len
             for te, tg in zip(eager.stats.trace, graph.stats.trace, strict=True):
                 assert te["refresh_layer"] == tg["refresh_layer"]
                 if te["refresh_layer"] != 0:  # a full forward's counts are the canvas (bucketed on the graph path)
-                    assert torch.equal(torch.as_tensor(te["active"]), torch.as_tensor(tg["active"]))
+                    c = torch.as_tensor(te["active"]).double()
+                    assert torch.equal(c, torch.as_tensor(tg["active"]).double())
+                    # the share of token-layers computed (the graph's own, _settle): each row's layers at every row,
+                    # from the eager path's share, give the graph path's on its (bucketed) canvas
+                    full = (torch.as_tensor(te["computed"]).double() * L * Te - L * c) / (Te - c)
+                    want = ((L - full) * c + full * Tg) / (L * Tg)
+                    assert torch.allclose(torch.as_tensor(tg["computed"]).double(), want, atol=1e-5), (te, tg)
             assert graph.stats.graphs.get("replays", 0) > 0
             starts |= {k[1] for k in redos}
             mixed |= any(len(set(k[3])) > 1 for k in redos)  # rows switching at different layers (or not at all)

@@ -470,10 +470,7 @@ class KVCache(CacheBase):
             frac = torch.div(self._counts, T,  # float32 whatever the default dtype, in one kernel
                              out=torch.empty(self._counts.shape, dtype=torch.float32, device=self._counts.device))
         else:
-            counts = self._counts.float()
-            r = self._row_refresh.float()
-            full = torch.where(r < 0, torch.zeros_like(r), n_layers - r)
-            frac = ((n_layers - full) * counts + full * T) / (n_layers * T)
+            frac = self.computed_fraction(self._counts, self._row_refresh, n_layers)
         # what the batch's forward ran per row, padding included: a partial forward computes Q rows of every row
         # (the largest active set; the others padded with repeats) unless the model packs its per-token work into
         # the N active rows (query_tokens; not with per-layer hooks), from a refresh layer on all T of every row
@@ -487,6 +484,14 @@ class KVCache(CacheBase):
         self.last_stats = {"active": self._counts, "refresh_layer": self._refresh_layer, "computed": frac,
                            "run": run}
         return self.last_stats
+
+    def computed_fraction(self, counts: torch.Tensor, row_refresh: torch.Tensor, n_layers: int) -> torch.Tensor:
+        """``[B]`` float32: each row's share of its token-layers computed, ``counts`` rows per layer up to its refresh
+        layer (``row_refresh``; -1: none) and all ``T`` from there on."""
+        T = self.canvas_len
+        counts, r = counts.float(), row_refresh.float()
+        full = torch.where(r < 0, torch.zeros_like(r), n_layers - r)
+        return ((n_layers - full) * counts + full * T) / (n_layers * T)
 
     @property
     def nbytes(self) -> int:

@@ -94,6 +94,7 @@ class ElasticCache(KVCache):
             self._kept: dict[str, torch.Tensor] = {}
         self._spec = False
         self._pending = False  # a speculative plan's device part left to the first part's forward (_begin)
+        self._stop = None  # the layer the planned first part stops at (speculate_until)
         self._redo = None
         self._last_drift = None  # the first failing layer of the last partial forward (None: none failed)
 
@@ -155,6 +156,7 @@ class ElasticCache(KVCache):
         p = self._last_drift
         stop = None if p is None or p + 2 >= L else p + 1
         self._ran = L if stop is None else stop  # layers run at the active width (step_stats)
+        self._stop = stop  # where the first part hands its drift tests over (_settle)
         return stop
 
     def redo_plan(self, stop: int | None = None) -> int | None:
@@ -166,7 +168,7 @@ class ElasticCache(KVCache):
         if not self._spec:
             return None
         L, B = len(self.xc), self._drift_at.shape[0]
-        read = torch.cat([self._drift_at, self._testing.long()]).tolist()
+        read = self._read.tolist()  # what the part settled (_settle)
         first, testing = read[:B], read[B:]
         if stop is not None and any(t and f >= L for f, t in zip(first, testing)):
             self._ran = L  # resumed: every layer at the active width
@@ -175,9 +177,7 @@ class ElasticCache(KVCache):
         self._last_drift = start - 1 if start < L else None
         if start >= L:
             return None
-        refresh = self._keep("refresh_at", (self._drift_at + 1).clamp_max(L))
-        sched = tuple(min(f + 1, L) for f in first)
-        self._row_refresh = torch.where(refresh < L, refresh, torch.full_like(refresh, -1))
+        sched = tuple(min(f + 1, L) for f in first)  # each row's switch layer (refresh_at and _row_refresh: settled)
         self._refresh_layer = start
         self._redo = (start, sched)
         self._testing = None  # the redo runs no drift test
@@ -231,7 +231,6 @@ class ElasticCache(KVCache):
         self._redo = None
         self._ran = len(self.xc)
         self._switch = None
-        self._row_refresh = torch.full((B,), -1, dtype=torch.long, device=dev)
         testing = rows is not None and self.track is not None
         known = None
         if rows is not None and len(self.plan_numbers) == 2:  # the window's numbers, read with the plan's
@@ -244,6 +243,7 @@ class ElasticCache(KVCache):
                 self._win.copy_(logit_rows(state))
                 self._begin(rows, None)  # (one host synchronisation: the window's numbers)
             return
+        self._row_refresh = torch.full((B,), -1, dtype=torch.long, device=dev)
         self._win = logit_rows(state)  # [B, T] bool, each row's own window
         masked = state.x == state.mask_id
         if state.valid is not None:
@@ -290,7 +290,7 @@ class ElasticCache(KVCache):
             track.copy_(self.track)
         self.track = track
         self._drift_at = kept("drift_at", (B,), torch.long, dev)[0]
-        kept("refresh_at", (B,), torch.long, dev)  # redo_plan's, taken now: its address is captured
+        kept("refresh_at", (B,), torch.long, dev)  # each row's switch layer (_settle): the redo's graph reads it
         # each layer's top-attended tokens: every layer of every forward writes its own (no reset needed)
         self._tops = kept("tops", (L, B, min(self.track_num, T)), torch.long, dev)[0]
         self._trk_rows = kept("trk_rows", (B, n), torch.long, dev)[0]
@@ -298,6 +298,12 @@ class ElasticCache(KVCache):
         self._trk_pos = kept("trk_pos", (B, n), torch.long, dev)[0]
         self._shift = state.shift
         self._win = kept("win", (B, T), torch.bool, dev)[0]
+        # the drift tests as the host reads them, and each row's switch layer or -1 (step_stats): _settle
+        self._read = kept("read", (2 * B,), torch.long, dev)[0]
+        self._row_refresh = kept("row_refresh", (B,), torch.long, dev)[0]
+        # the active rows' counts (this plan's, read by the graph) and the share of token-layers computed (_settle)
+        kept("counts", (B,), self._counts.dtype, dev)[0].copy_(self._counts)
+        self._frac = kept("frac", (B,), torch.float32, dev)[0]
         if known is None:  # the window's positions are taken once its numbers are read (_begin)
             return
         self._win_pos = kept("win_pos", (B, known[0]), torch.long, dev)[0]
@@ -327,6 +333,18 @@ class ElasticCache(KVCache):
         self._positions(rows, out=self._trk_pos)
         self._set_window(rows, known, keep=True)
         self._win_known = (self._win_pos.shape[1], self._win_ragged)
+
+    def _settle(self) -> None:
+        """At the end of a speculative part that ran drift tests (its stop layer, or the last layer), inside its graph:
+        each row's switch layer (``refresh_at``: the layer after its first failing test, ``L`` where none failed; the
+        redo's graph reads it), the same as the statistics count it (-1: none), and what :meth:`redo_plan` reads on the
+        host (the first failing layers, the rows testing) in one buffer."""
+        L, B = len(self.xc), self._drift_at.shape[0]
+        refresh = torch.clamp_max(self._drift_at + 1, L, out=self._kept["refresh_at"])
+        self._row_refresh.copy_(refresh).masked_fill_(refresh >= L, -1)
+        self._frac.copy_(KVCache.computed_fraction(self, self._kept["counts"], self._row_refresh, L))
+        self._read[:B].copy_(self._drift_at)
+        self._read[B:].copy_(self._testing)
 
     def _positions(self, rows, out: torch.Tensor | None = None):
         """Where each tracked row sits in ``rows`` (first match); ``out``: into that buffer."""
@@ -383,6 +401,8 @@ class ElasticCache(KVCache):
             sw = self._kept["refresh_at"] == layer
             all_full = all(s <= layer for s in sched)
         else:
+            if self._spec and h is not None and layer == self._stop:  # the first part hands its tests over here
+                self._settle()
             if self._spec or self._switch is None or not bool(self._switch.any()):
                 return None
             # Rows whose drift test failed at the previous layer compute every row from this layer on (the stored
@@ -451,6 +471,8 @@ class ElasticCache(KVCache):
                     self._drift_at.copy_(torch.where(first, layer, self._drift_at))
                 elif layer + 1 < L:
                     self._switch = drift
+            if self._spec and layer == L - 1 and self._redo is None:  # the last layer of a part that tested
+                self._settle()
             self._k_old = None
             qc.scatter_(2, idx, q)
         wpos = self._win_pos.repeat(r, 1)[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[3])
@@ -467,6 +489,13 @@ class ElasticCache(KVCache):
             self._tops[layer].copy_(top)
         else:
             self._new_track.scatter_(1, top, True)
+
+    def computed_fraction(self, counts, row_refresh, n_layers):
+        """:meth:`KVCache.computed_fraction`; after a speculative forward the one its graph computed (:meth:`_settle`),
+        copied (the step's statistics keep it)."""
+        if self._spec and row_refresh is self._row_refresh:
+            return self._frac.clone()
+        return super().computed_fraction(counts, row_refresh, n_layers)
 
     def step_stats(self, n_layers):
         """:meth:`KVCache.step_stats`; a speculative forward's ``run`` also counts the layers it ran at the active
