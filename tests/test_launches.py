@@ -113,3 +113,34 @@ def test_the_decode_loops_own_kernels_per_cached_step_stay_within_budget(sampler
     assert len(forward) == 1 and st.trace[-1]["refresh_layer"] == -1  # one partial forward
     loop = counter.total - forward[0]
     assert 0 < loop <= budget, dict(counter.counts)
+
+
+def test_elastic_cache_adds_few_kernels_to_the_loop_outside_its_graphs(triton_backend):
+    """Elastic-Cache on the graph path: what its plan needs of the decode state is the host's (the masks, the rows
+    testing, the tracked set), the rest runs inside its forwards' graphs (the window and tracked rows at the first
+    layer, the drift tests' outcome at the end of a part): a cached step's kernels outside its forwards stay within
+    the dual cache's budget plus 16 (164 before that split; 104 for the dual cache)."""
+    import importlib
+
+    from dllm.graphs import GraphRunner
+
+    G = importlib.import_module("dllm.generate")
+    dec, st = _tiny_decoder(4, "llada", "elastic", 4)
+    forward = []
+    orig, free = GraphRunner._forward, G._host_check_free
+
+    with LaunchCounter() as counter:
+        def counted(self, g, cache):
+            n0 = counter.total
+            out = orig(self, g, cache)
+            forward.append(counter.total - n0)
+            return out
+
+        GraphRunner._forward, G._host_check_free = counted, (lambda t: False)  # the path a CUDA run takes
+        try:
+            dec.step(st)
+        finally:
+            GraphRunner._forward, G._host_check_free = orig, free
+    assert forward and st.trace[-1]["refresh_layer"] != 0  # a cached step, in one or more parts
+    loop = counter.total - sum(forward)
+    assert 0 < loop <= 104 + 16, dict(counter.counts)
