@@ -89,12 +89,20 @@ def test_the_decode_loops_own_kernels_per_cached_step_stay_within_budget(sampler
     (119 and 117 before the loop was trimmed, 96 and 93 before the early launch added its guard and the regions'
     pace: 8 kernels that spare the device its wait for the host at every step). On a GPU each is a launch and a few
     microseconds of device time in every step."""
+    dec, st = _tiny_decoder(2, sampler, "dual", 4)
+    loop, forward, counts = _loop_kernels(dec, st)
+    assert len(forward) == 1 and st.trace[-1]["refresh_layer"] == -1  # one partial forward
+    assert 0 < loop <= budget, counts
+
+
+def _loop_kernels(dec, st):
+    """``(kernels outside the forwards, each forward's kernels, the counter's counts)`` of one step, counted as the
+    CUDA path runs it (the forwards: the graph runner's, replayed as graphs there)."""
     import importlib
 
     from dllm.graphs import GraphRunner
 
     G = importlib.import_module("dllm.generate")
-    dec, st = _tiny_decoder(2, sampler, "dual", 4)
     forward = []
     orig, free = GraphRunner._forward, G._host_check_free
 
@@ -110,9 +118,7 @@ def test_the_decode_loops_own_kernels_per_cached_step_stay_within_budget(sampler
             dec.step(st)
         finally:
             GraphRunner._forward, G._host_check_free = orig, free
-    assert len(forward) == 1 and st.trace[-1]["refresh_layer"] == -1  # one partial forward
-    loop = counter.total - forward[0]
-    assert 0 < loop <= budget, dict(counter.counts)
+    return counter.total - sum(forward), forward, dict(counter.counts)
 
 
 def test_elastic_cache_adds_few_kernels_to_the_loop_outside_its_graphs(triton_backend):
@@ -120,27 +126,7 @@ def test_elastic_cache_adds_few_kernels_to_the_loop_outside_its_graphs(triton_ba
     testing, the tracked set), the rest runs inside its forwards' graphs (the window and tracked rows at the first
     layer, the drift tests' outcome at the end of a part): a cached step's kernels outside its forwards stay within
     the dual cache's budget plus 16 (164 before that split; 104 for the dual cache)."""
-    import importlib
-
-    from dllm.graphs import GraphRunner
-
-    G = importlib.import_module("dllm.generate")
     dec, st = _tiny_decoder(4, "llada", "elastic", 4)
-    forward = []
-    orig, free = GraphRunner._forward, G._host_check_free
-
-    with LaunchCounter() as counter:
-        def counted(self, g, cache):
-            n0 = counter.total
-            out = orig(self, g, cache)
-            forward.append(counter.total - n0)
-            return out
-
-        GraphRunner._forward, G._host_check_free = counted, (lambda t: False)  # the path a CUDA run takes
-        try:
-            dec.step(st)
-        finally:
-            GraphRunner._forward, G._host_check_free = orig, free
+    loop, forward, counts = _loop_kernels(dec, st)
     assert forward and st.trace[-1]["refresh_layer"] != 0  # a cached step, in one or more parts
-    loop = counter.total - sum(forward)
-    assert 0 < loop <= 104 + 16, dict(counter.counts)
+    assert 0 < loop <= 104 + 16, counts
