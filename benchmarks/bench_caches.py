@@ -4,7 +4,8 @@ Every cache decodes the same prompts with LLaDA's even quota (a fixed number of 
 the same number of forwards); reported per cache and batch size: end-to-end time, speedup over no cache,
 fraction of token-layers computed (from generate's per-step statistics), K/V memory held by the cache,
 and the fraction of output tokens equal to the no-cache run (random weights: staleness shows up here far
-more than on a trained model).
+more than on a trained model); on CUDA also the decode loop's clock (``stream_s``: the stream's seconds in the
+cache's plan, the forwards and the sampler and loop, idle gaps included: where a step waits for the host).
 
     python benchmarks/bench_caches.py                        # GPU: 12 layers, width 1024, prompt 512, gen 256
     python benchmarks/bench_caches.py                        # CPU: 2 layers, width 256, prompt 64, gen 64 (minutes)
@@ -189,6 +190,12 @@ def main(argv=None):
             row["device"] = torch.cuda.get_device_name() if a.device == "cuda" else "CPU"
             if a.device == "cuda":
                 row["peak_mib"] = round(torch.cuda.max_memory_allocated() / 2**20)
+                # the decode loop's clock (events on the stream): the stream's time from a step's start to its forward
+                # (the cache's plan), through the forward, and after it (the sampler and the loop), idle gaps included:
+                # a large share outside the model is a step bound by the host
+                st = out.stats
+                row["stream_s"] = {"cache": round(st.time_cache, 3), "model": round(st.time_model, 3),
+                                   "sampler": round(st.time_sampler, 3)}
             rows.append(row)
             print(json.dumps(row), flush=True)
     print()
