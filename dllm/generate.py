@@ -840,7 +840,13 @@ class Decoder:
         synchronisation's numbers (:attr:`DecodeState.pace`) say that every active row's region keeps masks after
         this step if it commits what the last step committed, and until a plan made ahead missed within a region
         (a cache whose active width follows the masks left). Where the next step plans again (a region ended: a
-        refresh or another width) a forward launched for it is discarded, a forward's time spent for nothing."""
+        refresh or another width) a forward launched for it is discarded, a forward's time spent for nothing; so
+        also where the cache's ``refresh_every`` makes the next forward a full one (counted by the forwards done,
+        which a row that took part in every forward shares: the rows of a served batch that joined later may
+        refresh at other steps, where the guard keeps the launch valid all the same)."""
+        every = getattr(self.cache, "refresh_every", None)
+        if every and st.nfe % every == 0:
+            return False
         return self._early and st.pace is not None and st.pace[0] > st.pace[1]
 
     def _sync(self, host: torch.Tensor, ahead: _Ahead | None) -> list:

@@ -622,6 +622,21 @@ def test_the_next_forward_is_launched_before_the_sync_where_the_block_goes_on():
     assert ahead.stats.trace == plain.stats.trace  # (the eager path's canvas is not rounded up: other columns)
 
 
+def test_a_forced_refresh_is_not_launched_ahead():
+    """dKV-Cache-Greedy's full forward every ``refresh_every`` forwards: the partial forward made ready before it is
+    not launched before the synchronisation (it would be discarded: a forward's time for nothing); the others are,
+    every one of them confirmed. The tokens are the eager path's."""
+    model = cached_model("llada", 0)
+    kw = dict(prompts=[ragged_prompts(1, 1)[0]], gen_length=64, block_length=16, steps=64)
+    with own_runner(model) as runner:
+        out = _gen(model, "dkv-greedy", "on", "llada", **kw)
+        assert runner.ahead["launched"] >= 20 and runner.ahead["launched"] == runner.ahead["confirmed"], runner.ahead
+        assert "discarded" not in runner.ahead
+    fulls = sum(1 for t in out.stats.trace if t["refresh_layer"] == 0)
+    assert fulls == 64 // 4  # every fourth forward
+    assert torch.equal(out.sequences, _gen(model, "dkv-greedy", "off", "llada", **kw).sequences)
+
+
 @pytest.mark.parametrize("cache", ["freecache"])
 def test_a_cache_whose_plan_keeps_state_for_the_next_is_planned_after_the_sync(cache):
     model = cached_model("llada", 0)
