@@ -7,11 +7,13 @@
 #
 #     bash benchmarks/gpu_check.sh [FASTDLLM_DIR]     # FASTDLLM_DIR: a Fast-dLLM checkout (optional)
 #     QUICK=1 bash benchmarks/gpu_check.sh ...        # batch 1 and 16, no/dual cache, two modes: a short lease
-#     PARTS="step tests" bash benchmarks/gpu_check.sh # some parts only (step kernels tests caches extra; default all)
+#     PARTS="step tests" bash benchmarks/gpu_check.sh # some parts only (step kernels tests caches elastic extra;
+#                                                     # default all)
 #     GPU_TESTS_K="confidence or compile" ...         # some of the gpu tests only (pytest -k)
 #
-# The parts run in the order of what the issue's goals still need (step, caches, tests, kernels, extra) and take at
-# most 300 + 180 + 200 + 100 + 180 seconds. On an H200 (2026-11-27, the third check) with QUICK=1 and no Fast-dLLM
+# The parts run in the order of what the issue's goals still need (step, caches, tests, kernels, elastic: Elastic-
+# Cache's step at 8 layers, extra) and take at most 300 + 180 + 200 + 100 + 120 + 180 seconds. On an H200
+# (2026-11-27, the third check) with QUICK=1 and no Fast-dLLM
 # (it takes about 30 s more): step about 150 s, caches about 90 s, the gpu tests over 200 s on a fresh machine (34 of
 # 37 in 200 s; their kernels compile first), kernels about 55 s. So run PARTS="step kernels" and then PARTS="caches
 # tests extra" (each call's goals table judges that call's files; unpack both calls' gpu-check.tgz into one folder
@@ -28,7 +30,7 @@ OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 FASTDLLM=${1:-}
-PARTS=${PARTS:-step kernels tests caches extra}
+PARTS=${PARTS:-step kernels tests caches elastic extra}
 log() { echo "== $* ($(date -u +%H:%M:%S))"; }
 DEADLINE=${DEADLINE:-0}
 # want PART CAP: whether PART was asked for and has time left; sets LIMIT, its time limit in seconds
@@ -83,6 +85,14 @@ fi
 if want kernels 100; then
     log bench_kernels
     timeout "$LIMIT" python3 benchmarks/bench_kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/bench_kernels.log"
+fi
+
+if want elastic 120; then
+    log bench_step elastic
+    # Elastic-Cache's cached step at 8 layers against no cache and the dual cache: the step, device busy time, kernels
+    # and host gap of its graph path (its parts, planned and launched ahead)
+    timeout "$LIMIT" python3 benchmarks/bench_step.py --layers 8 --batch 1 --caches none dual elastic --modes graph \
+        --json "$OUT/step_elastic.json" 2>&1 | grep --line-buffered -v USDT | tee "$OUT/bench_step_elastic.log"
 fi
 
 if want extra 120; then
