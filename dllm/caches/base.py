@@ -346,13 +346,7 @@ class KVCache(CacheBase):
             while len(self.k) <= layer:
                 self.k.append(None)
                 self.v.append(None)
-            kb = self.k[layer]
-            if kb is None or kb.shape != k.shape or kb.dtype != k.dtype or kb.device != k.device:
-                # contiguous [B, Hkv, T, D] whatever the producer's layout: attention reads rows of D
-                if self.pool is not None:
-                    self.pool.give([storage_of(kb), storage_of(self.v[layer])])
-                self.k[layer] = self._buffer(k.shape, k.dtype, k.device)
-                self.v[layer] = self._buffer(v.shape, v.dtype, v.device)
+            self._hold(layer, k.shape, v.shape, k.dtype, k.device)
             self.k[layer].copy_(k)
             self.v[layer].copy_(v)
             if layer == 0:
@@ -391,14 +385,19 @@ class KVCache(CacheBase):
         for buf in (self.k, self.v):
             buf.extend([None] * (n_layers - len(buf)))
         for layer in range(n_layers):
-            kb, vb = self.k[layer], self.v[layer]
-            if kb is not None and vb is not None and kb.shape == shape and vb.shape == shape and \
-                    kb.dtype == dtype and vb.dtype == dtype and kb.device == device and vb.device == device:
-                continue
+            self._hold(layer, shape, shape, dtype, device)
+
+    def _hold(self, layer: int, k_shape, v_shape, dtype, device) -> None:
+        """Make layer ``layer``'s K/V buffers those of a full forward's keys and values (``k_shape``, ``v_shape``):
+        kept where the K buffer already has that shape, dtype and device, else the old pair given back to
+        :attr:`pool` and new ones taken, contiguous ``[B, Hkv, T, D]`` whatever the producer's layout (attention
+        reads rows of D)."""
+        kb = self.k[layer]
+        if kb is None or kb.shape != k_shape or kb.dtype != dtype or kb.device != device:
             if self.pool is not None:
-                self.pool.give([storage_of(kb), storage_of(vb)])
-            self.k[layer] = self._buffer(shape, dtype, device)
-            self.v[layer] = self._buffer(shape, dtype, device)
+                self.pool.give([storage_of(kb), storage_of(self.v[layer])])
+            self.k[layer] = self._buffer(k_shape, dtype, device)
+            self.v[layer] = self._buffer(v_shape, dtype, device)
 
     def _buffer(self, shape, dtype, device, reuse: torch.Tensor | None = None) -> torch.Tensor:
         """A contiguous ``[B, Hkv, T, D]`` K/V buffer: from :attr:`pool` (or new), with :attr:`batch_buckets` the first
