@@ -104,33 +104,21 @@ class ElasticCache(KVCache):
             return self._buffer(t.shape, t.dtype, t.device)
         return torch.empty_like(t)
 
-    def _keep(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """``t``, or in a speculative plan its copy in the buffer kept under ``name`` (the graphs read it by
-        address; a buffer of another shape is given back to the pool and replaced)."""
-        if not self._spec:
-            return t
-        buf = self._kept.get(name)
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.device != t.device:
-            if buf is not None and self.pool is not None:
-                self.pool.give([buf])
-            buf = self._kept[name] = self._buffer(t.shape, t.dtype, t.device)
-        return buf.copy_(t)
-
-    def _kept_buffer(self, name: str, shape, dtype, device) -> tuple[torch.Tensor, bool]:
-        """``(the buffer kept under name, whether it is new)``, of that shape (a buffer of another shape is given back
-        to the pool and replaced): the plan writes into it in place (``out=``), where :meth:`_keep` would copy."""
+    def _kept_buffer(self, name: str, shape, dtype, device) -> torch.Tensor:
+        """The speculative mode's buffer kept under ``name`` (the graphs read it by address), of that shape: a buffer
+        of another shape is given back to the pool and replaced. Written in place (``out=``, ``copy_``)."""
         buf = self._kept.get(name)
         if buf is not None and tuple(buf.shape) == tuple(shape) and buf.dtype == dtype and buf.device == device:
-            return buf, False
+            return buf
         if buf is not None and self.pool is not None:
             self.pool.give([buf])
         buf = self._kept[name] = self._buffer(tuple(shape), dtype, device)
-        return buf, True
+        return buf
 
     def graph_key(self) -> tuple:
         """What a graph of this cache's partial forward reads besides the K/V buffers and the forward's inputs: the
         window's width and raggedness, whether the plan's device part runs in the forward (:meth:`_begin`), the
-        addresses of the stored inputs and queries and of the kept per-step buffers (:meth:`_keep`)."""
+        addresses of the stored inputs and queries and of the kept per-step buffers (:meth:`_kept_buffer`)."""
         return (self._win_pos.shape[1], self._win_ragged, self._pending, *(t.data_ptr() for t in self.xc + self.qc),
                 *(t.data_ptr() for t in self._kept.values()))
 
@@ -273,41 +261,41 @@ class ElasticCache(KVCache):
         L = len(self.xc)
         n = min(L * self.track_num, T)  # the most tokens a row tracks: track_num per layer
         kept = self._kept_buffer  # taken in this order at every plan (the graphs' keys list them in it)
-        self._masked = torch.eq(state.x, state.mask_id, out=kept("masked", (B, T), torch.bool, dev)[0])
+        self._masked = torch.eq(state.x, state.mask_id, out=kept("masked", (B, T), torch.bool, dev))
         if state.valid is not None:
             self._masked.logical_or_(~state.valid)  # padding is never tracked
-        self._testing = kept("testing", (B,), torch.bool, dev)[0]
+        self._testing = kept("testing", (B,), torch.bool, dev)
         if not testing:  # a test in every partial forward: rows not testing fail none
             self._testing.zero_()
         elif state.row_nfe is not None:  # a row's first forward: nothing stored to test against
             torch.logical_and(state.active, state.row_nfe > 0, out=self._testing)
         else:
             self._testing.copy_(state.active)
-        track = kept("track", (B, T), torch.bool, dev)[0]
+        track = kept("track", (B, T), torch.bool, dev)
         if self.track is None:
             track.zero_()
         elif self.track is not track:  # the last full forward's, or moved with the rows (the serving engine)
             track.copy_(self.track)
         self.track = track
-        self._drift_at = kept("drift_at", (B,), torch.long, dev)[0]
+        self._drift_at = kept("drift_at", (B,), torch.long, dev)
         kept("refresh_at", (B,), torch.long, dev)  # each row's switch layer (_settle): the redo's graph reads it
         # each layer's top-attended tokens: every layer of every forward writes its own (no reset needed)
-        self._tops = kept("tops", (L, B, min(self.track_num, T)), torch.long, dev)[0]
-        self._trk_rows = kept("trk_rows", (B, n), torch.long, dev)[0]
-        self._trk_ok = kept("trk_ok", (B, n), torch.bool, dev)[0]
-        self._trk_pos = kept("trk_pos", (B, n), torch.long, dev)[0]
+        self._tops = kept("tops", (L, B, min(self.track_num, T)), torch.long, dev)
+        self._trk_rows = kept("trk_rows", (B, n), torch.long, dev)
+        self._trk_ok = kept("trk_ok", (B, n), torch.bool, dev)
+        self._trk_pos = kept("trk_pos", (B, n), torch.long, dev)
         self._shift = state.shift
-        self._win = kept("win", (B, T), torch.bool, dev)[0]
+        self._win = kept("win", (B, T), torch.bool, dev)
         # the drift tests as the host reads them, and each row's switch layer or -1 (step_stats): _settle
-        self._read = kept("read", (2 * B,), torch.long, dev)[0]
-        self._row_refresh = kept("row_refresh", (B,), torch.long, dev)[0]
+        self._read = kept("read", (2 * B,), torch.long, dev)
+        self._row_refresh = kept("row_refresh", (B,), torch.long, dev)
         # the active rows' counts (this plan's, read by the graph) and the share of token-layers computed (_settle)
-        kept("counts", (B,), self._counts.dtype, dev)[0].copy_(self._counts)
-        self._frac = kept("frac", (B,), torch.float32, dev)[0]
+        kept("counts", (B,), self._counts.dtype, dev).copy_(self._counts)
+        self._frac = kept("frac", (B,), torch.float32, dev)
         if known is None:  # the window's positions are taken once its numbers are read (_begin)
             return
-        self._win_pos = kept("win_pos", (B, known[0]), torch.long, dev)[0]
-        self._win_ok = kept("win_ok", (B, known[0]), torch.bool, dev)[0]
+        self._win_pos = kept("win_pos", (B, known[0]), torch.long, dev)
+        self._win_ok = kept("win_ok", (B, known[0]), torch.bool, dev)
         self._win_ragged = known[1]
         self._win_known = known
         self._pending = True  # _begin runs at the forward's first layer
@@ -342,7 +330,7 @@ class ElasticCache(KVCache):
         L, B = len(self.xc), self._drift_at.shape[0]
         refresh = torch.clamp_max(self._drift_at + 1, L, out=self._kept["refresh_at"])
         self._row_refresh.copy_(refresh).masked_fill_(refresh >= L, -1)
-        self._frac.copy_(KVCache.computed_fraction(self, self._kept["counts"], self._row_refresh, L))
+        self._frac.copy_(super().computed_fraction(self._kept["counts"], self._row_refresh, L))
         self._read[:B].copy_(self._drift_at)
         self._read[B:].copy_(self._testing)
 
@@ -370,9 +358,8 @@ class ElasticCache(KVCache):
         pos = torch.argsort(win.view(torch.uint8), dim=-1, descending=True, stable=True)[:, : known[0]]
         ar = cached_arange(pos.shape[1], win.device)[None]
         if keep:
-            self._win_pos = self._keep("win_pos", pos)
-            self._win_ok = torch.lt(ar, n[:, None], out=self._kept_buffer("win_ok", pos.shape, torch.bool,
-                                                                           win.device)[0])
+            self._win_pos = self._kept_buffer("win_pos", pos.shape, pos.dtype, win.device).copy_(pos)
+            self._win_ok = torch.lt(ar, n[:, None], out=self._kept_buffer("win_ok", pos.shape, torch.bool, win.device))
         else:
             self._win_pos, self._win_ok = pos, ar < n[:, None]
         self._win_ragged = known[1]
@@ -493,7 +480,7 @@ class ElasticCache(KVCache):
     def computed_fraction(self, counts, row_refresh, n_layers):
         """:meth:`KVCache.computed_fraction`; after a speculative forward the one its graph computed (:meth:`_settle`),
         copied (the step's statistics keep it)."""
-        if self._spec and row_refresh is self._row_refresh:
+        if self._spec:
             return self._frac.clone()
         return super().computed_fraction(counts, row_refresh, n_layers)
 
