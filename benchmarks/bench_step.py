@@ -25,11 +25,12 @@ prefix and dual cache (and the dual cache with each next forward launched after 
 with every forward eager, ``none-eager``) and the speed-up of each over none (its full forwards from graphs on
 CUDA; ``--e2e-profile`` adds, for none and dual, one more generation under the profiler: the device's busy time and
 its idle time by the length of the gaps, where a whole generation's time goes); ``--breakdown`` (CUDA) the kernels
-that take a full forward's and a cached step's device time, published layer against fast layer; ``--fastdllm DIR`` (a checkout of NVlabs/Fast-dLLM, its ``llada`` folder with
-``generate.py`` and ``model/``) times Fast-dLLM's own ``generate_with_dual_cache`` on the same weights and steps;
-``--packing`` one partial forward of a batch of 16 rows out of step (one row refreshing its whole canvas, the others
-computing their block of the dual cache), padded (every row computes the whole canvas) against packed
-(``query_tokens``: each row its own active rows), the fast layer as ``load_model`` runs it on CUDA.
+that take a full forward's and a cached step's device time, published layer against fast layer; ``--fastdllm DIR``
+(a checkout of NVlabs/Fast-dLLM, its ``llada`` folder with ``generate.py`` and ``model/``) times Fast-dLLM's own
+``generate_with_dual_cache`` on the same weights and steps; ``--packing`` one partial forward of a batch of 16 rows
+out of step (one row refreshing its whole canvas, the others computing their block of the dual cache), padded (every
+row computes the whole canvas) against packed (``query_tokens``: each row its own active rows), the fast layer as
+``load_model`` runs it on CUDA.
 
     python benchmarks/bench_step.py                              # GPU: 32 layers, the shape above
     python benchmarks/bench_step.py --layers 8 --e2e --json out.json
@@ -406,7 +407,6 @@ def e2e(model, a, B: int = 1):
                      "ms_per_forward": round(dt * 1e3 / out.stats.nfe, 2), "speedup_vs_none": round(base / dt, 2),
                      "graphs": out.stats.graphs})
         if a.e2e_profile and a.device == "cuda" and name in ("none", "dual"):
-            Decoder.launch_early = True
             rows[-1].update(device_timeline(lambda kw=kw: dllm.generate(model, prompts, **kw)))
         print(json.dumps(rows[-1]), flush=True)
     return rows
