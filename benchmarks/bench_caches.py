@@ -39,6 +39,7 @@ from dllm import generate, get_sampler, load_model
 from dllm.assets import model_path
 from dllm.caches import CACHES, get_cache
 from dllm.config import GRAPH_MODES
+from dllm.graphs import GraphRunner
 from dllm.models import Transformer, TransformerConfig
 from dllm.models.fast import enable_fast_path, wants_fast
 from dllm.models.loading import checkpoint_block_size
@@ -171,6 +172,8 @@ def main(argv=None):
             if a.device == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
+            runner = GraphRunner.of(model)
+            ahead0 = dict(runner.ahead) if runner is not None else {}
             t0 = time.perf_counter()
             out = generate(model, prompts, cache=cache, **kw)
             if a.device == "cuda":
@@ -187,6 +190,8 @@ def main(argv=None):
                    "kv_mib": round(out.stats.cache_bytes / 2**20, 1),
                    "same_tokens": round(float((out.sequences == base_seq).float().mean()), 3),
                    "graphs": out.stats.graphs}  # how the forwards ran (replays, captures, eager reasons)
+            if runner is not None:  # the next forwards made ready ahead: launched before the sync, confirmed, ...
+                row["ahead"] = {k: v - ahead0.get(k, 0) for k, v in runner.ahead.items() if v != ahead0.get(k, 0)}
             row["device"] = torch.cuda.get_device_name() if a.device == "cuda" else "CPU"
             if a.device == "cuda":
                 row["peak_mib"] = round(torch.cuda.max_memory_allocated() / 2**20)

@@ -395,9 +395,9 @@ class DecodeState:
     # while the canvas is that same tensor and the window the one it was planned for
     ahead: Any = None
     # from the last step's host sync on the pipelined graph path: (the fewest masks left in an active row's region,
-    # the most tokens a row committed in that step); whether the next forward is launched before the sync
-    # (Decoder._launch_early)
-    pace: tuple[int, int] | None = None
+    # the most tokens a row committed in that step, each row's steps in its region after it or -1 where the row is
+    # finished); whether the next forward is launched before the sync (Decoder._launch_early)
+    pace: tuple[int, int, list[int]] | None = None
     state: dict = field(default_factory=dict)  # sampler scratch space
     trace: list = field(default_factory=list)
     nfe: int = 0
@@ -444,6 +444,12 @@ class Decoder:
     #: whether rows may join and leave the batch between steps (the serving engine sets it): a speculative cache's
     #: next first part is then not launched before the synchronisation (:meth:`_prepare_next`)
     rows_move = False
+    #: a forward launched before the synchronisation at this step's width, for a next step whose active set needs a
+    #: narrower one (dKV-Cache-Decode's falls within a block), is kept where it computes at most this many rows over
+    #: the batch: its rows are the next step's, more repeats of each row's first active row (written identically);
+    #: at LLaDA-8B's shape on a GPU a partial forward of that many rows costs about what reading the weights costs, so
+    #: the wait it spares is worth more than its padding. 0: only a forward at the next step's own width is kept
+    wide_ahead = 128
 
     def __init__(self, model, sampler, cache, policy, config: GenerateConfig):
         self.model, self.sampler, self.cache, self.policy, self.config = model, sampler, cache, policy, config
@@ -702,10 +708,12 @@ class Decoder:
             st.lo, st.hi = self.slide(x == mask_id, st.lo)
         # the next step's cache plan (active rows, partial or full, largest active set), read in this sync
         nxt = self._plan_next(st)
-        # the pipelined graph path also reads how far the regions are from their end (_launch_early)
+        # the pipelined graph path also reads how far the regions are from their end and each row's steps in its
+        # region (_launch_early)
         pace = (torch.where(st.active, left, T).min(), st.trace[-1]["committed"].max()) if self._pipelined else ()
-        host = torch.stack([st.active.any(), bad.any(), *self._window_ends(st),
-                            *(nxt[1] if nxt is not None else ()), *pace])  # one kernel; the bools count as 0 / 1
+        numbers = [st.active.any(), bad.any(), *self._window_ends(st), *(nxt[1] if nxt is not None else ()), *pace]
+        host = torch.cat([*(t.view(1) for t in numbers),  # one kernel; the bools count as 0 / 1
+                          *((torch.where(st.active, st.step_in, -1),) if self._pipelined else ())])
         # a partial forward replayed from a graph: the next one is expected alike (same shapes and window), so it is
         # planned and its graph's inputs filled now, while the device still works on this step
         # (and, where the regions look far from their end, launched now: _sync)
@@ -721,17 +729,20 @@ class Decoder:
             extra = synced[7:7 + len(nxt[1]) - 3]  # the policy's own numbers (KVCache.plan_mask)
             st.plan_hint = (st.x, st.x._version, nxt[0], synced[4], synced[5], synced[6], nxt[2], extra)
         if self._pipelined:
-            st.pace = (synced[-2], synced[-1])
+            st.pace = (synced[-B - 2], synced[-B - 1], synced[-B:])
         if ahead is not None:
-            if running and self._confirmed(ahead, synced, st.x.shape):
+            how = self._confirmed(ahead, synced, st.x.shape) if running else None
+            if how is not None:
                 st.ahead = ahead
                 runner.ahead["confirmed"] += 1
+                if how == "wider":
+                    runner.ahead["wider"] += 1
             else:  # the plan differs (a region ended, the active width changed): the next step plans again
                 runner.ahead["missed"] += 1
                 if ahead.launched:  # launched: its logits are dropped (its writes: _prepare_next)
                     runner.ahead["discarded"] += 1
                 if running and synced[4] and tuple(synced[2:4]) == ahead.window:
-                    self._early = False  # the active width changes within a region (dKV-Cache-Decode): no more
+                    self._early = False  # the width changes within a region past what wide_ahead keeps: no more
         if nonfinite:
             raise NonFiniteLogitsError.at(bad, st.nfe - 1, w_lo - P)
         if running and st.nfe >= self.max_iters:
@@ -841,13 +852,14 @@ class Decoder:
         this step if it commits what the last step committed, and until a plan made ahead missed within a region
         (a cache whose active width follows the masks left). Where the next step plans again (a region ended: a
         refresh or another width) a forward launched for it is discarded, a forward's time spent for nothing; so
-        also where the cache's ``refresh_every`` makes the next forward a full one (counted by the forwards done,
-        which a row that took part in every forward shares: the rows of a served batch that joined later may
-        refresh at other steps, where the guard keeps the launch valid all the same)."""
-        every = getattr(self.cache, "refresh_every", None)
-        if every and st.nfe % every == 0:
+        also where the cache recomputes an active row in full at the next forward (:meth:`KVCache.refreshes_at` at
+        each row's next step in its region, and the forwards done, which a row that took part in every forward
+        shares: the rows of a served batch that joined later may refresh at other steps, where the guard keeps the
+        launch valid all the same)."""
+        if not (self._early and st.pace is not None and st.pace[0] > st.pace[1]):
             return False
-        return self._early and st.pace is not None and st.pace[0] > st.pace[1]
+        # the last synchronisation read each row's step in its region for this step's forward: the next is one more
+        return not any(self.cache.refreshes_at(s + 1, st.nfe) for s in set(st.pace[2]) if s >= 0)
 
     def _sync(self, host: torch.Tensor, ahead: _Ahead | None) -> list:
         """The step's host synchronisation: ``host``'s numbers, read on the host. With ``ahead`` (a next forward made
@@ -880,13 +892,21 @@ class Decoder:
             self.graphs.ahead["launched"] += 1
         return out
 
-    def _confirmed(self, ahead: _Ahead, synced: list, shape) -> bool:
-        """Whether the numbers of the step's synchronisation give the plan :meth:`_prepare_next` made: a partial
-        forward, the same window, the same active width and packed rows once rounded as the cache rounds them."""
+    def _confirmed(self, ahead: _Ahead, synced: list, shape) -> str | None:
+        """Whether the numbers of the step's synchronisation make the plan :meth:`_prepare_next` made the next
+        step's forward: ``"exact"`` where they give that plan (a partial forward, the same window, the same active
+        width and packed rows once rounded as the cache rounds them), ``"wider"`` where a forward launched under the
+        guard computes the next step's rows at a larger width than they round to, kept where it is small
+        (:attr:`wide_ahead`; a speculative cache's is planned exactly), else None."""
         partial, Q, N = synced[4:7]
         if not partial or tuple(synced[2:4]) != ahead.window or tuple(synced[7:7 + len(ahead.extra)]) != ahead.extra:
-            return False
-        return self.cache.forward_shape(Q, N, *shape) == (ahead.Q, ahead.N)
+            return None
+        if self.cache.forward_shape(Q, N, *shape) == (ahead.Q, ahead.N):
+            return "exact"
+        rows = shape[0] * ahead.Q if ahead.N is None else ahead.N
+        fits = Q <= ahead.Q and (ahead.N is None or N <= ahead.N)  # the guard's test, which these numbers passed
+        wider = ahead.launched and ahead.guarded and not self.cache.speculative and fits and rows <= self.wide_ahead
+        return "wider" if wider else None
 
     def _cache_state(self, st: DecodeState, cols: tuple[int, int]) -> CacheState:
         """What the cache is told before a forward on ``st`` (``cols``: the window's canvas columns)."""

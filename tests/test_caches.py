@@ -348,6 +348,30 @@ def test_active_sets(shift):
     assert rows("dual", refresh_every=5) is None  # nfe 5: a forced refresh
 
 
+@pytest.mark.parametrize("name", CACHE_NAMES)
+def test_the_host_twin_of_the_refresh_rule_is_the_plans(name):
+    """``KVCache.refreshes_at`` (which the decode loop asks, before the synchronisation, whether the next forward
+    refreshes) says what the plan's full rows say, for every step in a region and count of forwards a row has taken,
+    with the policy's own refresh settings and a forced ``refresh_every``."""
+    x = torch.tensor([[5, 5, 5, 5, 6, 6, 6, 6, 9, 7, 9, 9, 9, 9, 9, 9]])
+    committed = torch.zeros_like(x, dtype=torch.bool)
+    options = [{}, {"refresh_every": 3}]
+    if name == "dkv-decode":
+        options += [{"refresh_every": 5, "full_steps": 1}, {"refresh": "global"}, {"refresh_every": None}]
+    for kw in options:
+        c = get_cache(name, **kw)
+        c.filled, c.cur_lo, c.track = True, torch.tensor([4]), None
+        full = []
+        for step_in in range(12):
+            for row_nfe in range(12):
+                state = _state(x, 8, 12, step_in, committed, nfe=row_nfe)
+                state.row_nfe = torch.tensor([row_nfe])
+                _, counts = c.plan_mask(state)
+                full.append(not bool(counts[0]))  # no row keeps a partial forward: the row refreshes
+                assert c.refreshes_at(step_in, row_nfe) == full[-1], (kw, step_in, row_nfe)
+        assert any(full) and not all(full), kw
+
+
 # ---------------------------------------------------------------------------------- Elastic sliding window
 def test_sliding_window_slide_unit():
     from dllm.samplers import SlidingWindow

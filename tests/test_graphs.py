@@ -637,6 +637,36 @@ def test_a_forced_refresh_is_not_launched_ahead():
     assert torch.equal(out.sequences, _gen(model, "dkv-greedy", "off", "llada", **kw).sequences)
 
 
+def test_the_refreshes_a_policy_schedules_are_not_launched_ahead_and_a_wider_forward_is_kept(monkeypatch):
+    """dKV-Cache-Decode refreshes at its blocks' steps 0, 1, 8 (not counted by the forwards done) and its width
+    falls with the masks left. The forward made ready before one of its refreshes is not launched ahead (none is
+    discarded), and a forward launched at this step's width where the next step's rows round to a narrower one is
+    kept (``wider``): no launch is lost to a falling width. With ``Decoder.wide_ahead = 0`` those are planned again,
+    and the decoder stops launching ahead at the first. The tokens are the eager path's either way."""
+    from dllm.generate import Decoder
+
+    model = cached_model("llada", 0)
+    kw = dict(prompts=[ragged_prompts(1, 1)[0]], gen_length=64, block_length=16, steps=64)
+    eager = _gen(model, "dkv-decode", "off", "llada", **kw)
+    fulls = sum(1 for t in eager.stats.trace if t["refresh_layer"] == 0)
+    for wide in (Decoder.wide_ahead, 0):
+        monkeypatch.setattr(Decoder, "wide_ahead", wide)
+        with own_runner(model) as runner:
+            out = _gen(model, "dkv-decode", "on", "llada", **kw)
+            ahead = dict(runner.ahead)
+        assert torch.equal(out.sequences, eager.sequences), wide
+        assert sum(1 for t in out.stats.trace if t["refresh_layer"] == 0) == fulls
+        if wide:
+            assert ahead["wider"] >= 2 and "discarded" not in ahead, ahead
+            # of the 52 partial forwards, all but those after a refresh (8) and those met first (the graphs' first
+            # sights, made ready by no step) launched ahead
+            assert ahead["launched"] == ahead["confirmed"] >= 36, ahead
+            launched = ahead["launched"]
+        else:  # the first falling width discarded, no launch ahead after it
+            assert "wider" not in ahead and ahead["discarded"] == 1, ahead
+            assert ahead["launched"] == ahead["confirmed"] + 1 < launched, ahead
+
+
 @pytest.mark.parametrize("cache", ["freecache"])
 def test_a_cache_whose_plan_keeps_state_for_the_next_is_planned_after_the_sync(cache):
     model = cached_model("llada", 0)

@@ -329,6 +329,13 @@ class KVCache(CacheBase):
         adds each row's every N-th forward)."""
         return torch.zeros_like(state.active)
 
+    def refreshes_at(self, step_in: int, row_nfe: int) -> bool:
+        """Whether :meth:`plan_mask` recomputes in full a row at step ``step_in`` of its region that has taken
+        ``row_nfe`` forwards: the host's twin of :meth:`refresh_rows` and ``refresh_every`` (a policy overriding the
+        one overrides the other), with which the decode loop tells before a step's synchronisation whether the next
+        forward will be a refresh (``Decoder._launch_early``)."""
+        return self.refresh_every is not None and row_nfe % self.refresh_every == 0
+
     def after_plan(self, state: CacheState, rows) -> None:
         pass
 

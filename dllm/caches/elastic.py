@@ -191,6 +191,9 @@ class ElasticCache(KVCache):
             return torch.zeros_like(state.active)
         return state.row_nfe == 0
 
+    def refreshes_at(self, step_in, row_nfe):
+        return row_nfe == 0 or super().refreshes_at(step_in, row_nfe)
+
     def move_rows(self, d: int, keep: torch.Tensor | None, n_new: int) -> None:
         """:meth:`KVCache.move_rows`, and its per-row state (the stored layer inputs and queries, the tracked
         tokens; a joining row's first forward computes all its rows: :meth:`refresh_rows`)."""

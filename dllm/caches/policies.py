@@ -29,6 +29,9 @@ class PrefixCache(KVCache):
     def refresh_rows(self, state):
         return region_start(state)
 
+    def refreshes_at(self, step_in, row_nfe):
+        return step_in == 0 or super().refreshes_at(step_in, row_nfe)
+
     def select(self, state):
         return _cols(state) >= (state.lo - state.shift)[:, None]
 
@@ -41,6 +44,9 @@ class DualCache(KVCache):
 
     def refresh_rows(self, state):
         return region_start(state)
+
+    def refreshes_at(self, step_in, row_nfe):
+        return step_in == 0 or super().refreshes_at(step_in, row_nfe)
 
     def select(self, state):
         c = _cols(state)
@@ -80,6 +86,11 @@ class DKVDecode(KVCache):
         if self.refresh == "block" and self.reload is not None:
             full = full | (state.step_in % self.reload == 0)
         return full
+
+    def refreshes_at(self, step_in, row_nfe):
+        full = step_in < self.full_steps or (self.refresh == "block" and self.reload is not None
+                                             and step_in % self.reload == 0)
+        return full or super().refreshes_at(step_in, row_nfe)
 
     def select(self, state):
         return (state.x == state.mask_id) | state.committed
@@ -130,6 +141,9 @@ class FreeCache(KVCache):
         if state.row_nfe is None:
             return torch.zeros_like(state.active)
         return state.row_nfe == 0
+
+    def refreshes_at(self, step_in, row_nfe):
+        return row_nfe == 0 or super().refreshes_at(step_in, row_nfe)
 
     def after_plan(self, state, rows):
         self.cur_lo = state.lo.clone()
