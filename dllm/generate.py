@@ -718,7 +718,8 @@ class Decoder:
         # planned and its graph's inputs filled now, while the device still works on this step
         # (and, where the regions look far from their end, launched now: _sync)
         ahead = None
-        if self._pipelined and nxt is not None and query_idx is not None and eager is None:
+        if self._pipelined and nxt is not None and query_idx is not None and eager is None and \
+                not self._refresh_next(st):
             tp = clock.mark()
             ahead = self._prepare_next(st, nxt, w_lo, w_hi, host if self._launch_early(st) else None)
             clock.add("cache", tp, clock.mark())  # the next step's plan, made now
@@ -846,20 +847,22 @@ class Decoder:
         v = host[:lims.shape[1]]
         return (v.clamp(lims[0], lims[1]) == v).all()
 
+    def _refresh_next(self, st: DecodeState) -> bool:
+        """Whether the cache recomputes an active row in full at the next forward, so that no forward is made ready
+        for it (the next step plans again): :meth:`KVCache.refreshes_at` at each row's next step in its region (the
+        last synchronisation read each row's step for this step's forward: :attr:`DecodeState.pace`) and the forwards
+        done, which a row that took part in every forward shares (the rows of a served batch that joined later may
+        refresh at other steps; a forward launched for them is discarded or, under the guard, still valid)."""
+        return st.pace is not None and any(self.cache.refreshes_at(s + 1, st.nfe) for s in set(st.pace[2]) if s >= 0)
+
     def _launch_early(self, st: DecodeState) -> bool:
         """Whether the next forward, made ready, is launched before this step's synchronisation: where the last
         synchronisation's numbers (:attr:`DecodeState.pace`) say that every active row's region keeps masks after
         this step if it commits what the last step committed, and until a plan made ahead missed within a region
-        (a cache whose active width follows the masks left). Where the next step plans again (a region ended: a
-        refresh or another width) a forward launched for it is discarded, a forward's time spent for nothing; so
-        also where the cache recomputes an active row in full at the next forward (:meth:`KVCache.refreshes_at` at
-        each row's next step in its region, and the forwards done, which a row that took part in every forward
-        shares: the rows of a served batch that joined later may refresh at other steps, where the guard keeps the
-        launch valid all the same)."""
-        if not (self._early and st.pace is not None and st.pace[0] > st.pace[1]):
-            return False
-        # the last synchronisation read each row's step in its region for this step's forward: the next is one more
-        return not any(self.cache.refreshes_at(s + 1, st.nfe) for s in set(st.pace[2]) if s >= 0)
+        (a width that grew, or fell past :attr:`wide_ahead`). Where the next step plans again (a region ended: a
+        refresh or another width) a forward launched for it is discarded, a forward's time spent for nothing (a
+        refresh the policy schedules is not even made ready: :meth:`_refresh_next`)."""
+        return self._early and st.pace is not None and st.pace[0] > st.pace[1]
 
     def _sync(self, host: torch.Tensor, ahead: _Ahead | None) -> list:
         """The step's host synchronisation: ``host``'s numbers, read on the host. With ``ahead`` (a next forward made

@@ -625,13 +625,14 @@ def test_the_next_forward_is_launched_before_the_sync_where_the_block_goes_on():
 def test_a_forced_refresh_is_not_launched_ahead():
     """dKV-Cache-Greedy's full forward every ``refresh_every`` forwards: the partial forward made ready before it is
     not launched before the synchronisation (it would be discarded: a forward's time for nothing); the others are,
-    every one of them confirmed. The tokens are the eager path's."""
+    every one of them confirmed; nor is it made ready (no plan the synchronisation then misses). The tokens are the
+    eager path's."""
     model = cached_model("llada", 0)
     kw = dict(prompts=[ragged_prompts(1, 1)[0]], gen_length=64, block_length=16, steps=64)
     with own_runner(model) as runner:
         out = _gen(model, "dkv-greedy", "on", "llada", **kw)
         assert runner.ahead["launched"] >= 20 and runner.ahead["launched"] == runner.ahead["confirmed"], runner.ahead
-        assert "discarded" not in runner.ahead
+        assert "discarded" not in runner.ahead and "missed" not in runner.ahead
     fulls = sum(1 for t in out.stats.trace if t["refresh_layer"] == 0)
     assert fulls == 64 // 4  # every fourth forward
     assert torch.equal(out.sequences, _gen(model, "dkv-greedy", "off", "llada", **kw).sequences)
@@ -639,8 +640,8 @@ def test_a_forced_refresh_is_not_launched_ahead():
 
 def test_the_refreshes_a_policy_schedules_are_not_launched_ahead_and_a_wider_forward_is_kept(monkeypatch):
     """dKV-Cache-Decode refreshes at its blocks' steps 0, 1, 8 (not counted by the forwards done) and its width
-    falls with the masks left. The forward made ready before one of its refreshes is not launched ahead (none is
-    discarded), and a forward launched at this step's width where the next step's rows round to a narrower one is
+    falls with the masks left. No forward is made ready for one of its refreshes (none launched and discarded, no
+    plan missed; with blocks of 16 a block's end is one of them), and a forward launched at this step's width where the next step's rows round to a narrower one is
     kept (``wider``): no launch is lost to a falling width. With ``Decoder.wide_ahead = 0`` those are planned again,
     and the decoder stops launching ahead at the first. The tokens are the eager path's either way."""
     from dllm.generate import Decoder
@@ -657,7 +658,7 @@ def test_the_refreshes_a_policy_schedules_are_not_launched_ahead_and_a_wider_for
         assert torch.equal(out.sequences, eager.sequences), wide
         assert sum(1 for t in out.stats.trace if t["refresh_layer"] == 0) == fulls
         if wide:
-            assert ahead["wider"] >= 2 and "discarded" not in ahead, ahead
+            assert ahead["wider"] >= 2 and "discarded" not in ahead and "missed" not in ahead, ahead
             # of the 52 partial forwards, all but those after a refresh (8) and those met first (the graphs' first
             # sights, made ready by no step) launched ahead
             assert ahead["launched"] == ahead["confirmed"] >= 36, ahead
