@@ -73,7 +73,7 @@ from dllm.config import GRAPH_MODES, check_graphs
 from dllm.kernels.device import on_device
 from dllm.kernels.dispatch import capture_graph
 from dllm.models.transformer import Transformer
-from dllm.ops import shape_bucket
+from dllm.ops import pinned_aranges, shape_bucket
 
 log = logging.getLogger(__name__)
 
@@ -483,6 +483,10 @@ class GraphRunner:
             cache.read_cols, cache.k, cache.v = live, k, v
 
     def _capture(self, g: _Graph, cache) -> torch.Tensor:
+        with pinned_aranges():  # the aranges the forward reads live as long as the graph may replay them
+            return self._capture_pinned(g, cache)
+
+    def _capture_pinned(self, g: _Graph, cache) -> torch.Tensor:
         if not self.capture:
             g.captured = True
             return self._forward(g, cache)

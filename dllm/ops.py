@@ -74,18 +74,37 @@ def shape_bucket(n: int, cap: int | None = None) -> int:
 
 
 _ARANGES: dict = {}  # (n, device) -> arange(n), read-only (cached_arange)
+_PINNED: set = set()  # keys of the aranges a captured graph reads: kept for the process (pinned_aranges)
+_pinning = 0
+
+
+@contextmanager
+def pinned_aranges():
+    """While a graph is captured (``dllm.graphs``; on the CPU the static-buffer path's first run in its place): every
+    arange :func:`cached_arange` returns stays cached for the life of the process, as the graph replays the address
+    it read (an arange freed and its memory reused would be read by every later replay)."""
+    global _pinning
+    _pinning += 1
+    try:
+        yield
+    finally:
+        _pinning -= 1
 
 
 def cached_arange(n: int, device) -> torch.Tensor:
     """``torch.arange(n, device=device)`` (int64), made once per (length, device) and shared: the decode loop's per-step
     masks compare columns against it every step, and on a GPU each new arange is a kernel. Read-only: never write
-    into it. A few lengths are kept (a generation uses one canvas length; the serving engine a few)."""
+    into it. A few lengths are kept (a generation uses one canvas length; the serving engine a few), and every one a
+    captured graph read (:func:`pinned_aranges`)."""
     key = (int(n), torch.device(device))
     t = _ARANGES.get(key)
     if t is None:
-        if len(_ARANGES) >= 32:
-            _ARANGES.clear()
+        if len(_ARANGES) - len(_PINNED) >= 32:
+            for old in [k for k in _ARANGES if k not in _PINNED]:
+                del _ARANGES[old]
         t = _ARANGES[key] = torch.arange(int(n), device=device)
+    if _pinning:
+        _PINNED.add(key)
     return t
 
 

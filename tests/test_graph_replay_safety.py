@@ -240,6 +240,24 @@ def test_elastic_speculative_forwards_and_redos_replay_what_they_captured(family
     assert redos, "no redo replayed"
 
 
+def test_graphs_replay_the_aranges_they_captured_after_many_other_lengths():
+    """The shared aranges (``dllm.ops.cached_arange``) keep a bounded number of lengths; those a captured graph reads
+    are kept for good (``pinned_aranges``), so a graph of one call replays its aranges in the next, even after more
+    lengths than the bound were asked for in between (a long-lived server meets many). Elastic-Cache's parts read
+    aranges inside their graphs."""
+    from dllm.ops import cached_arange
+
+    def calls():
+        for i, prompts in enumerate(TEXTS[3]):
+            if i:
+                for n in range(100_000, 100_040):  # more lengths than the unpinned bound
+                    cached_arange(n, "cpu")
+            yield prompts
+
+    rec = decode_traced(bundled("llada"), lambda: ElasticCache(gamma=0.999), "threshold", calls(), gen_length=24)
+    assert_replay_safe(rec)
+
+
 @pytest.mark.parametrize(("name", "cache"), [("sdar-tiny", "block"), ("fastdllm2-tiny", "block"),
                                            ("llada-tiny", "dkv-greedy")])
 def test_other_graphed_caches_replay_what_they_captured(name, cache):
