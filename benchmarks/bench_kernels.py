@@ -1,5 +1,5 @@
-"""Kernel throughput: attention (SDPA, flash, split-K and the dispatcher's choice), attention mass and confidence
-statistics at dLLM shapes.
+"""Kernel throughput: attention (SDPA, flash, split-K and the dispatcher's choice), attention mass, the attention
+drift test and confidence statistics at dLLM shapes.
 
 Attention on a GPU: Lq = 32 active query rows over Lk = 1024 / 2048 / 4096 keys, head dim 128, heads 32:32 (LLaDA)
 and 28:4 (Dream), batch 1 and 4, no key mask (so SDPA's flash / cuDNN backends are eligible). Columns, in ms, and
@@ -13,7 +13,10 @@ each one's ratio ``t_sdpa / t`` (above 1: faster than SDPA):
   names; ``-`` where the count is split-K's own);
 * ``auto``: :func:`dllm.kernels.attention` on the Triton backend (the per-bucket measured choice, shown).
 
-Attention mass (batch 1, LSE given): reference against Triton. Confidence statistics at 32 positions x V = 126,464
+Attention mass (batch 1, LSE given): reference against Triton. Elastic-Cache's drift test (``attention_drift``,
+batch 1, 32 tracked rows over a 768- and a 4,096-key canvas, heads 32:32): its reference twin (the PyTorch
+composition it replaces: two softmaxes, the cosine over heads, the masked mean) against the Triton kernel, eagerly
+and, on CUDA, from a CUDA graph (where Elastic-Cache runs it), with ``t_reference / t``. Confidence statistics at 32 positions x V = 126,464
 in bf16 and fp32: the PyTorch composition ``softmax + top-2 + entropy`` (``torch``), the reference twin and the
 Triton kernel, with ``t_torch / t``.
 
@@ -193,6 +196,32 @@ def bench_mass(cfg, device, dtype, repeats, tk, rows):
                          "dtype": str(dtype), "ms": ms})
 
 
+def bench_drift(cfg, device, dtype, repeats, tk, rows):
+    lq, lks = cfg["lq"], ((768, 4096) if device.type == "cuda" else cfg["lks"])
+    hq = hkv = cfg["heads"][0][0]
+    print(f"\n## attention drift (B=1, Lq={lq} tracked rows, {hq}:{hkv} heads, {dtype}): ms, and t_reference / t")
+    for lk in lks:
+        g = torch.Generator(device=device).manual_seed(lk)
+        q_old, q_new = (torch.randn(1, hq, lq, cfg["d"], device=device, dtype=dtype, generator=g) for _ in "on")
+        k_old = torch.randn(1, hkv, lk, cfg["d"], device=device, dtype=dtype, generator=g)
+        k_new = k_old.clone()
+        mask = torch.ones(1, lk, dtype=torch.bool, device=device)
+        ok = torch.ones(1, lq, dtype=torch.bool, device=device)
+        args = (q_old, k_old, q_new, k_new, mask, ok)
+        methods = {"reference": lambda: reference.attention_drift(*args)}  # noqa: B023
+        if tk is not None:
+            methods["triton"] = lambda: tk.attention_drift(*args)  # noqa: B023
+        ms = {n: _time_ms(f, repeats, device) for n, f in methods.items()}
+        print(f"{'eager':>6} {lk:>5} " + " ".join(f"{n} {t:8.4f} {ms['reference'] / t:5.2f}x" for n, t in ms.items()))
+        row = {"kernel": "attention_drift", "Hq": hq, "Hkv": hkv, "Lq": lq, "Lk": lk, "D": cfg["d"],
+               "dtype": str(dtype), "ms": ms}
+        if device.type == "cuda":
+            gr = {n: _time_ms(_graphed(f), repeats, device) for n, f in methods.items()}
+            print(f"{'graph':>6} {lk:>5} " + " ".join(f"{n} {t:8.4f} {gr['reference'] / t:5.2f}x" for n, t in gr.items()))
+            row["graph_ms"] = gr
+        rows.append(row)
+
+
 def bench_confidence(cfg, device, dtypes, repeats, tk, rows):
     n, vocab = cfg["positions"], cfg["vocab"]
     print(f"\n## confidence_stats ({n} positions, V={vocab}): ms, and t_torch / t (torch = softmax + top-2 + entropy)")
@@ -252,6 +281,7 @@ def main(argv=None) -> None:
     if rest["batches"]:
         bench_attention(rest, device, dtype, args.repeats, tk, rows)
     bench_mass(cfg, device, dtype, args.repeats, tk, rows)
+    bench_drift(cfg, device, dtype, args.repeats, tk, rows)
     if args.json:
         print(f"\nwrote {args.json}")
 

@@ -20,6 +20,7 @@ import sys
 os.environ.pop("TRITON_INTERPRET", None)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -45,6 +46,9 @@ def signature(fn, pointers: dict, constexprs: dict, ints64=()) -> dict:
     return sig
 
 
+DRIFT = dict(LseO="fp32", LseN="fp32", Mask="u8", RowOk="u8", Part="fp32")
+
+
 def cases(dt: str):
     """(name, jit function, pointer element types, constexprs) for the model dtype ``dt`` (bf16 or fp32)."""
     ieee = dt == "fp32"
@@ -57,6 +61,8 @@ def cases(dt: str):
         dict(BLOCK_S=16, BLOCK_D=128)
     yield "attention mass", T._attn_mass, dict(Q=dt, K=dt, Lse="fp32", Mask="u8", Part="fp32"), \
         dict(QK_SCALE=0.12, HAS_MASK=True, IEEE=ieee, BLOCK_M=32, BLOCK_N=64, BLOCK_D=128)
+    yield "attention drift", T._attn_drift, DRIFT | dict(QO=dt, KO=dt, QN=dt, KN=dt), \
+        dict(QK_SCALE=0.12, EPS=1e-8, HAS_MASK=True, IEEE=ieee, BLOCK_M=32, BLOCK_N=64, BLOCK_D=64)
     conf = dict(L=dt, U="fp32", Stats="fp32", Idx="i32", Count="i32", Token="i64", Out="fp32")
     for noise in (False, True):
         for excl in (False, True):
@@ -82,7 +88,7 @@ def cases(dt: str):
 # it does (an int32 product passes 2^31 at LLaDA-8B's size: a batch stride of a view of the fused QKV output,
 # rows x a 126,464-word vocabulary)
 WIDE = {T._attn_fwd: ("y",), T._attn_splitk: ("y", "z"), T._attn_combine: ("x",), T._attn_mass: ("y",),
-        T._conf_partial: ("x",), T._conf_merge: ("x",)}
+        T._attn_drift: ("y",), T._conf_partial: ("x",), T._conf_merge: ("x",)}
 
 
 def narrow_program_ids(fn, ttir: str) -> list[str]:
@@ -128,6 +134,9 @@ def fp32_tile_cases(D: int, rows: int):
     yield "attention (split-K)", T._attn_splitk, attn, common, warps, stages
     yield "attention mass", T._attn_mass, dict(Q="fp32", K="fp32", Lse="fp32", Mask="u8", Part="fp32"), \
         dict(QK_SCALE=0.12, HAS_MASK=True, IEEE=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=D), warps, stages
+    dm, dn, dd, dw = T.drift_tiles(rows, torch.float32)
+    yield "attention drift", T._attn_drift, DRIFT | dict(QO="fp32", KO="fp32", QN="fp32", KN="fp32"), \
+        dict(QK_SCALE=0.12, EPS=1e-8, HAS_MASK=True, IEEE=True, BLOCK_M=dm, BLOCK_N=dn, BLOCK_D=dd), dw, 2
 
 
 def ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:

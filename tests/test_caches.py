@@ -297,6 +297,31 @@ def test_elastic_drift_test_sets_refresh_layer():
         assert r["run"] >= max(r["computed"]) - 1e-6
 
 
+def test_elastic_drift_test_runs_the_triton_kernel_on_the_triton_backend(triton_backend, monkeypatch):
+    """On the Triton backend (CUDA; here its interpreter) Elastic-Cache's drift test is the fused kernel
+    (``kernels.attention_drift``), inside the graph path's parts and on the eager path with classifier-free
+    guidance's doubled batch: each call's similarities are those of the reference twin on the same tensors."""
+    from dllm import kernels
+    from dllm.kernels import reference
+
+    calls = []
+    orig = kernels.attention_drift
+
+    def spy(*args):  # compared at the call: the cache writes into these tensors afterwards
+        out = orig(*args)
+        calls.append((out.clone(), reference.attention_drift(*args)))
+        return out
+
+    monkeypatch.setattr(kernels, "attention_drift", spy)
+    model = cached_model("llada", 0)
+    for graphs, cfg in (("on", 0.0), ("off", 1.5)):
+        generate(model, prompt_set(2, 0), gen_length=8, block_length=8, steps=4, sampler="llada", cache="elastic",
+                 graphs=graphs, cfg_scale=cfg)
+    assert len(calls) >= 2 * model.config.n_layers
+    for got, ref in calls:
+        torch.testing.assert_close(got, ref, atol=2e-6, rtol=0)
+
+
 def test_presets_select_their_cache():
     from dllm import get_sampler
 

@@ -532,6 +532,83 @@ def test_attention_mass_is_deterministic():
     assert torch.equal(T.attention_mass(q, k), T.attention_mass(q, k))
 
 
+# ------------------------------------------------------------------------------------------ attention drift
+
+
+def _drift_inputs(B, Hq, Hkv, Lq, Lk, D, dtype, seed=0, device=DEV):
+    """Old and new queries and keys as Elastic-Cache's drift test sees them: the new ones moved a little (and a few
+    keys rewritten), a key mask with a padded left edge, some query rows padding."""
+    g = torch.Generator().manual_seed(seed)
+    q_old = torch.randn(B, Hq, Lq, D, generator=g)
+    q_new = q_old + 0.3 * torch.randn(B, Hq, Lq, D, generator=g)
+    k_old = torch.randn(B, Hkv, Lk, D, generator=g)
+    k_new = k_old.clone()
+    k_new[:, :, -3:] = torch.randn(B, Hkv, 3, D, generator=g)
+    mask = torch.rand(B, Lk, generator=g) > 0.2
+    mask[:, :2] = False  # left padding
+    mask[:, 2] = True
+    rows_ok = torch.rand(B, Lq, generator=g) > 0.3
+    rows_ok[:, 0] = True
+    return [t.to(device, dtype) for t in (q_old, k_old, q_new, k_new)] + [mask.to(device), rows_ok.to(device)]
+
+
+def _naive_drift(q_old, k_old, q_new, k_new, mask, rows_ok):
+    """The drift similarity computed plainly in the inputs' precision (float64: the oracle)."""
+    def probs(q, k):
+        s = q @ k.repeat_interleave(q.shape[1] // k.shape[1], 1).transpose(-1, -2) / math.sqrt(q.shape[-1])
+        if mask is not None:
+            s = s.masked_fill(~mask[:, None, None, :], float("-inf"))
+        return torch.softmax(s, -1)
+
+    a, b = probs(q_old, k_old), probs(q_new, k_new)
+    cos = (a * b).sum(1) / (a.norm(dim=1).clamp_min(1e-8) * b.norm(dim=1).clamp_min(1e-8))  # [B, Lq, Lk]
+    w = rows_ok[:, :, None] & (mask[:, None, :] if mask is not None else torch.ones_like(cos, dtype=torch.bool))
+    return (cos * w).sum((1, 2)) / w.sum((1, 2)).clamp_min(1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("shape", [(2, 4, 4, 5, 37, 16), (3, 6, 2, 40, 70, 32), (1, 3, 1, 1, 9, 8)])
+def test_attention_drift_matches_the_reference(shape, dtype):
+    """The Triton drift test (Elastic-Cache's cosine similarity over heads of two attention distributions, averaged
+    over the counted rows and the keys) against its reference twin and a float64 oracle: GQA, a key mask with left
+    padding, padded query rows, query rows past one tile (40) and keys past several."""
+    *t, mask, rows_ok = _drift_inputs(*shape, dtype, seed=shape[4])
+    got = T.attention_drift(*t, mask, rows_ok)
+    assert got.shape == (shape[0],) and got.dtype == torch.float32
+    ref = R.attention_drift(*t, mask, rows_ok)
+    oracle = _naive_drift(*(x.double() for x in t), mask, rows_ok).float()
+    tol = 2e-6 if dtype == torch.float32 else 1e-5  # fp16 values: products exact in fp32 either way
+    torch.testing.assert_close(got, oracle, atol=tol, rtol=0)
+    torch.testing.assert_close(ref, oracle, atol=tol, rtol=0)
+    unmasked = T.attention_drift(*t, None, rows_ok)  # no key mask: every key counts
+    torch.testing.assert_close(unmasked, _naive_drift(*(x.double() for x in t), None, rows_ok).float(), atol=tol,
+                               rtol=0)
+
+
+def test_attention_drift_counts_only_the_rows_and_keys_it_is_given():
+    """Identical distributions score 1; a padded query row or a masked key changes nothing however it differs; a
+    batch row with no counted query row scores 0; a row's score does not depend on the other rows of its batch."""
+    q_old, k_old, q_new, k_new, mask, rows_ok = _drift_inputs(3, 4, 2, 6, 45, 16, torch.float32, seed=3)
+    same = T.attention_drift(q_old, k_old, q_old, k_old, mask, rows_ok)
+    torch.testing.assert_close(same, torch.ones(3, device=DEV), atol=1e-6, rtol=0)
+    base = T.attention_drift(q_old, k_old, q_new, k_new, mask, rows_ok)
+    assert (base < 0.999).all()
+    q2 = q_new.clone()
+    q2[~rows_ok[:, None, :].expand(-1, 4, -1)] = 7.0  # the padded rows' queries
+    torch.testing.assert_close(T.attention_drift(q_old, k_old, q2, k_new, mask, rows_ok), base, atol=0, rtol=0)
+    k2 = k_new.clone()
+    k2[~mask[:, None, :].expand(-1, 2, -1)] = -5.0  # the masked keys
+    torch.testing.assert_close(T.attention_drift(q_old, k_old, q_new, k2, mask, rows_ok), base, atol=0, rtol=0)
+    none = rows_ok.clone()
+    none[1] = False
+    got = T.attention_drift(q_old, k_old, q_new, k_new, mask, none)
+    assert got[1] == 0 and torch.equal(got[[0, 2]], base[[0, 2]])
+    alone = T.attention_drift(q_old[1:2], k_old[1:2], q_new[1:2], k_new[1:2], mask[1:2], rows_ok[1:2])
+    assert torch.equal(alone, base[1:2])
+    with pytest.raises(ValueError, match="rows_ok"):
+        T.attention_drift(q_old, k_old, q_new, k_new, mask, rows_ok[:, :2])
+
+
 # ---------------------------------------------------------------------------------------- confidence stats
 
 
@@ -911,6 +988,18 @@ def test_gpu_attention_and_mass(shape, dtype):
     mass = T.attention_mass(q, k, key_padding_mask=mask, lse=lse)
     ref_mass = R.attention_mass(q.float(), k.float(), key_padding_mask=mask)
     torch.testing.assert_close(mass, ref_mass, atol=Hq * Lq * 1e-3, rtol=2e-2)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gpu_attention_drift_at_llada_8b_shape(dtype):
+    """The drift test at Elastic-Cache's shapes on LLaDA-8B (32 heads of 128, 32 tracked rows, a 768-key canvas
+    with left padding) against the float64 oracle."""
+    t = _drift_inputs(2, 32, 32, 32, 768, 128, dtype, seed=5, device="cuda")
+    got = T.attention_drift(*t)
+    oracle = _naive_drift(*(x.double() for x in t[:4]), *t[4:]).float()
+    torch.testing.assert_close(got, oracle, atol=1e-5 if dtype == torch.float32 else 1e-4, rtol=0)
 
 
 @gpu

@@ -28,8 +28,6 @@ of the drift test's mean (over a fixed width of tracked tokens, padding masked o
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from dllm import kernels
@@ -37,13 +35,10 @@ from dllm.caches.base import KVCache, logit_rows, padded_rows, rows_from_mask
 from dllm.ops import cached_arange, check_int, check_range, moved_rows
 
 
-def _probs(q: torch.Tensor, k: torch.Tensor, key_mask) -> torch.Tensor:
-    """Softmax attention ``[B, Hq, Lq, T]`` in float32."""
-    kf = k.float().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    s = q.float() @ kf.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    if key_mask is not None:
-        s = s.masked_fill(~key_mask[:, None, None, :], float("-inf"))
-    return torch.softmax(s, dim=-1)
+def _rows(t: torch.Tensor, r: int) -> torch.Tensor:
+    """A per-row tensor for the ``r`` copies of the batch a forward runs (classifier-free guidance: 2), itself for
+    one (no copy kernel)."""
+    return t if r == 1 else t.repeat(r, 1)
 
 
 class ElasticCache(KVCache):
@@ -440,21 +435,16 @@ class ElasticCache(KVCache):
             qc = self.qc[layer]
             idx = rows[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[3])
             if self._trk_rows is not None and self._testing is not None and self._k_old is not None:
-                tidx = self._trk_rows.repeat(r, 1)[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[3])
+                tidx = _rows(self._trk_rows, r)[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[3])
                 q_old = qc.gather(2, tidx)
-                pidx = self._trk_pos.repeat(r, 1)[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[3])
+                pidx = _rows(self._trk_pos, r)[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[3])
                 q_new = q.gather(2, pidx)
                 kidx, kvals = self._k_old
                 k_old = k.clone().scatter_(2, kidx, kvals)
-                a_old, a_new = _probs(q_old, k_old, key_mask), _probs(q_new, k, key_mask)
-                cs = torch.nn.functional.cosine_similarity(a_old, a_new, dim=1)  # over heads: [rB, Lt, T]
-                ok = self._trk_ok.repeat(r, 1)[..., None].to(cs.dtype)  # [rB, Lt, 1] real tracked rows
-                if key_mask is not None:  # the mean over keys counts the row's own keys, not left padding
-                    ok = ok * key_mask[:, None, :].to(cs.dtype)
-                else:
-                    ok = ok.expand_as(cs)
-                sim = (cs * ok).sum((1, 2)) / ok.sum((1, 2)).clamp_min(1)  # per row
-                sim = sim.view(r, B).mean(0)
+                # per row: the mean over its real tracked rows and its keys of the cosine similarity, over the
+                # heads, of their attention before and after (one kernel pass on the Triton backend)
+                sim = kernels.attention_drift(q_old, k_old, q_new, k, key_mask, _rows(self._trk_ok, r))
+                sim = sim if r == 1 else sim.view(r, B).mean(0)
                 drift = self._testing & (sim < self.gamma)
                 if layer + 1 < L and self._spec:  # the first failing layer of each row, on the device
                     first = drift & (self._drift_at == L)
@@ -465,14 +455,14 @@ class ElasticCache(KVCache):
                 self._settle()
             self._k_old = None
             qc.scatter_(2, idx, q)
-        wpos = self._win_pos.repeat(r, 1)[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[3])
+        wpos = _rows(self._win_pos, r)[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[3])
         q_win = q.gather(2, wpos)
         if self._win_ragged:  # rows with fewer window rows: their padded queries add no mass
-            ok = self._win_ok.repeat(r, 1)[:, None, :, None]
-            mass = (_probs(q_win, k, key_mask) * ok).sum((1, 2))
+            ok = _rows(self._win_ok, r)[:, None, :, None]
+            mass = (kernels.reference.attention_probs(q_win, k, key_mask) * ok).sum((1, 2))
         else:
             mass = kernels.attention_mass(q_win, k, key_mask)
-        mass = mass.view(r, B, -1).sum(0)
+        mass = mass if r == 1 else mass.view(r, B, -1).sum(0)
         mass = mass.masked_fill(self._masked, -1.0)
         top = mass.topk(min(self.track_num, mass.shape[1]), dim=-1).indices
         if self._spec:  # per layer: a redo rewrites the layers it runs

@@ -100,6 +100,14 @@ def attention_mass(q, k, key_padding_mask=None, lse=None):
         return _module.attention_mass(q, k, key_padding_mask=key_padding_mask, lse=lse)
 
 
+def attention_drift(q_old, k_old, q_new, k_new, key_padding_mask, rows_ok):
+    """Dispatching wrapper; see :func:`dllm.kernels.reference.attention_drift`."""
+    if _module is None:
+        get_backend()
+    with on_device(q_old):
+        return _module.attention_drift(q_old, k_old, q_new, k_new, key_padding_mask, rows_ok)
+
+
 def confidence_stats(logits, temperature=0.0, noise=None, exclude=None):
     """Dispatching wrapper; see :func:`dllm.kernels.reference.confidence_stats`."""
     if _module is None:
@@ -108,6 +116,6 @@ def confidence_stats(logits, temperature=0.0, noise=None, exclude=None):
         return _module.confidence_stats(logits, temperature=temperature, noise=noise, exclude=exclude)
 
 
-__all__ = ["ConfidenceStats", "attention", "attention_choices", "attention_mass", "confidence_stats", "dispatch",
-           "get_backend", "reference", "reset_attention_choices", "set_attention_backend", "set_backend",
-           "uses_triton"]
+__all__ = ["ConfidenceStats", "attention", "attention_choices", "attention_drift", "attention_mass",
+           "confidence_stats", "dispatch", "get_backend", "reference", "reset_attention_choices",
+           "set_attention_backend", "set_backend", "uses_triton"]

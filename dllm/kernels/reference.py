@@ -161,6 +161,45 @@ def attention_mass(
     return probs.sum(dim=(1, 2))
 
 
+def attention_probs(q: torch.Tensor, k: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax attention ``[B, Hq, Lq, Lk]`` in float32 (``q``, ``k`` as :func:`attention_mass`; masked keys get 0)."""
+    return torch.softmax(_scores(q, k, key_padding_mask), dim=-1)
+
+
+def attention_drift(
+    q_old: torch.Tensor,
+    k_old: torch.Tensor,
+    q_new: torch.Tensor,
+    k_new: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    rows_ok: torch.Tensor,
+) -> torch.Tensor:
+    """How alike two attention distributions of the same query rows are (Elastic-Cache's drift test): per batch
+    row, the mean over the valid query rows (``rows_ok``) and keys (``key_padding_mask``) of the cosine similarity,
+    over the heads, of the old rows' attention over the old keys and the new rows' over the new keys.
+
+    Args:
+        q_old, q_new: ``[B, Hq, Lq, D]``, float16/bfloat16/float32.
+        k_old, k_new: ``[B, Hkv, Lk, D]``, the same dtype.
+        key_padding_mask: optional ``[B, Lk]`` bool, True where a key may be attended to (see :func:`attention`).
+        rows_ok: ``[B, Lq]`` bool, the query rows that count (the others are padding).
+
+    Returns:
+        ``[B]`` float32 in [-1, 1] (0 where no row or key counts). The cosine similarity is
+        ``torch.nn.functional.cosine_similarity``'s (norms clamped at 1e-8).
+    """
+    check_key_padding_mask(key_padding_mask, q_old, k_old)
+    a_old = attention_probs(q_old, k_old, key_padding_mask)
+    a_new = attention_probs(q_new, k_new, key_padding_mask)
+    cs = F.cosine_similarity(a_old, a_new, dim=1)  # over heads: [B, Lq, Lk]
+    ok = rows_ok[..., None].to(cs.dtype)  # [B, Lq, 1] the rows that count
+    if key_padding_mask is not None:  # the mean over keys counts the row's own keys, not left padding
+        ok = ok * key_padding_mask[:, None, :].to(cs.dtype)
+    else:
+        ok = ok.expand_as(cs)
+    return (cs * ok).sum((1, 2)) / ok.sum((1, 2)).clamp_min(1)
+
+
 class ConfidenceStats(NamedTuple):
     """Per-position statistics of ``softmax(logits)`` (see :func:`confidence_stats`); every field has the logits'
     leading shape ``[...]``."""

@@ -23,6 +23,10 @@ Design notes:
 * ``attention_mass``: second pass, grid (Lk tiles, B x Hq); each program loops over all query rows of its head,
   recomputes ``p = exp2(s * scale - lse * log2(e))`` and column-sums it into ``partial[b, h, n]``; the host sums
   over heads. Deterministic, no atomics.
+* ``attention_drift``: after an LSE-only pass per softmax, grid (Lk tiles, batch); each program loops over the query
+  tiles and the heads, recomputing both distributions' probabilities and accumulating their dot product and norms,
+  so the cosine over heads is formed in registers; per key it writes the cosines' sum over the counted rows and
+  their count, and the host sums over keys. Deterministic, no atomics.
 * ``confidence_stats``: grid (rows, vocabulary splits); each program keeps every statistic per lane of its tile
   (max, normaliser, sum of ``e^(l - m) (l - m)``, top-1 value and index, top-2 value, best noised score with its
   index and logit) with elementwise updates, one ``exp2`` per element, and merges its lanes at the end; a second
@@ -631,9 +635,9 @@ def attention_mass(q, k, key_padding_mask=None, lse=None):
     if lse is None:
         _, lse = _attention_lse(q, k, None, key_padding_mask, write_out=False)
     lse = lse.float()
-    part = torch.zeros((B, Hq, Lk), dtype=torch.float32, device=q.device)
     if q.numel() == 0 or Lk == 0:
-        return part.sum(1)
+        return torch.zeros((B, Lk), dtype=torch.float32, device=q.device)
+    part = torch.empty((B, Hq, Lk), dtype=torch.float32, device=q.device)  # every element written below
     mask, smb, smn, has_mask = _mask_arg(key_padding_mask, q)
     block_m, block_n, block_d = _blocks(D, Lq)
     warps, stages = 4, 2
@@ -649,6 +653,139 @@ def attention_mass(q, k, key_padding_mask=None, lse=None):
         num_warps=warps, num_stages=stages,
     )
     return part.sum(1)
+
+
+# ------------------------------------------------------------------------------------------ attention drift
+
+
+@triton.jit
+def _drift_probs(Q, K, Lse, b, h, hk, offs_m, m_ok, n, keep, D,
+                 sqb, sqh, sqm, sqd, skb, skh, skn, skd, slb, slh, slm,
+                 QK_SCALE: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    """One head's attention probabilities ``[BLOCK_M, BLOCK_N]`` (fp32) of query rows ``offs_m`` over keys ``n``
+    from their natural-log LSE; 0 where a key is masked or a row has no key (LSE -inf). The scores are summed over
+    chunks of BLOCK_D of the head dimension (the operand tiles stay small: fp32 FMA products hold them in
+    registers)."""
+    s = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
+                    mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+        kt = tl.load(K + b * skb + hk * skh + n[None, :] * skn + offs_d[:, None] * skd,
+                     mask=keep[None, :] & d_ok[:, None], other=0.0)
+        if IEEE:
+            s += tl.dot(q, kt, input_precision="ieee")
+        else:
+            s += tl.dot(q, kt).to(tl.float32)
+    lse = tl.load(Lse + b * slb + h * slh + offs_m * slm, mask=m_ok, other=float("-inf"))
+    row_ok = m_ok & (lse != float("-inf"))
+    lse2 = tl.where(row_ok, lse * 1.4426950408889634, 0.0)
+    p = tl.exp2(s * QK_SCALE - lse2[:, None])
+    return tl.where(row_ok[:, None] & keep[None, :], p, 0.0)
+
+
+@triton.jit
+def _attn_drift(
+    QO, KO, LseO, QN, KN, LseN, Mask, RowOk, Part,
+    sqob, sqoh, sqom, sqod,
+    skob, skoh, skon, skod,
+    slob, sloh, slom,
+    sqnb, sqnh, sqnm, sqnd,
+    sknb, sknh, sknn, sknd,
+    slnb, slnh, slnm,
+    smb, smn,
+    srb, srm,
+    spb, sps, spn,
+    Hq, Lq, Lk, D, GROUP,
+    QK_SCALE: tl.constexpr, EPS: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)  # int64 offsets (as in _attn_fwd)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    keep = n < Lk
+    if HAS_MASK:
+        keep = keep & (tl.load(Mask + b * smb + n * smn, mask=keep, other=0) != 0)
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    count = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(0, Lq, BLOCK_M):
+        offs_m = start + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < Lq
+        counted = m_ok & (tl.load(RowOk + b * srb + offs_m * srm, mask=m_ok, other=0) != 0)
+        dot = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        sq_old = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        sq_new = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for h in range(0, Hq):  # the cosine runs over the heads: every head of this tile of keys in one program
+            hk = h // GROUP
+            p_old = _drift_probs(QO, KO, LseO, b, h, hk, offs_m, m_ok, n, keep, D,
+                                 sqob, sqoh, sqom, sqod, skob, skoh, skon, skod, slob, sloh, slom,
+                                 QK_SCALE=QK_SCALE, IEEE=IEEE, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
+            p_new = _drift_probs(QN, KN, LseN, b, h, hk, offs_m, m_ok, n, keep, D,
+                                 sqnb, sqnh, sqnm, sqnd, sknb, sknh, sknn, sknd, slnb, slnh, slnm,
+                                 QK_SCALE=QK_SCALE, IEEE=IEEE, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
+            dot += p_old * p_new
+            sq_old += p_old * p_old
+            sq_new += p_new * p_new
+        cos = dot / (tl.maximum(tl.sqrt(sq_old), EPS) * tl.maximum(tl.sqrt(sq_new), EPS))
+        w = counted[:, None] & keep[None, :]
+        total += tl.sum(tl.where(w, cos, 0.0), 0)
+        count += tl.sum(w.to(tl.float32), 0)
+    tl.store(Part + b * spb + n * spn, total, mask=n < Lk)
+    tl.store(Part + b * spb + sps + n * spn, count, mask=n < Lk)
+
+
+def drift_tiles(rows: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_D, num_warps)`` of :func:`attention_drift` (one fixed config: its fp32 result must
+    not depend on an autotuner's timing). Its programs hold two heads' probabilities and three accumulators per tile,
+    so the head dimension is read in chunks of BLOCK_D: at 32 x 64 keys, chunks of 64 over 4 warps (bf16/fp16
+    products) and 32 x 32, chunks of 32 over 8 warps (fp32 FMA products) fit Hopper's registers at every head
+    dimension (``python tests/compile_kernels.py --spills``)."""
+    block_m = 16 if rows <= 16 else 32
+    if _interpreting():
+        return block_m, 32, 32, 4
+    return (block_m, 32, 32, 8) if dtype == torch.float32 else (block_m, 64, 64, 4)
+
+
+def attention_drift(q_old, k_old, q_new, k_new, key_padding_mask, rows_ok):
+    """Triton twin of :func:`dllm.kernels.reference.attention_drift`: each softmax's LSE by an LSE-only pass of the
+    attention kernel, then one program per (tile of keys, batch row) recomputes both distributions head by head and
+    writes, per key, the sum of the cosines over the counted rows and their count; the host sums over the keys
+    (deterministic, no atomics). Shapes and dtypes as the reference's."""
+    if not _usable(q_old):
+        return reference.attention_drift(q_old, k_old, q_new, k_new, key_padding_mask, rows_ok)
+    _check(q_old, k_old, key_padding_mask=key_padding_mask)
+    _check(q_new, k_new, key_padding_mask=key_padding_mask)
+    if q_old.shape != q_new.shape or k_old.shape != k_new.shape:
+        raise ValueError(f"the old and new queries {tuple(q_old.shape)} / {tuple(q_new.shape)} and keys "
+                         f"{tuple(k_old.shape)} / {tuple(k_new.shape)} must have the same shapes")
+    B, Hq, Lq, D = q_old.shape
+    Lk = k_old.shape[2]
+    if tuple(rows_ok.shape) != (B, Lq) or rows_ok.dtype != torch.bool:
+        raise ValueError(f"rows_ok must be a [B, Lq] = [{B}, {Lq}] bool tensor, got {list(rows_ok.shape)} "
+                         f"{rows_ok.dtype}")
+    (q_old, k_old, q_new, k_new), _ = _widen(q_old, k_old, q_new, k_new)
+    block_m, block_n, block_d, warps = drift_tiles(Lq, q_old.dtype)
+    if q_old.numel() == 0 or Lk == 0:
+        return torch.zeros(B, dtype=torch.float32, device=q_old.device)
+    part = torch.empty((B, 2, Lk), dtype=torch.float32, device=q_old.device)  # per key: the cosines' sum, count
+    _, lse_old = _attention_lse(q_old, k_old, None, key_padding_mask, write_out=False)
+    _, lse_new = _attention_lse(q_new, k_new, None, key_padding_mask, write_out=False)
+    mask, smb, smn, has_mask = _mask_arg(key_padding_mask, q_old)
+    rows = rows_ok.view(torch.uint8)
+    grid = (_cdiv(Lk, block_n), B)
+    _attn_drift[grid](
+        q_old, k_old, lse_old, q_new, k_new, lse_new, mask, rows, part,
+        *q_old.stride(), *k_old.stride(), *lse_old.stride(), *q_new.stride(), *k_new.stride(), *lse_new.stride(),
+        smb, smn, *rows.stride(), *part.stride(),
+        Hq, Lq, Lk, D, Hq // k_old.shape[1],
+        QK_SCALE=_LOG2E / math.sqrt(D), EPS=1e-8, HAS_MASK=has_mask, IEEE=q_old.dtype == torch.float32,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        num_warps=warps, num_stages=2,
+    )
+    total, count = part.sum(-1).unbind(1)
+    return total / count.clamp_min(1)
 
 
 # ---------------------------------------------------------------------------------------- confidence stats
