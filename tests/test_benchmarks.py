@@ -146,7 +146,7 @@ def test_bench_kernels_runs_every_kernel(tmp_path):
     report = run("bench_kernels.py", "--repeats", "1", tmp_path=tmp_path)
     assert report["device"].startswith("cpu")
     kinds = {r["kernel"] for r in report["rows"]}
-    assert kinds == {"attention", "attention_mass", "confidence_stats"}, kinds
+    assert kinds == {"attention", "attention_mass", "attention_drift", "confidence_stats"}, kinds
     for r in report["rows"]:
         assert all(v > 0 for v in r["ms"].values()), r
     goals = goals_of(tmp_path, "kernels.json", report)
@@ -155,6 +155,7 @@ def test_bench_kernels_runs_every_kernel(tmp_path):
     assert all("two launches, not the default" in g["measured"] for g in conf)  # both merges timed, the default judged
     assert all(set(r["ms"]) == {"torch", "reference", "triton", "triton-2launch"} for r in report["rows"]
                if r["kernel"] == "confidence_stats")
+    assert all(set(r["ms"]) == {"reference", "triton"} for r in report["rows"] if r["kernel"] == "attention_drift")
 
 
 def _gpu_figures(folder: Path, x_floor=1.4, fastdllm=2.5, splitk=0.025, caches=1.1,
