@@ -11,10 +11,10 @@ On the Triton backend :func:`attention` runs one of SDPA, the flash kernel and t
 bucket by :mod:`dllm.kernels.dispatch` (``DLLM_ATTENTION=sdpa|triton|splitk|auto``, :func:`set_attention_backend`;
 :func:`attention_choices` reports the choices). The reference backend always runs the reference twin.
 
-Callers: the model's attention (:func:`attention`), Elastic-Cache (:func:`attention_mass`), and the samplers' greedy
-confidence (:func:`confidence_stats`: ``ComposedSampler``, ``LLaDASampler`` and ``DreamSampler`` with their
-``fused`` option, by default only where :func:`uses_triton` is true, so the reference backend keeps their bit-exact
-PyTorch paths).
+Callers: the model's attention (:func:`attention`), Elastic-Cache (:func:`attention_mass`, and its drift test,
+:func:`attention_drift`), and the samplers' greedy confidence (:func:`confidence_stats`: ``ComposedSampler``,
+``LLaDASampler`` and ``DreamSampler`` with their ``fused`` option, by default only where :func:`uses_triton` is
+true, so the reference backend keeps their bit-exact PyTorch paths).
 """
 
 from __future__ import annotations
