@@ -486,6 +486,7 @@ class Decoder:
         self._pinned: dict[int, torch.Tensor] = {}  # host memory the step's numbers are copied to (_sync)
         self._host_ready = None  # the event after that copy
         self._early = self.launch_early  # next forwards may be launched before the synchronisation (_launch_early)
+        self._early_off = None  # the window within which a missed plan stopped them (_launch_early)
         self._bounds = None  # (key, [2, 7 + policy's numbers] bounds) of _guard
         self._relaunch = None  # a speculative cache's first part that may be launched again (_speculate)
 
@@ -743,7 +744,7 @@ class Decoder:
                 if ahead.launched:  # launched: its logits are dropped (its writes: _prepare_next)
                     runner.ahead["discarded"] += 1
                 if running and synced[4] and tuple(synced[2:4]) == ahead.window:
-                    self._early = False  # the width changes within a region past what wide_ahead keeps: no more
+                    self._early_off = ahead.window  # a width past what wide_ahead keeps: none more in this window
         if nonfinite:
             raise NonFiniteLogitsError.at(bad, st.nfe - 1, w_lo - P)
         if running and st.nfe >= self.max_iters:
@@ -858,11 +859,11 @@ class Decoder:
     def _launch_early(self, st: DecodeState) -> bool:
         """Whether the next forward, made ready, is launched before this step's synchronisation: where the last
         synchronisation's numbers (:attr:`DecodeState.pace`) say that every active row's region keeps masks after
-        this step if it commits what the last step committed, and until a plan made ahead missed within a region
-        (a width that grew, or fell past :attr:`wide_ahead`). Where the next step plans again (a region ended: a
+        this step if it commits what the last step committed, and not in a window within which a plan made ahead
+        missed (a width that grew, or fell past :attr:`wide_ahead`: at most one such miss per window). Where the next step plans again (a region ended: a
         refresh or another width) a forward launched for it is discarded, a forward's time spent for nothing (a
         refresh the policy schedules is not even made ready: :meth:`_refresh_next`)."""
-        return self._early and st.pace is not None and st.pace[0] > st.pace[1]
+        return self._early and st.window != self._early_off and st.pace is not None and st.pace[0] > st.pace[1]
 
     def _sync(self, host: torch.Tensor, ahead: _Ahead | None) -> list:
         """The step's host synchronisation: ``host``'s numbers, read on the host. With ``ahead`` (a next forward made

@@ -643,7 +643,9 @@ def test_the_refreshes_a_policy_schedules_are_not_launched_ahead_and_a_wider_for
     falls with the masks left. No forward is made ready for one of its refreshes (none launched and discarded, no
     plan missed; with blocks of 16 a block's end is one of them), and a forward launched at this step's width where the next step's rows round to a narrower one is
     kept (``wider``): no launch is lost to a falling width. With ``Decoder.wide_ahead = 0`` those are planned again,
-    and the decoder stops launching ahead at the first. The tokens are the eager path's either way."""
+    and the decoder stops launching ahead in the window of the first, resuming in the next window (at batch 3 a width
+    falls past the bucket in several windows: a discarded launch in each). The tokens are the eager path's either
+    way."""
     from dllm.generate import Decoder
 
     model = cached_model("llada", 0)
@@ -663,9 +665,15 @@ def test_the_refreshes_a_policy_schedules_are_not_launched_ahead_and_a_wider_for
             # sights, made ready by no step) launched ahead
             assert ahead["launched"] == ahead["confirmed"] >= 36, ahead
             launched = ahead["launched"]
-        else:  # the first falling width discarded, no launch ahead after it
+        else:  # the first falling width discarded, no launch ahead after it in its window
             assert "wider" not in ahead and ahead["discarded"] == 1, ahead
             assert ahead["launched"] == ahead["confirmed"] + 1 < launched, ahead
+    kw["prompts"] = ragged_prompts(3, 1)
+    eager = _gen(model, "dkv-decode", "off", "llada", **kw)
+    with own_runner(model) as runner:
+        out = _gen(model, "dkv-decode", "on", "llada", **kw)
+    assert torch.equal(out.sequences, eager.sequences)
+    assert runner.ahead["discarded"] >= 3 and runner.ahead["launched"] >= 10, runner.ahead  # 1 and 4 when a miss stopped them for good
 
 
 @pytest.mark.parametrize("cache", ["freecache"])
