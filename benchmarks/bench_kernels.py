@@ -16,9 +16,9 @@ each one's ratio ``t_sdpa / t`` (above 1: faster than SDPA):
 Attention mass (batch 1, LSE given): reference against Triton. Elastic-Cache's drift test (``attention_drift``,
 batch 1, 32 tracked rows over a 768- and a 4,096-key canvas, heads 32:32): its reference twin (the PyTorch
 composition it replaces: two softmaxes, the cosine over heads, the masked mean) against the Triton kernel, eagerly
-and, on CUDA, from a CUDA graph (where Elastic-Cache runs it), with ``t_reference / t``. Confidence statistics at 32 positions x V = 126,464
-in bf16 and fp32: the PyTorch composition ``softmax + top-2 + entropy`` (``torch``), the reference twin and the
-Triton kernel, with ``t_torch / t``.
+and, on CUDA, from a CUDA graph (where Elastic-Cache runs it), with ``t_reference / t``. Confidence statistics at
+32 positions x V = 126,464 in bf16 and fp32: the PyTorch composition ``softmax + top-2 + entropy`` (``torch``), the
+reference twin and the Triton kernel, with ``t_torch / t``.
 
 GPU timings use ``triton.testing.do_bench`` (median ms, CUDA events). On a machine without CUDA the script runs tiny
 shapes with the Triton kernels under the interpreter (it sets ``TRITON_INTERPRET=1`` before Triton is imported): a
@@ -217,7 +217,8 @@ def bench_drift(cfg, device, dtype, repeats, tk, rows):
                "dtype": str(dtype), "ms": ms}
         if device.type == "cuda":
             gr = {n: _time_ms(_graphed(f), repeats, device) for n, f in methods.items()}
-            print(f"{'graph':>6} {lk:>5} " + " ".join(f"{n} {t:8.4f} {gr['reference'] / t:5.2f}x" for n, t in gr.items()))
+            print(f"{'graph':>6} {lk:>5} " + " ".join(f"{n} {t:8.4f} {gr['reference'] / t:5.2f}x"
+                                                     for n, t in gr.items()))
             row["graph_ms"] = gr
         rows.append(row)
 

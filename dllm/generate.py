@@ -860,9 +860,10 @@ class Decoder:
         """Whether the next forward, made ready, is launched before this step's synchronisation: where the last
         synchronisation's numbers (:attr:`DecodeState.pace`) say that every active row's region keeps masks after
         this step if it commits what the last step committed, and not in a window within which a plan made ahead
-        missed (a width that grew, or fell past :attr:`wide_ahead`: at most one such miss per window). Where the next step plans again (a region ended: a
-        refresh or another width) a forward launched for it is discarded, a forward's time spent for nothing (a
-        refresh the policy schedules is not even made ready: :meth:`_refresh_next`)."""
+        missed (a width that grew, or fell past :attr:`wide_ahead`: at most one such miss per window). Where the
+        next step plans again (a region ended: a refresh or another width) a forward launched for it is discarded, a
+        forward's time spent for nothing (a refresh the policy schedules is not even made ready:
+        :meth:`_refresh_next`)."""
         return self._early and st.window != self._early_off and st.pace is not None and st.pace[0] > st.pace[1]
 
     def _sync(self, host: torch.Tensor, ahead: _Ahead | None) -> list:

@@ -642,9 +642,10 @@ def test_the_refreshes_a_policy_schedules_are_not_launched_ahead_and_a_wider_for
     """dKV-Cache-Decode refreshes at its blocks' steps 0, 1, 8 (not counted by the forwards done) and its width
     falls with the masks left. No forward is made ready for one of its refreshes (none launched and discarded, no
     plan missed; with blocks of 16 a block's end is one of them), and a forward launched at this step's width where
-    the next step's rows round to a narrower one is kept (``wider``): no launch is lost to a falling width. With ``Decoder.wide_ahead = 0`` those are planned again,
-    and the decoder stops launching ahead in the window of the first, resuming in the next window (at batch 3 a width
-    falls past the bucket in several windows: a discarded launch in each). The tokens are the eager path's either
+    the next step's rows round to a narrower one is kept (``wider``): no launch is lost to a falling width. With
+    ``Decoder.wide_ahead = 0`` those are planned again, and the decoder stops launching ahead in the window of the
+    first, resuming in the next window (at batch 3 a width falls past the bucket in several windows: a discarded
+    launch in each). The tokens are the eager path's either
     way."""
     from dllm.generate import Decoder
 
