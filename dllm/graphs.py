@@ -453,7 +453,8 @@ class GraphRunner:
             self.stats[eager + "first sight"] += 1
             return _narrow(self._forward(g, cache), B, W)
         if not g.captured:
-            out = self._capture(g, cache)
+            with pinned_aranges():  # the aranges the forward reads live as long as the graph may replay them
+                out = self._capture(g, cache)
             self.stats[captures] += 1
             return _narrow(out, B, W)
         return self._run(g, cache, B, W, name=replays)
@@ -483,10 +484,6 @@ class GraphRunner:
             cache.read_cols, cache.k, cache.v = live, k, v
 
     def _capture(self, g: _Graph, cache) -> torch.Tensor:
-        with pinned_aranges():  # the aranges the forward reads live as long as the graph may replay them
-            return self._capture_pinned(g, cache)
-
-    def _capture_pinned(self, g: _Graph, cache) -> torch.Tensor:
         if not self.capture:
             g.captured = True
             return self._forward(g, cache)
