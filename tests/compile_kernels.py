@@ -63,6 +63,9 @@ def cases(dt: str):
         dict(QK_SCALE=0.12, HAS_MASK=True, IEEE=ieee, BLOCK_M=32, BLOCK_N=64, BLOCK_D=128)
     yield "attention drift", T._attn_drift, DRIFT | dict(QO=dt, KO=dt, QN=dt, KN=dt), \
         dict(QK_SCALE=0.12, EPS=1e-8, HAS_MASK=True, IEEE=ieee, BLOCK_M=32, BLOCK_N=64, BLOCK_D=64)
+    for gate in (False, True):
+        yield f"attention drift finish (gate={gate})", T._drift_finish, \
+            dict(Part="fp32", Sim="fp32", Gate="fp32", First="i64"), dict(HAS_GATE=gate, BLOCK=1024)
     conf = dict(L=dt, U="fp32", Stats="fp32", Idx="i32", Count="i32", Token="i64", Out="fp32")
     for noise in (False, True):
         for excl in (False, True):
@@ -88,7 +91,7 @@ def cases(dt: str):
 # it does (an int32 product passes 2^31 at LLaDA-8B's size: a batch stride of a view of the fused QKV output,
 # rows x a 126,464-word vocabulary)
 WIDE = {T._attn_fwd: ("y",), T._attn_splitk: ("y", "z"), T._attn_combine: ("x",), T._attn_mass: ("y",),
-        T._attn_drift: ("y",), T._conf_partial: ("x",), T._conf_merge: ("x",)}
+        T._attn_drift: ("y",), T._drift_finish: ("x",), T._conf_partial: ("x",), T._conf_merge: ("x",)}
 
 
 def narrow_program_ids(fn, ttir: str) -> list[str]:

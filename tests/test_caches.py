@@ -300,7 +300,9 @@ def test_elastic_drift_test_sets_refresh_layer():
 def test_elastic_drift_test_runs_the_triton_kernel_on_the_triton_backend(triton_backend, monkeypatch):
     """On the Triton backend (CUDA; here its interpreter) Elastic-Cache's drift test is the fused kernel
     (``kernels.attention_drift``), inside the graph path's parts and on the eager path with classifier-free
-    guidance's doubled batch: each call's similarities are those of the reference twin on the same tensors."""
+    guidance's doubled batch: each call's similarities are those of the reference twin on the same tensors, and on
+    the graph path (where each row's first failing layer is recorded by the kernel) what it recorded is what the
+    reference's rule records from the reference's similarities."""
     from dllm import kernels
     from dllm.kernels import reference
 
@@ -308,16 +310,25 @@ def test_elastic_drift_test_runs_the_triton_kernel_on_the_triton_backend(triton_
     orig = kernels.attention_drift
 
     def spy(*args):  # compared at the call: the cache writes into these tensors afterwards
+        gated = len(args) > 6
+        before = [t.clone() for t in args[6:8]]  # the gate and the first failures, written in place
         out = orig(*args)
-        calls.append((out.clone(), reference.attention_drift(*args)))
+        ref = reference.attention_drift(*args[:6])
+        calls.append((out.clone(), ref))
+        if gated:
+            reference.record_below(ref, *before, args[8])
+            assert torch.equal(before[0], args[6]) and torch.equal(before[1], args[7])
+            recorded.append(args[8])
         return out
+
+    recorded = []
 
     monkeypatch.setattr(kernels, "attention_drift", spy)
     model = cached_model("llada", 0)
     for graphs, cfg in (("on", 0.0), ("off", 1.5)):
         generate(model, prompt_set(2, 0), gen_length=8, block_length=8, steps=4, sampler="llada", cache="elastic",
                  graphs=graphs, cfg_scale=cfg)
-    assert len(calls) >= 2 * model.config.n_layers
+    assert len(calls) >= 2 * (model.config.n_layers - 1) and recorded  # no test at the last layer
     for got, ref in calls:
         torch.testing.assert_close(got, ref, atol=2e-6, rtol=0)
 

@@ -609,6 +609,29 @@ def test_attention_drift_counts_only_the_rows_and_keys_it_is_given():
         T.attention_drift(q_old, k_old, q_new, k_new, mask, rows_ok[:, :2])
 
 
+@pytest.mark.parametrize("mod", [T, R], ids=["triton", "reference"])
+def test_attention_drift_records_each_rows_first_fall_below_its_gate(mod):
+    """With a gate and a record (Elastic-Cache's first failing layer, with no host synchronisation): a row whose
+    similarity is below its gate records the index and closes its gate; a row above it, or whose gate is closed
+    (-inf), keeps its record; a later call records nothing more for a closed row. The similarities returned are
+    those of the call without a gate."""
+    t = _drift_inputs(3, 4, 2, 6, 45, 16, torch.float32, seed=4)
+    sim = mod.attention_drift(*t)
+    gate = torch.stack([sim[0] + 0.01, sim[1] - 0.01, torch.tensor(float("-inf"), device=DEV)]).contiguous()
+    first = torch.full((3,), 9, dtype=torch.long, device=DEV)
+    got = mod.attention_drift(*t, gate, first, 2)
+    assert torch.equal(got, sim)
+    assert first.tolist() == [2, 9, 9]
+    assert gate[0] == float("-inf") and gate[1] == sim[1] - 0.01 and gate[2] == float("-inf")
+    gate[1] = 1.5  # every similarity is below it now
+    mod.attention_drift(*t, gate, first, 3)
+    assert first.tolist() == [2, 3, 9] and (gate == float("-inf")).all()
+    with pytest.raises(ValueError, match="gate and first go together"):
+        mod.attention_drift(*t, gate, None, 1)
+    with pytest.raises(ValueError, match="first must be a contiguous"):
+        mod.attention_drift(*t, gate, first.int(), 1)
+
+
 # ---------------------------------------------------------------------------------------- confidence stats
 
 

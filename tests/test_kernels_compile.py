@@ -25,13 +25,15 @@ def test_every_triton_kernel_compiles_for_ampere_and_hopper():
     for arch in ("sm_80", "sm_90"):
         for dt in ("bf16", "fp32"):
             for name in ("attention (flash)", "attention (split-K)", "attention (split-K combine)", "attention mass",
-                         "attention drift",
+                         "attention drift", "attention drift finish (gate=True)",
                          "confidence (noise=True, exclude=True, last program merges=False)",
                          "confidence (noise=True, exclude=True, last program merges=True)", "confidence merge",
                          "rms norm (add=True)",
                          "rope (qk norm=True, write K/V=True)", "rope (qk norm=False, write K/V=False)", "silu mul"):
                 assert f"ok {arch} {dt} {name}\n" in out, (arch, dt, name)
-    assert out.count("ok ") == 88  # 22 kernels x 2 dtypes x 2 architectures (confidence: with and without the merge)
+    # 24 kernels x 2 dtypes x 2 architectures (confidence: with and without the merge; the drift's finish: with and
+    # without a gate)
+    assert out.count("ok ") == 96
 
 
 def test_fp32_attention_tiles_fit_hoppers_registers():

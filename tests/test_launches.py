@@ -132,3 +132,30 @@ def test_elastic_cache_adds_few_kernels_to_the_loop_outside_its_graphs(triton_ba
     loop, forward, counts = _loop_kernels(dec, st)
     assert forward and st.trace[-1]["refresh_layer"] != 0  # a cached step, in one or more parts
     assert 0 < loop <= 106 + 16, counts
+
+
+def test_elastic_cache_layer_hook_launches_few_kernels_on_the_triton_backend(triton_backend, monkeypatch):
+    """Elastic-Cache's per-layer hook in a cached step's graph (Triton backend, its interpreter here): at a layer
+    that tests for drift, the tracked queries' gathers, the old keys, the drift test (two LSE passes, the fused
+    kernel, its finish, which also records the row's first failure with no host synchronisation), the window's
+    attention mass and its top-k: at most 15 kernels (51 with the test composed in PyTorch). The last layer runs no
+    test (a failure there would switch no layer)."""
+    from dllm.caches.elastic import ElasticCache
+
+    dec, st = _tiny_decoder(4, "llada", "elastic", 4)
+    per = []
+    orig = ElasticCache.observe
+
+    def counted(self, layer, q, k, key_mask, rows):
+        with LaunchCounter() as c:
+            out = orig(self, layer, q, k, key_mask, rows)
+        if rows is not None:
+            per.append((layer, dict(c.counts)))
+        return out
+
+    monkeypatch.setattr(ElasticCache, "observe", counted)
+    dec.step(st)
+    assert dec.cache.speculative and st.trace[-1]["refresh_layer"] != 0  # a cached step on the graph path
+    tested = [(layer, c) for layer, c in per if "triton._attn_drift" in c]
+    assert tested and all(layer < 3 for layer, _ in tested)  # 4 layers: none tests at the last
+    assert all(c.get("triton._drift_finish") == 1 and sum(c.values()) <= 15 for _, c in tested), tested

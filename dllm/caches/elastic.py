@@ -276,9 +276,13 @@ class ElasticCache(KVCache):
             track.copy_(self.track)
         self.track = track
         self._drift_at = kept("drift_at", (B,), torch.long, dev)
+        # gamma for the rows testing, -inf once a row failed (and for the others): the drift tests record each row's
+        # first failure into drift_at through it (kernels.reference.record_below)
+        self._gate = kept("gate", (B,), torch.float32, dev)
         kept("refresh_at", (B,), torch.long, dev)  # each row's switch layer (_settle): the redo's graph reads it
         # each layer's top-attended tokens: every layer of every forward writes its own (no reset needed)
         self._tops = kept("tops", (L, B, min(self.track_num, T)), torch.long, dev)
+        self._top_mass = kept("top_mass", (B, min(self.track_num, T)), torch.float32, dev)  # topk's values (unread)
         self._trk_rows = kept("trk_rows", (B, n), torch.long, dev)
         self._trk_ok = kept("trk_ok", (B, n), torch.bool, dev)
         self._trk_pos = kept("trk_pos", (B, n), torch.long, dev)
@@ -312,6 +316,7 @@ class ElasticCache(KVCache):
             else:
                 self._win.copy_(c)
         self._drift_at.fill_(len(self.xc))
+        self._gate.fill_(float("-inf")).masked_fill_(self._testing, self.gamma)
         count = self.track.sum(-1)
         n = self._trk_rows.shape[1]
         self._trk_rows.copy_(padded_rows(self.track, count)[:, :n])
@@ -416,7 +421,9 @@ class ElasticCache(KVCache):
         return new_h, new_rows
 
     def update(self, layer, k, v, rows=None):
-        if rows is not None and self._trk_rows is not None and self._testing is not None:
+        # the drift test's old keys, where one runs: a partial forward's layers but the last (a failure there would
+        # switch no layer)
+        if rows is not None and self._trk_rows is not None and self._testing is not None and layer + 1 < len(self.xc):
             idx = rows[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
             self._k_old = (idx, self.k[layer].gather(2, idx))  # what this step overwrites
         return super().update(layer, k, v, rows)
@@ -434,7 +441,7 @@ class ElasticCache(KVCache):
         else:
             qc = self.qc[layer]
             idx = rows[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[3])
-            if self._trk_rows is not None and self._testing is not None and self._k_old is not None:
+            if self._k_old is not None:  # a drift test (update kept the keys this step overwrote)
                 tidx = _rows(self._trk_rows, r)[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[3])
                 q_old = qc.gather(2, tidx)
                 pidx = _rows(self._trk_pos, r)[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[3])
@@ -442,15 +449,17 @@ class ElasticCache(KVCache):
                 kidx, kvals = self._k_old
                 k_old = k.clone().scatter_(2, kidx, kvals)
                 # per row: the mean over its real tracked rows and its keys of the cosine similarity, over the
-                # heads, of their attention before and after (one kernel pass on the Triton backend)
-                sim = kernels.attention_drift(q_old, k_old, q_new, k, key_mask, _rows(self._trk_ok, r))
-                sim = sim if r == 1 else sim.view(r, B).mean(0)
-                drift = self._testing & (sim < self.gamma)
-                if layer + 1 < L and self._spec:  # the first failing layer of each row, on the device
-                    first = drift & (self._drift_at == L)
-                    self._drift_at.copy_(torch.where(first, layer, self._drift_at))
-                elif layer + 1 < L:
-                    self._switch = drift
+                # heads, of their attention before and after (one kernel pass on the Triton backend); on the graph
+                # path each row's first failing layer recorded on the device, through the gate (_begin)
+                gated = self._spec and r == 1
+                record = (self._gate, self._drift_at, layer) if gated else ()
+                sim = kernels.attention_drift(q_old, k_old, q_new, k, key_mask, _rows(self._trk_ok, r), *record)
+                if not gated:
+                    sim = sim if r == 1 else sim.view(r, B).mean(0)
+                    if self._spec:
+                        kernels.reference.record_below(sim, self._gate, self._drift_at, layer)
+                    else:
+                        self._switch = self._testing & (sim < self.gamma)
             if self._spec and layer == L - 1 and self._redo is None:  # the last layer of a part that tested
                 self._settle()
             self._k_old = None
@@ -464,11 +473,11 @@ class ElasticCache(KVCache):
             mass = kernels.attention_mass(q_win, k, key_mask)
         mass = mass if r == 1 else mass.view(r, B, -1).sum(0)
         mass = mass.masked_fill(self._masked, -1.0)
-        top = mass.topk(min(self.track_num, mass.shape[1]), dim=-1).indices
-        if self._spec:  # per layer: a redo rewrites the layers it runs
-            self._tops[layer].copy_(top)
+        n = min(self.track_num, mass.shape[1])
+        if self._spec:  # per layer (a redo rewrites the layers it runs), into the kept buffer
+            torch.topk(mass, n, dim=-1, out=(self._top_mass, self._tops[layer]))
         else:
-            self._new_track.scatter_(1, top, True)
+            self._new_track.scatter_(1, mass.topk(n, dim=-1).indices, True)
 
     def computed_fraction(self, counts, row_refresh, n_layers):
         """:meth:`KVCache.computed_fraction`; after a speculative forward the one its graph computed (:meth:`_settle`),

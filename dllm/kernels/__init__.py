@@ -100,12 +100,12 @@ def attention_mass(q, k, key_padding_mask=None, lse=None):
         return _module.attention_mass(q, k, key_padding_mask=key_padding_mask, lse=lse)
 
 
-def attention_drift(q_old, k_old, q_new, k_new, key_padding_mask, rows_ok):
+def attention_drift(q_old, k_old, q_new, k_new, key_padding_mask, rows_ok, gate=None, first=None, index=0):
     """Dispatching wrapper; see :func:`dllm.kernels.reference.attention_drift`."""
     if _module is None:
         get_backend()
     with on_device(q_old):
-        return _module.attention_drift(q_old, k_old, q_new, k_new, key_padding_mask, rows_ok)
+        return _module.attention_drift(q_old, k_old, q_new, k_new, key_padding_mask, rows_ok, gate, first, index)
 
 
 def confidence_stats(logits, temperature=0.0, noise=None, exclude=None):

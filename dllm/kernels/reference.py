@@ -173,22 +173,29 @@ def attention_drift(
     k_new: torch.Tensor,
     key_padding_mask: torch.Tensor | None,
     rows_ok: torch.Tensor,
+    gate: torch.Tensor | None = None,
+    first: torch.Tensor | None = None,
+    index: int = 0,
 ) -> torch.Tensor:
     """How alike two attention distributions of the same query rows are (Elastic-Cache's drift test): per batch
     row, the mean over the valid query rows (``rows_ok``) and keys (``key_padding_mask``) of the cosine similarity,
-    over the heads, of the old rows' attention over the old keys and the new rows' over the new keys.
+    over the heads, of the old rows' attention over the old keys and the new rows' over the new keys. With ``gate``
+    and ``first``, also where it falls below a per-row threshold (:func:`record_below`), with no host
+    synchronisation.
 
     Args:
         q_old, q_new: ``[B, Hq, Lq, D]``, float16/bfloat16/float32.
         k_old, k_new: ``[B, Hkv, Lk, D]``, the same dtype.
         key_padding_mask: optional ``[B, Lk]`` bool, True where a key may be attended to (see :func:`attention`).
         rows_ok: ``[B, Lq]`` bool, the query rows that count (the others are padding).
+        gate, first, index: optional, both or neither: see :func:`record_below` (written in place).
 
     Returns:
         ``[B]`` float32 in [-1, 1] (0 where no row or key counts). The cosine similarity is
         ``torch.nn.functional.cosine_similarity``'s (norms clamped at 1e-8).
     """
     check_key_padding_mask(key_padding_mask, q_old, k_old)
+    check_gate(gate, first, q_old)
     a_old = attention_probs(q_old, k_old, key_padding_mask)
     a_new = attention_probs(q_new, k_new, key_padding_mask)
     cs = F.cosine_similarity(a_old, a_new, dim=1)  # over heads: [B, Lq, Lk]
@@ -197,7 +204,41 @@ def attention_drift(
         ok = ok * key_padding_mask[:, None, :].to(cs.dtype)
     else:
         ok = ok.expand_as(cs)
-    return (cs * ok).sum((1, 2)) / ok.sum((1, 2)).clamp_min(1)
+    sim = (cs * ok).sum((1, 2)) / ok.sum((1, 2)).clamp_min(1)
+    if gate is not None:
+        record_below(sim, gate, first, index)
+    return sim
+
+
+def record_below(value: torch.Tensor, gate: torch.Tensor, first: torch.Tensor, index: int) -> None:
+    """In place, for each row whose ``value`` is below its ``gate``: ``first = index`` and ``gate = -inf``, so that a
+    row records only the first of a sequence of calls (rising ``index``) where it falls below, and a row whose gate is
+    ``-inf`` never does. Elastic-Cache's first failing layer per row: the gate holds ``gamma`` for the rows testing.
+
+    Args:
+        value: ``[B]`` float32.
+        gate: ``[B]`` float32, the threshold per row (compared in float32).
+        first: ``[B]`` int64.
+        index: what ``first`` records.
+    """
+    below = value < gate
+    first.masked_fill_(below, index)
+    gate.masked_fill_(below, float("-inf"))
+
+
+def check_gate(gate: torch.Tensor | None, first: torch.Tensor | None, q: torch.Tensor) -> None:
+    """Raise a ValueError unless ``gate`` and ``first`` are both None or :func:`record_below`'s ``[B]`` float32 and
+    int64 tensors on ``q``'s device (``B`` from ``q``), each contiguous."""
+    if gate is None and first is None:
+        return
+    B = q.shape[0]
+    for name, t, dtype in (("gate", gate, torch.float32), ("first", first, torch.int64)):
+        if t is None:
+            raise ValueError("gate and first go together: give both (each row's threshold and where it first fell "
+                             "below) or neither")
+        if tuple(t.shape) != (B,) or t.dtype != dtype or t.device != q.device or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous [B] = [{B}] {dtype} tensor on {q.device}, got "
+                             f"{list(t.shape)} {t.dtype} on {t.device}")
 
 
 class ConfidenceStats(NamedTuple):

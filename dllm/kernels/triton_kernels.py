@@ -736,6 +736,27 @@ def _attn_drift(
     tl.store(Part + b * spb + sps + n * spn, count, mask=n < Lk)
 
 
+@triton.jit(do_not_specialize=["index"])
+def _drift_finish(Part, Sim, Gate, First, index, Lk, spb, sps, spn, HAS_GATE: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per batch row: the mean of :func:`_attn_drift`'s per-key sums (``Sim``) and, with a gate, the row's
+    first fall below it (:func:`dllm.kernels.reference.record_below`)."""
+    b = tl.program_id(0).to(tl.int64)
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    count = tl.zeros([BLOCK], dtype=tl.float32)
+    for n0 in range(0, Lk, BLOCK):
+        n = n0 + tl.arange(0, BLOCK)
+        ok = n < Lk
+        total += tl.load(Part + b * spb + n * spn, mask=ok, other=0.0)
+        count += tl.load(Part + b * spb + sps + n * spn, mask=ok, other=0.0)
+    sim = tl.sum(total, 0) / tl.maximum(tl.sum(count, 0), 1.0)
+    tl.store(Sim + b, sim)
+    if HAS_GATE:
+        g = tl.load(Gate + b)
+        below = sim < g
+        tl.store(First + b, tl.where(below, index, tl.load(First + b)))
+        tl.store(Gate + b, tl.where(below, float("-inf"), g))
+
+
 def drift_tiles(rows: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, BLOCK_D, num_warps)`` of :func:`attention_drift` (one fixed config: its fp32 result must
     not depend on an autotuner's timing). Its programs hold two heads' probabilities and three accumulators per tile,
@@ -748,15 +769,17 @@ def drift_tiles(rows: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     return (block_m, 32, 32, 8) if dtype == torch.float32 else (block_m, 64, 64, 4)
 
 
-def attention_drift(q_old, k_old, q_new, k_new, key_padding_mask, rows_ok):
+def attention_drift(q_old, k_old, q_new, k_new, key_padding_mask, rows_ok, gate=None, first=None, index=0):
     """Triton twin of :func:`dllm.kernels.reference.attention_drift`: each softmax's LSE by an LSE-only pass of the
     attention kernel, then one program per (tile of keys, batch row) recomputes both distributions head by head and
-    writes, per key, the sum of the cosines over the counted rows and their count; the host sums over the keys
-    (deterministic, no atomics). Shapes and dtypes as the reference's."""
+    writes, per key, the sum of the cosines over the counted rows and their count, and one program per batch row sums
+    those over the keys and records where the row falls below its gate (deterministic, no atomics: four kernels).
+    Arguments as the reference's."""
     if not _usable(q_old):
-        return reference.attention_drift(q_old, k_old, q_new, k_new, key_padding_mask, rows_ok)
+        return reference.attention_drift(q_old, k_old, q_new, k_new, key_padding_mask, rows_ok, gate, first, index)
     _check(q_old, k_old, key_padding_mask=key_padding_mask)
     _check(q_new, k_new, key_padding_mask=key_padding_mask)
+    reference.check_gate(gate, first, q_old)
     if q_old.shape != q_new.shape or k_old.shape != k_new.shape:
         raise ValueError(f"the old and new queries {tuple(q_old.shape)} / {tuple(q_new.shape)} and keys "
                          f"{tuple(k_old.shape)} / {tuple(k_new.shape)} must have the same shapes")
@@ -768,7 +791,10 @@ def attention_drift(q_old, k_old, q_new, k_new, key_padding_mask, rows_ok):
     (q_old, k_old, q_new, k_new), _ = _widen(q_old, k_old, q_new, k_new)
     block_m, block_n, block_d, warps = drift_tiles(Lq, q_old.dtype)
     if q_old.numel() == 0 or Lk == 0:
-        return torch.zeros(B, dtype=torch.float32, device=q_old.device)
+        sim = torch.zeros(B, dtype=torch.float32, device=q_old.device)
+        if gate is not None:
+            reference.record_below(sim, gate, first, index)
+        return sim
     part = torch.empty((B, 2, Lk), dtype=torch.float32, device=q_old.device)  # per key: the cosines' sum, count
     _, lse_old = _attention_lse(q_old, k_old, None, key_padding_mask, write_out=False)
     _, lse_new = _attention_lse(q_new, k_new, None, key_padding_mask, write_out=False)
@@ -784,8 +810,13 @@ def attention_drift(q_old, k_old, q_new, k_new, key_padding_mask, rows_ok):
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=warps, num_stages=2,
     )
-    total, count = part.sum(-1).unbind(1)
-    return total / count.clamp_min(1)
+    sim = torch.empty(B, dtype=torch.float32, device=q_old.device)
+    has_gate = gate is not None
+    _drift_finish[(B,)](
+        part, sim, gate if has_gate else sim, first if has_gate else sim, index, Lk, *part.stride(),
+        HAS_GATE=has_gate, BLOCK=max(16, min(1024, _pow2(Lk))), num_warps=4,
+    )
+    return sim
 
 
 # ---------------------------------------------------------------------------------------- confidence stats
