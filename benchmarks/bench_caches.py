@@ -11,10 +11,14 @@ cache's plan, the forwards and the sampler and loop, idle gaps included: where a
     python benchmarks/bench_caches.py                        # CPU: 2 layers, width 256, prompt 64, gen 64 (minutes)
     python benchmarks/bench_caches.py --layers 8 --width 4096 --mlp 12288 --vocab 126464 --batch 1   # LLaDA-8B's layer
     python benchmarks/bench_caches.py --checkpoint /path/to/LLaDA-8B-Instruct --batch 1   # trained weights
+    python benchmarks/bench_caches.py --caches dual elastic elastic:gamma=0 --batch 1      # a cache's parameters
 
 Random weights are not trained ones: Elastic-Cache's attention-drift test, which decides how many layers recompute
 every row, fires at nearly every step on them (a trained model's attention changes little from step to step), and
-staleness shows in the tokens. ``--checkpoint`` (a local LLaDA- or Dream-format directory, or a bundled name such as
+staleness shows in the tokens. A cache given with parameters, ``NAME:KEY=VALUE,...`` (its constructor's, as
+``dllm.caches.get_cache`` takes them), is timed as a cache of its own: ``elastic:gamma=0``, whose drift test never
+fails, times Elastic-Cache's machinery where a trained model's attention holds still, apart from what random
+weights' drift costs. ``--checkpoint`` (a local LLaDA- or Dream-format directory, or a bundled name such as
 ``llada-tiny``) times the caches on a trained model instead, its prompts the synthetic tasks' (chat template applied,
 their own lengths; the shape options do not apply).
 
@@ -38,6 +42,7 @@ from _common import positive, print_table, random_llada, task_prompts, write_jso
 from dllm import generate, get_sampler, load_model
 from dllm.assets import model_path
 from dllm.caches import CACHES, get_cache
+from dllm.cli.common import parse_params
 from dllm.config import GRAPH_MODES
 from dllm.graphs import GraphRunner
 from dllm.models import Transformer, TransformerConfig
@@ -52,10 +57,22 @@ def build(layers: int, width: int, heads: int, vocab: int, max_len: int, device,
     return random_llada(cfg, device, dtype, std=0.5)
 
 
+def cache_spec(text: str) -> tuple[str, dict]:
+    """``NAME`` or ``NAME:KEY=VALUE,...`` (``--caches``) -> ``(name, params)``, the values read as numbers, flags or
+    None where they are (``dllm.cli.common.parse_params``)."""
+    name, _, rest = text.partition(":")
+    items = [item for item in rest.split(",") if item]
+    bad = [item for item in items if "=" not in item]
+    if bad or (":" in text and not items):
+        raise ValueError(f"give each parameter as KEY=VALUE after the colon, e.g. {name}:gamma=0 (got {text!r})")
+    return name, parse_params(items)
+
+
 def check_layout(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     """Refuse (an argparse error naming the fix) a layout the runs cannot decode, before the model is built: the
     blocks must tile ``--gen``, ``--steps`` (1..gen) must split evenly over them, the warm-up's three steps per block
-    must fit a block, and the LLaDA-shaped model takes no ``block`` cache."""
+    must fit a block, the caches must be known with parameters their constructors take, and the LLaDA-shaped model
+    takes no ``block`` cache."""
     if a.block > a.gen or a.gen % a.block:
         fit = max(d for d in range(1, min(a.block, a.gen) + 1) if a.gen % d == 0)
         p.error(f"--block {a.block} must divide --gen {a.gen}; e.g. --block {fit}, or a --gen that is a multiple of "
@@ -66,9 +83,25 @@ def check_layout(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if not 1 <= a.steps <= a.gen or a.steps % blocks:
         p.error(f"--steps {a.steps} must be between 1 and --gen {a.gen} and a multiple of the {blocks} blocks "
                 f"(--gen / --block), e.g. --steps {min(a.gen, max(blocks, a.steps // blocks * blocks))}")
-    unknown = [c for c in a.caches if c not in CACHES]
+    specs = {}
+    for c in a.caches:
+        try:
+            specs[c] = cache_spec(c)
+        except ValueError as e:
+            p.error(f"--caches {c}: {e}")
+    unknown = [c for c in a.caches if specs[c][0] not in CACHES]
     if unknown:
-        p.error(f"--caches: unknown {', '.join(unknown)}; choose from {', '.join(c for c in CACHES if c != 'block')}")
+        p.error(f"--caches: unknown {', '.join(unknown)}; choose from {', '.join(c for c in CACHES if c != 'block')} "
+                "(parameters after a colon: elastic:gamma=0,track_num=2)")
+    if any(name == "block" for name, _ in specs.values()):
+        p.error("--caches block: 'block' is the exact cache of block-diffusion checkpoints (e.g. SDAR) and this "
+                "benchmark's model is LLaDA-shaped; choose from "
+                f"{', '.join(c for c in CACHES if c != 'block')}")
+    for c, (name, params) in specs.items():
+        try:
+            get_cache(name, **params)  # its constructor checks the values
+        except ValueError as e:
+            p.error(f"--caches {c}: {e}")
     if a.checkpoint is not None:
         given = [f"--{n}" for n in ("layers", "width", "heads", "mlp", "prompt", "vocab") if getattr(a, n) is not None]
         if given:
@@ -81,10 +114,6 @@ def check_layout(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         if block_size:
             p.error(f"--checkpoint {a.checkpoint} is a block-diffusion checkpoint (its cache is 'block', "
                     "bench_blockdiff.py times it); give a LLaDA- or Dream-format one")
-    if "block" in a.caches:
-        p.error("--caches block: 'block' is the exact cache of block-diffusion checkpoints (e.g. SDAR) and this "
-                "benchmark's model is LLaDA-shaped; choose from "
-                f"{', '.join(c for c in CACHES if c != 'block')}")
 
 
 def main(argv=None):
@@ -165,10 +194,11 @@ def main(argv=None):
         # every block, three steps each: every block's shapes seen twice (a graph is captured the second time)
         warm = {**kw, "steps": 3 * (a.gen // a.block)}
         for name in ["none", *(c for c in a.caches if c != "none")]:  # none: the baseline, once
-            generate(model, prompts, cache=get_cache(name), **warm)  # compile, autotune, dispatch timing
+            policy, params = cache_spec(name)
+            generate(model, prompts, cache=get_cache(policy, **params), **warm)  # compile, autotune, dispatch timing
             for _ in range(a.warmup):  # every step's shapes, seen twice: captured before the timed run
-                generate(model, prompts, cache=get_cache(name), **kw)
-            cache = get_cache(name)
+                generate(model, prompts, cache=get_cache(policy, **params), **kw)
+            cache = get_cache(policy, **params)
             if a.device == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()

@@ -202,6 +202,17 @@ def test_bench_caches_refuses_the_block_cache():
     assert "block-diffusion" in err and "LLaDA-shaped" in err
 
 
+def test_bench_caches_refuses_cache_parameters_the_cache_does_not_take():
+    err = refused("bench_caches.py", "--caches", "elastic:gamma")
+    assert "--caches elastic:gamma" in err and "KEY=VALUE" in err
+    err = refused("bench_caches.py", "--caches", "elastic:gama=0")
+    assert "no parameter(s) ['gama']" in err and "gamma" in err
+    err = refused("bench_caches.py", "--caches", "dual", "elastic:gamma=2")
+    assert "gamma=2 is out of range" in err
+    err = refused("bench_caches.py", "--caches", "eastic:gamma=0")
+    assert "unknown eastic:gamma=0" in err
+
+
 # 7. bench_graph_keys.py
 
 

@@ -97,10 +97,15 @@ def test_bench_step_counts_one_host_sync_per_step(tmp_path):
 
 def test_bench_caches_compares_every_cache_with_none(tmp_path):
     rows = run("bench_caches.py", "--layers", "2", "--width", "64", "--vocab", "256", "--prompt", "32", "--gen", "16",
-               "--block", "8", "--steps", "16", "--batch", "1", "--caches", "none", "prefix", "dual", "--warmup", "1",
-               tmp_path=tmp_path)
-    assert [r["cache"] for r in rows] == ["none", "prefix", "dual"]  # the baseline once, though named
-    none, prefix, dual = rows
+               "--block", "8", "--steps", "16", "--batch", "1", "--caches", "none", "prefix", "dual", "elastic",
+               "elastic:gamma=0", "--warmup", "1", tmp_path=tmp_path)
+    # the baseline once, though named; a cache with parameters is timed as one of its own
+    assert [r["cache"] for r in rows] == ["none", "prefix", "dual", "elastic", "elastic:gamma=0"]
+    none, prefix, dual, elastic, never = rows
+    # random weights: the drift test fails, and the layer after it computes every row; at gamma 0 it never does
+    assert never["full_refreshes"] == elastic["full_refreshes"] == 1
+    assert never["token_layers"] < elastic["token_layers"], (never, elastic)
+    rows = rows[:3]
     assert none["speedup"] == 1.0 and none["same_tokens"] == 1.0 and none["token_layers"] == 1.0
     assert none["full_refreshes"] == none["nfe"] == 16
     for r in (prefix, dual):
@@ -109,8 +114,10 @@ def test_bench_caches_compares_every_cache_with_none(tmp_path):
     assert dual["token_layers"] < prefix["token_layers"]  # the dual cache also skips the suffix
     for r in rows:  # LLaDA's even quota keeps a batch's rows in step: no padding
         assert r["token_layers_run"] == r["token_layers"], r
-    (goal,) = [g for g in goals_of(tmp_path, "caches.json", rows) if g["goal"].startswith("every cache pays")]
+    (goal,) = [g for g in goals_of(tmp_path, "caches.json", json.loads((tmp_path / "bench_caches.py.json").read_text()))
+               if g["goal"].startswith("every cache pays")]
     assert goal["status"] == "not measured (CPU)" and goal["measured"].startswith("prefix "), goal
+    assert "; not judged: elastic:gamma=0 " in goal["measured"] and goal["measured"].count("elastic") == 2, goal
     assert goal in judged_from_log(tmp_path, "bench_caches.py", "bench_caches.log")
 
 
