@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 import os
 import time
@@ -993,7 +994,7 @@ class Decoder:
             time_sampler=t["sampler"],
             time_cache=t["cache"],
             time_total=time_total,
-            trace=[{k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in rec.items()} for rec in st.trace],
+            trace=_trace_lists(st.trace),
             commit_step=st.commit_step[:, st.P :].tolist(),
             commit_conf=st.commit_logprob[:, st.P :].exp().tolist() if st.commit_logprob is not None else [],
             commit_logprob=st.commit_logprob[:, st.P :].tolist() if st.commit_logprob is not None else [],
@@ -1008,6 +1009,39 @@ class Decoder:
             block_length=_fixed_block_length(self.policy, self.config),
         )
         return GenerateOutput(seqs, decode_texts(self.model, seqs), [len(r) for r in st.rows], stats)
+
+
+def _trace_lists(trace: list[dict]) -> list[dict]:
+    """The trace's records with each tensor as ``tensor.tolist()`` gives it, read from the device in one copy per
+    dtype and device, each a host synchronisation (the records hold a few tensors per step: read one by one, a few
+    synchronisations per step at the end of every generation): the tensors of a dtype are flattened into one (a
+    tensor held by several records, once), read, and cut back into nested lists of their shapes on the host."""
+    tensors: dict[int, torch.Tensor] = {}
+    for rec in trace:
+        for v in rec.values():
+            if isinstance(v, torch.Tensor):
+                tensors.setdefault(id(v), v)
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors.values():
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    lists: dict[int, Any] = {}
+    for ts in groups.values():
+        flat = torch.cat([t.reshape(-1) for t in ts]).tolist()
+        at = 0
+        for t in ts:
+            lists[id(t)] = _nested(flat, at, tuple(t.shape))
+            at += t.numel()
+    return [{k: (lists[id(v)] if isinstance(v, torch.Tensor) else v) for k, v in rec.items()} for rec in trace]
+
+
+def _nested(flat: list, at: int, shape: tuple[int, ...]):
+    """The elements of ``flat`` from ``at`` as a tensor of ``shape`` lists them (a 0-d one: its element)."""
+    if not shape:
+        return flat[at]
+    if len(shape) == 1:
+        return flat[at:at + shape[0]]
+    inner = math.prod(shape[1:])
+    return [_nested(flat, at + i * inner, shape[1:]) for i in range(shape[0])]
 
 
 def _least(hi: int, ok) -> int:

@@ -123,3 +123,39 @@ def test_the_counter_sees_a_synchronisation(monkeypatch):
     monkeypatch.setattr(ComposedSampler, "step", step)
     more, where, _ = _run(model, "threshold")
     assert more == base + 1, where
+
+
+def test_a_generations_output_reads_its_trace_in_a_few_copies_whatever_its_steps():
+    """The result's per-step trace (a few tensors per step on the device) is read in one copy per dtype, not one per
+    tensor: the output's synchronising calls do not grow with the steps, and its records are what reading each tensor
+    with ``tolist`` gives."""
+    import importlib
+
+    from sync_counter import SyncCounter
+
+    G = importlib.import_module("dllm.generate")
+    model = cached_model("llada", 0)
+    seen = {}
+    orig = G.Decoder.output
+
+    def counted(self, st):
+        with SyncCounter() as c:
+            out = orig(self, st)
+        seen["syncs"], seen["steps"] = c.count, len(st.trace)
+        seen["plain"] = [{k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in rec.items()}
+                         for rec in st.trace]
+        return out
+
+    G.Decoder.output = counted
+    try:
+        counts = []
+        for steps in (8, 32):
+            out = dllm.generate(model, ragged_prompts(3, 1), gen_length=32, block_length=8, steps=steps,
+                                sampler="llada", cache="dual", seed=1)
+            assert seen["steps"] == steps and out.stats.trace == seen["plain"]
+            kinds = {type(x) for rec in out.stats.trace for v in rec.values() if isinstance(v, list) for x in v}
+            assert {bool, int, float} <= kinds, kinds  # several dtypes, each read in one copy
+            counts.append(seen["syncs"])
+    finally:
+        G.Decoder.output = orig
+    assert counts[0] == counts[1] <= 12, counts
