@@ -1023,6 +1023,11 @@ def test_gpu_attention_drift_at_llada_8b_shape(dtype):
     got = T.attention_drift(*t)
     oracle = _naive_drift(*(x.double() for x in t[:4]), *t[4:]).float()
     torch.testing.assert_close(got, oracle, atol=1e-5 if dtype == torch.float32 else 1e-4, rtol=0)
+    # with a gate (a graph's drift test): row 0 falls below its gate, row 1 does not
+    gate = torch.stack([oracle[0] + 0.05, oracle[1] - 0.05]).cuda()
+    first = torch.full((2,), 7, dtype=torch.long, device="cuda")
+    T.attention_drift(*t, gate, first, 3)
+    assert first.tolist() == [3, 7] and gate[0].item() == float("-inf") and gate[1].item() > 0
 
 
 @gpu
