@@ -18,7 +18,10 @@ synchronisation, not before it; ``compile``: ``torch.compile`` of the model) it 
   (``host_gap_us``, the median over a block of steps: the device waits that long at each step; 0 for a step whose
   next forward was launched before its synchronisation), and how many of the timed steps' next forwards, made ready
   before their synchronisation, were launched there, confirmed, planned again, or launched and discarded
-  (``ahead``).
+  (``ahead``);
+* the host's own work per step (``host_us_per_step``: a step's time less the time the host spent blocked reading
+  device data; above the device's busy time, the host bounds the step); with ``--host-profile``, the host's hottest
+  functions on the graph path (``cProfile``, by own time, per step).
 
 ``--e2e`` adds whole generations (``--prompt`` / ``--gen``: 512 and 256 on a GPU by default, batch 1) with no cache,
 prefix and dual cache (and the dual cache with each next forward launched after the synchronisation, and no cache
@@ -266,6 +269,63 @@ def host_gap(dec, st, steps: int) -> float | None:
         torch.Tensor.tolist, torch.cuda.CUDAGraph.replay, type(dec.graphs)._forward = tolist, graph_replay, runner_forward
         del dec._sync
     return round(statistics.median(gaps) * 1e6, 1) if gaps else None
+
+
+def host_work(dec, st, steps: int) -> tuple[float | None, bool]:
+    """(median microseconds per step of the host's own work over ``steps`` more steps, whether rows are left): a
+    step's time less the time the host spent blocked in reads of device data (``tolist``, ``item``, ``bool``, an
+    event's or the device's ``synchronize``). Where it is below the device's busy time per step, the device bounds the
+    step (the host waits for it); where it is above, the host does, and the device waits. On the CPU the reads do not
+    block (the figure is the whole step, forward included: not a GPU figure)."""
+    blocked = [0.0]
+    names = [(torch.Tensor, "tolist"), (torch.Tensor, "item"), (torch.Tensor, "__bool__"), (torch.cuda.Event,
+             "synchronize"), (torch.cuda, "synchronize")]
+    saved = [(owner, name, getattr(owner, name)) for owner, name in names]
+
+    def timed(fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                blocked[0] += time.perf_counter() - t0
+        return wrapper
+
+    for owner, name, fn in saved:
+        setattr(owner, name, timed(fn))
+    work, going = [], True
+    try:
+        for _ in range(steps):
+            blocked[0] = 0.0
+            t0 = time.perf_counter()
+            going = dec.step(st)
+            work.append(time.perf_counter() - t0 - blocked[0])
+            if not going:
+                break
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+    return (round(statistics.median(work) * 1e6, 1) if work else None), going
+
+
+def host_profile(dec, st, steps: int, top: int = 15) -> list:
+    """The host's hottest functions over ``steps`` more steps under ``cProfile``, by their own time: ``[file:line
+    function, calls, ms per step]`` (the CUDA launch costs land in the torch functions that launch; time blocked in a
+    synchronisation lands in ``tolist`` / ``synchronize``)."""
+    import cProfile
+    import pstats
+
+    prof, n = cProfile.Profile(), 0
+    for _ in range(steps):
+        n += 1
+        prof.enable()
+        going = dec.step(st)
+        prof.disable()
+        if not going:
+            break
+    stats = pstats.Stats(prof).stats
+    return [[f"{Path(f).name}:{line} {fn}", calls, round(tt * 1e3 / n, 3)]
+            for (f, line, fn), (_, calls, tt, _, _) in sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]]
 
 
 def forward_launches(a, dec, st) -> int:
@@ -548,6 +608,9 @@ def main(argv=None):
                    help="one partial forward of 16 rows out of step, padded against packed (query_tokens)")
     p.add_argument("--breakdown", action="store_true",
                    help="the kernels taking a full forward's and a cached step's time, base and fast layer")
+    p.add_argument("--host-profile", action="store_true",
+                   help="the host's hottest functions (cProfile, by own time) over a block of steps of each "
+                        "graph-path setting at the smallest batch, in its row and after the table")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     gpu = a.device == "cuda"
@@ -595,6 +658,10 @@ def main(argv=None):
                     launches, syncs, device_ms = count_step(a, dec, st)
                     fwd = forward_launches(a, dec, st)
                     gap = host_gap(dec, st, a.block)
+                    host_us, going = host_work(dec, st, a.block)  # the host's own work per step
+                    # the host's hottest functions (--host-profile: the graph path at the smallest batch)
+                    top = host_profile(dec, st, a.block) if a.host_profile and going and \
+                        mode.startswith("graph") and B == min(a.batch) else None
                 except Exception as exc:  # one failing setting does not lose the others' figures
                     print(json.dumps({"what": "step", "mode": mode, "cache": cache, "batch": B,
                                       "error": f"{type(exc).__name__}: {exc}"[:400]}), flush=True)
@@ -605,7 +672,10 @@ def main(argv=None):
                      "x_floor_partial": round(partial_ms / floor_ms, 2) if partial_ms == partial_ms else None,
                      "launches_per_step": launches, "launches_per_layer": round(launches / a.layers, 1),
                      "forward_launches_per_layer": round(fwd / a.layers, 1),
-                     "syncs_per_step": syncs, "device_ms_per_step": device_ms, "host_gap_us": gap}
+                     "syncs_per_step": syncs, "device_ms_per_step": device_ms, "host_gap_us": gap,
+                     "host_us_per_step": host_us}
+                if top is not None:
+                    r["host_profile"] = top
                 if dec.graphs is not None:
                     r["graphs"] = {k: v - dec._graph_stats0.get(k, 0) for k, v in dec.graphs.stats.items()}
                     r["ahead"] = dec.ahead_counts
@@ -626,8 +696,9 @@ def main(argv=None):
     print()
     print(f"| mode | cache | batch | ms / step | ms / cached step | x floor ({floor_ms:.2f} ms; cached step, else step) | "
           "launches / step | "
-          "per layer | forward's per layer | host syncs / step | device ms / step | host us, sync to launch |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "per layer | forward's per layer | host syncs / step | device ms / step | host us, sync to launch | "
+          "host's own work, us / step |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if r["what"] == "step":
             cached = r['ms_partial_step'] if r['ms_partial_step'] is not None else "-"
@@ -636,7 +707,13 @@ def main(argv=None):
                   f"{r['launches_per_step']} | {r['launches_per_layer']} | {r['forward_launches_per_layer']} | "
                   f"{r['syncs_per_step']} | "
                   f"{r['device_ms_per_step'] if r['device_ms_per_step'] is not None else '-'} | "
-                  f"{r['host_gap_us'] if r.get('host_gap_us') is not None else '-'} |")
+                  f"{r['host_gap_us'] if r.get('host_gap_us') is not None else '-'} | "
+                  f"{r['host_us_per_step'] if r.get('host_us_per_step') is not None else '-'} |")
+    for r in rows:
+        if r.get("host_profile"):
+            print(f"\nthe host's hottest functions, {r['mode']} {r['cache']} batch {r['batch']} (ms per step, own time):")
+            for name, calls, ms in r["host_profile"]:
+                print(f"  {ms:8.3f}  {calls:6d}  {name}")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
 

@@ -44,7 +44,7 @@ def goals_of(tmp_path: Path, name: str, figures) -> list[dict]:
 
 def test_bench_step_counts_one_host_sync_per_step(tmp_path):
     rows = run("bench_step.py", "--batch", "1", "2", "--modes", "base", "graph", "graph-late", "--caches", "none",
-               "dual", "--blocks", "1", "--packing", tmp_path=tmp_path)
+               "dual", "--blocks", "1", "--packing", "--host-profile", tmp_path=tmp_path)
     floor = [r for r in rows if r["what"] == "floor"]
     assert len(floor) == 1 and floor[0]["floor_ms"] > 0
     steps = [r for r in rows if r["what"] == "step"]
@@ -61,6 +61,14 @@ def test_bench_step_counts_one_host_sync_per_step(tmp_path):
         replayed = r["mode"].startswith("graph")
         assert (r["host_gap_us"] is not None and r["host_gap_us"] >= 0) == replayed, r
         assert r["device_ms_per_step"] is None  # the profiler's device time: CUDA only
+        assert r["host_us_per_step"] > 0, r  # the host's own work (on the CPU the whole step)
+        # --host-profile: the host's hottest functions on the graph path at the smallest batch, while rows are left
+        # (the CPU's short generation: without a cache)
+        profiled = r["mode"].startswith("graph") and r["batch"] == 1 and r["cache"] == "none"
+        assert ("host_profile" in r) == profiled, r
+        if profiled:
+            assert len(r["host_profile"]) == 15 and all(calls > 0 and ms >= 0 for _, calls, ms in r["host_profile"])
+            assert any(".py:" in name for name, _, _ in r["host_profile"]), r["host_profile"]  # dllm's own
 
     def strict(constant):
         raise ValueError(f"{constant} is not JSON")
