@@ -16,14 +16,15 @@ from helpers_parity import cached_model
 from sync_counter import syncs_per_step
 
 import dllm
-import dllm.samplers.dream as dream_mod
+import dllm.samplers.base as sampler_base
 from dllm.caches import CACHES
 from dllm.samplers import SAMPLERS, get_sampler
 
 # Samplers with synchronisations of their own, and the most they may add per step (measured, rounded up):
-# Prophet's gap test and fill, AdaBlock's block decision, KLASS's KL history, the guided sampler's calls into its
-# causal guide (variable-length verification), and Dream's masked-position scoring on CPU (off on CUDA: _dense).
-EXTRA = {"prophet": 4, "adablock": 1, "klass": 9, "guided": 12}
+# AdaBlock's block decision, KLASS's KL history, the guided sampler's calls into its causal guide (variable-length
+# verification). Dream's masked-position scoring and Prophet's gap and fill synchronise on the CPU only (on CUDA every
+# window position: sampler_base.dense_window).
+EXTRA = {"adablock": 1, "klass": 9, "guided": 12}
 DREAM = [n for n in SAMPLERS if n.startswith("dream")]
 APPROX_CACHES = [c for c in CACHES if c not in ("none", "elastic", "block")]  # block: test_sdar.py
 
@@ -36,13 +37,13 @@ def _run(model, name, cache="none", **kw):
 
 
 @pytest.fixture
-def dense_dream(monkeypatch):
-    """Dream scores every window position, as it does on CUDA (no data-dependent shapes)."""
-    monkeypatch.setattr(dream_mod, "_dense", lambda logits: True)
+def dense_window(monkeypatch):
+    """Dream and Prophet compute every window position, as they do on CUDA (no data-dependent shapes)."""
+    monkeypatch.setattr(sampler_base, "dense_window", lambda logits: True)
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
-def test_the_loop_synchronises_once_per_step(family, dense_dream):
+def test_the_loop_synchronises_once_per_step(family, dense_window):
     model = cached_model(family, 0)
     for name in SAMPLERS:
         for t in (0.0, 0.7):
@@ -56,7 +57,7 @@ def test_the_loop_synchronises_once_per_step(family, dense_dream):
 
 
 @pytest.mark.parametrize("cache", APPROX_CACHES)
-def test_a_cache_adds_no_synchronisation(cache, dense_dream):
+def test_a_cache_adds_no_synchronisation(cache, dense_window):
     """The cache's plan for the next step (partial or full, largest active set) is read in the loop's own sync."""
     for family in ("llada", "dream"):
         model = cached_model(family, 0)
@@ -90,22 +91,29 @@ def test_elastic_cache_on_the_graph_path_synchronises_a_fixed_number_of_times_pe
         assert per_step <= 3, (layers, per_step, where.most_common(6))
 
 
-def test_dense_dream_scoring_equals_the_masked_only_path():
-    """Dream on CUDA scores every window position (no host sync); on CPU only the masked ones: same tokens."""
-    model = cached_model("dream", 0)
+def test_dense_window_samplers_decode_what_their_sparse_path_decodes(monkeypatch):
+    """Dream and Prophet on CUDA compute every window position (no host synchronisation); on the CPU only where it
+    matters: the same tokens, greedy and sampled, with Prophet's early commits firing (low gap thresholds) and not,
+    over each of its spans."""
     prompts = ragged_prompts(3, 1)
-    for name in DREAM:
+    runs = [("dream", name, {}) for name in DREAM]
+    runs += [("llada", "prophet", dict(early=e, mid=e, late=e, span=span))
+             for e in (0.5, 7.5) for span in ("region", "masked", (0, 8))]
+    fired = 0
+    for family, name, params in runs:
+        model = cached_model(family, 0)
         for t in (0.0, 0.7):
-            s = get_sampler(name, temperature=t)
-            run = lambda s=s: dllm.generate(model, prompts, gen_length=16, steps=16, sampler=s, seed=1).sequences  # noqa: E731
-            sparse = run()
-            orig = dream_mod._dense
-            dream_mod._dense = lambda logits: True
-            try:
-                dense = run()
-            finally:
-                dream_mod._dense = orig
-            assert torch.equal(sparse, dense), (name, t)
+            s = get_sampler(name, temperature=t, **params)
+            kw = dict(gen_length=16, steps=16, sampler=s, seed=1, **({"block_length": 8} if family == "llada" else {}))
+            sparse = dllm.generate(model, prompts, **kw)
+            with monkeypatch.context() as m:
+                m.setattr(sampler_base, "dense_window", lambda logits: True)
+                dense = dllm.generate(model, prompts, **kw)
+            assert torch.equal(sparse.sequences, dense.sequences), (name, params, t)
+            early = [r["early_commit"] for r in sparse.stats.trace if "early_commit" in r]
+            assert early == [r["early_commit"] for r in dense.stats.trace if "early_commit" in r]
+            fired += sum(any(e) for e in early) if name == "prophet" else 0
+    assert fired > 0  # the early commits' path ran
 
 
 def test_the_counter_sees_a_synchronisation(monkeypatch):

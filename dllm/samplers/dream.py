@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+import dllm.samplers.base as sampler_base
 from dllm.samplers.base import (
     NOISE_SCOPES,
     SamplerBase,
@@ -154,12 +155,6 @@ def dream_ratio(ctx: StepContext, eps: float) -> torch.Tensor:
     return torch.where(ctx.step >= steps - 1, torch.ones_like(ratio), ratio)
 
 
-def _dense(logits: torch.Tensor) -> bool:
-    """Whether the sampler scores every window position (no data-dependent shapes: no host synchronisation)
-    rather than only the masked ones (less work). Per-position values are identical either way."""
-    return logits.device.type != "cpu"
-
-
 @dataclass(frozen=True)
 class DreamSampler(SamplerBase):
     """Dream ``diffusion_generate`` as a sampler (see module docstring).
@@ -222,7 +217,7 @@ class DreamSampler(SamplerBase):
             return self._origin(logits, ctx, ratio, per_row)
         u_tok = canvas_rand((), ctx, W, B, torch.float64, logits.device, "row") if per_row and \
             self.temperature > 0 else None
-        if _dense(logits) and (per_row or self.temperature == 0):  # every position: no data-dependent shape
+        if sampler_base.dense_window(logits) and (per_row or self.temperature == 0):  # every position: no data-dependent shape
             c, x0 = dream_proposal(logits.reshape(B * W, V), self.temperature, self.top_p, self.top_k, self.alg,
                                    ctx.generator, fused=self._fused(logits), mask_id=ctx.mask_id,
                                    u=None if u_tok is None else u_tok.reshape(-1))
@@ -254,7 +249,7 @@ class DreamSampler(SamplerBase):
             u_tok = canvas_rand((), ctx, W, B, torch.float64, logits.device, "row") if self.temperature > 0 else None
             u = canvas_rand((), ctx, W, B, torch.float32, logits.device, "row")
             reveal = (u < ratio[:, None]) & cand
-            if _dense(logits):
+            if sampler_base.dense_window(logits):
                 _, x0 = dream_proposal(logits.reshape(B * W, V), self.temperature, self.top_p, self.top_k, self.alg,
                                        ctx.generator, mask_id=ctx.mask_id,
                                        u=None if u_tok is None else u_tok.reshape(-1))

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+import dllm.samplers.base as sampler_base
 from dllm.samplers.base import (
     SamplerBase,
     StepContext,
@@ -175,13 +176,16 @@ class Prophet(SamplerBase):
             lo = ctx.gen_lo + off
             span = ((cols >= lo) & (cols < lo + length))[None].expand(B, W)
         n = span.sum(-1)
-        # the top-2 pass reads only the columns between the first and the last one some row's span covers
-        # (a view, no copy; decoded columns leave a region's span); per-column values are unchanged
-        used = span.any(0).nonzero().squeeze(-1)
-        g = logits.new_zeros(span.shape, dtype=torch.float32)
-        if used.numel():
-            lo, hi = int(used[0]), int(used[-1]) + 1
-            g[:, lo:hi] = self._gaps(logits[:, lo:hi])
+        if sampler_base.dense_window(logits):  # every column: no host synchronisation
+            g = self._gaps(logits)
+        else:
+            # the top-2 pass reads only the columns between the first and the last one some row's span covers
+            # (a view, no copy; decoded columns leave a region's span); per-column values are unchanged
+            used = span.any(0).nonzero().squeeze(-1)
+            g = logits.new_zeros(span.shape, dtype=torch.float32)
+            if used.numel():
+                lo, hi = int(used[0]), int(used[-1]) + 1
+                g[:, lo:hi] = self._gaps(logits[:, lo:hi])
         mean = (g * span).sum(-1) / n.clamp_min(1)
         return mean, n > 0
 
@@ -205,8 +209,12 @@ class Prophet(SamplerBase):
         if n_region < W:
             proposal = torch.cat([proposal, ctx.x[:, n_region:]], 1)
             commit = torch.cat([commit, torch.zeros_like(ctx.cand[:, n_region:])], 1)
-        if bool(fire.any()):  # rare: one extra argmax over the window, only on the step that fires
-            T = self.temperature if self.temperature is not None else getattr(self.inner, "temperature", 0.0)
+        T = self.temperature if self.temperature is not None else getattr(self.inner, "temperature", 0.0)
+        # the extra argmax over the window for the rows that fire: at every step where it draws no shared random
+        # stream (greedy, or each row's own noise) and the window is dense (no host synchronisation), else only on
+        # a step that fires (rare)
+        always = sampler_base.dense_window(logits) and (T == 0 or ctx.row_key is not None)
+        if always or bool(fire.any()):
             x0 = gumbel_argmax(logits, T, ctx)
             masked = ctx.x == ctx.mask_id
             own = ctx.cand & (proposal != ctx.mask_id)  # the inner sampler's proposals for the region
