@@ -21,10 +21,10 @@ from dllm.caches import CACHES
 from dllm.samplers import SAMPLERS, get_sampler
 
 # Samplers with synchronisations of their own, and the most they may add per step (measured, rounded up):
-# AdaBlock's block decision, KLASS's KL history, the guided sampler's calls into its causal guide (variable-length
-# verification). Dream's masked-position scoring and Prophet's gap and fill synchronise on the CPU only (on CUDA every
-# window position: sampler_base.dense_window).
-EXTRA = {"adablock": 1, "klass": 9, "guided": 12}
+# AdaBlock's block decision, the guided sampler's calls into its causal guide (variable-length verification). Dream's
+# masked-position scoring, Prophet's gap and fill and KLASS's lazy KL history synchronise on the CPU only (on CUDA
+# every window position: sampler_base.dense_window).
+EXTRA = {"adablock": 1, "guided": 12}
 DREAM = [n for n in SAMPLERS if n.startswith("dream")]
 APPROX_CACHES = [c for c in CACHES if c not in ("none", "elastic", "block")]  # block: test_sdar.py
 
@@ -92,14 +92,19 @@ def test_elastic_cache_on_the_graph_path_synchronises_a_fixed_number_of_times_pe
 
 
 def test_dense_window_samplers_decode_what_their_sparse_path_decodes(monkeypatch):
-    """Dream and Prophet on CUDA compute every window position (no host synchronisation); on the CPU only where it
-    matters: the same tokens, greedy and sampled, with Prophet's early commits firing (low gap thresholds) and not,
-    over each of its spans."""
+    """Dream, Prophet and KLASS on CUDA compute every window position (no host synchronisation); on the CPU only where
+    it matters: the same tokens, greedy and sampled, with Prophet's early commits firing (low gap thresholds) and not,
+    over each of its spans, and KLASS's stable commits (its CPU path's chunked pass off, as on CUDA)."""
+    from dllm.samplers.presets import KLASSSampler
+
+    monkeypatch.setattr(KLASSSampler, "_chunked", lambda self, logits: False)
     prompts = ragged_prompts(3, 1)
     runs = [("dream", name, {}) for name in DREAM]
     runs += [("llada", "prophet", dict(early=e, mid=e, late=e, span=span))
              for e in (0.5, 7.5) for span in ("region", "masked", (0, 8))]
-    fired = 0
+    runs += [(family, "klass", dict(conf_threshold=c, kl_threshold=k, history=h))
+             for family in ("llada", "dream") for c, k, h in ((0.3, 0.05, 2), (0.1, 0.5, 3))]
+    fired = ready = 0
     for family, name, params in runs:
         model = cached_model(family, 0)
         for t in (0.0, 0.7):
@@ -113,7 +118,10 @@ def test_dense_window_samplers_decode_what_their_sparse_path_decodes(monkeypatch
             early = [r["early_commit"] for r in sparse.stats.trace if "early_commit" in r]
             assert early == [r["early_commit"] for r in dense.stats.trace if "early_commit" in r]
             fired += sum(any(e) for e in early) if name == "prophet" else 0
-    assert fired > 0  # the early commits' path ran
+            ready += sum(sum(r["klass_ready"]) for r in dense.stats.trace) if name == "klass" else 0
+            if name == "klass":
+                assert [r["klass_ready"] for r in sparse.stats.trace] == [r["klass_ready"] for r in dense.stats.trace]
+    assert fired > 0 and ready > 0  # Prophet's early commits and KLASS's stable commits ran
 
 
 def test_the_counter_sees_a_synchronisation(monkeypatch):

@@ -25,6 +25,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
+import dllm.samplers.base as sampler_base
 from dllm.ops import moved_rows
 from dllm.samplers.base import (
     SOFTMAX_DTYPES,
@@ -248,9 +249,11 @@ class KLStable:
         (:meth:`_chunk_rows`) holding such a candidate."""
         W = logits.shape[1]
         dt = probs.dtype
-        R = self._chunk_rows(logits, dt)
         hist = _KLHistory(self, logits, ctx, dt)
         hot = ctx.cand & self.confident(conf, self.conf_threshold)
+        if sampler_base.dense_window(logits):  # every window row at every step: no host synchronisation (CUDA)
+            return hist.dense(logits.to(dt), probs, hot)
+        R = self._chunk_rows(logits, dt)
         rows = hot.any(0)
         if R < W:  # (one host sync) the chunks holding a confident candidate
             rows = torch.nn.functional.pad(rows, (0, -W % R)).view(-1, R).any(-1)
@@ -352,7 +355,8 @@ class _KLStep:
 
 
 class _KLHistory:
-    """:class:`KLStable`'s bookkeeping for one step, lazy. Instead of the KL of every still-masked position at
+    """:class:`KLStable`'s bookkeeping for one step, lazy on the CPU (on CUDA every value at every step:
+    :meth:`dense`). Instead of the KL of every still-masked position at
     every step, ``ctx.state["klass"]["steps"]`` keeps the last ``history`` steps (:class:`_KLStep`: their
     logits by reference, so ``history`` ``[B, W, V]`` logits tensors stay alive, plus ``[B, W]`` caches of
     the log-normalisers and KL values computed so far). A position's KL values are needed only when it is a
@@ -396,6 +400,35 @@ class _KLHistory:
                 self._lse(self.cur, c0, c1, l[:, cur], p[:, cur])
             self.spans.append((c0, c1))
             self.dots.append(self._dot(l[:, cur], p[:, cur], q.logits[:, c0 + self.cur.lo - q.lo : c1 + self.cur.lo - q.lo]))
+
+    def dense(self, l: torch.Tensor, p: torch.Tensor, hot: torch.Tensor) -> torch.Tensor:
+        """The ``[B, W]`` stable mask at the ``hot`` positions with every value computed at every window row and
+        step (the eager form's work, with no data-dependent shape or branch: no host synchronisation; on CUDA):
+        this step's log-normalisers and KL at every row (``inf`` outside the last step's window), then the rule
+        over the last ``history`` steps, each step's KL taken at the rows of this window (``inf`` outside its own).
+        ``l``, ``p``: the window's logits in the softmax dtype and its probabilities. The values are the lazy
+        form's (:meth:`rows`, :meth:`finish`): the same arithmetic per row."""
+        cur, q = self.cur, (self.past[-1] if self.past else None)
+        W = l.shape[1]
+        cur.lse.copy_(l.amax(-1) - torch.log(p.amax(-1)))
+        cur.kl.fill_(math.inf)  # rows not in the last step's window
+        c0, c1 = self._overlap(cur, q, 0, W)
+        if c0 < c1:
+            lo_q = c0 + cur.lo - q.lo
+            dots = self._dot(l[:, c0:c1], p[:, c0:c1], q.logits[:, lo_q:lo_q + c1 - c0])
+            self._set_kl(cur, q, slice(c0, c1), dots, q.lse[:, lo_q:lo_q + c1 - c0])
+        stable = hot.clone()
+        for j in range(self.rule.history):  # this step (j = 0) and the earlier ones, newest first
+            if j > len(self.past):  # fewer steps than the history: never stable (the eager history's inf)
+                return torch.zeros_like(hot)
+            s = cur if j == 0 else self.past[-j]
+            shift = cur.lo - s.lo  # window row w of this step is row w + shift of step s
+            a, b = max(0, -shift), min(W, s.kl.shape[1] - shift)
+            below = torch.zeros_like(hot)
+            if a < b:
+                below[:, a:b] = s.kl[:, a + shift:b + shift] < self.rule.kl_threshold
+            stable &= below
+        return stable
 
     def finish(self, hot: torch.Tensor) -> torch.Tensor:
         """The ``[B, W]`` stable mask at the ``hot`` positions (``False`` elsewhere)."""
