@@ -969,3 +969,27 @@ def test_an_elastic_cache_used_again_off_the_graph_path_decides_inside_its_forwa
     again = _gen(model, cache, "off", **kw)
     assert torch.equal(again.sequences, eager.sequences) and not cache.speculative
     assert any(t["refresh_layer"] > 0 for t in again.stats.trace)  # its drift tests switched layers
+
+
+@pytest.mark.gpu
+@gpu
+def test_cuda_dense_window_samplers_decode_what_their_cpu_form_decodes(monkeypatch):
+    """On CUDA Dream, Prophet and KLASS compute every window position (no host synchronisation in their step): in
+    float32 the same tokens as their CPU form (only where it matters, deciding on the host) on the same device, with
+    Prophet's early commits and KLASS's stable commits taking part."""
+    import dllm.samplers.base as sampler_base
+    from dllm.samplers import get_sampler
+
+    prompts = ["What is 12 + 30?", "Please reverse the order of the list:\n[\"Alice Adams\", \"Brian Baker\"]"]
+    runs = [("dream-tiny", "dream", {}), ("llada-tiny", "prophet", dict(early=0.5, mid=0.5, late=0.5)),
+            ("llada-tiny", "klass", dict(conf_threshold=0.3, kl_threshold=0.05))]
+    for path, name, params in runs:
+        model = dllm.load_model(path, device="cuda", dtype="float32")
+        for t in (0.0, 0.7):
+            kw = dict(gen_length=32, steps=32, sampler=get_sampler(name, temperature=t, **params), seed=3,
+                      graphs="off", **({"block_length": 8} if name != "dream" else {}))
+            dense = dllm.generate(model, prompts, **kw)
+            with monkeypatch.context() as m:
+                m.setattr(sampler_base, "dense_window", lambda logits: False)
+                sparse = dllm.generate(model, prompts, **kw)
+            assert torch.equal(dense.sequences, sparse.sequences), (name, t)
