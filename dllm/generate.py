@@ -918,8 +918,10 @@ class Decoder:
         """What the cache is told before a forward on ``st`` (``cols``: the window's canvas columns)."""
         lo, hi, B, T = st.lo, st.hi, st.x.shape[0], st.x.shape[1]
         r_lo, r_hi = self.widen(lo, hi, st.P, T) if self.widen is not None else (lo, hi)  # each row's own window
+        if not torch.is_tensor(r_hi):  # a column for every row (Prophet's: the canvas end), on the canvas's device
+            r_hi = torch.full_like(lo, r_hi)
         return CacheState(st.x, lo, hi, st.active, st.step_in, cols, st.P, self.model.mask_id, self.shift,
-                          st.committed, st.nfe, st.key_mask, st.row_nfe, r_lo, torch.as_tensor(r_hi).expand(B))
+                          st.committed, st.nfe, st.key_mask, st.row_nfe, r_lo, r_hi.expand(B))
 
     def _plan_next(self, st: DecodeState):
         """The cache's plan for the next step computed now (``KVCache.plan_mask``: no host sync), so that its two

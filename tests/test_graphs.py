@@ -976,18 +976,21 @@ def test_an_elastic_cache_used_again_off_the_graph_path_decides_inside_its_forwa
 def test_cuda_dense_window_samplers_decode_what_their_cpu_form_decodes(monkeypatch):
     """On CUDA Dream, Prophet and KLASS compute every window position (no host synchronisation in their step): in
     float32 the same tokens as their CPU form (only where it matters, deciding on the host) on the same device, with
-    Prophet's early commits and KLASS's stable commits taking part."""
+    Prophet's early commits and KLASS's stable commits taking part; Prophet also over the dual cache (its logits to
+    the canvas end: each row's columns read are made on the device)."""
     import dllm.samplers.base as sampler_base
     from dllm.samplers import get_sampler
 
     prompts = ["What is 12 + 30?", "Please reverse the order of the list:\n[\"Alice Adams\", \"Brian Baker\"]"]
-    runs = [("dream-tiny", "dream", {}), ("llada-tiny", "prophet", dict(early=0.5, mid=0.5, late=0.5)),
-            ("llada-tiny", "klass", dict(conf_threshold=0.3, kl_threshold=0.05))]
-    for path, name, params in runs:
+    prophet = dict(early=0.5, mid=0.5, late=0.5)
+    runs = [("dream-tiny", "dream", {}, None), ("llada-tiny", "prophet", prophet, None),
+            ("llada-tiny", "prophet", prophet, "dual"),
+            ("llada-tiny", "klass", dict(conf_threshold=0.3, kl_threshold=0.05), None)]
+    for path, name, params, cache in runs:
         model = dllm.load_model(path, device="cuda", dtype="float32")
         for t in (0.0, 0.7):
             kw = dict(gen_length=32, steps=32, sampler=get_sampler(name, temperature=t, **params), seed=3,
-                      graphs="off", **({"block_length": 8} if name != "dream" else {}))
+                      graphs="off", cache=cache, **({"block_length": 8} if name != "dream" else {}))
             dense = dllm.generate(model, prompts, **kw)
             with monkeypatch.context() as m:
                 m.setattr(sampler_base, "dense_window", lambda logits: False)
