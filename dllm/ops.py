@@ -186,3 +186,12 @@ def mask_column_excluded(x: torch.Tensor, mask_id: int):
         yield x
     finally:
         x[..., mask_id] = saved
+
+
+def dense_window(logits: torch.Tensor) -> bool:
+    """Whether a sampler (or a block policy) computes its per-position values at every window position, with no
+    data-dependent shape or branch (no host synchronisation: on a GPU), rather than only where they can matter (less
+    work: on the CPU). The values are the same either way (Dream's scores, Prophet's gaps and early-commit proposals,
+    KLASS's KL values, AdaBlock's block ends). Called through the module (``ops.dense_window``), so that a test can
+    set the GPU's choice on the CPU."""
+    return logits.device.type != "cpu"

@@ -974,18 +974,19 @@ def test_an_elastic_cache_used_again_off_the_graph_path_decides_inside_its_forwa
 @pytest.mark.gpu
 @gpu
 def test_cuda_dense_window_samplers_decode_what_their_cpu_form_decodes(monkeypatch):
-    """On CUDA Dream, Prophet and KLASS compute every window position (no host synchronisation in their step): in
-    float32 the same tokens as their CPU form (only where it matters, deciding on the host) on the same device, with
-    Prophet's early commits and KLASS's stable commits taking part; Prophet also over the dual cache (its logits to
-    the canvas end: each row's columns read are made on the device)."""
-    import dllm.samplers.base as sampler_base
+    """On CUDA Dream, Prophet, KLASS and AdaBlock compute every window position (no host synchronisation in their
+    step): in float32 the same tokens as their CPU form (only where it matters, deciding on the host) on the same
+    device, with Prophet's early commits, KLASS's stable commits and AdaBlock's delimiter ends taking part; Prophet
+    also over the dual cache (its logits to the canvas end: each row's columns read are made on the device)."""
+    import dllm.ops as dllm_ops
     from dllm.samplers import get_sampler
 
     prompts = ["What is 12 + 30?", "Please reverse the order of the list:\n[\"Alice Adams\", \"Brian Baker\"]"]
     prophet = dict(early=0.5, mid=0.5, late=0.5)
     runs = [("dream-tiny", "dream", {}, None), ("llada-tiny", "prophet", prophet, None),
             ("llada-tiny", "prophet", prophet, "dual"),
-            ("llada-tiny", "klass", dict(conf_threshold=0.3, kl_threshold=0.05), None)]
+            ("llada-tiny", "klass", dict(conf_threshold=0.3, kl_threshold=0.05), None),
+            ("llada-tiny", "adablock", dict(delimiters=tuple(range(10, 60)), delimiter_threshold=0.0), None)]
     for path, name, params, cache in runs:
         model = dllm.load_model(path, device="cuda", dtype="float32")
         for t in (0.0, 0.7):
@@ -993,6 +994,6 @@ def test_cuda_dense_window_samplers_decode_what_their_cpu_form_decodes(monkeypat
                       graphs="off", cache=cache, **({"block_length": 8} if name != "dream" else {}))
             dense = dllm.generate(model, prompts, **kw)
             with monkeypatch.context() as m:
-                m.setattr(sampler_base, "dense_window", lambda logits: False)
+                m.setattr(dllm_ops, "dense_window", lambda logits: False)
                 sparse = dllm.generate(model, prompts, **kw)
             assert torch.equal(dense.sequences, sparse.sequences), (name, t)

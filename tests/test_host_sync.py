@@ -16,15 +16,15 @@ from helpers_parity import cached_model
 from sync_counter import syncs_per_step
 
 import dllm
-import dllm.samplers.base as sampler_base
+import dllm.ops as dllm_ops
 from dllm.caches import CACHES
 from dllm.samplers import SAMPLERS, get_sampler
 
 # Samplers with synchronisations of their own, and the most they may add per step (measured, rounded up):
-# AdaBlock's block decision, the guided sampler's calls into its causal guide (variable-length verification). Dream's
-# masked-position scoring, Prophet's gap and fill and KLASS's lazy KL history synchronise on the CPU only (on CUDA
-# every window position: sampler_base.dense_window).
-EXTRA = {"adablock": 1, "guided": 12}
+# the guided sampler's calls into its causal guide (variable-length verification). Dream's masked-position scoring,
+# Prophet's gap and fill, KLASS's lazy KL history and AdaBlock's block decision synchronise on the CPU only (on CUDA
+# every window position: ops.dense_window).
+EXTRA = {"guided": 12}
 DREAM = [n for n in SAMPLERS if n.startswith("dream")]
 APPROX_CACHES = [c for c in CACHES if c not in ("none", "elastic", "block")]  # block: test_sdar.py
 
@@ -39,7 +39,7 @@ def _run(model, name, cache="none", **kw):
 @pytest.fixture
 def dense_window(monkeypatch):
     """Dream and Prophet compute every window position, as they do on CUDA (no data-dependent shapes)."""
-    monkeypatch.setattr(sampler_base, "dense_window", lambda logits: True)
+    monkeypatch.setattr(dllm_ops, "dense_window", lambda logits: True)
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
@@ -92,9 +92,10 @@ def test_elastic_cache_on_the_graph_path_synchronises_a_fixed_number_of_times_pe
 
 
 def test_dense_window_samplers_decode_what_their_sparse_path_decodes(monkeypatch):
-    """Dream, Prophet and KLASS on CUDA compute every window position (no host synchronisation); on the CPU only where
-    it matters: the same tokens, greedy and sampled, with Prophet's early commits firing (low gap thresholds) and not,
-    over each of its spans, and KLASS's stable commits (its CPU path's chunked pass off, as on CUDA)."""
+    """Dream, Prophet, KLASS and AdaBlock on CUDA compute every window position (no host synchronisation); on the CPU
+    only where it matters: the same tokens and statistics, greedy and sampled, with Prophet's early commits firing
+    (low gap thresholds) and not, over each of its spans, KLASS's stable commits (its CPU path's chunked pass off, as
+    on CUDA) and AdaBlock's blocks ended at delimiters."""
     from dllm.samplers.presets import KLASSSampler
 
     monkeypatch.setattr(KLASSSampler, "_chunked", lambda self, logits: False)
@@ -104,7 +105,8 @@ def test_dense_window_samplers_decode_what_their_sparse_path_decodes(monkeypatch
              for e in (0.5, 7.5) for span in ("region", "masked", (0, 8))]
     runs += [(family, "klass", dict(conf_threshold=c, kl_threshold=k, history=h))
              for family in ("llada", "dream") for c, k, h in ((0.3, 0.05, 2), (0.1, 0.5, 3))]
-    fired = ready = 0
+    runs += [("llada", "adablock", dict(delimiters=d, delimiter_threshold=0.0)) for d in ((5, 6, 7), tuple(range(3, 60)))]
+    fired = ready = ended = 0
     for family, name, params in runs:
         model = cached_model(family, 0)
         for t in (0.0, 0.7):
@@ -112,16 +114,15 @@ def test_dense_window_samplers_decode_what_their_sparse_path_decodes(monkeypatch
             kw = dict(gen_length=16, steps=16, sampler=s, seed=1, **({"block_length": 8} if family == "llada" else {}))
             sparse = dllm.generate(model, prompts, **kw)
             with monkeypatch.context() as m:
-                m.setattr(sampler_base, "dense_window", lambda logits: True)
+                m.setattr(dllm_ops, "dense_window", lambda logits: True)
                 dense = dllm.generate(model, prompts, **kw)
             assert torch.equal(sparse.sequences, dense.sequences), (name, params, t)
+            assert repr(sparse.stats.trace) == repr(dense.stats.trace), (name, params, t)  # every step's, nan too
             early = [r["early_commit"] for r in sparse.stats.trace if "early_commit" in r]
-            assert early == [r["early_commit"] for r in dense.stats.trace if "early_commit" in r]
             fired += sum(any(e) for e in early) if name == "prophet" else 0
             ready += sum(sum(r["klass_ready"]) for r in dense.stats.trace) if name == "klass" else 0
-            if name == "klass":
-                assert [r["klass_ready"] for r in sparse.stats.trace] == [r["klass_ready"] for r in dense.stats.trace]
-    assert fired > 0 and ready > 0  # Prophet's early commits and KLASS's stable commits ran
+            ended += sum(sum(r["delimiter_block"]) for r in dense.stats.trace) if name == "adablock" else 0
+    assert fired > 0 and ready > 0 and ended > 0  # Prophet's early commits, KLASS's stable commits, AdaBlock's ends
 
 
 def test_the_counter_sees_a_synchronisation(monkeypatch):

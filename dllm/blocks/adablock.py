@@ -19,6 +19,7 @@ independently (the reference runs batch 1).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 import warnings
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from typing import Any
 
 import torch
 
+from dllm import ops
 from dllm.blocks.fixed import BlockPolicyBase
 from dllm.config import GenerateConfig
 from dllm.models.spec import vocab_size
@@ -161,7 +163,9 @@ class AdaBlock(BlockPolicyBase):
         Returns ``(hi, steps, info)``; rows not in ``fresh`` are unchanged. ``info`` (``[B]`` each, for the
         trace): ``block_start`` (a block started at this step), ``delimiter_conf`` (confidence of the best
         delimiter in the window, NaN if none), ``delimiter_block`` (the block ends at that delimiter)."""
-        if not bool(fresh.any()):
+        # on the CPU a step that starts no block skips the pass; on CUDA every step makes it (its outcome is kept only
+        # for the rows starting a block: the same values, no host synchronisation)
+        if not ops.dense_window(logits) and not bool(fresh.any()):
             nan = torch.full(fresh.shape, torch.nan, device=fresh.device)
             return hi, steps, {"block_start": fresh.clone(), "delimiter_conf": nan, "delimiter_block": fresh.clone()}
         W = logits.shape[1]
@@ -170,7 +174,7 @@ class AdaBlock(BlockPolicyBase):
         # the reference's exp(l - logsumexp(l)) in the logits' dtype: it saturates to exactly 1.0 for confident
         # delimiters (a softmax may not), and among equal maxima the first delimiter wins
         conf = torch.exp(logits.gather(-1, x0[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1))
-        ids = torch.tensor(self.delimiters, dtype=torch.long, device=logits.device)
+        ids = _ids_on(self.delimiters, logits.device)
         win = int(self.window * cfg.gen_length)
         in_win = (cols[None] >= lo[:, None]) & (cols[None] < (lo + win)[:, None]) & (cols[None] < hi[:, None])
         is_delim = torch.isin(x0, ids) & in_win
@@ -185,6 +189,12 @@ class AdaBlock(BlockPolicyBase):
                 "delimiter_conf": torch.where(fresh & is_delim.any(-1), best, torch.nan),
                 "delimiter_block": fresh & found}
         return new_hi, new_steps, info
+
+
+@functools.lru_cache(maxsize=64)
+def _ids_on(ids: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The delimiter ids as a tensor on ``device``, made once (a copy from the host waits for the device)."""
+    return torch.tensor(ids, dtype=torch.long, device=device)
 
 
 __all__ = ["FAMILY_THRESHOLDS", "AdaBlock", "tokenizer_delimiters"]

@@ -86,13 +86,6 @@ class StepContext:
     draws: int = 0  # per-row draws made so far in this step (each draw gets its own stream)
 
 
-def dense_window(logits: torch.Tensor) -> bool:
-    """Whether a sampler computes its per-position values at every window position (no data-dependent shapes or
-    branches: no host synchronisation; on a GPU) rather than only where they can matter (less work; on the CPU).
-    Per-position values are identical either way (Dream's scores, Prophet's gaps and early-commit proposals)."""
-    return logits.device.type != "cpu"
-
-
 def row_forwards(ctx: StepContext) -> torch.Tensor:
     """``[B]`` int64 forwards each row has taken before this step: the row's own progress counter. In one
     ``generate`` call every unfinished row has taken part in every forward, so this equals ``global_step``

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-import dllm.samplers.base as sampler_base
+from dllm import ops
 from dllm.samplers.base import (
     NOISE_SCOPES,
     SamplerBase,
@@ -217,7 +217,7 @@ class DreamSampler(SamplerBase):
             return self._origin(logits, ctx, ratio, per_row)
         u_tok = canvas_rand((), ctx, W, B, torch.float64, logits.device, "row") if per_row and \
             self.temperature > 0 else None
-        if sampler_base.dense_window(logits) and (per_row or self.temperature == 0):  # every position: no data-dependent shape
+        if ops.dense_window(logits) and (per_row or self.temperature == 0):  # every position: no data-dependent shape
             c, x0 = dream_proposal(logits.reshape(B * W, V), self.temperature, self.top_p, self.top_k, self.alg,
                                    ctx.generator, fused=self._fused(logits), mask_id=ctx.mask_id,
                                    u=None if u_tok is None else u_tok.reshape(-1))
@@ -249,7 +249,7 @@ class DreamSampler(SamplerBase):
             u_tok = canvas_rand((), ctx, W, B, torch.float64, logits.device, "row") if self.temperature > 0 else None
             u = canvas_rand((), ctx, W, B, torch.float32, logits.device, "row")
             reveal = (u < ratio[:, None]) & cand
-            if sampler_base.dense_window(logits):
+            if ops.dense_window(logits):
                 _, x0 = dream_proposal(logits.reshape(B * W, V), self.temperature, self.top_p, self.top_k, self.alg,
                                        ctx.generator, mask_id=ctx.mask_id,
                                        u=None if u_tok is None else u_tok.reshape(-1))

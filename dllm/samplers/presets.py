@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-import dllm.samplers.base as sampler_base
+from dllm import ops
 from dllm.blocks import AdaBlock, MultiBlock, SlidingWindow
 from dllm.blocks.multiblock import block_states
 from dllm.caches import get_cache
@@ -257,7 +257,7 @@ class KLASSSampler(ComposedSampler):
 
     def _chunked(self, logits: torch.Tensor) -> bool:
         rule = self.rule
-        return (isinstance(rule, KLStable) and not sampler_base.dense_window(logits) and self.temperature == 0
+        return (isinstance(rule, KLStable) and not ops.dense_window(logits) and self.temperature == 0
                 and self.confidence == "prob" and self.credit is None and self.eos_rejection is None
                 and not getattr(rule.fallback, "needs_probs", False))
 

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-import dllm.samplers.base as sampler_base
+from dllm import ops
 from dllm.samplers.base import (
     SamplerBase,
     StepContext,
@@ -176,7 +176,7 @@ class Prophet(SamplerBase):
             lo = ctx.gen_lo + off
             span = ((cols >= lo) & (cols < lo + length))[None].expand(B, W)
         n = span.sum(-1)
-        if sampler_base.dense_window(logits):  # every column: no host synchronisation
+        if ops.dense_window(logits):  # every column: no host synchronisation
             g = self._gaps(logits)
         else:
             # the top-2 pass reads only the columns between the first and the last one some row's span covers
@@ -213,7 +213,7 @@ class Prophet(SamplerBase):
         # the extra argmax over the window for the rows that fire: at every step where it draws no shared random
         # stream (greedy, or each row's own noise) and the window is dense (no host synchronisation), else only on
         # a step that fires (rare)
-        always = sampler_base.dense_window(logits) and (T == 0 or ctx.row_key is not None)
+        always = ops.dense_window(logits) and (T == 0 or ctx.row_key is not None)
         if always or bool(fire.any()):
             x0 = gumbel_argmax(logits, T, ctx)
             masked = ctx.x == ctx.mask_id

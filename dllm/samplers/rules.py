@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
-import dllm.samplers.base as sampler_base
+from dllm import ops
 from dllm.ops import moved_rows
 from dllm.samplers.base import (
     SOFTMAX_DTYPES,
@@ -251,7 +251,7 @@ class KLStable:
         dt = probs.dtype
         hist = _KLHistory(self, logits, ctx, dt)
         hot = ctx.cand & self.confident(conf, self.conf_threshold)
-        if sampler_base.dense_window(logits):  # every window row at every step: no host synchronisation (CUDA)
+        if ops.dense_window(logits):  # every window row at every step: no host synchronisation (CUDA)
             return hist.dense(logits.to(dt), probs, hot)
         R = self._chunk_rows(logits, dt)
         rows = hot.any(0)
