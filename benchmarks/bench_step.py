@@ -658,9 +658,12 @@ def main(argv=None):
                     launches, syncs, device_ms = count_step(a, dec, st)
                     fwd = forward_launches(a, dec, st)
                     gap = host_gap(dec, st, a.block)
-                    host_us, going = host_work(dec, st, a.block)  # the host's own work per step
+                    # the host's own work per step, over a block of steps (without a cache, each a full forward:
+                    # as many as are timed)
+                    n = a.block if cache != "none" else a.none_steps
+                    host_us, going = host_work(dec, st, n)
                     # the host's hottest functions (--host-profile: the graph path at the smallest batch)
-                    top = host_profile(dec, st, a.block) if a.host_profile and going and \
+                    top = host_profile(dec, st, n) if a.host_profile and going and \
                         mode.startswith("graph") and B == min(a.batch) else None
                 except Exception as exc:  # one failing setting does not lose the others' figures
                     print(json.dumps({"what": "step", "mode": mode, "cache": cache, "batch": B,
