@@ -410,7 +410,7 @@ class _KLHistory:
         form's (:meth:`rows`, :meth:`finish`): the same arithmetic per row."""
         cur, q = self.cur, (self.past[-1] if self.past else None)
         W = l.shape[1]
-        cur.lse.copy_(l.amax(-1) - torch.log(p.amax(-1)))
+        cur.lse.copy_(self._log_normaliser(l, p))
         cur.kl.fill_(math.inf)  # rows not in the last step's window
         c0, c1 = self._overlap(cur, q, 0, W)
         if c0 < c1:
@@ -509,6 +509,12 @@ class _KLHistory:
             self._set_kl(s, q, slice(c0, c1), self._dot(l, p, q.logits[:, lo_q : lo_q + c1 - c0]),
                          self._lse(q, torch.arange(lo_q, lo_q + c1 - c0, device=s.kl.device)))
 
+    @staticmethod
+    def _log_normaliser(l: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """``[B, n]`` log-normalisers of rows with logits ``l`` and probabilities ``p`` (``[B, n, V]``), from the two
+        maxima (``p_max = exp(l_max - lse)``): the one formula of the lazy and the dense forms."""
+        return l.amax(-1) - torch.log(p.amax(-1))
+
     def _lse(self, s: _KLStep, a, b: int | None = None, l: torch.Tensor | None = None,
              p: torch.Tensor | None = None) -> torch.Tensor:
         """Step ``s``'s log-normalisers at window rows ``[a, b)`` (or at the index tensor ``a``) from the two
@@ -520,7 +526,7 @@ class _KLHistory:
                 if l is None:
                     l = s.logits[:, a:b].to(self.dt)
                     p = torch.softmax(l, dim=-1)
-                val.copy_(l.amax(-1) - torch.log(p.amax(-1)))
+                val.copy_(self._log_normaliser(l, p))
             return val
         rows = torch.isnan(s.lse[:, a]).any(0)
         if rows.any():
