@@ -50,6 +50,25 @@ def check_against_greedy(seqs: torch.Tensor, refs: list[list[int]]) -> None:
             assert len(ref) == len(row)
 
 
+class Oracle:
+    """A guided sampler whose dLLM drafts ``ref`` (the guide's own text) wherever the canvas is masked."""
+
+    name = "oracle"
+
+    def __init__(self, inner, ref):
+        self.inner, self.ref = inner, ref
+
+    def step(self, logits, ctx):
+        want = torch.full((1, ctx.canvas_len), EOS)
+        want[0, ctx.gen_lo : ctx.gen_lo + len(self.ref)] = torch.tensor(self.ref)
+        cols = want[:, ctx.win_lo : ctx.win_lo + logits.shape[1]]
+        fake = torch.full_like(logits, -10.0).scatter(-1, cols[..., None], 10.0)
+        return self.inner.step(fake, ctx)
+
+    def bind_model(self, m):
+        self.inner.bind_model(m)
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 def test_deterministic_reproduces_hf_greedy(family, batch):
     model = random_model(family)
@@ -72,24 +91,8 @@ def test_deterministic_accepts_guide_drafts_in_chunks():
     ref = hf_greedy(guide, prompt, G)
     n = len(ref)
 
-    class Oracle:  # drafts the reference text wherever it is masked
-        name = "oracle"
-
-        def __init__(self, inner):
-            self.inner = inner
-
-        def step(self, logits, ctx):
-            want = torch.full((1, ctx.canvas_len), EOS)
-            want[0, ctx.gen_lo : ctx.gen_lo + n] = torch.tensor(ref)
-            cols = want[:, ctx.win_lo : ctx.win_lo + logits.shape[1]]
-            fake = torch.full_like(logits, -10.0).scatter(-1, cols[..., None], 10.0)
-            return self.inner.step(fake, ctx)
-
-        def bind_model(self, m):
-            self.inner.bind_model(m)
-
     inner = GuidedSampler((guide, None), chunk=8)
-    out = generate(model, [prompt], sampler=Oracle(inner), gen_length=G)
+    out = generate(model, [prompt], sampler=Oracle(inner, ref), gen_length=G)
     check_against_greedy(out.sequences, [ref])
     s = guided_summary(out.stats)
     assert s["corrections"] == 0 and s["dllm_forwards"] == 1
@@ -491,3 +494,32 @@ def test_guide_loads_and_runs_silently_on_the_current_transformers_api(capfd):
                        sampler=GuidedSampler(guide=(guide, gtok)))
     assert guided_summary(out.stats)["ar_forwards"] > 0
     assert capfd.readouterr() == ("", "")
+
+
+@pytest.mark.parametrize("oracle", [False, True])
+def test_the_guided_sampler_synchronises_once_per_verification_round(oracle):
+    """The guided sampler's own host synchronisations (on the path a CUDA run takes): one read per guide forward
+    (whether a row verifies on, the widths of the feed and of the chunk, the guide cache's slots to keep) and one
+    to end the step (the last of those and whether a row finished), in either mode, with drafts rejected at once
+    and with drafts accepted chunk after chunk (several rounds in a step); nothing else but the guide's own mask
+    checks."""
+    from sync_counter import syncs_per_step
+
+    model = random_model("llada")
+    guide = random_guide(seed=3)
+    prompt = ragged_prompts(1, seed=4)[0]
+    ref = hf_greedy(guide, prompt, G)
+    for mode in ("deterministic", "topk"):
+        inner = GuidedSampler((guide, None), mode=mode, chunk=4)
+        sampler = Oracle(inner, ref) if oracle else inner
+        out = {}
+
+        def run(sampler=sampler, out=out):
+            out["r"] = generate(model, [prompt], sampler=sampler, gen_length=G)
+
+        _, where, steps = syncs_per_step(run)
+        reads = sum(n for (op, path, _), n in where.items() if path == "samplers/guided.py" and op == "tolist")
+        forwards = guided_summary(out["r"].stats)["ar_forwards"]
+        assert steps > 0 and (forwards > 2 * steps if oracle else forwards == steps), (forwards, steps)
+        assert reads == forwards + steps, (mode, reads, forwards, steps, where.most_common(4))
+        assert not [k for k in where if k[1] == "samplers/guided.py" and k[0] not in ("tolist", "__bool__")]

@@ -21,10 +21,11 @@ from dllm.caches import CACHES
 from dllm.samplers import SAMPLERS, get_sampler
 
 # Samplers with synchronisations of their own, and the most they may add per step (measured, rounded up):
-# the guided sampler's calls into its causal guide (variable-length verification). Dream's masked-position scoring,
+# the guided sampler's reads of its verification rounds (one per guide forward and one to end the step: variable-length
+# verification; the transformers guide's own mask checks at a prefill besides). Dream's masked-position scoring,
 # Prophet's gap and fill, KLASS's lazy KL history and AdaBlock's block decision synchronise on the CPU only (on CUDA
 # every window position: ops.dense_window).
-EXTRA = {"guided": 12}
+EXTRA = {"guided": 3}
 DREAM = [n for n in SAMPLERS if n.startswith("dream")]
 APPROX_CACHES = [c for c in CACHES if c not in ("none", "elastic", "block")]  # block: test_sdar.py
 
@@ -176,3 +177,4 @@ def test_a_generations_output_reads_its_trace_in_a_few_copies_whatever_its_steps
     finally:
         G.Decoder.output = orig
     assert counts[0] == counts[1] <= 12, counts
+

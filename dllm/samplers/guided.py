@@ -198,12 +198,15 @@ def _crop(cache, new_len: int) -> None:
         cache.crop(new_len - cur)  # negative: remove that many trailing slots (transformers 4.x and 5.x)
 
 
-def _compact(st: dict, force: bool = False) -> None:
+def _compact(st: dict, force: bool = False, keep: int | None = None) -> None:
     """Pack each row's valid guide-cache slots to the left (in order) when most slots are masked-out holes
-    (batch > 1: rows advance by different amounts, so trailing holes of one row cannot be cropped)."""
+    (batch > 1: rows advance by different amounts, so trailing holes of one row cannot be cropped). ``keep``: the
+    most valid slots of a row, where the caller has read it (else read here)."""
     slots = st["slots"]
     count = slots.sum(-1)
-    S, keep = slots.shape[1], int(count.max()) if slots.numel() else 0
+    S = slots.shape[1]
+    if keep is None:
+        keep = int(count.max()) if slots.numel() else 0
     layers = getattr(st["cache"], "layers", None)
     if (S <= 2 * keep + 64 and not force) or S == keep or not layers or not all(hasattr(la, "keys") for la in layers):
         return
@@ -394,12 +397,26 @@ class GuidedSampler(SamplerBase):
         ar_forwards = 0
         Vc = min(V, g.config.vocab_size if isinstance(getattr(g.config, "vocab_size", None), int) else V)
         kv = cache_argument(g)  # the name the guide's forward takes its KV cache under
-        while bool(open_.any()):
-            _compact(st)
+        while True:
             u = torch.minimum(v + self.chunk, end)  # verify [v, u)
             fed = st["fed"]
             width = torch.where(open_, u - 1 - fed, torch.zeros_like(fed))
-            Wf = int(width.max())
+            n = (u - v).clamp_min(0)
+            # One read of what the host decides on (one synchronisation per verification round, and one to end the
+            # step): whether a row verifies on, the guide cache's slots to keep (after its last valid column), the
+            # most valid slots of a row (_compact), the widths of the feed and of the chunk, whether a row finished.
+            slots = st["slots"]
+            S = slots.shape[1]
+            last = torch.where(slots.any(0), torch.arange(1, S + 1, device=dev), 0).amax() if S else width.new_zeros(())
+            finish = hit_stop | (stopped & has)
+            go, keep, most, Wf, K, finished = torch.stack(
+                [open_.any().long(), last, slots.sum(-1).amax(), width.amax(), n.amax(), finish.any().long()]).tolist()
+            if keep < S:  # the slots after every row's last valid one (rejected drafts, padding): dropped
+                _crop(st["cache"], keep)
+                st["slots"] = slots[:, :keep]
+            if not go:
+                break
+            _compact(st, keep=most)
             j = torch.arange(Wf, device=dev)
             feed_cols = (fed[:, None] + j[None]).clamp_max(T - 1)
             new_valid = j[None] < width[:, None]
@@ -408,8 +425,6 @@ class GuidedSampler(SamplerBase):
             att = torch.cat([st["slots"], new_valid], 1)
             out = g(input_ids=ids, attention_mask=att.long(), position_ids=pos, use_cache=True, **{kv: st["cache"]})
             ar_forwards += 1
-            n = (u - v).clamp_min(0)
-            K = int(n.max())
             kk = torch.arange(K, device=dev)
             in_chunk = kk[None] < n[:, None]
             # Logits predicting column v + kk sit at fed index (v + kk - 1 - fed).
@@ -455,15 +470,10 @@ class GuidedSampler(SamplerBase):
             slot_ok = new_valid & (feed_cols < good[:, None])
             st["slots"] = torch.cat([st["slots"], slot_ok], 1)
             st["fed"] = torch.where(open_, torch.minimum(good, u - 1), fed)
-            keep = int(st["slots"].any(0).nonzero().max()) + 1 if bool(st["slots"].any()) else 0
-            if keep < st["slots"].shape[1]:
-                _crop(st["cache"], keep)
-                st["slots"] = st["slots"][:, :keep]
             v = torch.where(open_, u, v)
             open_ = open_ & ~rejected & ~new_stop & (v < end)
 
-        # Rows that stopped (now or earlier): EOS everywhere after the stop, and the row finishes.
-        finish = hit_stop | (stopped & has)
+        # Rows that stopped (now or earlier, ``finish``): EOS everywhere after the stop, and the row finishes.
         st["stopped"] = stopped | hit_stop
         win_final = final[:, win_lo : win_lo + W]
         win_dec = decided[:, win_lo : win_lo + W]
@@ -486,7 +496,7 @@ class GuidedSampler(SamplerBase):
             info["guide_kind"] = torch.where(fill, 3, kind[:, win_lo : win_lo + W])
             info["guide_draft"] = draft
             info["win_lo"] = ctx.win_lo  # canvas column of window position 0
-        return StepResult(proposal, commit, info, finish=finish if bool(finish.any()) else None)
+        return StepResult(proposal, commit, info, finish=finish if finished else None)
 
 
 def guided_summary(stats) -> dict[str, float]:
