@@ -465,7 +465,10 @@ def e2e(model, a, B: int = 1):
         base = base or dt
         rows.append({"what": "e2e", "cache": name, "batch": B, "s": round(dt, 3), "nfe": out.stats.nfe,
                      "ms_per_forward": round(dt * 1e3 / out.stats.nfe, 2), "speedup_vs_none": round(base / dt, 2),
-                     "graphs": out.stats.graphs})
+                     "graphs": out.stats.graphs,
+                     # the decode loop's own clock (CUDA events on the stream: the spans between its marks, waits
+                     # for the host included), to set against the steps bench_step times alone
+                     **{f"{k}_s": round(getattr(out.stats, f"time_{k}"), 3) for k in ("model", "sampler", "cache")}})
         if a.e2e_profile and a.device == "cuda" and name in ("none", "dual"):
             rows[-1].update(device_timeline(lambda kw=kw: dllm.generate(model, prompts, **kw)))
         print(json.dumps(rows[-1]), flush=True)

@@ -3,6 +3,7 @@ imports)."""
 
 from __future__ import annotations
 
+import functools
 import numbers
 from contextlib import contextmanager
 
@@ -106,6 +107,13 @@ def cached_arange(n: int, device) -> torch.Tensor:
     if _pinning:
         _PINNED.add(key)
     return t
+
+
+@functools.lru_cache(maxsize=64)
+def ids_on(ids: tuple[int, ...], device) -> torch.Tensor:
+    """Token ids (a tuple: delimiters, stop tokens) as an int64 tensor on ``device``, made once per (ids, device) and
+    shared, so a decode step does not copy them from the host each time. Read-only: never write into it."""
+    return torch.tensor(ids, dtype=torch.long, device=device)
 
 
 def moved_rows(t: torch.Tensor, keep: torch.Tensor | None, n_new: int = 0, *, d: int = 0, dim: int | None = None,

@@ -19,7 +19,6 @@ independently (the reference runs batch 1).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import numbers
 import warnings
 from dataclasses import dataclass
@@ -174,7 +173,7 @@ class AdaBlock(BlockPolicyBase):
         # the reference's exp(l - logsumexp(l)) in the logits' dtype: it saturates to exactly 1.0 for confident
         # delimiters (a softmax may not), and among equal maxima the first delimiter wins
         conf = torch.exp(logits.gather(-1, x0[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1))
-        ids = _ids_on(self.delimiters, logits.device)
+        ids = ops.ids_on(tuple(self.delimiters), logits.device)
         win = int(self.window * cfg.gen_length)
         in_win = (cols[None] >= lo[:, None]) & (cols[None] < (lo + win)[:, None]) & (cols[None] < hi[:, None])
         is_delim = torch.isin(x0, ids) & in_win
@@ -189,12 +188,6 @@ class AdaBlock(BlockPolicyBase):
                 "delimiter_conf": torch.where(fresh & is_delim.any(-1), best, torch.nan),
                 "delimiter_block": fresh & found}
         return new_hi, new_steps, info
-
-
-@functools.lru_cache(maxsize=64)
-def _ids_on(ids: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """The delimiter ids as a tensor on ``device``, made once (a copy from the host waits for the device)."""
-    return torch.tensor(ids, dtype=torch.long, device=device)
 
 
 __all__ = ["FAMILY_THRESHOLDS", "AdaBlock", "tokenizer_delimiters"]

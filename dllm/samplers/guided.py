@@ -52,7 +52,7 @@ from typing import Any, NamedTuple
 import torch
 
 from dllm.models.hf import cache_argument, quiet_loading
-from dllm.ops import moved_rows
+from dllm.ops import ids_on, moved_rows
 from dllm.samplers.base import (
     SamplerBase,
     StepContext,
@@ -371,7 +371,7 @@ class GuidedSampler(SamplerBase):
         draft = gumbel_argmax(logits, self.temperature, ctx)  # argmax at temperature 0
         # stop tokens, never the mask id (a model whose EOS id is its mask id has no usable EOS)
         stops = [i for i in (ctx.eos_id, ctx.eot_id) if i is not None and i != ctx.mask_id]
-        stop_ids = torch.tensor(stops, device=dev, dtype=torch.long)
+        stop_ids = ids_on(tuple(stops), dev)  # made once per device
         eos = stops[0] if stops else 0  # fill after a stop (only used once a row has hit one)
 
         # The canvas with this step's drafts in the candidate positions (what the guide is fed).
