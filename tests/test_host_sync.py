@@ -39,7 +39,8 @@ def _run(model, name, cache="none", **kw):
 
 @pytest.fixture
 def dense_window(monkeypatch):
-    """Dream and Prophet compute every window position, as they do on CUDA (no data-dependent shapes)."""
+    """Dream, Prophet, KLASS and AdaBlock compute every window position, as they do on CUDA (no data-dependent
+    shapes)."""
     monkeypatch.setattr(dllm_ops, "dense_window", lambda logits: True)
 
 
