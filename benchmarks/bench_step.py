@@ -3,8 +3,10 @@
 Random weights with LLaDA-8B's shape (d 4096, 32 heads of 128, MLP 12,288, vocabulary 126,464; ``--layers``
 default 32: 8.0B parameters), bf16, prompt 512 + generation 256 in blocks of 32 (LLaDA's even quota: one token per
 step). For each cache (none / prefix / dual), batch (1, 4, 16) and execution mode (eager forwards; ``graph``: the
-cached steps replayed as CUDA graphs; ``graph-late``: the same with each next forward launched after the step's
-synchronisation, not before it; ``compile``: ``torch.compile`` of the model) it prints:
+cached steps replayed as CUDA graphs, and a step's sampler and bookkeeping after its forward as one more graph;
+``graph-late``: the same with each next forward launched after the step's synchronisation, not before it;
+``graph-eager-sampler``: the graph path with the sampler's work run eagerly, kernel by kernel, as before the step
+graphs; ``compile``: ``torch.compile`` of the model) it prints:
 
 * ms per step over whole blocks (a block's first, full, forward included) and ms per partial (cached) step, the
   steps run back to back (one synchronisation of the device before the first);
@@ -13,7 +15,8 @@ synchronisation, not before it; ``compile``: ``torch.compile`` of the model) it 
 * kernels launched per step and per layer, host synchronisations per step and the device's busy ms per step (from
   the profiler on CUDA, over four steps; on CPU the kernels the CUDA path would launch, ``tests/launch_counter.py``:
   ATen operators that are not views or allocations, and Triton launches when the kernels run under
-  ``TRITON_INTERPRET=1 DLLM_KERNELS=triton``, plus the calls that would synchronise on CUDA);
+  ``TRITON_INTERPRET=1 DLLM_KERNELS=triton``, plus the calls that would synchronise on CUDA), and on the CPU's graph
+  path those the host launches itself (``host_launches_per_step``: a graph's kernels count as its one launch);
 * on the graph path, the host's microseconds from a step's synchronisation to the next graph's launch
   (``host_gap_us``, the median over a block of steps: the device waits that long at each step; 0 for a step whose
   next forward was launched before its synchronisation), and how many of the timed steps' next forwards, made ready
@@ -24,8 +27,9 @@ synchronisation, not before it; ``compile``: ``torch.compile`` of the model) it 
   functions on the graph path (``cProfile``, by own time, per step).
 
 ``--e2e`` adds whole generations (``--prompt`` / ``--gen``: 512 and 256 on a GPU by default, batch 1) with no cache,
-prefix and dual cache (and the dual cache with each next forward launched after the synchronisation, and no cache
-with every forward eager, ``none-eager``) and the speed-up of each over none (its full forwards from graphs on
+prefix and dual cache (and the dual cache with each next forward launched after the synchronisation,
+``dual-late``, the dual cache with its sampler's work eager, ``dual-eager-sampler``, and no cache with every
+forward eager, ``none-eager``) and the speed-up of each over none (its full forwards from graphs on
 CUDA; ``--e2e-profile`` adds, for none and dual, one more generation under the profiler: the device's busy time and
 its idle time by the length of the gaps, where a whole generation's time goes); ``--breakdown`` (CUDA) the kernels
 that take a full forward's and a cached step's device time, published layer against fast layer; ``--fastdllm DIR``
@@ -65,7 +69,7 @@ from dllm.models import LLADA, Transformer, TransformerConfig  # noqa: E402
 from dllm.models.fast import disable_fast_path, enable_fast_path  # noqa: E402
 from dllm.recipes import resolve  # noqa: E402
 
-MODES = ("base", "eager", "graph", "graph-late", "compile")
+MODES = ("base", "eager", "graph", "graph-late", "graph-eager-sampler", "compile")
 GPU_SHAPE = dict(d=4096, heads=32, kv=32, mlp=12288, vocab=126464)
 CPU_SHAPE = dict(d=128, heads=4, kv=4, mlp=352, vocab=512)
 
@@ -175,11 +179,12 @@ def to_cached_step(dec, st, limit: int) -> None:
 
 
 def count_step(a, dec, st, steps: int = 4):
-    """(kernels launched, host syncs, device ms) per step: on CUDA over ``steps`` more steps (a step launches the
+    """(kernels launched, host syncs, device ms, kernels the host launches) per step: on CUDA over ``steps`` more steps (a step launches the
     next forward, not its own, where the decoder launches ahead: one step alone would count the first of a block's
     partial steps twice over), with the device's busy time per step (the sum of the kernels' durations: with the
     step's time, whether the step waits for the device or the device for the host); on the CPU over one step (the
-    kernels the CUDA path would launch; device time None)."""
+    kernels the CUDA path would launch; device time None; on the graph path, the kernels outside the graphs' runs
+    and one per run: what the host launches on CUDA, where a graph's replay is one launch)."""
     if a.device != "cuda":
         import importlib
 
@@ -189,12 +194,30 @@ def count_step(a, dec, st, steps: int = 4):
         G = importlib.import_module("dllm.generate")  # the module (dllm.generate is also the function)
         free = G._host_check_free
         G._host_check_free = lambda t: False  # the path a CUDA run takes (on CPU some checks are free)
+        from dllm.graphs import GraphRunner
+
+        inside = [0, 0]  # kernels inside the graphs' runs (their CPU twins), the runs
+        saved = GraphRunner._forward, GraphRunner._tail_body
+
+        def counted(fn):
+            def run(self, *args):
+                before = launches.total
+                try:
+                    return fn(self, *args)
+                finally:
+                    inside[0] += launches.total - before
+                    inside[1] += 1
+            return run
+
+        GraphRunner._forward, GraphRunner._tail_body = counted(saved[0]), counted(saved[1])
         try:
             with SyncCounter() as c, LaunchCounter() as launches:
                 dec.step(st)
         finally:
             G._host_check_free = free
-        return launches.total, c.count, None
+            GraphRunner._forward, GraphRunner._tail_body = saved
+        host = launches.total - inside[0] + inside[1] if dec.graphs is not None else None
+        return launches.total, c.count, None, host
     from torch.profiler import ProfilerActivity, profile
 
     sync("cuda")
@@ -211,7 +234,7 @@ def count_step(a, dec, st, steps: int = 4):
     # function's own synchronisations are not counted
     syncs = sum(1 for e in cuda if e.name.startswith("Memcpy DtoH"))
     busy_ms = sum(e.time_range.elapsed_us() for e in cuda) / 1e3
-    return round(len(kernels) / n, 1), round(syncs / n, 2), round(busy_ms / n, 3)
+    return round(len(kernels) / n, 1), round(syncs / n, 2), round(busy_ms / n, 3), None
 
 
 def host_gap(dec, st, steps: int) -> float | None:
@@ -445,10 +468,11 @@ def e2e(model, a, B: int = 1):
     base = None
     # dual second: a run cut by its time limit still has the goal's ratio
     for name, cache in (("none", "none"), ("dual", "dual"), ("prefix", "prefix"), ("dual-late", "dual"),
-                        ("none-eager", "none")):
+                        ("dual-eager-sampler", "dual"), ("none-eager", "none")):
         kw = dict(gen_length=a.gen, block_length=a.block, steps=a.gen, sampler="llada", cache=cache,
                   graphs="off" if name == "none-eager" else "auto")
         Decoder.launch_early = name != "dual-late"
+        Decoder.step_graphs = name != "dual-eager-sampler"
         try:
             # warm-up: the same prompt and length with three steps per block, so every block's shapes (a prefix
             # cache's active width shrinks from block to block) are compiled, autotuned, timed by the dispatch and
@@ -461,7 +485,7 @@ def e2e(model, a, B: int = 1):
             sync(a.device)
             dt = time.perf_counter() - t0
         finally:
-            Decoder.launch_early = True
+            Decoder.launch_early = Decoder.step_graphs = True
         base = base or dt
         rows.append({"what": "e2e", "cache": name, "batch": B, "s": round(dt, 3), "nfe": out.stats.nfe,
                      "ms_per_forward": round(dt * 1e3 / out.stats.nfe, 2), "speedup_vs_none": round(base / dt, 2),
@@ -647,6 +671,7 @@ def main(argv=None):
         # before it (Decoder.launch_early); compile: torch.compile of the fast model
         (disable_fast_path if mode == "base" else enable_fast_path)(model)
         Decoder.launch_early = mode != "graph-late"
+        Decoder.step_graphs = mode != "graph-eager-sampler"
         if mode == "compile":
             compiled = compiled or torch.compile(model)
         m = compiled if mode == "compile" else model
@@ -658,7 +683,7 @@ def main(argv=None):
                 try:
                     step_ms, partial_ms, (dec, st) = time_steps(m, B, a, cache, graphs)
                     to_cached_step(dec, st, a.block)  # the counts are a cached step's (with a cache)
-                    launches, syncs, device_ms = count_step(a, dec, st)
+                    launches, syncs, device_ms, host_launches = count_step(a, dec, st)
                     fwd = forward_launches(a, dec, st)
                     gap = host_gap(dec, st, a.block)
                     # the host's own work per step, over a block of steps (without a cache, each a full forward:
@@ -679,6 +704,7 @@ def main(argv=None):
                      "launches_per_step": launches, "launches_per_layer": round(launches / a.layers, 1),
                      "forward_launches_per_layer": round(fwd / a.layers, 1),
                      "syncs_per_step": syncs, "device_ms_per_step": device_ms, "host_gap_us": gap,
+                     "host_launches_per_step": host_launches,
                      "host_us_per_step": host_us}
                 if top is not None:
                     r["host_profile"] = top
@@ -689,7 +715,7 @@ def main(argv=None):
                 print(json.dumps(r), flush=True)
                 dec.release()
                 del dec, st
-    Decoder.launch_early = True
+    Decoder.launch_early = Decoder.step_graphs = True
     # Fast-dLLM's own code first: of the whole generations it is the figure a short lease most needs
     for flag, fn in ((a.fastdllm, fastdllm), (a.e2e, e2e), (a.packing, packing), (a.breakdown, breakdown)):
         if flag:
@@ -703,8 +729,8 @@ def main(argv=None):
     print(f"| mode | cache | batch | ms / step | ms / cached step | x floor ({floor_ms:.2f} ms; cached step, else step) | "
           "launches / step | "
           "per layer | forward's per layer | host syncs / step | device ms / step | host us, sync to launch | "
-          "host's own work, us / step |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "host's own work, us / step | host launches / step (CPU count) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if r["what"] == "step":
             cached = r['ms_partial_step'] if r['ms_partial_step'] is not None else "-"
@@ -714,7 +740,8 @@ def main(argv=None):
                   f"{r['syncs_per_step']} | "
                   f"{r['device_ms_per_step'] if r['device_ms_per_step'] is not None else '-'} | "
                   f"{r['host_gap_us'] if r.get('host_gap_us') is not None else '-'} | "
-                  f"{r['host_us_per_step'] if r.get('host_us_per_step') is not None else '-'} |")
+                  f"{r['host_us_per_step'] if r.get('host_us_per_step') is not None else '-'} | "
+                  f"{r['host_launches_per_step'] if r.get('host_launches_per_step') is not None else '-'} |")
     for r in rows:
         if r.get("host_profile"):
             print(f"\nthe host's hottest functions, {r['mode']} {r['cache']} batch {r['batch']} (ms per step, own time):")

@@ -6,6 +6,7 @@ import math
 import numbers
 import os
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,8 +18,9 @@ from dllm.blocks.fixed import FixedBlocks
 from dllm.caches.base import CacheState, KVCache, NoCache
 from dllm.config import GenerateConfig
 from dllm.graphs import GraphRunner
+from dllm.kernels.device import on_device
 from dllm.models.spec import vocab_size
-from dllm.ops import shape_bucket
+from dllm.ops import cached_arange, ids_on, shape_bucket
 from dllm.recipes import resolve
 from dllm.samplers.base import StepContext, row_key_words
 
@@ -73,6 +75,10 @@ class GenerateStats:
     # how the cached steps ran (GenerateConfig.graphs): {"replays": n, "captures": n, "eager:<reason>": n, ...};
     # empty when graphs are off
     graphs: dict[str, int] = field(default_factory=dict)
+    # how the steps' work after their forwards ran (the sampler, the commits, the regions' bookkeeping as one graph
+    # per window: docs/architecture.md): {"replays": n, "captures": n, "eager:first sight": n, ...}; empty where it
+    # ran eagerly
+    step_graphs: dict[str, int] = field(default_factory=dict)
     # what ran, as resolved from the call (a block-diffusion model's default block cache, a preset's own cache):
     # the sampler's and the cache's names ("none": no cache); empty in stats built elsewhere
     sampler: str = ""
@@ -451,6 +457,10 @@ class Decoder:
     #: at LLaDA-8B's shape on a GPU a partial forward of that many rows costs about what reading the weights costs, so
     #: the wait it spares is worth more than its padding. 0: only a forward at the next step's own width is kept
     wide_ahead = 128
+    #: whether a step's work after its forward (the sampler, the commits, the regions' bookkeeping) may run as one
+    #: CUDA graph (:meth:`_commit_graphed`); False runs it eagerly, as a step did before (the same tokens:
+    #: ``bench_step.py``'s ``graph-eager-sampler`` mode sets it to time the difference)
+    step_graphs = True
 
     def __init__(self, model, sampler, cache, policy, config: GenerateConfig):
         self.model, self.sampler, self.cache, self.policy, self.config = model, sampler, cache, policy, config
@@ -462,10 +472,11 @@ class Decoder:
         self.shift = 1 if getattr(model, "shift_logits", False) else 0
         self.n_layers = getattr(getattr(model, "config", None), "n_layers", 1)
         self.device = model.device
-        self.stop_ids = torch.tensor([i for i in (model.eos_id, model.eot_id) if i is not None], device=self.device)
+        self.stop_ids = ids_on(tuple(i for i in (model.eos_id, model.eot_id) if i is not None), self.device)
         self.clock = _Clock(self.device)
         self.graphs = GraphRunner.for_model(model, config.graphs) if isinstance(cache, (KVCache, NoCache)) else None
         self._graph_stats0 = dict(self.graphs.stats) if self.graphs is not None else {}
+        self._tail_stats0 = dict(self.graphs.tail_stats) if self.graphs is not None else {}
         # why every cached step runs eagerly, decided once (None: through the graphs); where they can replay at all
         # (not with guidance, per-layer hooks, mixtures of experts, other models) the graph path's shapes are rounded
         # up and its K/V buffers lent by the runner's pool
@@ -490,6 +501,16 @@ class Decoder:
         self._early_off = None  # the window within which a missed plan stopped them (_launch_early)
         self._bounds = None  # (key, [2, 7 + policy's numbers] bounds) of _guard
         self._relaunch = None  # a speculative cache's first part that may be launched again (_speculate)
+        # the step's work after its forward as one graph (_commit_graphed), where the model's forwards can go through
+        # graphs and the sampler's step is a function of its tensors alone (SamplerBase.graph_safe), with none of the
+        # hooks that make a step's work depend on the host (a region refined or slid, a widened window, a speculative
+        # cache); not while rows join and leave the batch (the serving engine). Its value is part of the graphs' keys.
+        self._bank = None  # the step graphs' static state of the last step (_StepBank)
+        safe = getattr(sampler, "graph_safe", None)
+        self._commit_graph = (repr(sampler), repr(policy), repr(config), self._pipelined, self.shift) if (
+            self.step_graphs and self.graphs is not None and self.graphs._model_reason(config.cfg_scale > 0) is None
+            and self.refine is None and self.slide is None and self.widen is None
+            and not getattr(cache, "speculative", False) and callable(safe) and safe()) else None
 
     def prompt_width(self, longest: int) -> int:
         """The canvas column where generation starts for prompts of at most ``longest`` tokens: ``longest``, or on
@@ -532,7 +553,7 @@ class Decoder:
             generator = torch.Generator(device=device).manual_seed(config.seed)
         self.t_start = time.perf_counter()
         self.cache.reset(B, T)
-        self.cols_all = torch.arange(T, device=device)
+        self.cols_all = cached_arange(T, device)
         lo = torch.full((B,), P, dtype=torch.long, device=device)
         positions = (valid.long().cumsum(-1) - 1).clamp_min(0)
         hi, steps = self._next_region(lo, T, P, positions)
@@ -586,9 +607,8 @@ class Decoder:
         The loop synchronises with the device once, at the end (the next window, whether rows are left, whether
         the logits were finite); caches and some samplers add their own (docs/architecture.md)."""
         model, config, sampler, cache, clock = self.model, self.config, self.sampler, self.cache, self.clock
-        x, lo, hi, P = st.x, st.lo, st.hi, st.P
+        x, P = st.x, st.P
         B, T = x.shape
-        mask_id = model.mask_id
         win_lo, win_hi = st.window
         w_lo, w_hi = self.widen(win_lo, win_hi, P, T) if self.widen is not None else (win_lo, win_hi)
         cols = self.cols_all[w_lo:w_hi]
@@ -645,77 +665,19 @@ class Decoder:
                                   n_query)
         t1 = clock.mark()
         cstats = self.step_stats(self.n_layers) if self.step_stats is not None else {}
-        xw = x[:, w_lo:w_hi]
-        pinfo = {}
-        in_region = (cols[None] >= lo[:, None]) & (cols[None] < hi[:, None])
-        # Non-finite logits (NaN anywhere, +inf, or no finite entry) at a window position of an unfinished row: the
-        # position's logits are zeroed so no sampler trips over them, and the step's host sync below raises.
-        top = logits.amax(-1)
-        bad = st.active[:, None] & ((top - top) != 0)  # not finite (NaN or inf), in two kernels where isfinite takes five
-        if not _host_check_free(logits) or bool(bad.any()):  # on CPU the check spares a pass over the logits
-            logits.masked_fill_(bad[..., None], 0.0)
-        if self.refine is not None:
-            fresh = st.active & (st.step_in == 0)
-            hi, st.steps, pinfo = self.refine(logits, w_lo, lo, hi, st.steps, fresh, config)
-            in_region = (cols[None] >= lo[:, None]) & (cols[None] < hi[:, None])
-            st.n_start = torch.where(fresh, ((xw == mask_id) & in_region).sum(-1), st.n_start)
-        cand = (xw == mask_id) & in_region & st.active[:, None]
-        ctx = StepContext(
-            x=xw, cand=cand, step=st.step_in, steps=st.steps, n_region_start=st.n_start, region_lo=lo,
-            region_hi=hi, win_lo=w_lo, canvas_len=T, gen_lo=P, global_step=st.nfe, total_steps=config.total_steps,
-            generator=st.generator, mask_id=mask_id, eos_id=model.eos_id, eot_id=model.eot_id, state=st.state,
-            win_hi=win_hi, canvas=x, row_key=st.row_key, row_step=st.row_nfe,
-        )
-        res = sampler.step(logits, ctx)
-        commit = res.commit & cand
-        if res.finish is not None:  # early commit: the row takes the proposal at every mask left, and stops
-            commit = commit | (res.finish[:, None] & st.active[:, None] & (xw == mask_id))
-            hi = torch.where(res.finish & st.active, torch.full_like(hi, T), hi)
-        prop = res.proposal
-        if prop.shape == xw.shape and prop.dtype == x.dtype and \
-                prop.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
-            torch.where(commit, prop, xw, out=xw)  # the canvas's window in place: one kernel, no copy back
-        else:  # a proposal that broadcasts, casts or reads the canvas itself: computed apart, then copied
-            x[:, w_lo:w_hi] = torch.where(commit, prop, xw)
-        st.commit_step[:, w_lo:w_hi].masked_fill_(commit, st.nfe + 1)
-        if st.commit_logprob is not None or st.commit_top_ids is not None:
-            lf = logits.float()
-            lse = torch.logsumexp(lf, -1)
-            if st.commit_logprob is not None:
-                lp = lf.gather(-1, res.proposal[..., None]).squeeze(-1) - lse
-                st.commit_logprob[:, w_lo:w_hi] = torch.where(commit, lp, st.commit_logprob[:, w_lo:w_hi])
-            if st.commit_top_ids is not None:
-                top, ids = lf.topk(st.commit_top_ids.shape[-1], -1)
-                keep = commit[..., None]
-                st.commit_top_ids[:, w_lo:w_hi] = torch.where(keep, ids, st.commit_top_ids[:, w_lo:w_hi])
-                st.commit_top_logprobs[:, w_lo:w_hi] = torch.where(keep, top - lse[..., None],
-                                                                   st.commit_top_logprobs[:, w_lo:w_hi])
-        committed = torch.zeros_like(st.committed)
-        committed[:, w_lo:w_hi] = commit
+        if self._commit_graph and not self.rows_move:
+            bad, record, head, pace = self._commit_graphed(st, logits, w_lo, w_hi, win_hi, cols)
+        else:
+            bad, record, head, pace = self._commit(st, logits, w_lo, w_hi, win_hi, cols, st.nfe + 1)
         t2 = clock.mark()
         clock.add("cache", tc, t0)
         clock.add("model", t0, t1)
         clock.add("sampler", t1, t2)
         st.nfe += 1
-        st.row_nfe.add_(st.active)
-        st.step_in += 1
-        # early commit (Prophet's all-in step, a guided row's EOS fill): recorded on every step, False when none
-        early = res.finish & st.active if res.finish is not None else self._no_rows(st.active)
-        # lo and hi are kept, not copied: the loop replaces its per-row tensors, it never writes into them
-        st.trace.append({"committed": commit.sum(-1), "lo": lo, "hi": hi, "early_commit": early,
-                         **pinfo, **res.info, **cstats})
-        x, hi, committed, left = self._advance(st, x, lo, hi, committed)
-        st.x, st.committed = x, committed
-        if self.slide is not None:
-            st.lo, st.hi = self.slide(x == mask_id, st.lo)
+        st.trace.append({**record, **cstats})
         # the next step's cache plan (active rows, partial or full, largest active set), read in this sync
         nxt = self._plan_next(st)
-        # the pipelined graph path also reads how far the regions are from their end and each row's steps in its
-        # region (_launch_early)
-        pace = (torch.where(st.active, left, T).min(), st.trace[-1]["committed"].max()) if self._pipelined else ()
-        numbers = [st.active.any(), bad.any(), *self._window_ends(st), *(nxt[1] if nxt is not None else ()), *pace]
-        host = torch.cat([*(t.view(1) for t in numbers),  # one kernel; the bools count as 0 / 1
-                          *((torch.where(st.active, st.step_in, -1),) if self._pipelined else ())])
+        host = torch.cat([*head, *(t.view(1) for t in (nxt[1] if nxt is not None else ())), *pace])  # one kernel
         # a partial forward replayed from a graph: the next one is expected alike (same shapes and window), so it is
         # planned and its graph's inputs filled now, while the device still works on this step
         # (and, where the regions look far from their end, launched now: _sync)
@@ -751,6 +713,107 @@ class Decoder:
         if running and st.nfe >= self.max_iters:
             raise RuntimeError(f"decoding made no progress after {st.nfe} steps; sampler {sampler!r} commits nothing")
         return bool(running)
+
+    def _commit(self, st: DecodeState, logits, w_lo: int, w_hi: int, win_hi: int, cols, done):
+        """A step's work after its forward: the non-finite check, the sampler, the commits into the canvas and
+        their records, the regions' bookkeeping (:meth:`_advance`) and the numbers the step's synchronisation reads.
+        Advances ``st``'s tensors (not ``st.nfe`` or its trace); ``done``: the forwards done with this one (an int,
+        or on the step graph's path a 0-d tensor on the device, :meth:`_commit_graphed`). Returns the ``[B, W]``
+        non-finite mask, the step's trace record (without the cache's statistics), and the synchronisation's numbers
+        before the cache's plan (rows left, non-finite logits, the next window's ends) and after it (the pipelined
+        path's pace), as 1-d tensors."""
+        model, config, sampler = self.model, self.config, self.sampler
+        x, lo, hi, P = st.x, st.lo, st.hi, st.P
+        B, T = x.shape
+        mask_id = model.mask_id
+        xw = x[:, w_lo:w_hi]
+        pinfo = {}
+        in_region = (cols[None] >= lo[:, None]) & (cols[None] < hi[:, None])
+        # Non-finite logits (NaN anywhere, +inf, or no finite entry) at a window position of an unfinished row: the
+        # position's logits are zeroed so no sampler trips over them, and the step's host sync raises.
+        top = logits.amax(-1)
+        bad = st.active[:, None] & ((top - top) != 0)  # not finite (NaN or inf), in two kernels where isfinite takes five
+        if not _host_check_free(logits) or bool(bad.any()):  # on CPU the check spares a pass over the logits
+            logits.masked_fill_(bad[..., None], 0.0)
+        if self.refine is not None:
+            fresh = st.active & (st.step_in == 0)
+            hi, st.steps, pinfo = self.refine(logits, w_lo, lo, hi, st.steps, fresh, config)
+            in_region = (cols[None] >= lo[:, None]) & (cols[None] < hi[:, None])
+            st.n_start = torch.where(fresh, ((xw == mask_id) & in_region).sum(-1), st.n_start)
+        cand = (xw == mask_id) & in_region & st.active[:, None]
+        ctx = StepContext(
+            x=xw, cand=cand, step=st.step_in, steps=st.steps, n_region_start=st.n_start, region_lo=lo,
+            region_hi=hi, win_lo=w_lo, canvas_len=T, gen_lo=P, global_step=st.nfe, total_steps=config.total_steps,
+            generator=st.generator, mask_id=mask_id, eos_id=model.eos_id, eot_id=model.eot_id, state=st.state,
+            win_hi=win_hi, canvas=x, row_key=st.row_key, row_step=st.row_nfe,
+        )
+        res = sampler.step(logits, ctx)
+        commit = res.commit & cand
+        if res.finish is not None:  # early commit: the row takes the proposal at every mask left, and stops
+            commit = commit | (res.finish[:, None] & st.active[:, None] & (xw == mask_id))
+            hi = torch.where(res.finish & st.active, torch.full_like(hi, T), hi)
+        prop = res.proposal
+        if prop.shape == xw.shape and prop.dtype == x.dtype and \
+                prop.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
+            torch.where(commit, prop, xw, out=xw)  # the canvas's window in place: one kernel, no copy back
+        else:  # a proposal that broadcasts, casts or reads the canvas itself: computed apart, then copied
+            x[:, w_lo:w_hi] = torch.where(commit, prop, xw)
+        _put(st.commit_step[:, w_lo:w_hi], commit, done)
+        if st.commit_logprob is not None or st.commit_top_ids is not None:
+            lf = logits.float()
+            lse = torch.logsumexp(lf, -1)
+            if st.commit_logprob is not None:
+                lp = lf.gather(-1, res.proposal[..., None]).squeeze(-1) - lse
+                st.commit_logprob[:, w_lo:w_hi] = torch.where(commit, lp, st.commit_logprob[:, w_lo:w_hi])
+            if st.commit_top_ids is not None:
+                top, ids = lf.topk(st.commit_top_ids.shape[-1], -1)
+                keep = commit[..., None]
+                st.commit_top_ids[:, w_lo:w_hi] = torch.where(keep, ids, st.commit_top_ids[:, w_lo:w_hi])
+                st.commit_top_logprobs[:, w_lo:w_hi] = torch.where(keep, top - lse[..., None],
+                                                                   st.commit_top_logprobs[:, w_lo:w_hi])
+        committed = torch.zeros_like(st.committed)
+        committed[:, w_lo:w_hi] = commit
+        st.row_nfe.add_(st.active)
+        st.step_in += 1
+        # early commit (Prophet's all-in step, a guided row's EOS fill): recorded on every step, False when none
+        early = res.finish & st.active if res.finish is not None else self._no_rows(st.active)
+        # lo and hi are kept, not copied: the loop replaces its per-row tensors, it never writes into them
+        record = {"committed": commit.sum(-1), "lo": lo, "hi": hi, "early_commit": early, **pinfo, **res.info}
+        x, hi, committed, left = self._advance(st, x, lo, hi, committed, done)
+        st.x, st.committed = x, committed
+        if self.slide is not None:
+            st.lo, st.hi = self.slide(x == mask_id, st.lo)
+        head = [t.view(1) for t in (st.active.any(), bad.any(), *self._window_ends(st))]  # the bools count as 0 / 1
+        # the pipelined graph path also reads how far the regions are from their end and each row's steps in its
+        # region (_launch_early)
+        pace = [torch.where(st.active, left, T).min().view(1), record["committed"].max().view(1),
+                torch.where(st.active, st.step_in, -1)] if self._pipelined else []
+        return bad, record, head, pace
+
+    def _commit_graphed(self, st: DecodeState, logits, w_lo: int, w_hi: int, win_hi: int, cols):
+        """:meth:`_commit` as one CUDA graph (:meth:`GraphRunner.tail`: keyed by the window, captured the second time
+        its key is seen), on static copies of the decode state's tensors (:class:`_StepBank`): ``st``'s tensors are
+        the bank's, advanced in place by each replay, the logits copied into the bank's, the forwards counted on the
+        device. The trace record is copied out of the graph's outputs (one copy per dtype), as the next replay
+        overwrites them. On the CPU (``capture=False``) the same body runs on the same static memory."""
+        runner = self.graphs
+        bank = self._bank = _StepBank.of(runner, st, logits)
+        bank.bind(st, logits)
+        self._false = bank.no_rows  # the trace's all-False record, read by the graph: the bank's, not this call's
+        key = ("step", bank.serial, w_lo, w_hi, win_hi, st.P, self._commit_graph)
+
+        def body():
+            done = bank.nfe + 1
+            bad, record, head, pace = self._commit(st, bank.logits, w_lo, w_hi, win_hi, cols, done)
+            layout, packed = _pack(record)  # before the state is written back: the record reads lo and hi
+            bank.write_back(st, done)
+            return bad, torch.cat(head), torch.cat(pace) if pace else None, packed, layout
+
+        with on_device(bank.logits):  # a capture records the model's device
+            bad, head, pace, packed, layout = runner.tail(key, body, keep=bank)
+        bank.stepped(st)
+        record = _unpack(layout, [t.clone() for t in packed])
+        return bad, record, [head], [pace] if pace is not None else []
 
     def _speculate(self, st: DecodeState, logits_idx, query_idx, n_query, first=None) -> torch.Tensor:
         """The logits of a speculative cache's partial forward (Elastic-Cache on the graph path): run without host
@@ -936,9 +999,10 @@ class Decoder:
         # and the next forward's launch, while the device waits, is host work only
         return mask, counts, cache.plan_rows(cstate, mask)
 
-    def _advance(self, st: DecodeState, x, lo, hi, committed):
+    def _advance(self, st: DecodeState, x, lo, hi, committed, forwards):
         """Region bookkeeping after a step's commits, vectorised over rows: finished regions, EOS early stop,
-        the next region of each row. Updates ``st`` and returns the canvas, region ends and last commits."""
+        the next region of each row (``forwards``: the forwards done with this step, :meth:`_commit`). Updates ``st`` and
+        returns the canvas, region ends, last commits and each row's masks left in its region (pipelined path)."""
         model, config, cols_all, P, T = self.model, self.config, self.cols_all, st.P, x.shape[1]
         masked = x == model.mask_id
         # a sliding window's row is done only when no mask is left anywhere after its start
@@ -960,12 +1024,12 @@ class Decoder:
             fill_from = first if self.slide is not None else hi - 1
             fill = stopped[:, None] & (cols_all[None] > fill_from[:, None])
             x = torch.where(fill, torch.full_like(x, model.eos_id), x)
-            st.commit_step.masked_fill_(fill & (st.commit_step < 0), st.nfe)
+            _put(st.commit_step, fill & (st.commit_step < 0), forwards)
             committed = committed | fill
             hi = torch.where(stopped, torch.full_like(hi, T), hi)
         new_lo = torch.where(done, hi if self.slide is None else torch.full_like(hi, T), lo)
         finished_now = done & (new_lo >= T)
-        st.finish = st.finish.masked_fill(finished_now, st.nfe)
+        st.finish = _put(st.finish, finished_now, forwards, inplace=False)
         unfinished = ~finished_now
         st.active = st.active & unfinished
         advance = done & unfinished
@@ -982,6 +1046,8 @@ class Decoder:
         return x, hi, committed, left
 
     def output(self, st: DecodeState) -> GenerateOutput:
+        if self._bank is not None:  # the result's tensors are the state's own, not the step graphs' bank
+            self._bank.release(st)
         t = self.clock.totals()
         time_total = time.perf_counter() - self.t_start
         B, G = len(st.rows), self.config.gen_length
@@ -1003,14 +1069,118 @@ class Decoder:
             commit_top_ids=st.commit_top_ids[:, st.P :].tolist() if st.commit_top_ids is not None else [],
             commit_top_logprobs=st.commit_top_logprobs[:, st.P :].tolist() if st.commit_top_logprobs is not None
             else [],
-            graphs={k: v - self._graph_stats0.get(k, 0) for k, v in self.graphs.stats.items()
-                    if v != self._graph_stats0.get(k, 0)} if self.graphs is not None else {},
+            graphs=_since(self.graphs.stats, self._graph_stats0) if self.graphs is not None else {},
+            step_graphs=_since(self.graphs.tail_stats, self._tail_stats0) if self.graphs is not None else {},
             sampler=_name_of(self.sampler),
             cache=_name_of(self.cache),
             cache_bytes=int(getattr(self.cache, "nbytes", 0) or 0),
             block_length=_fixed_block_length(self.policy, self.config),
         )
         return GenerateOutput(seqs, decode_texts(self.model, seqs), [len(r) for r in st.rows], stats)
+
+
+_BANKED = ("x", "positions", "lo", "hi", "steps", "step_in", "n_start", "active", "finish", "row_nfe", "committed",
+           "commit_step", "commit_logprob", "commit_top_ids", "commit_top_logprobs", "row_key")
+_bank_serial = iter(range(1 << 62))
+
+
+class _StepBank:
+    """Static copies of a decode state's tensors (:data:`_BANKED`), its logits and its forwards' count: the memory the
+    step graphs (:meth:`Decoder._commit_graphed`) read and write. One per shape, kept by the model's
+    :class:`GraphRunner` (``banks``), so that a graph captured in one call replays in the next. A state is bound to
+    it (its tensors are the bank's) while its steps run on it; another state of the same shape taking it over gives
+    the last one copies of them."""
+
+    def __init__(self, st: DecodeState, logits: torch.Tensor):
+        self.t = {f: torch.empty_like(getattr(st, f)) for f in _BANKED if getattr(st, f) is not None}
+        self.logits = torch.empty_like(logits)
+        self.nfe = torch.zeros((), dtype=torch.long, device=logits.device)
+        self.no_rows = torch.zeros_like(st.active)
+        self.serial = next(_bank_serial)
+        self.owner = None  # weakref to the bound state
+        self.nfe_host = None  # the state's forwards the device's count holds (None: not known)
+
+    @classmethod
+    def of(cls, runner: GraphRunner, st: DecodeState, logits: torch.Tensor) -> _StepBank:
+        key = (tuple((f, tuple(t.shape), t.dtype) for f in _BANKED if (t := getattr(st, f)) is not None),
+               tuple(logits.shape), logits.dtype, logits.device)
+        bank = runner.banks.get(key)
+        if bank is None:
+            bank = runner.banks[key] = cls(st, logits)
+            while len(runner.banks) > runner.max_banks:
+                runner.drop_tails(runner.banks.popitem(last=False)[1])
+        else:
+            runner.banks.move_to_end(key)
+        return bank
+
+    def bind(self, st: DecodeState, logits: torch.Tensor) -> None:
+        """Make ``st``'s tensors the bank's (copying those that are not) and copy ``logits`` in."""
+        owner = self.owner() if self.owner is not None else None
+        if owner is not None and owner is not st:  # the last state keeps its values, in tensors of its own
+            self.release(owner)
+        self.owner = weakref.ref(st)
+        self.write_back(st)
+        self.logits.copy_(logits)
+        if self.nfe_host != st.nfe:
+            self.nfe.fill_(st.nfe)
+
+    def release(self, st: DecodeState) -> None:
+        """Give ``st`` copies of the bank's tensors it holds (its output is read from them; the bank's are the next
+        decode's)."""
+        for f, b in self.t.items():
+            if getattr(st, f) is b:
+                setattr(st, f, b.clone())
+        if self.owner is not None and self.owner() is st:
+            self.owner, self.nfe_host = None, None
+
+    def write_back(self, st: DecodeState, done: torch.Tensor | None = None) -> None:
+        """Copy into the bank each of ``st``'s tensors that is not the bank's (the step's new ones), and make it the
+        bank's; ``done``: the forwards' count after the step."""
+        if done is not None:
+            self.nfe.copy_(done)
+        for f, b in self.t.items():
+            live = getattr(st, f)
+            if live is not b:
+                b.copy_(live)
+                setattr(st, f, b)
+
+    def stepped(self, st: DecodeState) -> None:
+        """After a step on the bank (``st.nfe`` not yet counted up): a replay wrote its tensors in place without
+        their version counters knowing (the graph path's inputs are copied again where a tensor's version moved)."""
+        self.nfe_host = st.nfe + 1
+        for b in self.t.values():
+            torch.autograd.graph.increment_version(b)
+
+
+def _since(counts, before: dict) -> dict[str, int]:
+    """The counts added since ``before`` (a runner's counters are the model's, across calls)."""
+    return {k: v - before.get(k, 0) for k, v in counts.items() if v != before.get(k, 0)}
+
+
+def _put(t: torch.Tensor, mask: torch.Tensor, value, inplace: bool = True) -> torch.Tensor:
+    """``t`` with ``value`` where ``mask`` (in place, or a new tensor), in one kernel: ``value`` an int, or on the step
+    graphs' path a 0-d tensor on the device (read there: ``masked_fill`` may read a tensor value on the host)."""
+    if isinstance(value, torch.Tensor):
+        return torch.where(mask, value, t, out=t) if inplace else torch.where(mask, value, t)
+    return t.masked_fill_(mask, value) if inplace else t.masked_fill(mask, value)
+
+
+def _pack(record: dict) -> tuple[tuple, list[torch.Tensor]]:
+    """A trace record's tensors flattened into one per dtype, and the layout :func:`_unpack` rebuilds it from."""
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    layout = []
+    for k, v in record.items():
+        if isinstance(v, torch.Tensor):
+            ts = groups.setdefault(v.dtype, [])
+            layout.append((k, list(groups).index(v.dtype), sum(t.numel() for t in ts), tuple(v.shape)))
+            ts.append(v)
+        else:
+            layout.append((k, None, v, None))
+    return tuple(layout), [torch.cat([t.reshape(-1) for t in ts]) for ts in groups.values()]
+
+
+def _unpack(layout: tuple, flat: list[torch.Tensor]) -> dict:
+    return {k: v if g is None else flat[g][v:v + math.prod(shape)].view(shape) for k, g, v, shape in layout}
 
 
 def _trace_lists(trace: list[dict]) -> list[dict]:

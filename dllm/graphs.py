@@ -50,7 +50,10 @@ few hundred kernel launches.
   guidance, mixtures of experts and models other than dllm's own Transformer run eagerly; :attr:`GraphRunner.stats`
   counts replays, captures (``full ...`` for full forwards, ``resume ...`` / ``redo ...`` for the parts of a
   speculative forward) and each eager reason (``eager:full forward`` for the full forwards run eagerly), and the
-  decode loop's trace records what each step did.
+  decode loop's trace records what each step did;
+* a step's work after its forward (the sampler, the commits, the regions' bookkeeping: ``Decoder._commit``) is a
+  graph of its own where the sampler allows it (:meth:`GraphRunner.tail`, keyed by the window; counted apart,
+  :attr:`GraphRunner.tail_stats`), on static copies of the decode state kept here (``banks``).
 
 The eager forward is the readable path and the oracle: with ``capture=False`` the runner keeps the same static
 buffers and key bookkeeping but "replays" by running the forward on them (what the CPU tests exercise); on CUDA
@@ -164,6 +167,18 @@ class _Graph:
 
 
 @dataclass
+class _Tail:
+    """A decode step's work after its forward as a graph (:meth:`GraphRunner.tail`)."""
+
+    keep: Any = None  # the memory it runs on, alive as long as the graph
+    seen: int = 0
+    captured: bool = False
+    failed: bool = False
+    graph: Any = None  # torch.cuda.CUDAGraph, or None (capture=False: each replay runs the work)
+    out: Any = None  # the captured graph's outputs
+
+
+@dataclass
 class Prepared:
     """A partial forward made ready for :meth:`GraphRunner.replay` (:meth:`GraphRunner.prepare`)."""
 
@@ -211,6 +226,15 @@ class GraphRunner:
         #: allocates its own). Between calls the pool holds the last calls' buffers: :meth:`clear` frees them
         self.buffers: BufferPool | None = BufferPool()
         self._signature = self._model_signature()  # the model's tensors the graphs read (check_model)
+        #: the decode steps' work after their forwards, one graph per key (:meth:`tail`), and the static decode
+        #: states they run on (``dllm.generate._StepBank``, one per shape), kept here so that the next call replays
+        #: what an earlier one captured
+        self.tails: OrderedDict[tuple, _Tail] = OrderedDict()
+        #: their counts: ``replays``, ``captures``, ``eager:first sight`` / ``eager:capture failed``, ``evicted``
+        self.tail_stats: Counter = Counter()
+        self.banks: OrderedDict[tuple, Any] = OrderedDict()
+        self.max_tails, self.max_banks = 4 * max_graphs, 4
+        self.tail_pool = torch.cuda.graph_pool_handle() if self.capture else None
         self._dtype = model.dtype  # part of every key; read again with the signature (check_model)
 
     @classmethod
@@ -518,9 +542,72 @@ class GraphRunner:
             del self.graphs[k]
             self.stats["evicted"] += 1
 
+    # -- the step after its forward ---------------------------------------------------------------------------
+    def tail(self, key: tuple, fn, keep: Any = None):
+        """``fn()``: a decode step's work after its forward (``Decoder._commit_graphed``), which reads and writes only
+        memory that outlives it (the decode state's static copies, ``keep``, kept alive as long as the graph) and
+        returns its outputs (tensors, and Python values that are the same at every run of ``key``). Run eagerly the
+        first time ``key`` is seen, captured as a CUDA graph the second (its warm-up is that step's work) and
+        replayed after: the outputs returned are then the graph's, overwritten by its next replay. Counted in
+        :attr:`tail_stats`.
+        With ``capture=False`` every run is ``fn()`` on the same memory (the CPU twin). Its own memory pool: the
+        forwards' replays never overwrite its outputs."""
+        t = self.tails.get(key)
+        if t is None:
+            t = self.tails[key] = _Tail(keep=keep)
+            while len(self.tails) > self.max_tails:
+                self.tails.popitem(last=False)
+                self.tail_stats["evicted"] += 1
+        else:
+            self.tails.move_to_end(key)
+        t.seen += 1
+        if t.failed or (not t.captured and t.seen < self.capture_after):
+            self.tail_stats["eager:" + ("capture failed" if t.failed else "first sight")] += 1
+            return fn()
+        if not t.captured:
+            self.tail_stats["captures"] += 1
+            with pinned_aranges():  # the aranges it reads live as long as the graph may replay them
+                return self._capture_tail(t, fn)
+        self.tail_stats["replays"] += 1
+        if t.graph is None:  # capture=False: the same work on the same memory
+            return self._tail_body(t, fn)
+        t.graph.replay()
+        return t.out
+
+    def _tail_body(self, t: _Tail, fn):
+        return fn()
+
+    def _capture_tail(self, t: _Tail, fn):
+        t.captured = True
+        if not self.capture:
+            return self._tail_body(t, fn)
+        # the warm-up is this step's work, on a side stream (lazy initialisations happen here, never in the capture)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        try:
+            with torch.cuda.stream(s):
+                out = fn()
+        finally:
+            torch.cuda.current_stream().wait_stream(s)
+        try:
+            t.graph, t.out = capture_graph(fn, pool=self.tail_pool)
+        except Exception as exc:  # an operation that cannot be captured: this key stays eager
+            log.warning("CUDA graph capture of a decode step's sampler failed (%s: %s); running it eagerly",
+                        type(exc).__name__, exc)
+            t.graph, t.out, t.failed = None, None, True
+        return out
+
+    def drop_tails(self, keep: Any) -> None:
+        """Drop the step graphs that run on ``keep`` (a bank given up: its memory may be reused)."""
+        for k in [k for k, t in self.tails.items() if t.keep is keep]:
+            del self.tails[k]
+            self.tail_stats["evicted"] += 1
+
     def clear(self) -> None:
         """Drop every graph (and its memory) and the pool's free K/V buffers (buffers lent to a cache stay with it)."""
         self.graphs.clear()
+        self.tails.clear()
+        self.banks.clear()
         if self.buffers is not None:
             self.buffers.clear()
 

@@ -189,7 +189,7 @@ def top2_values(x: torch.Tensor) -> torch.Tensor:
 def mask_column_excluded(x: torch.Tensor, mask_id: int):
     """``x[..., mask_id] = -inf`` for the duration of the block, restored on exit (in place, no copy)."""
     saved = x[..., mask_id].clone()
-    x[..., mask_id] = float("-inf")
+    x[..., mask_id].fill_(float("-inf"))  # a number baked into the kernel (x[...] = number lifts a host tensor)
     try:
         yield x
     finally:

@@ -82,31 +82,49 @@ def test_the_cached_fast_layer_launches_nine_kernels(cache, triton_backend):
 
 
 @pytest.mark.parametrize("sampler, budget", [("llada", 106), ("threshold", 103)])
-def test_the_decode_loops_own_kernels_per_cached_step_stay_within_budget(sampler, budget, triton_backend):
+def test_the_decode_loops_own_kernels_per_cached_step_stay_within_budget(sampler, budget, triton_backend,
+                                                                         monkeypatch):
     """A dual-cache step's kernels outside its forward (the confidence kernels, the sampler's rule, the commits, the
     region bookkeeping, the next plan, the step's one stack of host numbers, the graph inputs' copies under the
-    guard of a forward launched before the synchronisation), counted as the CUDA path runs them: at most ``budget``
+    guard of a forward launched before the synchronisation), counted as the CUDA path runs them with the step's
+    work after its forward eager (``Decoder.step_graphs`` off): at most ``budget``
     (119 and 117 before the loop was trimmed, 96 and 93 before the early launch added its guard and the regions'
     pace: 8 kernels that spare the device its wait for the host at every step; 104 and 101 before the step read
     each row's step in its region, a ``where`` and its scalar, which spares a forward launched ahead of every
     refresh a policy schedules). On a GPU each is a launch and a few microseconds of device time in every
     step."""
+    monkeypatch.setattr(Decoder, "step_graphs", False)
     dec, st = _tiny_decoder(2, sampler, "dual", 4)
     loop, forward, counts = _loop_kernels(dec, st)
     assert len(forward) == 1 and st.trace[-1]["refresh_layer"] == -1  # one partial forward
     assert 0 < loop <= budget, counts
 
 
-def _loop_kernels(dec, st):
+@pytest.mark.parametrize("sampler", ["llada", "threshold"])
+def test_with_the_step_graph_the_host_launches_few_kernels_per_cached_step(sampler, triton_backend):
+    """The same step with its work after the forward as one graph (``Decoder._commit_graphed``): the host launches
+    the forward's graph, the step graph, the logits' copy into it, the trace record's copies out, the next plan, the
+    synchronisation's concatenation and the guarded copies of the next forward's inputs; at most 40 kernels where it
+    launched over a hundred, the step graph's own kernels (about ninety) replayed in one launch."""
+    dec, st = _tiny_decoder(2, sampler, "dual", 4)
+    loop, forward, counts, tail = _loop_kernels(dec, st, tails=True)
+    assert len(forward) == 1 and len(tail) == 1 and st.trace[-1]["refresh_layer"] == -1
+    assert tail[0] > 80  # the work the graph holds
+    host = loop - tail[0] + 2  # the graphs' kernels as their launches
+    assert host <= 40, counts
+
+
+def _loop_kernels(dec, st, tails: bool = False):
     """``(kernels outside the forwards, each forward's kernels, the counter's counts)`` of one step, counted as the
-    CUDA path runs it (the forwards: the graph runner's, replayed as graphs there)."""
+    CUDA path runs it (the forwards: the graph runner's, replayed as graphs there); with ``tails``, also each step
+    graph's kernels (``GraphRunner.tail``'s runs, counted in the first number too)."""
     import importlib
 
     from dllm.graphs import GraphRunner
 
     G = importlib.import_module("dllm.generate")
-    forward = []
-    orig, free = GraphRunner._forward, G._host_check_free
+    forward, tail = [], []
+    orig, orig_tail, free = GraphRunner._forward, GraphRunner._tail_body, G._host_check_free
 
     with LaunchCounter() as counter:
         def counted(self, g, cache):
@@ -115,12 +133,20 @@ def _loop_kernels(dec, st):
             forward.append(counter.total - n0)
             return out
 
+        def counted_tail(self, t, fn):
+            n0 = counter.total
+            out = orig_tail(self, t, fn)
+            tail.append(counter.total - n0)
+            return out
+
         GraphRunner._forward, G._host_check_free = counted, (lambda t: False)  # the path a CUDA run takes
+        GraphRunner._tail_body = counted_tail
         try:
             dec.step(st)
         finally:
-            GraphRunner._forward, G._host_check_free = orig, free
-    return counter.total - sum(forward), forward, dict(counter.counts)
+            GraphRunner._forward, GraphRunner._tail_body, G._host_check_free = orig, orig_tail, free
+    out = (counter.total - sum(forward), forward, dict(counter.counts))
+    return (*out, tail) if tails else out
 
 
 def test_elastic_cache_adds_few_kernels_to_the_loop_outside_its_graphs(triton_backend):

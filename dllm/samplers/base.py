@@ -132,6 +132,15 @@ class SamplerBase:
     def bind_model(self, model):
         return self
 
+    def graph_safe(self) -> bool:
+        """Whether :meth:`step` is a function of its tensors alone, so that the decode loop may capture it in a CUDA
+        graph with the rest of the step's work after the forward (``Decoder._commit_graphed``) and replay it: no
+        host synchronisation, no tensor made from host data, no Python decision on device values, nothing kept in
+        :attr:`StepContext.state` or drawn from ``ctx.generator``, ``ctx.global_step`` unread, and its trace
+        record's keys, shapes and dtypes the same at every step of a window. Default False: the step runs
+        eagerly."""
+        return False
+
     def move_rows(self, state: dict, d: int, keep: torch.Tensor | None, n_new: int, *,
                   canvas: torch.Tensor | None = None, gen_lo: int = 0, eos_id: int | None = None) -> None:
         """Move the per-row scratch state this sampler keeps in ``state`` (:attr:`StepContext.state`) with the rows

@@ -102,6 +102,11 @@ class LLaDASampler(SamplerBase):
         commit = select_topk(conf, ctx.cand, even_quota(ctx))
         return StepResult(torch.where(ctx.cand, x0, ctx.x), commit)
 
+    def graph_safe(self) -> bool:
+        """Stateless; its noise is each row's counter-based stream (``noise_scope="row"``) or none at all (greedy
+        low-confidence decoding)."""
+        return self.noise_scope == "row" or (self.temperature == 0 and self.remasking == "low_confidence")
+
     def _fused(self, logits: torch.Tensor, ctx: StepContext) -> bool:
         """Whether this step's proposal and score come from :func:`dllm.kernels.confidence_stats`."""
         eligible = (self.temperature == 0 and self.remasking == "low_confidence"

@@ -62,6 +62,8 @@ def _check_tau(name: str, value) -> None:
 class Quota:
     """LLaDA's even schedule: the ``n // S (+1)`` most confident candidates (``S``: the region's steps)."""
 
+    graph_safe = True  # stateless, no host reads: its select may run inside a CUDA graph
+
     def select(self, conf, ctx, *, logits=None, probs=None):
         return select_topk(conf, ctx.cand, even_quota(ctx)), {}
 
@@ -78,6 +80,8 @@ class Ascending:
     reference's 8 steps); ``steps`` caps it (the reference's ``steps`` argument: everything left is committed
     at step ``steps - 1``; L = 255 with ``steps=7`` gives the reference's 1, ..., 32, 192).
     """
+
+    graph_safe = True  # stateless, no host reads: its select may run inside a CUDA graph
 
     steps: int | None = None
     per_region: bool = False
@@ -109,6 +113,8 @@ class Threshold:
     vectorised form ``conf >= min(tau, max_conf - 1e-5)`` is ``max_slack=1e-5``).
     """
 
+    graph_safe = True  # stateless, no host reads: its select may run inside a CUDA graph
+
     tau: float = 0.9
     max_slack: float = 0.0
     #: ``select`` returns a commit within ``ctx.cand`` that already holds each row's most confident candidate:
@@ -137,6 +143,8 @@ class Factor:
     when the first failing position is the last candidate, it is accepted too.
     """
 
+    graph_safe = True  # stateless, no host reads: its select may run inside a CUDA graph
+
     factor: float = 1.0
     quirk: bool = False
 
@@ -150,7 +158,7 @@ class Factor:
         vals = torch.sort(conf.masked_fill(~cand, NEG_INF), dim=-1, descending=True, stable=True).values
         n = torch.arange(1, W + 1, device=conf.device, dtype=vals.dtype)
         thr = 1 - self.factor / (n + 1)
-        thr[0] = NEG_INF
+        thr[0].fill_(NEG_INF)  # a number baked into the kernel (thr[0] = number lifts a host tensor)
         k = (vals >= thr).long().cumprod(-1).sum(-1)  # longest accepted prefix (non-candidates sort last: -inf)
         if self.quirk:
             n_cand = cand.sum(-1)
@@ -166,6 +174,8 @@ class LocalLeap:
     between; the neighbourhood may reach outside the region but only candidates are committed.
     ``tau=None`` is Fast-dLLM's threshold rule at ``kappa``.
     """
+
+    graph_safe = True  # stateless, no host reads: its select may run inside a CUDA graph
 
     kappa: float = 0.9
     tau: float | None = 0.75
@@ -547,6 +557,8 @@ class EntropyBound:
     ``confidence`` score; ties in entropy are ordered by column.
     """
 
+    graph_safe = True  # stateless, no host reads: its select may run inside a CUDA graph
+
     gamma: float = 0.01
 
     def __post_init__(self):
@@ -583,6 +595,8 @@ class EntropyThreshold:
     The entropy is ``-sum p log(p + 1e-12)`` of the full-vocabulary softmax in float64, as the reference
     computes it."""
 
+    graph_safe = True  # stateless, no host reads: its select may run inside a CUDA graph
+
     threshold: float = 0.5
 
     def __post_init__(self):
@@ -594,5 +608,6 @@ class EntropyThreshold:
         ent = d3llm_entropy(logits).masked_fill(~cand, math.inf)
         best = ent.argmin(-1)  # the first of equal minima: the lower column
         commit = (ent <= self.threshold) & cand
-        commit = commit | (torch.nn.functional.one_hot(best, ent.shape[-1]).bool() & cand.any(-1, keepdim=True))
+        # the one-hot of best as a comparison (one_hot checks its indices on the host)
+        commit = commit | ((ops.cached_arange(ent.shape[-1], ent.device) == best[:, None]) & cand.any(-1, keepdim=True))
         return commit & cand, {}

@@ -1,0 +1,274 @@
+"""A decode step's work after its forward as one CUDA graph (``Decoder._commit_graphed``), checked on the CPU.
+
+On the graph path, for a sampler whose step is a function of its tensors alone (``SamplerBase.graph_safe``), the
+sampler, the commits into the canvas, their records and the regions' bookkeeping run as one graph per window
+(``GraphRunner.tail``) on static copies of the decode state (``_StepBank``). On the CPU the runner's static-buffer
+path (``capture=False``) runs that very work at each "replay"; here it must decode what the eager step decodes
+(tokens, trace, commit steps, finish steps), across calls and interleaved decodes, and every run of a key must issue
+the capture's operators with its arguments on its memory, without host synchronisation (``tests/op_trace.py``,
+as ``test_graph_replay_safety.py`` checks the forwards).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+from collections import Counter
+
+import pytest
+import torch
+from conftest import random_model
+from op_trace import OpTrace, compare
+from sync_counter import SyncCounter
+
+import dllm
+import dllm.ops as dllm_ops
+from dllm.generate import Decoder, _StepBank
+from dllm.graphs import GraphRunner
+from dllm.recipes import resolve
+from dllm.samplers import SAMPLERS, get_sampler
+from dllm.samplers.composed import ComposedSampler
+from dllm.samplers.llada import LLaDASampler
+from dllm.samplers.rules import Threshold
+
+GEN = importlib.import_module("dllm.generate")  # the module (dllm.generate is also the function)
+
+
+def _sampler(name, t: float = 0.0):
+    if not isinstance(name, str):  # a sampler object
+        return name
+    return get_sampler(name, **({"delimiters": (5, 6, 7)} if name == "adablock" else {}),
+                       **({"temperature": t} if t else {}))
+
+
+#: the registered samplers whose step may run as a graph (their parameters' defaults, greedy)
+SAFE = [n for n in SAMPLERS if _sampler(n).graph_safe()]
+PROMPTS = ([[5, 6, 7], [8, 9, 10, 11, 12], [13]], [[20, 21, 22, 23, 27], [24], [25, 26]])  # one canvas, two calls
+
+
+def _decode(model, name, cache, calls=PROMPTS, t=0.0, step_graphs=True, **kw):
+    """``generate`` on the graph path once per prompt set of ``calls``, with or without the step graphs."""
+    saved = Decoder.step_graphs
+    Decoder.step_graphs = step_graphs
+    try:
+        return [dllm.generate(model, prompts, sampler=_sampler(name, t), cache=cache, graphs="on", gen_length=16,
+                              block_length=8, steps=16, seed=1, **kw) for prompts in calls]
+    finally:
+        Decoder.step_graphs = saved
+
+
+def _same(a, b):
+    assert torch.equal(a.sequences, b.sequences)
+    for f in ("trace", "commit_step", "finish_step", "row_nfe", "nfe", "commit_logprob", "commit_top_ids",
+              "commit_top_logprobs"):
+        assert repr(getattr(a.stats, f)) == repr(getattr(b.stats, f)), f  # NaN (AdaBlock's records) equals NaN
+
+
+def test_the_registered_graph_safe_samplers():
+    """The baselines and the stateless rules declare themselves; samplers with state across steps (Credit, KLASS,
+    the AR guide, Dream's tables) or hooks of their own do not."""
+    assert {"llada", "llada-random", "threshold", "fast-dllm", "factor", "localleap", "eb", "entropy-threshold",
+            "ascending", "eoser", "eoser-ass"} <= set(SAFE)
+    assert not {"credit", "klass", "guided", "dream", "prophet"} & set(SAFE)
+    assert not LLaDASampler(temperature=0.7, noise_scope="region").graph_safe()  # draws from the run's generator
+
+
+@pytest.mark.parametrize("t", [0.0, 0.7])
+@pytest.mark.parametrize("name", SAFE)
+def test_step_graphs_decode_what_the_eager_step_decodes(name, t):
+    """Every graph-safe sampler, greedy and sampled, without a cache and with the dual cache, in two calls (the
+    second replays the first's graphs on the bank): the tokens and records of the step run eagerly."""
+    if t and "temperature" not in SAMPLERS[name].params():
+        pytest.skip(f"{name} has no temperature")
+    model = random_model("llada")
+    for cache in ("none", "dual"):
+        # a model (and graph runner) of its own for each: the cache's statistics depend on the graphs already there
+        graphed = _decode(random_model("llada"), name, cache, t=t)
+        eager = _decode(random_model("llada"), name, cache, t=t, step_graphs=False)
+        for a, b in zip(graphed, eager):
+            _same(a, b)
+            assert not b.stats.step_graphs
+        if Decoder(model, *resolve(model, _sampler(name, t), cache, None, dllm.GenerateConfig(
+                gen_length=16, block_length=8, steps=16, graphs="on")))._commit_graph is not None:
+            assert graphed[1].stats.step_graphs.get("replays", 0) > 0, graphed[1].stats.step_graphs
+
+
+@pytest.mark.parametrize("cache", ["prefix", "dkv-decode", "freecache"])
+def test_step_graphs_with_other_caches(cache):
+    for name in ("llada", "fast-dllm"):
+        for a, b in zip(_decode(random_model("llada"), name, cache),
+                        _decode(random_model("llada"), name, cache, step_graphs=False)):
+            _same(a, b)
+            assert a.stats.step_graphs.get("replays", 0) > 0
+
+
+def test_step_graphs_with_records_and_eos_early_stop():
+    """Commit log-probabilities, the top tokens' records and EOS early stop (a canvas rewritten, not in place)."""
+    kw = dict(record_confidence=True, record_top_logprobs=3, eos_early_stop=True)
+    for cache in ("none", "dual"):
+        for a, b in zip(_decode(random_model("llada"), "fast-dllm", cache, **kw),
+                        _decode(random_model("llada"), "fast-dllm", cache, step_graphs=False, **kw)):
+            _same(a, b)
+            assert a.stats.step_graphs.get("replays", 0) > 0
+
+
+def test_interleaved_decodes_of_one_shape_keep_their_own_state():
+    """Two decodes of one shape share the runner's bank: stepped in turn, each decodes what it decodes alone (the
+    bank's last state keeps its values in tensors of its own when the other takes the bank over)."""
+    model = random_model("llada")
+    config = dllm.GenerateConfig(gen_length=16, block_length=8, steps=16, graphs="on", seed=1)
+    alone = [dllm.generate(model, p, sampler="fast-dllm", cache="dual", config=config) for p in PROMPTS]
+    decs = [Decoder(model, *resolve(model, "fast-dllm", "dual", None, config)) for _ in PROMPTS]
+    states = [d.start(p) for d, p in zip(decs, PROMPTS)]
+    going = [True, True]
+    while any(going):
+        for i, (d, st) in enumerate(zip(decs, states)):
+            if going[i]:
+                going[i] = d.step(st)
+    for d, st, a in zip(decs, states, alone):
+        out = d.output(st)
+        d.release()
+        _same(out, a)
+    assert GraphRunner.of(model).tail_stats["replays"] > 0
+
+
+def test_non_finite_logits_raise_from_a_replayed_step():
+    """A replayed step's non-finite check names the row and step as the eager step does."""
+    model = random_model("llada")
+    calls = {"n": 0}
+
+    def hook(_m, _args, out):
+        calls["n"] += 1
+        if calls["n"] > 4:
+            out = out.clone()
+            out[1, :, 5] = float("nan")
+        return out
+
+    handle = model.register_forward_hook(hook)
+    try:
+        with pytest.raises(dllm.NonFiniteLogitsError, match=r"step 5: row 1 at \[") as err:
+            _decode(model, "fast-dllm", "none", calls=PROMPTS[:1])
+    finally:
+        handle.remove()
+    assert err.value.rows == [1]
+    assert GraphRunner.of(model).tail_stats["replays"] > 0
+
+
+# ------------------------------------------------------------------------------------------------ replay safety
+
+
+@dataclasses.dataclass
+class _Run:
+    call: int
+    trace: OpTrace
+    syncs: Counter
+    names: dict
+
+
+def _names(runner) -> dict[int, str]:
+    names = {}
+    for bank in runner.banks.values():
+        for f, t in bank.t.items():
+            names[t.untyped_storage().data_ptr()] = f"bank {f}"
+        for f in ("logits", "nfe", "no_rows"):
+            names[getattr(bank, f).untyped_storage().data_ptr()] = f"bank {f}"
+    return names
+
+
+def traced_steps(model, name, caches=("none", "dual"), t=0.0):
+    """Every captured step graph's runs (capture and replays, the CPU twin) traced, by graph, over two calls per
+    cache, on the path a CUDA run takes (no check is free; every window position computed)."""
+    runs: dict[int, list[_Run]] = {}
+    call = {"n": 0}
+
+    def body(self, t_, fn):
+        names = _names(self)
+        with SyncCounter() as syncs, OpTrace() as trace:
+            out = fn()
+        runs.setdefault(id(t_), []).append(_Run(call["n"], trace, syncs.where, names))
+        return out
+
+    saved = GEN._host_check_free, dllm_ops.dense_window, GraphRunner._tail_body
+    GEN._host_check_free, dllm_ops.dense_window, GraphRunner._tail_body = (lambda t: False), (lambda l: True), body
+    model.__dict__.pop("_dllm_graphs", None)  # a fresh runner
+    try:
+        for cache in caches:
+            for i, prompts in enumerate(PROMPTS):
+                call["n"] = i
+                _decode(model, name, cache, calls=[prompts], t=t)
+    finally:
+        GEN._host_check_free, dllm_ops.dense_window, GraphRunner._tail_body = saved
+    return runs
+
+
+def problems(runs) -> list[str]:
+    out = []
+    for key, rs in runs.items():
+        for i, r in enumerate(rs):
+            if r.syncs or r.trace.syncs:
+                out.append(f"graph {key}, run {i}: host synchronisations {dict(r.syncs)} {r.trace.syncs}")
+            if r.trace.host_data:
+                out.append(f"graph {key}, run {i}: tensors made from host data {r.trace.host_data}")
+        for i, r in enumerate(rs[1:], 1):
+            for p in compare(rs[0].trace, r.trace, rs[0].names, r.names):
+                out.append(f"graph {key}, replay {i} (call {r.call}) against the capture (call {rs[0].call}): {p}")
+    return out
+
+
+@pytest.mark.parametrize("name,t", [("llada", 0.0), ("llada", 0.7), ("llada-random", 0.7), ("fast-dllm", 0.0),
+                                    ("threshold", 0.7), ("factor", 0.0), ("localleap", 0.0), ("eb", 0.0),
+                                    ("entropy-threshold", 0.0), ("ascending", 0.0), ("eoser-ass", 0.0),
+                                    ("eoser", 0.7)])
+def test_step_graphs_replay_what_they_captured(name, t):
+    runs = traced_steps(random_model("llada"), name, t=t)
+    found = problems(runs)
+    assert not found, "\n".join(found[:8])
+    replayed = [rs for rs in runs.values() if len(rs) >= 2]
+    assert sum(len(rs) - 1 for rs in replayed) >= 2, "the check is vacuous"
+    assert any(len({r.call for r in rs}) > 1 for rs in replayed), "no graph of the first call replayed in the second"
+    for rs in replayed:  # the traces are the sampler's and the loop's: a selection and the canvas written
+        assert "aten.where.self_out" in rs[0].trace.names() or "aten.where.self" in rs[0].trace.names()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_fused_confidence_step_graphs_replay_what_they_captured(triton_backend):
+    """The greedy proposal and its score from the Triton confidence kernel (the path ``fused="auto"`` takes on
+    CUDA; here under the interpreter), inside the step graph: replay-safe, and the tokens of the eager step."""
+    for sampler in (LLaDASampler(fused="on"), ComposedSampler(rule=Threshold(0.9), fused="on")):
+        runs = traced_steps(random_model("llada"), sampler, caches=("dual",))
+        found = problems(runs)
+        assert not found, "\n".join(found[:8])
+        assert any(n.startswith("triton.") for rs in runs.values() for n in rs[0].trace.names())
+        for a, b in zip(_decode(random_model("llada"), sampler, "dual"),
+                        _decode(random_model("llada"), sampler, "dual", step_graphs=False)):
+            _same(a, b)
+
+
+@dataclasses.dataclass(frozen=True)
+class _CountsSteps(LLaDASampler):
+    """A sampler that declares itself graph-safe but reads the loop's step count (a number a graph bakes in)."""
+
+    def step(self, logits, ctx):
+        res = super().step(logits, ctx)
+        return dataclasses.replace(res, info={"late": ctx.step + ctx.global_step})
+
+
+def test_the_check_sees_a_step_number_baked_in():
+    runs = traced_steps(random_model("llada"), _CountsSteps(), caches=("none",))
+    assert any("against" in p and "add" in p for p in problems(runs)), problems(runs)[:3]
+
+
+def test_the_bank_is_handed_over_not_shared():
+    """A state bound to a bank gives its tensors up (copies of them) when another state of its shape binds it."""
+    model = random_model("llada")
+    config = dllm.GenerateConfig(gen_length=16, block_length=8, steps=16, graphs="on", seed=1)
+    d1, d2 = (Decoder(model, *resolve(model, "fast-dllm", "none", None, config)) for _ in range(2))
+    s1, s2 = d1.start(PROMPTS[0]), d2.start(PROMPTS[1])
+    d1.step(s1)
+    bank = next(iter(GraphRunner.of(model).banks.values()))
+    assert s1.x is bank.t["x"]
+    before = s1.x.clone()
+    d2.step(s2)
+    assert s2.x is bank.t["x"] and s1.x is not bank.t["x"] and torch.equal(s1.x, before)
+    assert isinstance(bank, _StepBank)
