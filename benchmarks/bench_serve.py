@@ -40,7 +40,7 @@ def answer_tokens(model, seq) -> int:
 
 def run_continuous(model, work, kw, max_rows):
     engine = Engine(model, max_rows=max_rows, max_queue=10_000, graphs=kw["graphs"])
-    paths0 = engine.stats()["graphs"]
+    paths0 = {k: engine.stats()[k] for k in ("graphs", "step_graphs")}
     engine.start()
     lat, ttft, toks = [], [], 0
     lock = threading.Lock()
@@ -69,7 +69,8 @@ def run_continuous(model, work, kw, max_rows):
         th.join()
     wall = time.perf_counter() - t0
     engine.stop()
-    paths = {k: v - paths0.get(k, 0) for k, v in engine.stats()["graphs"].items() if v != paths0.get(k, 0)}
+    paths = {what: {k: v - was.get(k, 0) for k, v in engine.stats()[what].items() if v != was.get(k, 0)}
+             for what, was in paths0.items()}
     return wall, toks, lat, ttft, paths
 
 
@@ -170,11 +171,13 @@ def main() -> None:
                   f"{statistics.median(ttft):.3f} | {len(lat)} |", flush=True)
             if rest:
                 paths[c] = rest[0]
-    # how the continuous engine's forwards ran (the graph runner's counts; none without a graph path)
+    # how the continuous engine's forwards and its steps' work after them ran (the graph runner's counts; none
+    # without a graph path, and no step graphs for samplers that are not graph-safe)
     for c, counts in paths.items():
-        print(f"continuous, {c} clients: forwards by path: "
-              + (", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "no graph path (graphs off, or CPU "
-                 "with auto)"))
+        for what, name in (("graphs", "forwards"), ("step_graphs", "steps' sampler and bookkeeping")):
+            print(f"continuous, {c} clients: {name} by path: "
+                  + (", ".join(f"{k} {v}" for k, v in sorted(counts[what].items())) or "no graph path (graphs off, "
+                     "CPU with auto, or a sampler that is not graph-safe)"))
 
 
 if __name__ == "__main__":

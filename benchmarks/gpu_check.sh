@@ -81,7 +81,7 @@ if want tests 200; then
     log gpu tests
     # GPU_TESTS_K: a pytest -k expression choosing some of them (a short lease)
     timeout "$LIMIT" python3 -m pytest -v -m gpu -p no:cacheprovider ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} \
-        tests/test_graphs.py tests/test_fast_layer.py tests/test_kernels.py 2>&1 | grep --line-buffered -v USDT \
+        tests/test_graphs.py tests/test_step_graph.py tests/test_fast_layer.py tests/test_kernels.py 2>&1 | grep --line-buffered -v USDT \
         | tee "$OUT/gpu_tests.log" | tail -60
 fi
 

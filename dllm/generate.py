@@ -405,6 +405,8 @@ class DecodeState:
     # the most tokens a row committed in that step, each row's steps in its region after it or -1 where the row is
     # finished); whether the next forward is launched before the sync (Decoder._launch_early)
     pace: tuple[int, int, list[int]] | None = None
+    # the numbers of Decoder.reads, read in the last step's host sync (None: no reads)
+    read: list | None = None
     state: dict = field(default_factory=dict)  # sampler scratch space
     trace: list = field(default_factory=list)
     nfe: int = 0
@@ -461,6 +463,12 @@ class Decoder:
     #: CUDA graph (:meth:`_commit_graphed`); False runs it eagerly, as a step did before (the same tokens:
     #: ``bench_step.py``'s ``graph-eager-sampler`` mode sets it to time the difference)
     step_graphs = True
+    #: ``reads(st)``: numbers of the state the caller reads after each step (a 1-d integer or bool tensor on the
+    #: state's device, made after the step's commits), read in the step's own host synchronisation into
+    #: :attr:`DecodeState.read`; None: none. The serving engine reads its rows' tokens, whether each row is finished
+    #: and its forwards there, so that a served step synchronises once (and never waits for a forward launched
+    #: before the synchronisation)
+    reads = None
 
     def __init__(self, model, sampler, cache, policy, config: GenerateConfig):
         self.model, self.sampler, self.cache, self.policy, self.config = model, sampler, cache, policy, config
@@ -504,7 +512,7 @@ class Decoder:
         # the step's work after its forward as one graph (_commit_graphed), where the model's forwards can go through
         # graphs and the sampler's step is a function of its tensors alone (SamplerBase.graph_safe), with none of the
         # hooks that make a step's work depend on the host (a region refined or slid, a widened window, a speculative
-        # cache); not while rows join and leave the batch (the serving engine). Its value is part of the graphs' keys.
+        # cache). Its value is part of the graphs' keys.
         self._bank = None  # the step graphs' static state of the last step (_StepBank)
         safe = getattr(sampler, "graph_safe", None)
         self._commit_graph = (repr(sampler), repr(policy), repr(config), self._pipelined, self.shift) if (
@@ -665,7 +673,7 @@ class Decoder:
                                   n_query)
         t1 = clock.mark()
         cstats = self.step_stats(self.n_layers) if self.step_stats is not None else {}
-        if self._commit_graph and not self.rows_move:
+        if self._commit_graph:
             bad, record, head, pace = self._commit_graphed(st, logits, w_lo, w_hi, win_hi, cols)
         else:
             bad, record, head, pace = self._commit(st, logits, w_lo, w_hi, win_hi, cols, st.nfe + 1)
@@ -677,7 +685,8 @@ class Decoder:
         st.trace.append({**record, **cstats})
         # the next step's cache plan (active rows, partial or full, largest active set), read in this sync
         nxt = self._plan_next(st)
-        host = torch.cat([*head, *(t.view(1) for t in (nxt[1] if nxt is not None else ())), *pace])  # one kernel
+        more = [self.reads(st)] if self.reads is not None else []
+        host = torch.cat([*head, *(t.view(1) for t in (nxt[1] if nxt is not None else ())), *pace, *more])  # one kernel
         # a partial forward replayed from a graph: the next one is expected alike (same shapes and window), so it is
         # planned and its graph's inputs filled now, while the device still works on this step
         # (and, where the regions look far from their end, launched now: _sync)
@@ -688,6 +697,9 @@ class Decoder:
             ahead = self._prepare_next(st, nxt, w_lo, w_hi, host if self._launch_early(st) else None)
             clock.add("cache", tp, clock.mark())  # the next step's plan, made now
         synced = self._sync(host, ahead if ahead is not None and ahead.guarded else None)
+        if more:
+            n = more[0].numel()
+            synced, st.read = synced[:len(synced) - n], synced[len(synced) - n:]
         running, nonfinite, n_lo, n_hi = synced[:4]
         st.window = (n_lo, n_hi)
         if nxt is not None:
@@ -801,8 +813,12 @@ class Decoder:
         bank.bind(st, logits)
         self._false = bank.no_rows  # the trace's all-False record, read by the graph: the bank's, not this call's
         key = ("step", bank.serial, w_lo, w_hi, win_hi, st.P, self._commit_graph)
+        T, device = st.x.shape[1], st.x.device
+        self.cols_all = cached_arange(T, device)  # the shared columns (made anew only where the cache dropped them)
+        cols = self.cols_all[w_lo:w_hi]
 
         def body():
+            cached_arange(T, device)  # in a capture: kept for as long as the graph may replay its reads of them
             done = bank.nfe + 1
             bad, record, head, pace = self._commit(st, bank.logits, w_lo, w_hi, win_hi, cols, done)
             layout, packed = _pack(record)  # before the state is written back: the record reads lo and hi
@@ -943,6 +959,8 @@ class Decoder:
         if host.is_cuda:
             pinned = self._pinned.get(host.shape[0])
             if pinned is None:
+                if len(self._pinned) >= 16:  # lengths vary with the caller's reads (a served batch's rows)
+                    self._pinned.clear()
                 pinned = self._pinned[host.shape[0]] = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
             if self._host_ready is None:
                 self._host_ready = torch.cuda.Event()
@@ -1292,10 +1310,11 @@ def answer_lengths(model, seqs) -> list[int]:
     return [next((i for i, t in enumerate(row) if t in stops), len(row)) for row in rows]
 
 
-def decode_texts(model, seqs: torch.Tensor) -> list[str] | None:
-    """Each row's answer (cut at its first EOS/EOT), decoded; ``None`` without a tokenizer."""
+def decode_texts(model, seqs) -> list[str] | None:
+    """Each row's answer (cut at its first EOS/EOT), decoded; ``None`` without a tokenizer. ``seqs``: a tensor or
+    lists of token ids."""
     tok = getattr(model, "tokenizer", None)
     if tok is None:
         return None
-    rows = seqs.tolist()
+    rows = seqs.tolist() if isinstance(seqs, torch.Tensor) else seqs
     return [tok.decode(row[:n], skip_special_tokens=True) for row, n in zip(rows, answer_lengths(model, rows))]

@@ -511,15 +511,8 @@ class GraphRunner:
         if not self.capture:
             g.captured = True
             return self._forward(g, cache)
-        # warm-up on a side stream (lazy initialisations, autotuning, kernel choices happen here, never during
-        # capture); it is this step's forward: its logits are returned and its K/V writes are the step's writes
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        try:
-            with torch.cuda.stream(s):
-                out = self._forward(g, cache)
-        finally:  # the default stream waits for the warm-up's writes even where it raised
-            torch.cuda.current_stream().wait_stream(s)
+        # the warm-up is this step's forward: its logits are returned and its K/V writes are the step's writes
+        out = _warm_up(lambda: self._forward(g, cache))
         try:
             # thread_local: CUDA calls of other threads (a server's event loop) do not invalidate the capture
             graph, g.out = capture_graph(lambda: self._forward(g, cache), pool=self.pool)
@@ -581,14 +574,7 @@ class GraphRunner:
         t.captured = True
         if not self.capture:
             return self._tail_body(t, fn)
-        # the warm-up is this step's work, on a side stream (lazy initialisations happen here, never in the capture)
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        try:
-            with torch.cuda.stream(s):
-                out = fn()
-        finally:
-            torch.cuda.current_stream().wait_stream(s)
+        out = _warm_up(fn)  # the warm-up is this step's work
         try:
             t.graph, t.out = capture_graph(fn, pool=self.tail_pool)
         except Exception as exc:  # an operation that cannot be captured: this key stays eager
@@ -613,6 +599,18 @@ class GraphRunner:
 
 
 _data_ptr = torch.Tensor.data_ptr
+
+
+def _warm_up(fn):
+    """``fn()`` on a side stream before its capture (lazy initialisations, autotuning and kernel choices happen here,
+    never during the capture); the current stream waits for its writes, even where it raised."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(s):
+            return fn()
+    finally:
+        torch.cuda.current_stream().wait_stream(s)
 
 
 def _part_key(key: tuple, cache, start: int, stop: int | None) -> tuple:

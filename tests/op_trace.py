@@ -20,7 +20,8 @@ while it is active (views included):
 A custom operator built with ``torch.library.triton_op`` (the fused kernels) is recorded, then traced through: its
 Python implementation runs under the trace, so its allocations, views and Triton launches appear.
 
-:func:`compare` lists how traces of replays of one graph differ.
+:func:`compare` lists how traces of replays of one graph differ; :func:`replay_problems` what a graph's traced runs
+(:class:`Run`) show wrong.
 """
 
 from __future__ import annotations
@@ -243,3 +244,30 @@ def compare(first: OpTrace, later: OpTrace, names_first: dict[int, str] | None =
             problems.append(f"operator {a.op} ({first.ops[a.op][0]}) {a.where} {list(a.shape)} {a.dtype} reads "
                             f"{n1.get(a.ptr, hex(a.ptr))} at capture, {n2.get(b.ptr, hex(b.ptr))} at replay")
     return problems
+
+
+@dataclasses.dataclass
+class Run:
+    """One traced run of a graph's work: the capture (its warm-up's twin) or a replay, on the CPU twin."""
+    call: int  # which decode call (or engine) it ran in
+    trace: OpTrace
+    syncs: Any  # sync_counter.SyncCounter.where: the calls that synchronise on CUDA
+    names: dict  # storage address -> a name, for the messages
+
+
+def replay_problems(what: str, runs: list[Run]) -> list[str]:
+    """What the runs of one graph (``runs[0]``: its capture) show wrong for a captured graph: host synchronisations
+    or tensors made from host data in any run, and replays that differ from the capture (:func:`compare`).
+    ``what``: the graph, for the messages."""
+    out = []
+    for i, r in enumerate(runs):
+        if r.syncs:
+            out.append(f"{what}, run {i}: host synchronisations {dict(r.syncs)}")
+        if r.trace.syncs:
+            out.append(f"{what}, run {i}: synchronising operators {r.trace.syncs}")
+        if r.trace.host_data:
+            out.append(f"{what}, run {i}: tensors made from host data {r.trace.host_data}")
+    for i, r in enumerate(runs[1:], 1):
+        for p in compare(runs[0].trace, r.trace, runs[0].names, r.names):
+            out.append(f"{what}, replay {i} (call {r.call}) against the capture (call {runs[0].call}): {p}")
+    return out

@@ -18,17 +18,15 @@ canvas bucket, so that a fresh cache replays the first call's graphs on the pool
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib
 import importlib.util
 import itertools
-from collections import Counter
 from contextlib import contextmanager
 
 import pytest
 import torch
-from op_trace import OpTrace, compare
+from op_trace import OpTrace, Run, compare, replay_problems
 from sync_counter import SyncCounter
 
 import dllm
@@ -69,14 +67,6 @@ def bundled(family: str) -> Transformer:
 # ------------------------------------------------------------------------------------------------ the recorder
 
 
-@dataclasses.dataclass
-class Run:
-    call: int  # which decode call
-    trace: OpTrace
-    syncs: Counter  # SyncCounter.where
-    names: dict  # storage address -> name (weights, static inputs, K/V buffers)
-
-
 class Recording:
     """The traced graph forwards of one runner, by graph (a ``_Graph``: one per key, kept alive here)."""
 
@@ -92,18 +82,8 @@ class Recording:
         out = []
         for g, runs in self.graphs.values():
             q = "all (a full forward)" if g.query_idx is None else g.query_idx.shape[1]
-            what = (f"graph B={g.x.shape[0]} T={g.x.shape[1]} Q={q} W={g.logits_idx.shape[1]} "
-                    f"N={g.query_tokens} mask={g.key_mask is not None}")
-            for i, r in enumerate(runs):
-                if r.syncs:
-                    out.append(f"{what}, run {i}: host synchronisations {dict(r.syncs)}")
-                if r.trace.syncs:
-                    out.append(f"{what}, run {i}: synchronising operators {r.trace.syncs}")
-                if r.trace.host_data:
-                    out.append(f"{what}, run {i}: tensors made from host data {r.trace.host_data}")
-            for i, r in enumerate(runs[1:], 1):
-                for p in compare(runs[0].trace, r.trace, runs[0].names, r.names):
-                    out.append(f"{what}, replay {i} (call {r.call}) against the capture (call {runs[0].call}): {p}")
+            out += replay_problems(f"graph B={g.x.shape[0]} T={g.x.shape[1]} Q={q} W={g.logits_idx.shape[1]} "
+                                   f"N={g.query_tokens} mask={g.key_mask is not None}", runs)
         return out
 
     def replayed(self) -> list[list[Run]]:

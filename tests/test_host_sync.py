@@ -179,3 +179,38 @@ def test_a_generations_output_reads_its_trace_in_a_few_copies_whatever_its_steps
         G.Decoder.output = orig
     assert counts[0] == counts[1] <= 12, counts
 
+
+
+def test_a_served_step_synchronises_once(dense_window, monkeypatch):
+    """The serving engine reads its rows' tokens, whether each is finished and its forwards in the decoder's own
+    synchronisation (``Decoder.reads``): a served step (the decode step, the streamed pieces, the answers of the rows
+    that finished) synchronises once, with and without the graph path and the step graphs, up to the step where the
+    batch's rows finish and leave."""
+    import importlib
+
+    from sync_counter import SyncCounter
+
+    from dllm.serve import Engine
+
+    monkeypatch.setattr(importlib.import_module("dllm.generate"), "_host_check_free", lambda t: False)
+    model = dllm.load_model("llada-tiny", dtype="float32")
+    orig = Engine._step_group
+    for sampler, graphs in (("llada", "off"), ("fast-dllm", "off"), ("fast-dllm", "on")):
+        eng = Engine(model, max_rows=4, graphs=graphs)
+        hs = [eng.submit("What is 12 + 30?", gen_length=16, block_length=8, sampler=sampler, sample=k)
+              for k in range(2)]
+        counts = []
+
+        def counted(self, group, counts=counts):
+            with SyncCounter() as c:
+                orig(self, group)
+            counts.append((c.count, c.where))
+
+        Engine._step_group = counted
+        try:
+            eng.run_until_idle()
+        finally:
+            Engine._step_group = orig
+        assert all(h.result(timeout=0).finish_reason in ("stop", "length") for h in hs)
+        assert len(counts) >= 2 and eng.stats()["joins"] == 0
+        assert all(n == 1 for n, _ in counts), (sampler, graphs, [(n, w.most_common(3)) for n, w in counts if n != 1])

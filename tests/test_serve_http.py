@@ -113,8 +113,9 @@ def test_errors_are_openai_shaped(server):
 
 
 def test_metrics_count_how_the_forwards_ran():
-    """/metrics' ``dllm_forward_paths{how=...}``: the engine's graph-runner counts (replays, captures, eager and
-    why), here the CPU's static-buffer graph path."""
+    """/metrics' ``dllm_forward_paths{how=...}`` and ``dllm_step_paths{how=...}``: the engine's graph-runner counts
+    of its forwards and of its steps' work after them (replays, captures, eager and why), here the CPU's
+    static-buffer graph path."""
     from dllm.serve import Engine
     from dllm.serve.server import _EngineCollector
 
@@ -127,6 +128,12 @@ def test_metrics_count_how_the_forwards_ran():
     counts = engine.stats()["graphs"]
     assert got == {k: v for k, v in counts.items() if k != "evicted"} and got["replays"] >= 1
     assert len(got) >= 2
+    # dllm_step_paths: how the steps' work after their forwards ran (fast-dllm's step is graph-safe: replayed)
+    fam = {f.name: f for f in _EngineCollector(engine).collect()}["dllm_step_paths"]
+    got = {s.labels["how"]: s.value for s in fam.samples if s.name == "dllm_step_paths_total"}
+    counts = engine.stats()["step_graphs"]
+    assert got == {k: v for k, v in counts.items() if k != "evicted"} and got["replays"] >= 1
+    assert sum(got.values()) == engine.stats()["steps"]  # every step counted once
     # the batch's K/V buffers went back to the graph path's pool when it ended
     pool = {f.name: f for f in _EngineCollector(engine).collect()}["dllm_graph_pool_bytes"]
     assert pool.samples[0].value == engine.stats()["graph_pool_bytes"] > 0

@@ -14,12 +14,11 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
-from collections import Counter
 
 import pytest
 import torch
 from conftest import random_model
-from op_trace import OpTrace, compare
+from op_trace import OpTrace, Run, replay_problems
 from sync_counter import SyncCounter
 
 import dllm
@@ -158,14 +157,6 @@ def test_non_finite_logits_raise_from_a_replayed_step():
 # ------------------------------------------------------------------------------------------------ replay safety
 
 
-@dataclasses.dataclass
-class _Run:
-    call: int
-    trace: OpTrace
-    syncs: Counter
-    names: dict
-
-
 def _names(runner) -> dict[int, str]:
     names = {}
     for bank in runner.banks.values():
@@ -176,44 +167,45 @@ def _names(runner) -> dict[int, str]:
     return names
 
 
-def traced_steps(model, name, caches=("none", "dual"), t=0.0):
-    """Every captured step graph's runs (capture and replays, the CPU twin) traced, by graph, over two calls per
-    cache, on the path a CUDA run takes (no check is free; every window position computed)."""
-    runs: dict[int, list[_Run]] = {}
+def traced(model, run, calls: int) -> dict[int, list[Run]]:
+    """Every captured step graph's runs (capture and replays, the CPU twin) traced, by graph, over ``run(i)`` for
+    ``i`` below ``calls`` (decodes on ``model``'s graph path), on the path a CUDA run takes (no check is free; every
+    window position computed)."""
+    runs: dict[int, list[Run]] = {}
+    held = {}  # every graph traced, kept alive: an evicted graph's id is not reused for another
     call = {"n": 0}
 
     def body(self, t_, fn):
         names = _names(self)
         with SyncCounter() as syncs, OpTrace() as trace:
             out = fn()
-        runs.setdefault(id(t_), []).append(_Run(call["n"], trace, syncs.where, names))
+        held[id(t_)] = t_
+        runs.setdefault(id(t_), []).append(Run(call["n"], trace, syncs.where, names))
         return out
 
     saved = GEN._host_check_free, dllm_ops.dense_window, GraphRunner._tail_body
     GEN._host_check_free, dllm_ops.dense_window, GraphRunner._tail_body = (lambda t: False), (lambda l: True), body
     model.__dict__.pop("_dllm_graphs", None)  # a fresh runner
     try:
-        for cache in caches:
-            for i, prompts in enumerate(PROMPTS):
-                call["n"] = i
-                _decode(model, name, cache, calls=[prompts], t=t)
+        for i in range(calls):
+            call["n"] = i
+            run(i)
     finally:
         GEN._host_check_free, dllm_ops.dense_window, GraphRunner._tail_body = saved
     return runs
 
 
+def traced_steps(model, name, caches=("none", "dual"), t=0.0):
+    """:func:`traced` over two calls per cache of ``generate``."""
+    def run(i):
+        cache, prompts = caches[i // len(PROMPTS)], PROMPTS[i % len(PROMPTS)]
+        _decode(model, name, cache, calls=[prompts], t=t)
+
+    return traced(model, run, len(caches) * len(PROMPTS))
+
+
 def problems(runs) -> list[str]:
-    out = []
-    for key, rs in runs.items():
-        for i, r in enumerate(rs):
-            if r.syncs or r.trace.syncs:
-                out.append(f"graph {key}, run {i}: host synchronisations {dict(r.syncs)} {r.trace.syncs}")
-            if r.trace.host_data:
-                out.append(f"graph {key}, run {i}: tensors made from host data {r.trace.host_data}")
-        for i, r in enumerate(rs[1:], 1):
-            for p in compare(rs[0].trace, r.trace, rs[0].names, r.names):
-                out.append(f"graph {key}, replay {i} (call {r.call}) against the capture (call {rs[0].call}): {p}")
-    return out
+    return [p for key, rs in runs.items() for p in replay_problems(f"graph {key}", rs)]
 
 
 @pytest.mark.parametrize("name,t", [("llada", 0.0), ("llada", 0.7), ("llada-random", 0.7), ("fast-dllm", 0.0),
@@ -272,3 +264,101 @@ def test_the_bank_is_handed_over_not_shared():
     d2.step(s2)
     assert s2.x is bank.t["x"] and s1.x is not bank.t["x"] and torch.equal(s1.x, before)
     assert isinstance(bank, _StepBank)
+
+
+# ------------------------------------------------------------------------------------------------ served batches
+
+SERVED = ["What is 12 + 30?", 'Reverse the list: ["Ann Lee", "Bob Stone"]', "What is 407 + 2185?"]
+
+
+def _serve(model, sampler, cache, step_graphs=True):
+    """Three waves of two requests into one engine (3 rows, the graph path): requests join running batches, leave
+    them as they finish, and wait for room. Returns each request's tokens and the engine's stats."""
+    from dllm.serve import Engine
+
+    saved = Decoder.step_graphs
+    Decoder.step_graphs = step_graphs
+    try:
+        eng = Engine(model, max_rows=3, graphs="on")
+        hs = []
+        for wave in range(3):
+            for k in range(2):
+                hs.append(eng.submit(SERVED[(k + wave) % 3], gen_length=16, block_length=8, sampler=sampler,
+                                     cache=cache))
+            for _ in range(3):
+                eng.step()
+        eng.run_until_idle()
+        return [h.result(timeout=0).tokens for h in hs], eng.stats()
+    finally:
+        Decoder.step_graphs = saved
+
+
+@pytest.mark.parametrize("sampler,cache", [("fast-dllm", None), ("threshold", "none")])
+def test_served_steps_replay_their_graphs_as_rows_join_and_leave(sampler, cache):
+    """The serving engine's steps take the step graphs too: its batches change shape as requests join and leave
+    (each shape its own bank and graphs), and a state's tensors are copied into a bank's where they are not its
+    own. The tokens are the eager step's, every replay issues its capture's operators on its memory, and graphs
+    captured for one engine's batches replay in the next engine's."""
+    model = dllm.load_model("llada-tiny", dtype="float32")  # its own: the runner's graphs live on the model
+    eager, stats = _serve(model, sampler, cache, step_graphs=False)
+    assert stats["step_graphs"] == {} and stats["joins"] > 0
+    served = []
+    runs = traced(model, lambda i: served.append(_serve(model, sampler, cache)), 2)
+    for tokens, stats in served:
+        assert tokens == eager
+        assert stats["joins"] > 0 and stats["retried"] == 0
+    found = problems(runs)
+    assert not found, "\n".join(found[:8])
+    assert served[0][1]["step_graphs"].get("replays", 0) > 0
+    assert any(len({r.call for r in rs}) > 1 for rs in runs.values()), "no graph of the first engine replayed later"
+
+
+# ------------------------------------------------------------------------------------------------ on CUDA
+
+CUDA_PROMPTS = ["What is 12 + 30?", "Please reverse the order of the list:\n[\"Alice Adams\", \"Brian Baker\"]"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("sampler,cache", [("llada", "dual"), ("fast-dllm", "dual"), ("eb", "none")])
+def test_cuda_step_graphs_capture_and_decode_what_the_uncaptured_path_decodes(sampler, cache):
+    """Real captures of the step graphs (bf16): no capture fails, a later call replays what the earlier ones
+    captured (a key is captured the second time it is seen), and every call decodes the uncaptured graph path's tokens, commit steps and forwards (its twin: the same kernels run
+    instead of replayed)."""
+    from test_graphs import uncaptured
+
+    model = dllm.load_model("llada-tiny", device="cuda", dtype="bfloat16")
+    kw = dict(gen_length=32, block_length=8, steps=32, sampler=sampler, cache=cache, record_confidence=True)
+    twin = uncaptured(model, CUDA_PROMPTS, **kw)
+    outs = [dllm.generate(model, CUDA_PROMPTS, graphs="auto", **kw) for _ in range(3)]
+    assert not any("capture failed" in k for o in outs for k in o.stats.step_graphs), [o.stats.step_graphs for o in outs]
+    assert sum(o.stats.step_graphs.get("captures", 0) for o in outs) >= 1, outs[0].stats.step_graphs
+    assert outs[2].stats.step_graphs.get("replays", 0) >= 4, outs[2].stats.step_graphs
+    for out in outs:
+        assert torch.equal(out.sequences, twin.sequences)
+        for f in ("commit_step", "finish_step", "row_nfe", "nfe", "commit_logprob"):
+            assert repr(getattr(out.stats, f)) == repr(getattr(twin.stats, f)), f
+    torch.rand(4, device="cuda")  # the device's random generator is usable after the captures
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_served_step_graphs_capture_and_serve_each_request_its_own_answer():
+    """The serving engine on CUDA with real step graphs: rows join and leave, no capture fails, replays happen and
+    every request finishes (that an answer is the request's alone is the CPU tests', in float32)."""
+    from dllm.serve import Engine
+
+    model = dllm.load_model("llada-tiny", device="cuda", dtype="bfloat16")
+    eng = Engine(model, max_rows=3, graphs="auto")
+    kw = dict(gen_length=32, block_length=8, sampler="llada", cache="dual")
+    hs = []
+    for wave in range(3):
+        hs.append(eng.submit(CUDA_PROMPTS[wave % 2], **kw))
+        for _ in range(2):
+            eng.step()
+    eng.run_until_idle()
+    s = eng.stats()
+    assert s["joins"] > 0 and s["retried"] == 0, s
+    assert not any("capture failed" in k for k in s["step_graphs"]) and s["step_graphs"].get("replays", 0) >= 4, s
+    for h in hs:
+        assert h.result(timeout=0).finish_reason in ("stop", "length")

@@ -48,7 +48,7 @@ import torch
 from dllm.config import GenerateConfig, check_graphs
 from dllm.generate import Decoder, DecodeState, decode_texts, decoding, prepare_prompts, row_keys
 from dllm.graphs import GraphRunner
-from dllm.ops import moved_rows
+from dllm.ops import cached_arange, moved_rows
 from dllm.recipes import baseline_name, check_cache_fits, model_block_size, resolve
 from dllm.samplers import get_sampler
 from dllm.samplers import guided as _guided
@@ -263,7 +263,22 @@ def _repad(st: DecodeState, d: int, pad_id: int) -> DecodeState:
     st.commit_top_logprobs = _pad_left(st.commit_top_logprobs, d, float("nan"))
     st.P += d
     st.lo, st.hi = st.lo + d, st.hi + d
+    st.read = None
     return st
+
+
+def _reads(st: DecodeState) -> torch.Tensor:
+    """What the engine reads of a batch after each step, in the step's own host synchronisation (``Decoder.reads``):
+    each row's generated tokens, whether it is finished, its forwards (:func:`_read_back`)."""
+    return torch.cat([st.x[:, st.P:].reshape(-1), ~st.active, st.row_nfe])
+
+
+def _read_back(st: DecodeState) -> tuple[list[list[int]], list, list]:
+    """:func:`_reads`' numbers as ``(rows' generated tokens, finished, forwards)``: those read in the state's last
+    step, or read now where the rows moved since (one more synchronisation)."""
+    r = st.read if st.read is not None else _reads(st).tolist()
+    B, G = st.x.shape[0], st.x.shape[1] - st.P
+    return [r[i * G:(i + 1) * G] for i in range(B)], r[B * G:B * G + B], r[B * G + B:]
 
 
 _PER_ROW = ("x", "positions", "key_mask", "lo", "hi", "steps", "step_in", "n_start", "active", "finish",
@@ -284,6 +299,7 @@ def _cat(a: DecodeState, b: DecodeState) -> DecodeState:
     for name, t in merged.items():
         setattr(a, name, t)
     a.rows = a.rows + b.rows
+    a.read = None
     for k, v in b.state.items():  # deterministic tables (Dream's schedule) are the same for both
         a.state.setdefault(k, v)
     return a
@@ -296,6 +312,7 @@ def _select(st: DecodeState, keep: list[int]) -> DecodeState:
         if t is not None:
             setattr(st, name, t.index_select(0, idx))
     st.rows = [st.rows[i] for i in keep]
+    st.read = None
     return st
 
 
@@ -708,6 +725,7 @@ class Engine:
         sampler, cache, policy, config = resolve(self.model, recipe, reqs[0].sampler_spec[2], None, reqs[0].config)
         dec = Decoder(self.model, sampler, cache, policy, config)
         dec.rows_move = True  # rows join and leave between steps
+        dec.reads = _reads  # what _step_group reads, in the step's own synchronisation
         if dec.graphed:  # the graph path: the K/V buffers sized for a batch bucket, rows move within
             dec.cache.batch_buckets = True
         st = dec.start([r.rows for r in reqs], None)
@@ -739,7 +757,7 @@ class Engine:
     def _reset_width(self, group: _Group) -> None:
         st, dec = group.state, group.decoder
         T = st.x.shape[1]
-        dec.cols_all = torch.arange(T, device=st.x.device)
+        dec.cols_all = cached_arange(T, st.x.device)
         if getattr(dec.cache, "filled", False):  # its buffers were moved with the rows
             dec.cache.batch, dec.cache.canvas_len = st.x.shape[0], T
         else:
@@ -772,11 +790,10 @@ class Engine:
         self.metrics["steps"] += 1
         self.metrics["forwards"] += 1
         st.trace.clear()  # per-request statistics come from the per-row tensors
-        self._stream(group)
+        rows, done, row_nfe = _read_back(st)
+        self._stream(group, rows, row_nfe)
         G = dec.config.gen_length
         limit = 4 * (G + dec.config.total_steps) + 8
-        done = (~st.active).tolist()
-        row_nfe = st.row_nfe.tolist()
         keep = []
         for i, req in enumerate(group.requests):
             if done[i]:
@@ -803,21 +820,20 @@ class Engine:
         group.state = st
         self._reset_width(group)
 
-    def _stream(self, group: _Group) -> None:
+    def _stream(self, group: _Group, rows: list[list[int]], row_nfe: list[int]) -> None:
+        """Each request's new final prefix (``rows``, ``row_nfe``: the batch's generated tokens and forwards after the
+        step, on the host); the canvas and the logprobs of the requests that ask for them (read from the device)."""
         st = group.state
-        gen = st.x[:, st.P:]
-        masked = (gen == self.model.mask_id).tolist()
-        rows = gen.tolist()
+        mask_id = self.model.mask_id
         if any(r.handle.canvas for r in group.requests):
             committed = st.committed[:, st.P:].tolist()
-            row_nfe = st.row_nfe.tolist()
             for i, req in enumerate(group.requests):
                 if req.handle.canvas:
                     cols = {j: rows[i][j] for j, c in enumerate(committed[i]) if c}
                     req.handle._put("canvas", {"step": row_nfe[i], "committed": cols})
         record = None  # the logprobs record on the host, read once per tick when some row emits
         for i, req in enumerate(group.requests):
-            final = next((j for j, m in enumerate(masked[i]) if m), len(masked[i]))
+            final = next((j for j, t in enumerate(rows[i]) if t == mask_id), len(rows[i]))
             if final > req.emitted:
                 if st.commit_logprob is not None:
                     if record is None:
@@ -852,8 +868,8 @@ class Engine:
         if where is not None:
             group, i = where
             st = group.state
-            tokens = st.x[i, st.P:].tolist()
-            nfe = int(st.row_nfe[i])
+            rows, _, row_nfe = _read_back(st)
+            tokens, nfe = rows[i], row_nfe[i]
             if st.commit_logprob is not None:
                 entries = self._logprobs(self._record(st, slice(i, i + 1)), 0, 0, len(tokens))
         if outcome == "cancelled":  # what the client has seen: the final prefix streamed so far
@@ -872,7 +888,7 @@ class Engine:
                 req.emitted = len(tokens)
         text = None
         if tokens:
-            texts = decode_texts(self.model, torch.tensor([tokens]))
+            texts = decode_texts(self.model, [tokens])
             text = texts[0] if texts is not None else None
         result = Result(req.request_id, tokens, text, nfe, len(req.rows), n, outcome, error,
                         time.perf_counter() - req.t_submit)
@@ -910,5 +926,7 @@ class Engine:
                 "alive": self.alive(),
                 "last_tick_age": None if self.last_tick is None else time.monotonic() - self.last_tick,
                 "graphs": dict(runner.stats) if runner is not None else {},
+                # how the steps' work after their forwards ran (GraphRunner.tail_stats: the step graphs)
+                "step_graphs": dict(runner.tail_stats) if runner is not None else {},
                 # bytes of free K/V buffers the graph path's pool keeps for later batches (GraphRunner.clear frees)
                 "graph_pool_bytes": runner.buffers.nbytes if runner is not None and runner.buffers is not None else 0}

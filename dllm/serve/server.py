@@ -100,6 +100,13 @@ class _EngineCollector:
             if k != "evicted":
                 how.add_metric([k], v)
         yield how
+        tail = CounterMetricFamily("dllm_step_paths", "steps' work after their forwards (sampler, commits, "
+                                   "bookkeeping) by how it ran: CUDA graph replays and captures, eager and why",
+                                   labels=["how"])
+        for k, v in sorted(s["step_graphs"].items()):
+            if k != "evicted":
+                tail.add_metric([k], v)
+        yield tail
         yield CounterMetricFamily("dllm_graphs_evicted", "CUDA graphs dropped to keep the most recently used (or "
                                   "because the model's weights moved)",
                                   value=s["graphs"].get("evicted", 0))
