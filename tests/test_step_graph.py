@@ -51,8 +51,9 @@ def _decode(model, name, cache, calls=PROMPTS, t=0.0, step_graphs=True, **kw):
     saved = Decoder.step_graphs
     Decoder.step_graphs = step_graphs
     try:
-        return [dllm.generate(model, prompts, sampler=_sampler(name, t), cache=cache, graphs="on", gen_length=16,
-                              block_length=8, steps=16, seed=1, **kw) for prompts in calls]
+        kw = {"gen_length": 16, "block_length": 8, "steps": 16, "seed": 1, **kw}
+        return [dllm.generate(model, prompts, sampler=_sampler(name, t), cache=cache, graphs="on", **kw)
+                for prompts in calls]
     finally:
         Decoder.step_graphs = saved
 
@@ -195,13 +196,13 @@ def traced(model, run, calls: int) -> dict[int, list[Run]]:
     return runs
 
 
-def traced_steps(model, name, caches=("none", "dual"), t=0.0):
-    """:func:`traced` over two calls per cache of ``generate``."""
+def traced_steps(model, name, caches=("none", "dual"), t=0.0, calls=PROMPTS, **kw):
+    """:func:`traced` over a call of ``generate`` per prompt set of ``calls`` (two by default) and cache."""
     def run(i):
-        cache, prompts = caches[i // len(PROMPTS)], PROMPTS[i % len(PROMPTS)]
-        _decode(model, name, cache, calls=[prompts], t=t)
+        cache, prompts = caches[i // len(calls)], calls[i % len(calls)]
+        _decode(model, name, cache, calls=[prompts], t=t, **kw)
 
-    return traced(model, run, len(caches) * len(PROMPTS))
+    return traced(model, run, len(caches) * len(calls))
 
 
 def problems(runs) -> list[str]:
@@ -224,16 +225,26 @@ def test_step_graphs_replay_what_they_captured(name, t):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
-def test_fused_confidence_step_graphs_replay_what_they_captured(triton_backend):
+def test_fused_confidence_step_graphs_replay_what_they_captured(monkeypatch):
     """The greedy proposal and its score from the Triton confidence kernel (the path ``fused="auto"`` takes on
-    CUDA; here under the interpreter), inside the step graph: replay-safe, and the tokens of the eager step."""
+    CUDA; here under the interpreter), inside the step graph: replay-safe, and the tokens of the eager step. The
+    model's forwards run the reference kernels (under the interpreter they would take minutes, and the forwards'
+    graphs are test_graph_replay_safety.py's)."""
+    from dllm import kernels
+    from dllm.kernels import triton_kernels
+
+    monkeypatch.setattr(kernels, "confidence_stats", lambda logits, temperature=0.0, noise=None, exclude=None:
+                        triton_kernels.confidence_stats(logits, temperature=temperature, noise=noise, exclude=exclude))
+    calls = ([[5, 6, 7]], [[20, 21]])  # one row (a kernel's program per row takes the interpreter ~0.1 s), one canvas
     for sampler in (LLaDASampler(fused="on"), ComposedSampler(rule=Threshold(0.9), fused="on")):
-        runs = traced_steps(random_model("llada"), sampler, caches=("dual",))
+        runs = traced_steps(random_model("llada"), sampler, caches=("dual",), calls=calls, steps=8)
         found = problems(runs)
         assert not found, "\n".join(found[:8])
+        assert sum(len(rs) - 1 for rs in runs.values()) >= 2 and any(len({r.call for r in rs}) > 1 for rs in runs.values())
         assert any(n.startswith("triton.") for rs in runs.values() for n in rs[0].trace.names())
-        for a, b in zip(_decode(random_model("llada"), sampler, "dual"),
-                        _decode(random_model("llada"), sampler, "dual", step_graphs=False)):
+        kw = dict(calls=PROMPTS[:1], steps=8)
+        for a, b in zip(_decode(random_model("llada"), sampler, "dual", **kw),
+                        _decode(random_model("llada"), sampler, "dual", step_graphs=False, **kw)):
             _same(a, b)
 
 
