@@ -405,7 +405,7 @@ class DecodeState:
     # the most tokens a row committed in that step, each row's steps in its region after it or -1 where the row is
     # finished); whether the next forward is launched before the sync (Decoder._launch_early)
     pace: tuple[int, int, list[int]] | None = None
-    # the numbers of Decoder.reads, read in the last step's host sync (None: no reads)
+    # the numbers of Decoder.reads, read in the last step's host sync (None: no reads, or its caller dropped them)
     read: list | None = None
     state: dict = field(default_factory=dict)  # sampler scratch space
     trace: list = field(default_factory=list)

@@ -334,8 +334,8 @@ CUDA_PROMPTS = ["What is 12 + 30?", "Please reverse the order of the list:\n[\"A
 @pytest.mark.parametrize("sampler,cache", [("llada", "dual"), ("fast-dllm", "dual"), ("eb", "none")])
 def test_cuda_step_graphs_capture_and_decode_what_the_uncaptured_path_decodes(sampler, cache):
     """Real captures of the step graphs (bf16): no capture fails, a later call replays what the earlier ones
-    captured (a key is captured the second time it is seen), and every call decodes the uncaptured graph path's tokens, commit steps and forwards (its twin: the same kernels run
-    instead of replayed)."""
+    captured (a key is captured the second time it is seen), and every call decodes the uncaptured graph path's
+    tokens, commit steps and forwards (its twin: the same kernels run instead of replayed)."""
     from test_graphs import uncaptured
 
     model = dllm.load_model("llada-tiny", device="cuda", dtype="bfloat16")
@@ -354,7 +354,7 @@ def test_cuda_step_graphs_capture_and_decode_what_the_uncaptured_path_decodes(sa
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_served_step_graphs_capture_and_serve_each_request_its_own_answer():
+def test_cuda_served_step_graphs_capture_and_every_request_finishes():
     """The serving engine on CUDA with real step graphs: rows join and leave, no capture fails, replays happen and
     every request finishes (that an answer is the request's alone is the CPU tests', in float32)."""
     from dllm.serve import Engine

@@ -275,8 +275,10 @@ def _reads(st: DecodeState) -> torch.Tensor:
 
 def _read_back(st: DecodeState) -> tuple[list[list[int]], list, list]:
     """:func:`_reads`' numbers as ``(rows' generated tokens, finished, forwards)``: those read in the state's last
-    step, or read now where the rows moved since (one more synchronisation)."""
-    r = st.read if st.read is not None else _reads(st).tolist()
+    step, or read now where the rows moved since (one more synchronisation, kept until the rows move or step again)."""
+    if st.read is None:
+        st.read = _reads(st).tolist()
+    r = st.read
     B, G = st.x.shape[0], st.x.shape[1] - st.P
     return [r[i * G:(i + 1) * G] for i in range(B)], r[B * G:B * G + B], r[B * G + B:]
 

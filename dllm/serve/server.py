@@ -94,24 +94,25 @@ class _EngineCollector:
         yield CounterMetricFamily("dllm_answer_tokens", "answer tokens (before EOS) of finished requests "
                                   "(rate: answer tokens/s)", value=s["tokens"])
         yield CounterMetricFamily("dllm_step_seconds", "seconds spent in decode steps", value=s["step_seconds"])
-        how = CounterMetricFamily("dllm_forward_paths", "forwards by how they ran: CUDA graph replays and "
-                                  "captures, eager and why (full forwards included)", labels=["how"])
-        for k, v in sorted(s["graphs"].items()):
-            if k != "evicted":
-                how.add_metric([k], v)
-        yield how
-        tail = CounterMetricFamily("dllm_step_paths", "steps' work after their forwards (sampler, commits, "
-                                   "bookkeeping) by how it ran: CUDA graph replays and captures, eager and why",
-                                   labels=["how"])
-        for k, v in sorted(s["step_graphs"].items()):
-            if k != "evicted":
-                tail.add_metric([k], v)
-        yield tail
+        yield _paths("dllm_forward_paths", "forwards by how they ran: CUDA graph replays and captures, eager and "
+                     "why (full forwards included)", s["graphs"])
+        yield _paths("dllm_step_paths", "steps' work after their forwards (sampler, commits, bookkeeping) by how it "
+                     "ran: CUDA graph replays and captures, eager and why", s["step_graphs"])
         yield CounterMetricFamily("dllm_graphs_evicted", "CUDA graphs dropped to keep the most recently used (or "
                                   "because the model's weights moved)",
                                   value=s["graphs"].get("evicted", 0))
         yield GaugeMetricFamily("dllm_graph_pool_bytes", "free K/V buffers the graph path keeps for later batches",
                                 value=s["graph_pool_bytes"])
+
+
+def _paths(name: str, doc: str, counts: dict) -> CounterMetricFamily:
+    """A graph runner's counts (:attr:`GraphRunner.stats` or ``tail_stats``) as a counter labelled ``how``; the
+    evictions are a metric of their own."""
+    family = CounterMetricFamily(name, doc, labels=["how"])
+    for k, v in sorted(counts.items()):
+        if k != "evicted":
+            family.add_metric([k], v)
+    return family
 
 
 class _Auth:
