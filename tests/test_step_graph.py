@@ -94,7 +94,7 @@ def test_step_graphs_decode_what_the_eager_step_decodes(name, t):
             assert graphed[1].stats.step_graphs.get("replays", 0) > 0, graphed[1].stats.step_graphs
 
 
-@pytest.mark.parametrize("cache", ["prefix", "dkv-decode", "freecache"])
+@pytest.mark.parametrize("cache", ["prefix", "dkv-decode", "freecache", "elastic"])
 def test_step_graphs_with_other_caches(cache):
     for name in ("llada", "fast-dllm"):
         for a, b in zip(_decode(random_model("llada"), name, cache),
@@ -222,6 +222,15 @@ def test_step_graphs_replay_what_they_captured(name, t):
     assert any(len({r.call for r in rs}) > 1 for rs in replayed), "no graph of the first call replayed in the second"
     for rs in replayed:  # the traces are the sampler's and the loop's: a selection and the canvas written
         assert "aten.where.self_out" in rs[0].trace.names() or "aten.where.self" in rs[0].trace.names()
+
+
+def test_step_graphs_after_elastic_cache_forwards_replay_what_they_captured():
+    """Elastic-Cache's speculative forwards (their parts resumed or redone after a read of the drift tests) before
+    the step graph: every run of a step graph's key issues its capture's operators on its memory, across calls."""
+    runs = traced_steps(random_model("llada"), "fast-dllm", caches=("elastic",))
+    found = problems(runs)
+    assert not found, "\n".join(found[:8])
+    assert any(len({r.call for r in rs}) > 1 for rs in runs.values()), "no graph of the first call replayed"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
