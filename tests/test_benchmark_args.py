@@ -4,6 +4,10 @@ CPU runs, counts and labels only, never timings)."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import importlib.util
+import io
 import json
 import os
 import subprocess
@@ -26,22 +30,51 @@ def bench(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedPr
                           capture_output=True, text=True, timeout=timeout)
 
 
+@functools.cache
+def _script(script: str):
+    """``benchmarks/<script>`` imported once, to run its ``main`` in this process."""
+    spec = importlib.util.spec_from_file_location(f"_bench_{Path(script).stem}", ROOT / "benchmarks" / script)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def in_process(script: str, *args: str) -> tuple[int, str, str]:
+    """``(exit code, stdout, stderr)`` of ``script args`` where it exits in its argument parsing (a refusal, ``--help``),
+    run in this process: its ``main`` with ``sys.argv`` set (an interpreter start would cost seconds)."""
+    out, err, argv = io.StringIO(), io.StringIO(), sys.argv
+    sys.argv = [script, *args]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exit_:
+            _script(script).main()
+    finally:
+        sys.argv = argv
+    return exit_.value.code or 0, out.getvalue(), err.getvalue()
+
+
 def refused(script: str, *args: str) -> str:
     """The argparse error of ``script args`` (asserting exit code 2 and a ``usage:`` line)."""
-    p = bench(script, *args)
-    assert p.returncode == 2, (p.returncode, p.stdout[-2000:], p.stderr[-2000:])
-    assert "usage:" in p.stderr and "error:" in p.stderr, p.stderr
-    return p.stderr.split("error:", 1)[1]
+    code, _, err = in_process(script, *args)
+    assert code == 2, (code, err[-2000:])
+    assert "usage:" in err and "error:" in err, err
+    return err.split("error:", 1)[1]
+
+
+def helped(script: str) -> str:
+    """What ``script --help`` prints (asserting exit code 0)."""
+    code, out, err = in_process(script, "--help")
+    assert code == 0, err[-2000:]
+    return out
 
 
 # 1. dkv_variants.py
 
 
 def test_dkv_variants_help_describes_without_running():
-    p = bench("dkv_variants.py", "--help", timeout=60)
-    assert p.returncode == 0, p.stderr[-2000:]
-    assert "dKV-Cache-Decode variants" in p.stdout and "--tasks" in p.stdout and "--every" in p.stdout
-    assert "prompts;" not in p.stdout  # nothing decoded
+    out = helped("dkv_variants.py")
+    assert "dKV-Cache-Decode variants" in out and "--tasks" in out and "--every" in out
+    assert "prompts;" not in out  # nothing decoded
 
 
 def test_dkv_variants_runs_on_the_synthetic_tasks_only():
@@ -144,10 +177,9 @@ def test_quality_samplers_skips_presets_whose_layout_refuses_the_length(capsys):
 
 @pytest.mark.parametrize("script", ["quality_caches.py", "quality_samplers.py", "bench_samplers.py"])
 def test_help_has_a_description(script):
-    p = bench(script, "--help", timeout=60)
-    assert p.returncode == 0, p.stderr[-2000:]
+    out = helped(script)
     first = (ROOT / "benchmarks" / script).read_text().split('"""')[1].splitlines()[0]
-    assert first in p.stdout, p.stdout
+    assert first in out, out
 
 
 # 4. eval_ar_tasks.py
@@ -244,8 +276,8 @@ def test_bench_generate_labels_the_requested_steps(monkeypatch, capsys):
     bench_generate.part1(1)
     header = capsys.readouterr().out.splitlines()[1]
     assert "| steps requested |" in header and "| steps |" not in header
-    p = bench("bench_generate.py", "--help", timeout=60)
-    assert p.returncode == 0 and "Decode-loop benchmark" in p.stdout and "steps requested" in p.stdout
+    out = helped("bench_generate.py")
+    assert "Decode-loop benchmark" in out and "steps requested" in out
 
 
 # 9. bench_guided.py, bench_samplers.py
@@ -274,8 +306,7 @@ def test_repeat_counts_below_one_are_refused(script, option):
 
 
 def test_bench_fast_layer_help_and_cuda_check():
-    p = bench("bench_fast_layer.py", "--help", timeout=60)
-    assert p.returncode == 0 and "fast layer path on CUDA" in p.stdout, p.stderr[-2000:]
+    assert "fast layer path on CUDA" in helped("bench_fast_layer.py")
     if torch.cuda.is_available():
         pytest.skip("CUDA is available: the benchmark would run")
     p = bench("bench_fast_layer.py", timeout=60)

@@ -294,7 +294,8 @@ def _triton_case(family, cache, fast, batch, want):
 
 
 @needs_triton
-@pytest.mark.parametrize(("family", "cache", "batch"), [("llada", "dual", 2), ("dream", "dkv-decode", 1)])
+@pytest.mark.parametrize(("family", "cache", "batch"), [("llada", "dual", 2),  # slow: the interpreter
+                                                   pytest.param("dream", "dkv-decode", 1, marks=pytest.mark.slow)])
 def test_triton_fast_layer_graph_forwards_replay_what_they_captured(family, cache, batch, triton_backend):
     """The fast layer's Triton kernels (interpreter): their launches, grids, scalars and constexprs."""
     _triton_case(family, cache, True, batch, {"triton._norm_kernel", "triton._rope_kernel", "triton._attn_fwd",

@@ -66,7 +66,7 @@ def _cached_forward_launches(layers: int, cache: str = "dual") -> LaunchCounter:
     return c
 
 
-@pytest.mark.parametrize("cache", ["dual", "prefix"])
+@pytest.mark.parametrize("cache", ["dual", pytest.param("prefix", marks=pytest.mark.slow)])  # slow: the interpreter
 def test_the_cached_fast_layer_launches_nine_kernels(cache, triton_backend):
     """Per layer (the difference between 3 and 2 layers): the previous layer's residual add + norm, QKV product,
     RoPE writing K/V into the cache, attention, output product, add + norm, gate/up product, SiLU-mul, down
@@ -149,25 +149,18 @@ def _loop_kernels(dec, st, tails: bool = False):
     return (*out, tail) if tails else out
 
 
-def test_elastic_cache_adds_few_kernels_to_the_loop_outside_its_graphs(triton_backend):
-    """Elastic-Cache on the graph path: what its plan needs of the decode state is the host's (the masks, the rows
-    testing, the tracked set), the rest runs inside its forwards' graphs (the window and tracked rows at the first
-    layer, the drift tests' outcome at the end of a part), and the step's work after its forward is the step graph:
-    the host launches of a cached step (each forward part and the step graph one launch) stay within the dual
-    cache's budget plus 16 (123 with the sampler's work eager; 164 before the plan's split; 37 for the dual cache)."""
-    dec, st = _tiny_decoder(4, "llada", "elastic", 4)
-    loop, forward, counts, tail = _loop_kernels(dec, st, tails=True)
-    assert forward and len(tail) == 1 and st.trace[-1]["refresh_layer"] != 0  # a cached step, in one or more parts
-    host = loop - sum(tail) + len(tail) + len(forward)  # the graphs' kernels as their launches
-    assert 0 < host <= 40 + 16, counts
+def test_elastic_cache_step_launches_few_kernels(triton_backend, monkeypatch):
+    """Elastic-Cache's cached step on the graph path (Triton backend, its interpreter here), counted in one step:
 
-
-def test_elastic_cache_layer_hook_launches_few_kernels_on_the_triton_backend(triton_backend, monkeypatch):
-    """Elastic-Cache's per-layer hook in a cached step's graph (Triton backend, its interpreter here): at a layer
-    that tests for drift, the tracked queries' gathers, the old keys, the drift test (two LSE passes, the fused
-    kernel, its finish, which also records the row's first failure with no host synchronisation), the window's
-    attention mass and its top-k: at most 15 kernels (51 with the test composed in PyTorch). The last layer runs no
-    test (a failure there would switch no layer)."""
+    * its per-layer hook in the forward's graph, at a layer that tests for drift: the tracked queries' gathers, the
+      old keys, the drift test (two LSE passes, the fused kernel, its finish, which also records the row's first
+      failure with no host synchronisation), the window's attention mass and its top-k: at most 15 kernels (51 with
+      the test composed in PyTorch). The last layer runs no test (a failure there would switch no layer);
+    * the host's launches: what its plan needs of the decode state is the host's (the masks, the rows testing, the
+      tracked set), the rest runs inside its forwards' graphs (the window and tracked rows at the first layer, the
+      drift tests' outcome at the end of a part), and the step's work after its forward is the step graph; each
+      forward part and the step graph one launch: within the dual cache's budget plus 16 (123 with the sampler's
+      work eager; 164 before the plan's split; 37 for the dual cache)."""
     from dllm.caches.elastic import ElasticCache
 
     dec, st = _tiny_decoder(4, "llada", "elastic", 4)
@@ -182,8 +175,11 @@ def test_elastic_cache_layer_hook_launches_few_kernels_on_the_triton_backend(tri
         return out
 
     monkeypatch.setattr(ElasticCache, "observe", counted)
-    dec.step(st)
+    loop, forward, counts, tail = _loop_kernels(dec, st, tails=True)
     assert dec.cache.speculative and st.trace[-1]["refresh_layer"] != 0  # a cached step on the graph path
     tested = [(layer, c) for layer, c in per if "triton._attn_drift" in c]
     assert tested and all(layer < 3 for layer, _ in tested)  # 4 layers: none tests at the last
     assert all(c.get("triton._drift_finish") == 1 and sum(c.values()) <= 15 for _, c in tested), tested
+    assert forward and len(tail) == 1  # one or more forward parts, one step graph
+    host = loop - sum(tail) + len(tail) + len(forward)  # the graphs' kernels as their launches
+    assert 0 < host <= 40 + 16, counts

@@ -251,7 +251,7 @@ def test_fused_confidence_step_graphs_replay_what_they_captured(monkeypatch):
         assert not found, "\n".join(found[:8])
         assert sum(len(rs) - 1 for rs in runs.values()) >= 2 and any(len({r.call for r in rs}) > 1 for rs in runs.values())
         assert any(n.startswith("triton.") for rs in runs.values() for n in rs[0].trace.names())
-        kw = dict(calls=PROMPTS[:1], steps=8)
+        kw = dict(calls=calls, steps=8)
         for a, b in zip(_decode(random_model("llada"), sampler, "dual", **kw),
                         _decode(random_model("llada"), sampler, "dual", step_graphs=False, **kw)):
             _same(a, b)
