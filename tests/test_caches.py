@@ -297,17 +297,19 @@ def test_elastic_drift_test_sets_refresh_layer():
         assert r["run"] >= max(r["computed"]) - 1e-6
 
 
-def test_elastic_drift_test_runs_the_triton_kernel_on_the_triton_backend(triton_backend, monkeypatch):
+def test_elastic_drift_test_runs_the_triton_kernel_on_the_triton_backend(monkeypatch):
     """On the Triton backend (CUDA; here its interpreter) Elastic-Cache's drift test is the fused kernel
     (``kernels.attention_drift``), inside the graph path's parts and on the eager path with classifier-free
     guidance's doubled batch: each call's similarities are those of the reference twin on the same tensors, and on
     the graph path (where each row's first failing layer is recorded by the kernel) what it recorded is what the
-    reference's rule records from the reference's similarities."""
+    reference's rule records from the reference's similarities. The drift kernel alone runs in Triton (the
+    forwards' kernels are the reference's: under the interpreter they would take most of the time)."""
+    pytest.importorskip("triton")
     from dllm import kernels
-    from dllm.kernels import reference
+    from dllm.kernels import reference, triton_kernels
 
     calls = []
-    orig = kernels.attention_drift
+    orig = triton_kernels.attention_drift
 
     def spy(*args):  # compared at the call: the cache writes into these tensors afterwards
         gated = len(args) > 6

@@ -473,9 +473,9 @@ def test_block_cache_static_buffer_path_on_block_diffusion_checkpoints(name):
     assert graph.stats.graphs.get("replays", 0) + graph.stats.graphs.get("captures", 0) >= 1, graph.stats.graphs
 
 
-def test_load_model_compile_option():
-    """``load_model(compile=...)`` compiles the forward in place: still a Transformer (graphs, caches and
-    save_pretrained see the same module), and it decodes what the eager model decodes."""
+def test_load_model_compile_option_refuses_bad_values():
+    """``load_model(compile=...)`` values torch.compile would refuse (or only refuse at the first forward) are
+    refused before the checkpoint is read."""
     with pytest.raises(ValueError, match="compile must be True, False or a dict"):
         dllm.load_model("llada-tiny", compile="yes")
     with pytest.raises(ValueError, match="not torch.compile arguments"):
@@ -490,6 +490,12 @@ def test_load_model_compile_option():
                      ({"recompile_limit": 0}, "recompile_limit=0: must be a positive integer")):
         with pytest.raises(ValueError, match=said):
             dllm.load_model("/nonexistent/checkpoint", compile=kw)
+
+
+@pytest.mark.slow  # a compilation for each shape (the compiled fast model's decode: tests/test_fast_layer.py)
+def test_load_model_compile_option():
+    """``load_model(compile=...)`` compiles the forward in place: still a Transformer (graphs, caches and
+    save_pretrained see the same module), and it decodes what the eager model decodes."""
     torch._dynamo.reset()  # compiled code is cached per code object (Transformer.forward), across tests
     eager = dllm.load_model("llada-tiny")
     compiled = dllm.load_model("llada-tiny", compile={"backend": "aot_eager", "dynamic": True})

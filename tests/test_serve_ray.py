@@ -42,6 +42,7 @@ def ray_server():
         ray.shutdown()
 
 
+@pytest.mark.slow  # a Ray cluster and two replicas take about 40 s to start
 def test_two_replicas_answer_exactly_and_both_serve(ray_server):
     status = __import__("ray").serve.status().applications["dllm"].deployments["dllm"]
     assert status.replica_states.get("RUNNING") == 2

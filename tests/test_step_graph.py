@@ -245,13 +245,13 @@ def test_fused_confidence_step_graphs_replay_what_they_captured(monkeypatch):
     monkeypatch.setattr(kernels, "confidence_stats", lambda logits, temperature=0.0, noise=None, exclude=None:
                         triton_kernels.confidence_stats(logits, temperature=temperature, noise=noise, exclude=exclude))
     calls = ([[5, 6, 7]], [[20, 21]])  # one row (a kernel's program per row takes the interpreter ~0.1 s), one canvas
+    kw = dict(calls=calls, gen_length=8, block_length=8, steps=4)  # one window of 4 steps per call
     for sampler in (LLaDASampler(fused="on"), ComposedSampler(rule=Threshold(0.9), fused="on")):
-        runs = traced_steps(random_model("llada"), sampler, caches=("dual",), calls=calls, steps=8)
+        runs = traced_steps(random_model("llada"), sampler, caches=("dual",), **kw)
         found = problems(runs)
         assert not found, "\n".join(found[:8])
         assert sum(len(rs) - 1 for rs in runs.values()) >= 2 and any(len({r.call for r in rs}) > 1 for rs in runs.values())
         assert any(n.startswith("triton.") for rs in runs.values() for n in rs[0].trace.names())
-        kw = dict(calls=calls, steps=8)
         for a, b in zip(_decode(random_model("llada"), sampler, "dual", **kw),
                         _decode(random_model("llada"), sampler, "dual", step_graphs=False, **kw)):
             _same(a, b)
