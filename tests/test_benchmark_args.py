@@ -5,8 +5,7 @@ CPU runs, counts and labels only, never timings)."""
 from __future__ import annotations
 
 import contextlib
-import functools
-import importlib.util
+import importlib
 import io
 import json
 import os
@@ -30,16 +29,6 @@ def bench(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedPr
                           capture_output=True, text=True, timeout=timeout)
 
 
-@functools.cache
-def _script(script: str):
-    """``benchmarks/<script>`` imported once, to run its ``main`` in this process."""
-    spec = importlib.util.spec_from_file_location(f"_bench_{Path(script).stem}", ROOT / "benchmarks" / script)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def in_process(script: str, *args: str) -> tuple[int, str, str]:
     """``(exit code, stdout, stderr)`` of ``script args`` where it exits in its argument parsing (a refusal, ``--help``),
     run in this process: its ``main`` with ``sys.argv`` set (an interpreter start would cost seconds)."""
@@ -47,7 +36,7 @@ def in_process(script: str, *args: str) -> tuple[int, str, str]:
     sys.argv = [script, *args]
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exit_:
-            _script(script).main()
+            importlib.import_module(Path(script).stem).main()  # benchmarks/ is on sys.path
     finally:
         sys.argv = argv
     return exit_.value.code or 0, out.getvalue(), err.getvalue()
@@ -123,8 +112,6 @@ def _sweep_result(settings, tasks):
 
 @pytest.mark.parametrize("script", ["quality_caches", "quality_samplers"])
 def test_quality_tables_keep_the_requested_lines_only(script):
-    import importlib
-
     from dllm.evals.parallelbench import get_task
     from dllm.evals.parallelbench.sweep import subset_indices
 
