@@ -310,3 +310,12 @@ def test_bench_caches_defaults_are_cpu_sized_on_the_cpu(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     assert "model: 2 layers, width 256" in p.stdout and "prompt 64, gen 64, block 32, steps 64" in p.stdout
     assert {r["cache"] for r in json.loads(out.read_text())} == {"none", "dual"}
+
+
+# 12. bench_viz.py
+
+
+def test_bench_viz_refuses_more_steps_than_positions_and_a_single_frame():
+    assert "--steps 65 is more than --gen 64" in refused("bench_viz.py", "--gen", "64", "--steps", "65")
+    assert "at least 2" in refused("bench_viz.py", "--frames", "1")
+    assert "composed from two drawings" in helped("bench_viz.py")

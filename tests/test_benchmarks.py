@@ -143,6 +143,13 @@ def test_bench_padding_shows_rows_out_of_step_widen_the_batch_unless_packed(tmp_
     assert by[("fast-dllm", 8, "packed")]["run_per_computed"] == 1.0  # ... and packed run only their own rows
 
 
+def test_bench_viz_composes_the_frames_it_draws_whole(tmp_path):
+    row = run("bench_viz.py", "--gen", "48", "--steps", "12", "--frames", "4", "--width", "16", tmp_path=tmp_path)
+    assert row["frames"] == 4 and row["steps"] == 12 and row["pixels"] > 100_000, row
+    assert row["differing_pixels"] == 0, row  # every composed frame is the figure drawn whole at its step
+    assert "| frames drawn whole, s/frame |" in (tmp_path / "bench_viz.py.log").read_text()
+
+
 def test_bench_graph_keys_counts_replays_with_bucketed_and_exact_shapes(tmp_path):
     rows = run("bench_graph_keys.py", "--calls", "3", "--batch", "1", "--gen", "32", "--block", "16", "--configs",
                "llada:dual", "llada:dkv-decode", tmp_path=tmp_path)

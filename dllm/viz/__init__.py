@@ -294,12 +294,14 @@ def _draw(ax, t: dict, lines: list, width: int, S: int, upto: int | None = None)
     nl = len(lines)
     starts, refresh = set(t["starts"]), set(t["refresh"])
     n = len(t["tokens"])
-    cells, tracks, bars, ticks, texts, nums, marks = [], [], [], [], [], [], {}
+    cells, tracks, bars, ticks, texts, nums, marks, spans = [], [], [], [], [], [], {}, []
     for li, (lo, hi) in enumerate(lines):
         y = (nl - 1 - li) * _PITCH + 0.75  # bottom of the cells of this line
         ax.text(-0.25, y + 0.5, f"pos\n{lo}–{hi - 1}", ha="right", va="center", fontsize=6, color="0.25")
         for i in range(lo, hi):
             x = i - lo
+            # all that the cell's step changes (see _frames), its red outline's edge included
+            spans.append((x - 0.1 * (i == lo), y - 0.24, x + 1 + 0.1 * (i == hi - 1), y + 1.1))
             cells.append(_box(x + 0.03, y, 0.94, 1.0))
             tracks.append(_box(x + 0.03, y - 0.22, 0.94, 0.16))
             bars.append(_box(x + 0.03, y - 0.22, 0.94 * (t["conf"][i] or 0.0), 0.16))
@@ -320,7 +322,7 @@ def _draw(ax, t: dict, lines: list, width: int, S: int, upto: int | None = None)
     ax.add_collection(LineCollection(ticks, colors="0.3", linewidths=0.5))
     art = {"cells": ax.add_collection(PolyCollection(cells, linewidths=0)),
            "bars": ax.add_collection(PolyCollection(bars, linewidths=0)), "texts": texts, "nums": nums,
-           "marks": marks, "n": n}
+           "marks": marks, "n": n, "spans": spans, "ax": ax}
     ax.set_xlim(-_LEFT, width + 0.1)
     ax.set_ylim(0, nl * _PITCH)
     ax.axis("off")
@@ -416,7 +418,7 @@ def _figure(plt, ts: list, infos: list, labels: list, width: int, S: int, head: 
     legend; returns ``(fig, artists)``, the artists of each panel."""
     lines = [_lines(t, width) for t in ts]
     cols = max(hi - lo for ls in lines for lo, hi in ls)
-    width = max(cols, 24)  # room for the legend
+    width = max(cols, 30)  # room for the legend (its longest label ends 29 cells in)
     wu = _LEFT + width + 0.3  # width in units
     caps = [caption(t, info, label) for t, info, label in zip(ts, infos, labels)]
     shared = [ln for ln in caps[0] if ln.startswith("prompt:")] if len(ts) > 1 else []
@@ -512,22 +514,88 @@ def animate(out, path, row: int = 0, width: int = 32, fps: int = 4, tokenizer=No
                          f"last); got {max_frames!r} (e.g. max_frames=64)")
     t = trajectory(out, row, tokenizer)
     plt = _require_mpl()
-    from matplotlib.animation import FuncAnimation, PillowWriter
-
     S = t["steps"]
-    head = title or "decoding trajectory"
-    fig, (artists,) = _figure(plt, [t], [info], [""], width, S, head=f"{head}: after step {S} of {S}", upto=0)
-    head_text = fig.axes[0].texts[0]
-
-    def frame(k):
-        _show_upto(t, artists, S, k)
-        head_text.set_text(f"{head}: after step {k} of {S}")
-
     ks = sorted({round(i * S / (max_frames - 1)) for i in range(max_frames)}) if S + 1 > max_frames else range(S + 1)
-    anim = FuncAnimation(fig, frame, frames=list(ks))
-    anim.save(str(path), writer=PillowWriter(fps=fps), dpi=100)
-    plt.close(fig)
+    head = title or "decoding trajectory"
+    fig, (art,) = _figure(plt, [t], [info], [""], width, S, head=_after(head, S, S), upto=0)
+    try:
+        frames = _frames(fig, t, art, S, list(ks), head)
+        next(frames).save(str(path), save_all=True, append_images=frames, duration=round(1000 / fps), loop=0)
+    finally:
+        plt.close(fig)
     return path
+
+
+_GIF_DPI = 100
+
+
+def _after(head: str, k: int, S: int) -> str:
+    return f"{head}: after step {k} of {S}"
+
+
+def _drawing(fig, t: dict, art: dict, S: int, upto: int, header: str):
+    """The whole figure drawn at the GIF's resolution, showing step ``upto`` under the header line ``header``: an RGB
+    array. A frame drawn this way is the oracle of :func:`_frames`'s composed ones."""
+    import numpy as np
+
+    fig.set_dpi(_GIF_DPI)
+    _show_upto(t, art, S, upto)
+    fig.axes[0].texts[0].set_text(header)
+    fig.canvas.draw()
+    return np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
+
+
+def _frames(fig, t: dict, art: dict, S: int, ks: list[int], head: str, palette: bool = True):
+    """The frames of :func:`animate`: the figure after each step of ``ks``, as palette images (``palette=False``:
+    RGB arrays). The figure is drawn twice (:func:`_drawing`), every position masked and every position committed,
+    both with an empty header; a frame is the first drawing with the cells committed by its step taken from the
+    second (each cell's ``spans`` rectangle: its colour, text, step number, marks and confidence bar, nothing another
+    cell draws) and its header line drawn alone. A drawing of a long canvas takes seconds; a frame, milliseconds.
+    Every frame has the one palette made from both drawings (each pixel the index median cut gave it; the header
+    lines' pixels the nearest colour's)."""
+    import numpy as np
+    from PIL import Image
+
+    masked, full = _drawing(fig, t, art, S, 0, ""), _drawing(fig, t, art, S, S, "")
+    canvas, head_ax = fig.canvas, fig.axes[0]
+    empty_head = canvas.copy_from_bbox(head_ax.bbox)
+    H = int(canvas.get_width_height()[1])
+    (_, hy0), (_, hy1) = head_ax.bbox.get_points()
+    head_rows = slice(max(0, math.floor(H - hy1)), min(H, math.ceil(H - hy0)))
+
+    def rect(span):  # a cell's span in the buffer's rows (top first) and columns
+        (x0, y0), (x1, y1) = art["ax"].transData.transform([span[:2], span[2:]])
+        return slice(round(H - y1), round(H - y0)), slice(round(x0), round(x1))
+
+    if palette:
+        pal = Image.fromarray(np.concatenate([masked, full])).quantize(256, dither=Image.Dither.NONE)
+        colours = np.asarray(pal.getpalette(), dtype=np.int64).reshape(-1, 3)
+        masked, full = np.split(np.asarray(pal), 2)
+
+    def indices(rgb):  # the nearest palette colour of each pixel
+        rgb = rgb.astype(np.int64)
+        u, inv = np.unique((rgb[..., 0] << 16) | (rgb[..., 1] << 8) | rgb[..., 2], return_inverse=True)
+        u = np.stack([u >> 16, (u >> 8) & 255, u & 255], -1)
+        return ((u[:, None] - colours[None]) ** 2).sum(-1).argmin(1).astype(np.uint8)[inv]
+
+    order = sorted((s, i) for i, s in enumerate(t["step"]) if s >= 0)
+    frame, nxt = masked.copy(), 0
+    for k in ks:
+        while nxt < len(order) and order[nxt][0] <= k:
+            rows, cols = rect(art["spans"][order[nxt][1]])
+            frame[rows, cols] = full[rows, cols]
+            nxt += 1
+        canvas.restore_region(empty_head)
+        head_ax.texts[0].set_text(_after(head, k, S))
+        head_ax.draw_artist(head_ax.texts[0])
+        strip = np.asarray(canvas.buffer_rgba())[head_rows, :, :3]
+        frame[head_rows] = indices(strip) if palette else strip
+        if not palette:
+            yield frame.copy()
+            continue
+        im = Image.fromarray(frame.copy(), "P")
+        im.putpalette(pal.getpalette())
+        yield im
 
 
 # --------------------------------------------------------------------------------------------------- HTML
