@@ -10,6 +10,7 @@ tokens per second (tokens before EOS), latency p50 / p99 to completion and, for 
 streamed token.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_serve.py --model llada-tiny --concurrency 1 4 16 --requests 8
+    python benchmarks/bench_serve.py --device cuda --json serve.json      # a GPU: the engine's CUDA path
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import threading
 import time
 
 import torch
-from _common import task_prompts
+from _common import task_prompts, write_json
 
 import dllm
 from dllm.assets import model_path
@@ -102,14 +103,19 @@ def run_sequential(model, work, kw):
 
 
 def forward_cost_per_row(model, length: int, rows: int, reps: int = 20) -> float:
-    """Seconds per row of one model forward of ``rows`` rows of ``length`` tokens (median of ``reps``)."""
-    x = torch.full((rows, length), model.mask_id, dtype=torch.long)
+    """Seconds per row of one model forward of ``rows`` rows of ``length`` tokens (median of ``reps``; on a GPU each
+    forward timed to its end on the device)."""
+    device = next(model.parameters()).device
+    x = torch.full((rows, length), model.mask_id, dtype=torch.long, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = []
     with torch.inference_mode():
         model(x)
         for _ in range(reps):
+            sync()
             t0 = time.perf_counter()
             model(x)
+            sync()
             times.append(time.perf_counter() - t0)
     return statistics.median(times) / rows
 
@@ -144,19 +150,25 @@ def main() -> None:
     ap.add_argument("--graphs", default="auto", choices=["auto", "on", "off"],
                     help="CUDA graphs for the cached steps (on: the static-buffer path on the CPU too, to count how "
                          "often a served batch's forward shape repeats)")
+    ap.add_argument("--device", default="cpu", help="where the model runs (cuda: the engine's GPU path)")
+    ap.add_argument("--json", help="write the rows (and the batching gains) here")
     args = ap.parse_args()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: no CUDA device here; leave --device out to run on the CPU")
     torch.set_num_threads(args.threads)
-    model = dllm.load_model(str(model_path(args.model)), dtype="float32")
+    model = dllm.load_model(str(model_path(args.model)), dtype="float32", device=args.device)
     kw = dict(sampler=args.sampler, gen_length=args.gen_length, block_length=args.block_length, cache=args.cache,
               graphs=args.graphs)
     dllm.generate(model, task_prompts(2, 1000), **kw)  # warm-up
-    print(f"model {args.model}, sampler {args.sampler}, cache {args.cache or 'the preset default'}, gen "
+    where = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "CPU"
+    print(f"model {args.model} on {where}, sampler {args.sampler}, cache {args.cache or 'the preset default'}, gen "
           f"{args.gen_length}, block {args.block_length}, "
           f"{args.requests} requests per client, torch threads {torch.get_num_threads()}")
     length = max(len(p) for p in prepare_prompts(model, task_prompts(16, 1000), None, True)) + args.gen_length
-    for line in batching_gains(model, length, args.concurrency):
+    gains = batching_gains(model, length, args.concurrency)
+    for line in gains:
         print(line)
-    paths = {}
+    paths, rows = {}, []
     print("| clients | mode | answer tokens/s | latency p50 s | latency p99 s | first token p50 s | requests |")
     print("|---|---|---|---|---|---|---|")
     for c in args.concurrency:
@@ -169,6 +181,10 @@ def main() -> None:
             wall, toks, lat, ttft, *rest = fn(*fargs)
             print(f"| {c} | {name} | {toks / wall:.1f} | {statistics.median(lat):.3f} | {pct(lat, 0.99):.3f} | "
                   f"{statistics.median(ttft):.3f} | {len(lat)} |", flush=True)
+            rows.append({"device": where, "clients": c, "mode": name, "tokens_per_s": toks / wall,
+                         "latency_p50_s": statistics.median(lat), "latency_p99_s": pct(lat, 0.99),
+                         "latency_max_s": max(lat), "first_token_p50_s": statistics.median(ttft),
+                         "requests": len(lat)})
             if rest:
                 paths[c] = rest[0]
     # how the continuous engine's forwards and its steps' work after them ran (the graph runner's counts; none
@@ -178,6 +194,7 @@ def main() -> None:
             print(f"continuous, {c} clients: {name} by path: "
                   + (", ".join(f"{k} {v}" for k, v in sorted(counts[what].items())) or "no graph path (graphs off, "
                      "CPU with auto, or a sampler that is not graph-safe)"))
+    write_json(args.json, {"rows": rows, "batching_gains": gains})
 
 
 if __name__ == "__main__":

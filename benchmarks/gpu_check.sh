@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # The GPU check, as one short script: the decode-step benchmark first (the figures that matter most), then the
-# kernel benchmark, the gpu-marked tests, every cache against none at batch 1 and the step's extra figures, each
-# bounded in time; every log is written under $OUT (or ./gpu-out) as it goes, so a run cut short still returns what
+# kernel benchmark, the gpu-marked tests, every cache against none at batch 1, the step's extra figures and the
+# serving engine's continuous batching, each bounded in time; every log is written under $OUT (or ./gpu-out) as it goes, so a run cut short still returns what
 # it measured, and the issue's goals are judged at the end (benchmarks/gpu_goals.py). From the repository root on a
 # CUDA machine:
 #
 #     bash benchmarks/gpu_check.sh [FASTDLLM_DIR]     # FASTDLLM_DIR: a Fast-dLLM checkout (optional)
 #     QUICK=1 bash benchmarks/gpu_check.sh ...        # batch 1 and 16, no/dual cache, two modes: a short lease
-#     PARTS="step tests" bash benchmarks/gpu_check.sh # some parts only (step kernels tests caches elastic extra;
-#                                                     # default all)
+#     PARTS="step tests" bash benchmarks/gpu_check.sh # some parts only (step kernels tests caches elastic extra
+#                                                     # serve; default all)
 #     GPU_TESTS_K="confidence or compile" ...         # some of the gpu tests only (pytest -k)
 #
 # The parts run in the order of what the issue's goals still need (step, caches, tests, kernels, elastic: Elastic-
-# Cache's step at 8 layers, extra) and take at most 300 + 180 + 200 + 100 + 120 + 180 seconds. On an H200
+# Cache's step at 8 layers, extra, serve) and take at most 300 + 180 + 200 + 100 + 120 + 180 + 120 seconds. On an H200
 # (2026-11-27, the third check) with QUICK=1 and no Fast-dLLM
 # (it takes about 30 s more): step about 150 s, caches about 90 s, the gpu tests over 200 s on a fresh machine (34 of
 # 37 in 200 s; their kernels compile first), kernels about 55 s. So run PARTS="step kernels" and then PARTS="caches
@@ -30,7 +30,7 @@ OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 FASTDLLM=${1:-}
-PARTS=${PARTS:-step kernels tests caches elastic extra}
+PARTS=${PARTS:-step kernels tests caches elastic extra serve}
 log() { echo "== $* ($(date -u +%H:%M:%S))"; }
 DEADLINE=${DEADLINE:-0}
 # want PART CAP: whether PART was asked for and has time left; sets LIMIT, its time limit in seconds
@@ -109,6 +109,14 @@ if want extra 60; then
     log bench_graph_keys
     timeout "$LIMIT" python3 benchmarks/bench_graph_keys.py --calls 4 --batch 1 4 --configs llada:dual llada:dkv-decode \
         --json "$OUT/graph_keys.json" 2>&1 | grep --line-buffered -v USDT | tee "$OUT/bench_graph_keys.log"
+fi
+
+if want serve 120; then
+    log bench_serve
+    # the serving engine on the GPU with the bundled model: continuous batching against static batches and one request
+    # at a time at 1, 4 and 16 clients (its goal: at 16 clients 3x one at a time, p99 within 2x the longest solo)
+    timeout "$LIMIT" python3 benchmarks/bench_serve.py --device cuda --concurrency 1 4 16 --requests 8 \
+        --json "$OUT/serve.json" 2>&1 | grep --line-buffered -v USDT | tee "$OUT/bench_serve.log"
 fi
 
 log goals

@@ -6,7 +6,8 @@ figure measured and whether it is met.
 
 It reads ``step.json`` (``bench_step.py``: the step against the weight-read floor, kernels and host syncs per step,
 whole generations, Fast-dLLM's own code), ``kernels.json`` (``bench_kernels.py``), ``caches.json``
-(``bench_caches.py``) and ``gpu_tests.log`` (the ``gpu`` tests), whichever exist; where a benchmark was stopped by
+(``bench_caches.py``), ``serve.json`` (``bench_serve.py``: the serving engine's continuous batching) and
+``gpu_tests.log`` (the ``gpu`` tests), whichever exist; where a benchmark was stopped by
 its time limit before it wrote its file, the rows it printed to its log (``bench_step.log``, ``bench_caches.log``:
 one JSON object per line) stand in for it. A goal whose figure is missing is
 "not measured"; a timing goal read from a CPU run is "not measured (CPU)": there the figures are counts only. The
@@ -173,6 +174,22 @@ def goals(folder: Path) -> list[dict]:
     if caches and others:
         shown += "; not judged: " + ", ".join(f"{r['cache']} {r['speedup']}x" for r in others)
     add("every cache pays at batch 1 (bench_caches.py)", "> 1x no cache each", shown or "-", status)
+
+    # the serving engine's continuous batching on the GPU (bench_serve.py on the bundled model): at 16 clients, at
+    # least 3x the answer tokens/s of one request at a time, p99 completion latency within 2x the longest request's
+    # solo latency (one client, one request at a time)
+    serve = {(r["clients"], r["mode"]): r for r in (_load(folder / "serve.json") or {}).get("rows", [])}
+    cont, seq, solo = serve.get((16, "continuous")), serve.get((16, "one at a time")), serve.get((1, "one at a time"))
+    if cont and seq and solo:
+        gain = round(cont["tokens_per_s"] / seq["tokens_per_s"], 2)
+        tail = round(cont["latency_p99_s"] / solo["latency_max_s"], 2)
+        add("continuous batching at 16 clients (bench_serve.py)", ">= 3x one at a time; p99 <= 2x the longest solo",
+            f"{gain}x the answer tokens/s; p99 {cont['latency_p99_s']:.3f} s = {tail}x the longest solo request "
+            f"({solo['latency_max_s']:.3f} s; {cont['device']})",
+            _timed(_judge(gain, gain >= 3 and tail <= 2), cont.get("device", "CPU") != "CPU"))
+    else:
+        add("continuous batching at 16 clients (bench_serve.py)", ">= 3x one at a time; p99 <= 2x the longest solo",
+            "-", MISSING)
 
     log = folder / "gpu_tests.log"
     summary = None

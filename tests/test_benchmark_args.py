@@ -101,6 +101,12 @@ def test_bench_serve_one_row_reads_one_times():
     assert len(lines) == 2 and "one-row reference" in lines[0] and lines[1].startswith("forward of 2 rows"), lines
 
 
+def test_bench_serve_refuses_cuda_without_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available: the benchmark would run there")
+    assert "--device cuda: no CUDA device here" in refused("bench_serve.py", "--device", "cuda")
+
+
 # 3. quality_caches.py, quality_samplers.py: a rerun reports the request only (and 6: layouts, --curves)
 
 

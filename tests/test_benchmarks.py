@@ -143,6 +143,19 @@ def test_bench_padding_shows_rows_out_of_step_widen_the_batch_unless_packed(tmp_
     assert by[("fast-dllm", 8, "packed")]["run_per_computed"] == 1.0  # ... and packed run only their own rows
 
 
+def test_bench_serve_writes_rows_the_goals_table_reads(tmp_path):
+    """bench_serve.py's rows (CPU: shown, not judged) carry what the serving goal reads: the 16-client continuous and
+    one-at-a-time throughput, the continuous p99 and the longest solo request."""
+    report = run("bench_serve.py", "--concurrency", "1", "16", "--requests", "1", "--gen-length", "8",
+                 "--block-length", "8", tmp_path=tmp_path)
+    rows = {(r["clients"], r["mode"]): r for r in report["rows"]}
+    assert set(rows) == {(c, m) for c in (1, 16) for m in ("continuous", "static batches", "one at a time")}
+    assert all(r["device"] == "CPU" and r["requests"] == r["clients"] and r["tokens_per_s"] > 0 for r in rows.values())
+    assert len(report["batching_gains"]) == 2
+    (goal,) = [g for g in goals_of(tmp_path, "serve.json", report) if g["goal"].startswith("continuous batching")]
+    assert goal["status"] == "not measured (CPU)" and goal["measured"].endswith("; CPU)"), goal
+
+
 def test_bench_viz_composes_the_frames_it_draws_whole(tmp_path):
     row = run("bench_viz.py", "--gen", "48", "--steps", "12", "--frames", "4", "--width", "16", tmp_path=tmp_path)
     assert row["frames"] == 4 and row["steps"] == 12 and row["pixels"] > 100_000, row
@@ -181,7 +194,7 @@ def test_bench_kernels_runs_every_kernel(tmp_path):
 
 
 def _gpu_figures(folder: Path, x_floor=1.4, fastdllm=2.5, splitk=0.025, caches=1.1,
-                 tests="22 passed, 113 deselected in 40s", fastdllm_device="cuda"):
+                 tests="22 passed, 113 deselected in 40s", fastdllm_device="cuda", serve=(3.4, 1.5)):
     """The files gpu_check.sh writes, in the benchmarks' formats, with figures chosen by the test."""
     folder.mkdir(exist_ok=True)
     step = [{"what": "floor", "device": "NVIDIA H100 80GB HBM3", "layers": 32, "floor_ms": 5.33},
@@ -207,6 +220,15 @@ def _gpu_figures(folder: Path, x_floor=1.4, fastdllm=2.5, splitk=0.025, caches=1
     (folder / "kernels.json").write_text(json.dumps({"device": "NVIDIA H100 80GB HBM3", "rows": [att, conf]}))
     (folder / "caches.json").write_text(json.dumps(caches))
     (folder / "gpu_tests.log").write_text(f"...\n{'=' * 10} {tests} {'=' * 10}\n")
+    gain, tail = serve  # continuous against one at a time at 16 clients; its p99 against the longest solo request
+    dev = "NVIDIA H100 80GB HBM3"
+    (folder / "serve.json").write_text(json.dumps({"rows": [
+        {"device": dev, "clients": 1, "mode": "one at a time", "tokens_per_s": 90.0, "latency_p99_s": 0.18,
+         "latency_max_s": 0.2},
+        {"device": dev, "clients": 16, "mode": "continuous", "tokens_per_s": 100.0 * gain,
+         "latency_p99_s": 0.2 * tail, "latency_max_s": 0.2 * tail},
+        {"device": dev, "clients": 16, "mode": "one at a time", "tokens_per_s": 100.0, "latency_p99_s": 3.0,
+         "latency_max_s": 3.1}]}))
     return folder
 
 
@@ -216,12 +238,19 @@ def test_gpu_goals_judges_each_goal_against_its_target(tmp_path):
     assert set(status.values()) == {"met"}, status
     e2e = next(g["measured"] for g in good if g["goal"].startswith("dual cache against no cache"))
     assert e2e == "3.75x (2.0 s against 7.5 s; no cache with eager forwards 15.0 s (its graphs: 2.0x))", e2e
-    assert len(status) == 10  # step, e2e, Fast-dLLM, kernels, syncs, split-K, dispatch, confidence, caches, tests
+    assert len(status) == 11  # step, e2e, Fast-dLLM, kernels, syncs, split-K, dispatch, confidence, caches, serving,
+    # tests
+    serving = next(g["measured"] for g in good if g["goal"].startswith("continuous batching at 16 clients"))
+    assert serving.startswith("3.4x the answer tokens/s; p99 0.300 s = 1.5x the longest solo request"), serving
     bad = {g["goal"]: g for g in gpu_goals.goals(_gpu_figures(
-        tmp_path / "bad", x_floor=1.56, fastdllm=1.9, splitk=0.05, caches=0.8, tests="3 failed, 19 passed in 56s"))}
+        tmp_path / "bad", x_floor=1.56, fastdllm=1.9, splitk=0.05, caches=0.8, tests="3 failed, 19 passed in 56s",
+        serve=(2.9, 1.5)))}
     for goal in ("dual-cache step, batch 1, graph path", "against Fast-dLLM's generate_with_dual_cache, same weights",
-                 "every cache pays at batch 1 (bench_caches.py)", "gpu tests"):
+                 "every cache pays at batch 1 (bench_caches.py)", "continuous batching at 16 clients (bench_serve.py)",
+                 "gpu tests"):
         assert bad[goal]["status"] == "NOT met", bad[goal]
+    slow_tail = {g["goal"]: g["status"] for g in gpu_goals.goals(_gpu_figures(tmp_path / "tail", serve=(3.4, 2.1)))}
+    assert slow_tail["continuous batching at 16 clients (bench_serve.py)"] == "NOT met"  # throughput alone is not it
     # Fast-dLLM's model left in host memory (its wrapper builds it there) while dllm ran on the GPU: no comparison
     for dev, said in (("cpu", "Fast-dLLM ran on cpu"), (None, "Fast-dLLM ran on a device not recorded")):
         off = {g["goal"]: g for g in gpu_goals.goals(_gpu_figures(tmp_path / f"off-{dev}", fastdllm=75.4,
@@ -232,7 +261,7 @@ def test_gpu_goals_judges_each_goal_against_its_target(tmp_path):
     assert {g["status"] for g in gpu_goals.goals(tmp_path / "nothing")} == {"not measured"}
     out = tmp_path / "goals.json"
     assert gpu_goals.main([str(tmp_path / "bad"), "--json", str(out)]) == 0
-    assert [g["status"] for g in json.loads(out.read_text())].count("NOT met") == 4
+    assert [g["status"] for g in json.loads(out.read_text())].count("NOT met") == 5
     assert "elastic 0.8x" in bad["every cache pays at batch 1 (bench_caches.py)"]["measured"]
     # a bench_caches run its time limit cut after some caches: judged on every cache, not on those it reached
     short = _gpu_figures(tmp_path / "short")
