@@ -175,6 +175,10 @@ def test_gif_frames_are_the_figure_drawn_whole_at_their_step(tiny, marked, width
         S = t["steps"]
         ks = sorted({0, *range(1, S + 1, 5), S})
         fig, (art,) = V._figure(plt, [t], [None], [""], width, S, head="h", upto=0)
+        if width == 12:  # a figure whose canvas has no pixels (another backend's): drawn on an Agg canvas
+            from matplotlib.backends.backend_svg import FigureCanvasSVG
+
+            FigureCanvasSVG(fig)
         composed = list(V._frames(fig, t, art, S, ks, "h", palette=False))
         for k, frame in zip(ks, composed, strict=True):
             whole = V._drawing(fig, t, art, S, k, V._after("h", k, S))

@@ -537,7 +537,10 @@ def _drawing(fig, t: dict, art: dict, S: int, upto: int, header: str):
     """The whole figure drawn at the GIF's resolution, showing step ``upto`` under the header line ``header``: an RGB
     array. A frame drawn this way is the oracle of :func:`_frames`'s composed ones."""
     import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
 
+    if not isinstance(fig.canvas, FigureCanvasAgg):  # drawn into pixels whatever backend pyplot has chosen
+        FigureCanvasAgg(fig)
     fig.set_dpi(_GIF_DPI)
     _show_upto(t, art, S, upto)
     fig.axes[0].texts[0].set_text(header)
