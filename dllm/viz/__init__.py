@@ -579,7 +579,7 @@ def _frames(fig, t: dict, art: dict, S: int, ks: list[int], head: str, palette: 
         rgb = rgb.astype(np.int64)
         u, inv = np.unique((rgb[..., 0] << 16) | (rgb[..., 1] << 8) | rgb[..., 2], return_inverse=True)
         u = np.stack([u >> 16, (u >> 8) & 255, u & 255], -1)
-        return ((u[:, None] - colours[None]) ** 2).sum(-1).argmin(1).astype(np.uint8)[inv]
+        return ((u[:, None] - colours[None]) ** 2).sum(-1).argmin(1).astype(np.uint8)[inv].reshape(rgb.shape[:2])
 
     order = sorted((s, i) for i, s in enumerate(t["step"]) if s >= 0)
     frame, nxt = masked.copy(), 0
