@@ -368,9 +368,9 @@ class GraphRunner:
         through a graph (``cache``: a ``NoCache`` or a K/V cache that :meth:`full_reason` accepts). A K/V cache that
         holds no buffers of this batch and canvas yet (a generation's first forward) takes them first
         (:meth:`KVCache.take_buffers`, from the pool: those the last call of this shape gave back), outside the
-        graph, since an allocation is not captured. The graph is keyed by the shapes and the K/V buffers'
-        addresses, captured the second time its key is seen like a partial forward's, and writes every row of the
-        cache's buffers in place; after a replay the cache counts as filled (the one thing its ``update`` does
+        graph, since an allocation is not captured. The graph is keyed by the shapes (a served batch's by its batch
+        bucket, run as in :meth:`_key`) and the K/V buffers' addresses, captured the second time its key is seen like
+        a partial forward's, and writes every row of the cache's buffers in place; after a replay the cache counts as filled (the one thing its ``update`` does
         besides the writes)."""
         kv = isinstance(cache, KVCache)
         n_layers = len(self.model.layers)
@@ -380,12 +380,15 @@ class GraphRunner:
                                x.device)
         with on_device(x):
             B, W = logits_idx.shape
-            key = ("full", tuple(x.shape), W, key_mask is None, x.device, self._dtype,
+            # a batch in a bucket's buffers runs as the bucket, as a partial forward does (its spare rows copies of
+            # row 0, their writes in the buffers' spare rows, their logits dropped)
+            Bb = max(B, cache.capacity()) if kv else B
+            key = ("full", (Bb, *x.shape[1:]), W, key_mask is None, x.device, self._dtype,
                    _addresses(cache) if kv else ())
             live = (x, positions, key_mask, logits_idx, None, None)
             g = self.graphs.get(key)
             if g is None:
-                g = self.graphs[key] = _Graph(*(None if t is None else torch.empty_like(t) for t in live))
+                g = self.graphs[key] = _Graph(*(None if t is None else t.new_empty((Bb, *t.shape[1:])) for t in live))
                 self._evict()
             else:
                 self.graphs.move_to_end(key)
@@ -492,20 +495,28 @@ class GraphRunner:
         return None if g.out is None else g.out[:B, :W].clone()
 
     def _forward(self, g: _Graph, cache) -> torch.Tensor:
-        if g.query_idx is None:  # a full forward (:meth:`full`)
-            return self.model(g.x, positions=g.positions, attn_mask=g.key_mask, logits_idx=g.logits_idx, cache=cache)
-        live, k, v = cache.read_cols, cache.k, cache.v
-        cache.read_cols = g.read_cols  # the forward reads the static copy (captured by address)
-        if g.x.shape[0] > (k[0].shape[0] if k else 0):  # a batch bucket: the forward reads and writes the buffers whole
-            cache.k, cache.v = [storage_of(t) for t in k], [storage_of(t) for t in v]
-        try:
-            kw = {"start_layer": g.start} if g.start else {}
+        kw = {}
+        if g.query_idx is not None:  # a partial forward (else a full one, :meth:`full`)
+            kw = {"query_idx": g.query_idx, "query_tokens": g.query_tokens}
+            if g.start:
+                kw["start_layer"] = g.start
             if g.stop is not None:
                 kw["stop_layer"] = g.stop
-            return self.model(g.x, positions=g.positions, attn_mask=g.key_mask, logits_idx=g.logits_idx,
-                              cache=cache, query_idx=g.query_idx, query_tokens=g.query_tokens, **kw)
+        k, v = (cache.k, cache.v) if isinstance(cache, KVCache) else ([], [])
+        whole = bool(k) and g.x.shape[0] > k[0].shape[0]  # a batch bucket: the forward reads and writes the buffers
+        if whole:  # whole, the views of the batch's rows put back after
+            cache.k, cache.v = [storage_of(t) for t in k], [storage_of(t) for t in v]
+        live = cache.read_cols if kw else None
+        if kw:
+            cache.read_cols = g.read_cols  # the forward reads the static copy (captured by address)
+        try:
+            return self.model(g.x, positions=g.positions, attn_mask=g.key_mask, logits_idx=g.logits_idx, cache=cache,
+                              **kw)
         finally:
-            cache.read_cols, cache.k, cache.v = live, k, v
+            if kw:
+                cache.read_cols = live
+            if whole or kw:
+                cache.k, cache.v = k, v
 
     def _capture(self, g: _Graph, cache) -> torch.Tensor:
         if not self.capture:

@@ -262,6 +262,26 @@ def test_a_served_batch_moves_within_its_bucket_and_keeps_its_graphs():
         assert h.result(timeout=0).tokens == out.sequences[k].tolist(), k
 
 
+def test_a_served_batchs_full_forwards_run_as_its_bucket_and_replay_across_batch_sizes():
+    """A served batch's full forwards (every row at a block's start: the dual cache refreshes its canvas) run as its
+    bucket too, so a batch of 3 rows and one of 4 in the same buffers share the full forwards' graphs: every forward of
+    the second batch (its 4 blocks' full forwards among them) replays what the first captured. Every answer is the
+    request's alone."""
+    model = dllm.load_model("llada-tiny", dtype="float32")
+    eng = Engine(model, max_rows=4, graphs="on")
+    kw = dict(gen_length=32, block_length=8, sampler="llada", cache="dual")
+    first = [eng.submit(PROMPTS[2], **kw) for _ in range(3)]
+    eng.run_until_idle()
+    was = Counter(eng.stats()["graphs"])
+    assert was["full captures"] >= 1
+    second = [eng.submit(PROMPTS[2], **kw) for _ in range(4)]
+    eng.run_until_idle()
+    now = Counter(eng.stats()["graphs"]) - was
+    assert now["full replays"] == 4 and set(now) == {"full replays", "replays"}, now  # every forward a replay
+    alone = dllm.generate(model, [PROMPTS[2]], **kw).sequences[0].tolist()
+    assert all(h.result(timeout=0).tokens == alone for h in first + second)
+
+
 # samplers and caches with per-row state beyond the K/V buffers: (sampler, params, cache, gen_length, block_length)
 STATEFUL = {
     "klass": [("klass", {}, None, 32, 8), ("klass", {"conf_threshold": 0.3, "kl_threshold": 0.05}, "prefix", 32, 16)],
