@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+from collections import Counter
 
 import pytest
 import torch
@@ -382,3 +383,14 @@ def test_cuda_served_step_graphs_capture_and_every_request_finishes():
     assert not any("capture failed" in k for k in s["step_graphs"]) and s["step_graphs"].get("replays", 0) >= 4, s
     for h in hs:
         assert h.result(timeout=0).finish_reason in ("stop", "length")
+    # a batch of 3 rows and then one of 4 in a bucket of 4: the second's forwards, its blocks' full forwards among
+    # them (spare rows copies of row 0), replay the first's captures
+    eng = Engine(model, max_rows=4, graphs="auto")
+    for n in (3, 4):
+        was = Counter(eng.stats()["graphs"])
+        hs = [eng.submit(CUDA_PROMPTS[0], **kw) for _ in range(n)]
+        eng.run_until_idle()
+    now = Counter(eng.stats()["graphs"]) - was
+    assert not any("capture failed" in k for k in eng.stats()["graphs"]), eng.stats()["graphs"]
+    assert now["full replays"] >= 1 and set(now) == {"full replays", "replays"}, now  # every forward a replay
+    assert all(h.result(timeout=0).finish_reason in ("stop", "length") for h in hs)
