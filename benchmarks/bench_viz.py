@@ -41,7 +41,8 @@ def main() -> None:
     ap.add_argument("--gen", type=positive, default=1024, help="positions on the canvas")
     ap.add_argument("--steps", type=positive, default=256, help="steps of the record (at most --gen)")
     ap.add_argument("--frames", type=positive, default=64,
-                    help="frames timed each way, evenly spaced steps (at least 2: the first and the last; animate's default 64)")
+                    help="frames timed each way, evenly spaced steps (at least 2: the first and the last; animate's "
+                         "default 64)")
     ap.add_argument("--width", type=positive, default=32, help="cells per line, as animate's width")
     ap.add_argument("--json", help="write the row here")
     a = ap.parse_args()

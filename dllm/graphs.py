@@ -370,8 +370,8 @@ class GraphRunner:
         (:meth:`KVCache.take_buffers`, from the pool: those the last call of this shape gave back), outside the
         graph, since an allocation is not captured. The graph is keyed by the shapes (a served batch's by its batch
         bucket, run as in :meth:`_key`) and the K/V buffers' addresses, captured the second time its key is seen like
-        a partial forward's, and writes every row of the cache's buffers in place; after a replay the cache counts as filled (the one thing its ``update`` does
-        besides the writes)."""
+        a partial forward's, and writes every row of the cache's buffers in place; after a replay the cache counts as
+        filled (the one thing its ``update`` does besides the writes)."""
         kv = isinstance(cache, KVCache)
         n_layers = len(self.model.layers)
         if kv and not _holds_buffers(cache, x.shape, n_layers, self._dtype):
