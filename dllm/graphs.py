@@ -369,7 +369,7 @@ class GraphRunner:
         holds no buffers of this batch and canvas yet (a generation's first forward) takes them first
         (:meth:`KVCache.take_buffers`, from the pool: those the last call of this shape gave back), outside the
         graph, since an allocation is not captured. The graph is keyed by the shapes (a served batch's by its batch
-        bucket, run as in :meth:`_key`) and the K/V buffers' addresses, captured the second time its key is seen like
+        bucket: :func:`_rows_run`) and the K/V buffers' addresses, captured the second time its key is seen like
         a partial forward's, and writes every row of the cache's buffers in place; after a replay the cache counts as
         filled (the one thing its ``update`` does besides the writes)."""
         kv = isinstance(cache, KVCache)
@@ -380,9 +380,7 @@ class GraphRunner:
                                x.device)
         with on_device(x):
             B, W = logits_idx.shape
-            # a batch in a bucket's buffers runs as the bucket, as a partial forward does (its spare rows copies of
-            # row 0, their writes in the buffers' spare rows, their logits dropped)
-            Bb = max(B, cache.capacity()) if kv else B
+            Bb = _rows_run(cache, B) if kv else B
             key = ("full", (Bb, *x.shape[1:]), W, key_mask is None, x.device, self._dtype,
                    _addresses(cache) if kv else ())
             live = (x, positions, key_mask, logits_idx, None, None)
@@ -402,9 +400,7 @@ class GraphRunner:
     def _key(self, x, positions, key_mask, logits_idx, cache, query_idx, query_tokens):
         B, W = logits_idx.shape
         Wb = shape_bucket(W, x.shape[1]) if self.buckets else W  # logits columns: the last one repeated up to Wb
-        # a batch in a bucket's buffers (KVCache.batch_buckets) runs as the bucket: the extra rows copy row 0 (their
-        # writes land in the buffers' spare rows, their logits are dropped); the packed rows count them in full
-        Bb = max(B, cache.capacity())
+        Bb = _rows_run(cache, B)  # the packed rows count a bucket's spare rows in full
         if Bb > B and query_tokens is not None:
             Q = query_idx.shape[1]
             query_tokens = shape_bucket(min(query_tokens + (Bb - B) * Q, Bb * Q), Bb * Q)
@@ -495,27 +491,28 @@ class GraphRunner:
         return None if g.out is None else g.out[:B, :W].clone()
 
     def _forward(self, g: _Graph, cache) -> torch.Tensor:
-        kw = {}
-        if g.query_idx is not None:  # a partial forward (else a full one, :meth:`full`)
+        partial = g.query_idx is not None  # else a full forward (:meth:`full`)
+        kw, live = {}, None
+        if partial:
             kw = {"query_idx": g.query_idx, "query_tokens": g.query_tokens}
             if g.start:
                 kw["start_layer"] = g.start
             if g.stop is not None:
                 kw["stop_layer"] = g.stop
+            live, cache.read_cols = cache.read_cols, g.read_cols  # the forward reads the static copy (by address)
         k, v = (cache.k, cache.v) if isinstance(cache, KVCache) else ([], [])
-        whole = bool(k) and g.x.shape[0] > k[0].shape[0]  # a batch bucket: the forward reads and writes the buffers
-        if whole:  # whole, the views of the batch's rows put back after
+        # a batch bucket (:func:`_rows_run`): the forward reads and writes the buffers whole, the views of the batch's
+        # rows put back after
+        whole = bool(k) and g.x.shape[0] > k[0].shape[0]
+        if whole:
             cache.k, cache.v = [storage_of(t) for t in k], [storage_of(t) for t in v]
-        live = cache.read_cols if kw else None
-        if kw:
-            cache.read_cols = g.read_cols  # the forward reads the static copy (captured by address)
         try:
             return self.model(g.x, positions=g.positions, attn_mask=g.key_mask, logits_idx=g.logits_idx, cache=cache,
                               **kw)
         finally:
-            if kw:
+            if partial:
                 cache.read_cols = live
-            if whole or kw:
+            if whole or partial:
                 cache.k, cache.v = k, v
 
     def _capture(self, g: _Graph, cache) -> torch.Tensor:
@@ -654,6 +651,13 @@ def _holds_buffers(cache: KVCache, shape, n_layers: int, dtype) -> bool:
         return False
     return all(t is not None and t.shape[0] == B and t.shape[2] == T and t.dtype == dtype
                for t in (*cache.k, *cache.v))
+
+
+def _rows_run(cache: KVCache, B: int) -> int:
+    """The rows a forward of a ``B``-row batch runs: a batch in a bucket's buffers (``KVCache.batch_buckets``, a served
+    batch) runs as the bucket, its partial forwards and its full ones alike; the extra rows copy row 0 (:func:`_fill`;
+    their writes land in the buffers' spare rows, their logits are dropped)."""
+    return max(B, cache.capacity())
 
 
 def _fill(static: torch.Tensor, t: torch.Tensor) -> None:

@@ -572,7 +572,8 @@ def _frames(fig, t: dict, art: dict, S: int, ks: list[int], head: str, palette: 
 
     if palette:
         pal = Image.fromarray(np.concatenate([masked, full])).quantize(256, dither=Image.Dither.NONE)
-        colours = np.asarray(pal.getpalette(), dtype=np.int64).reshape(-1, 3)
+        palette_rgb = pal.getpalette()
+        colours = np.asarray(palette_rgb, dtype=np.int64).reshape(-1, 3)
         masked, full = np.split(np.asarray(pal), 2)
 
     def indices(rgb):  # the nearest palette colour of each pixel
@@ -597,7 +598,7 @@ def _frames(fig, t: dict, art: dict, S: int, ks: list[int], head: str, palette: 
             yield frame.copy()
             continue
         im = Image.fromarray(frame.copy(), "P")
-        im.putpalette(pal.getpalette())
+        im.putpalette(palette_rgb)
         yield im
 
 
