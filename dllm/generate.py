@@ -521,13 +521,23 @@ class Decoder:
             and self.refine is None and self.slide is None and self.widen is None
             and callable(safe) and safe()) else None
 
+    @property
+    def buckets(self) -> bool:
+        """Whether the canvas is rounded up to a bucket (:meth:`prompt_width`): the runner buckets and a cache's partial
+        forwards go through graphs, or rows join and leave (:attr:`rows_move`, a served batch) and the full forwards
+        do (every forward without a cache). A generation without a cache keeps its exact canvas: each of its steps
+        has one shape, where padding would cost every step of a full forward; a served batch changes its canvas
+        whenever its longest prompt joins or leaves."""
+        return self.graphs is not None and self.graphs.buckets and (
+            self.graphed or (self.rows_move and self._eager_full is None))
+
     def prompt_width(self, longest: int) -> int:
-        """The canvas column where generation starts for prompts of at most ``longest`` tokens: ``longest``, or on
-        the graph path the canvas length rounded up to a :func:`~dllm.ops.shape_bucket` size (within the model's
-        context) less ``gen_length``: more left padding, masked out as every shorter prompt's is, so that a few
-        canvas lengths (and their graphs) serve every prompt length."""
+        """The canvas column where generation starts for prompts of at most ``longest`` tokens: ``longest``, or where
+        shapes are bucketed (:attr:`buckets`) the canvas length rounded up to a :func:`~dllm.ops.shape_bucket` size
+        (within the model's context) less ``gen_length``: more left padding, masked out as every shorter prompt's
+        is, so that a few canvas lengths (and their graphs) serve every prompt length."""
         G = self.config.gen_length
-        if not self.graphed or not self.graphs.buckets:
+        if not self.buckets:
             return longest
         return shape_bucket(longest + G, self.model.max_seq_len) - G
 

@@ -37,10 +37,11 @@ few hundred kernel launches.
   synchronisation, its inputs filled under a guard computed on the device (``prepare(guard=...)``: an invalid plan
   keeps the last forward's inputs), so that the device does not wait for the host at all (``Decoder._sync``);
 * a full forward (every step without a cache, a cache's refreshes) is a graph of its own (:meth:`GraphRunner.full`):
-  keyed by its exact shapes and, with a cache, the K/V buffers it writes in place, captured the second time it is
-  seen. Without a cache the canvas is not rounded up (each step of a generation has one shape; padding would cost
-  every step of a full forward), so at most ``max_full_graphs`` (4) full-forward graphs are kept, the least recently
-  used dropped. Before a cache's first forward of a call it takes its buffers from the pool
+  keyed by its shapes (its logits columns rounded up) and, with a cache, the K/V buffers it writes in place,
+  captured the second time it is seen. Without a cache a generation's canvas is not rounded up (each of its steps has
+  one shape; padding would cost every step of a full forward), a served batch's is (``Decoder.buckets``: its canvas
+  changes as rows join and leave), and at most ``max_full_graphs`` (4) full-forward graphs are kept, the least
+  recently used dropped. Before a cache's first forward of a call it takes its buffers from the pool
   (:meth:`KVCache.take_buffers`, outside the graph), so that forward replays a graph too;
 * a cache with per-layer hooks that can speculate (Elastic-Cache: ``KVCache.can_speculate``) runs its partial forwards
   without host synchronisation, in parts (:meth:`GraphRunner.segment`): up to a layer (``stop``), then resumed or
@@ -381,12 +382,14 @@ class GraphRunner:
         with on_device(x):
             B, W = logits_idx.shape
             Bb = _rows_run(cache, B) if kv else B
-            key = ("full", (Bb, *x.shape[1:]), W, key_mask is None, x.device, self._dtype,
+            Wb = shape_bucket(W, x.shape[1]) if self.buckets else W  # logits columns: the last one repeated up to Wb
+            key = ("full", (Bb, *x.shape[1:]), Wb, key_mask is None, x.device, self._dtype,
                    _addresses(cache) if kv else ())
             live = (x, positions, key_mask, logits_idx, None, None)
             g = self.graphs.get(key)
             if g is None:
-                g = self.graphs[key] = _Graph(*(None if t is None else t.new_empty((Bb, *t.shape[1:])) for t in live))
+                g = self.graphs[key] = _Graph(*(None if t is None else t.new_empty(
+                    (Bb, Wb if t is logits_idx else t.shape[1])) for t in live))
                 self._evict()
             else:
                 self.graphs.move_to_end(key)

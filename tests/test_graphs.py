@@ -156,6 +156,26 @@ def test_fresh_caches_of_later_calls_replay_the_first_calls_graphs():
         assert len(runner.graphs) == 4  # per length: the partial forwards' graph and the refreshes'
 
 
+def test_full_forwards_round_their_logits_columns_up_and_keep_their_exact_canvas():
+    """A full forward's logits columns (the window's width) are rounded up to a bucket, the last column repeated: a
+    generation in windows of 3 columns replays the graph captured for windows of 4, with the eager path's tokens.
+    Without a cache a generation keeps its exact canvas (each of its steps has one shape; padding would cost every
+    step): another prompt length captures a graph of its own."""
+    model = cached_model("llada", 0)
+    prompt = [ragged_prompts(4, 2)[3]]
+    kw = dict(prompts=prompt, gen_length=12, steps=12)
+    eager = _gen(model, "none", "off", "llada", block_length=3, **kw)
+    for buckets, want in ((True, {"full replays": 12}), (False, {"eager:full forward, first sight": 1,
+                                                                 "full captures": 1, "full replays": 10})):
+        with own_runner(model, buckets=buckets) as runner:
+            four, three = (_gen(model, "none", "on", "llada", block_length=b, **kw) for b in (4, 3))
+            assert four.stats.graphs.get("full captures") == 1 and three.stats.graphs == want
+            assert torch.equal(three.sequences, eager.sequences)
+            other = _gen(model, "none", "on", "llada", prompts=ragged_prompts(1, 1), gen_length=12, block_length=4,
+                         steps=12)
+            assert other.stats.graphs.get("full captures") == 1 and len(runner.graphs) == 3 - buckets
+
+
 def test_bucketed_widths_replay_where_exact_widths_change_every_step():
     """dKV-Cache-Decode computes only the rows the sampler reads (the masks left): its active width falls at every
     step, a new exact shape each time. Bucketed, the widths share a few graphs, with the eager path's tokens."""
@@ -306,7 +326,8 @@ def test_full_forwards_go_through_graphs_without_a_cache_and_for_refreshes(famil
         assert g.get("eager:full forward, first sight", 0) + g.get("full captures", 0) + g["full replays"] \
             == fulls and g["full replays"] >= 1
         assert torch.equal(refreshing.sequences, _gen(model, "dkv-greedy", "off", "threshold", **kw).sequences)
-    with own_runner(model, max_full_graphs=1) as runner:  # canvases of other lengths: the full graphs make way
+    # canvases of other lengths (exact, not rounded up to one bucket): the full graphs make way
+    with own_runner(model, max_full_graphs=1, buckets=False) as runner:
         for n in (1, 2, 3):
             _gen(model, "none", "on", "llada", prompts=ragged_prompts(n, 2), **kw)
         full = [key for key in runner.graphs if key[0] == "full"]

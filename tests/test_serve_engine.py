@@ -282,6 +282,32 @@ def test_a_served_batchs_full_forwards_run_as_its_bucket_and_replay_across_batch
     assert all(h.result(timeout=0).tokens == alone for h in first + second)
 
 
+def test_a_served_batch_without_a_cache_rounds_its_canvas_up_so_that_other_prompt_lengths_replay():
+    """Without a cache every forward of a served batch is a full forward through a graph, keyed by its canvas: the
+    canvas is rounded up to a bucket (a served batch's longest prompt changes as rows join and leave), so a later
+    batch whose longest prompt is another length in the same bucket replays every forward the first captured.
+    Every answer is the request's alone."""
+    model = dllm.load_model("llada-tiny", dtype="float32")
+    eng = Engine(model, max_rows=4, graphs="on")
+    kw = dict(gen_length=32, block_length=8, sampler="llada")
+    first, second = [PROMPTS[3], PROMPTS[2], PROMPTS[5]], [PROMPTS[1], PROMPTS[2], PROMPTS[5]]
+    handles = [eng.submit(p, **kw) for p in first]
+    eng.step()
+    group = next(iter(eng.groups.values()))
+    assert group.decoder.buckets and group.state.x.shape[1] == 64  # 27 prompt tokens + 32: 59 columns, rounded up
+    eng.run_until_idle()
+    was = Counter(eng.stats()["graphs"])
+    assert was["full captures"] == 1
+    handles += [eng.submit(p, **kw) for p in second]
+    eng.step()
+    assert len(next(iter(eng.groups.values())).state.rows[0]) + 32 == 64  # exactly the bucket: 32 prompt tokens
+    eng.run_until_idle()
+    now = Counter(eng.stats()["graphs"]) - was
+    assert set(now) == {"full replays"} and now["full replays"] == 32, now
+    for h, p in zip(handles, first + second):
+        assert h.result(timeout=0).tokens == dllm.generate(model, [p], **kw).sequences[0].tolist()
+
+
 # samplers and caches with per-row state beyond the K/V buffers: (sampler, params, cache, gen_length, block_length)
 STATEFUL = {
     "klass": [("klass", {}, None, 32, 8), ("klass", {"conf_threshold": 0.3, "kl_threshold": 0.05}, "prefix", 32, 16)],
@@ -338,10 +364,11 @@ def test_stateful_samplers_and_caches_join_and_leave_exactly(kind, family, graph
     assert long.result(timeout=0).finish_reason == "cancelled"
     if not short.done():
         group = next(iter(eng.groups.values()))
-        left, bucketed = group.state, group.decoder.graphed  # the graph path: caches whose steps can replay
+        left, bucketed = group.state, group.decoder.buckets  # the graph path: forwards that can replay
         T = len(left.rows[0]) + G  # exact: cropped; on the graph path the bucket of what is left
         assert left.x.shape[1] == (shape_bucket(T, model.max_seq_len) if bucketed else T) and T < width
-        assert bucketed == (graphs == "on" and kind in ("freecache", "elastic"))  # Elastic: speculative forwards
+        # every forward without a cache, and the caches' (Elastic: speculative forwards)
+        assert bucketed == (graphs == "on")
     eng.run_until_idle()
     reqs.append((short, PROMPTS[2], sampler, params, cache, G, B, 0))
     assert eng.stats()["retried"] == 0 and eng.stats()["engine_errors"] == 0
