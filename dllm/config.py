@@ -84,6 +84,9 @@ class GenerateConfig:
         if self.seed is not None:
             if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):
                 raise ValueError(f"seed must be an integer (Python or numpy) or None, got {self.seed!r}")
+            if not -(2**63) <= self.seed < 2**64:  # torch.Generator.manual_seed's range
+                raise ValueError(f"seed={self.seed} is out of range; it must lie in [-2**63, 2**64 - 1] (the range "
+                                 "torch.Generator takes), or be None")
             object.__setattr__(self, "seed", int(self.seed))
 
     @property

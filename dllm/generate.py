@@ -239,6 +239,12 @@ def prepare_prompts(model, prompts, attention_mask=None, chat_template=True) -> 
         if attention_mask is None:
             rows = [r.tolist() for r in prompts]
         else:
+            if not isinstance(attention_mask, torch.Tensor) or not (
+                    attention_mask.dtype == torch.bool or ((attention_mask == 0) | (attention_mask == 1)).all()):
+                got = "values other than 0 and 1" if isinstance(attention_mask, torch.Tensor) else \
+                    f"a {type(attention_mask).__name__}"
+                raise ValueError(f"attention_mask must be a tensor of 0 / 1 (or bool) shaped as the prompts, 1 at each "
+                                 f"prompt token; got {got}")
             if attention_mask.shape != prompts.shape:
                 raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != prompts shape {tuple(prompts.shape)}")
             rows = [r[m.bool()].tolist() for r, m in zip(prompts, attention_mask)]
@@ -254,6 +260,8 @@ def prepare_prompts(model, prompts, attention_mask=None, chat_template=True) -> 
                              "list of chat conversations or a 2-D tensor")
         rows = []
         for i, p in enumerate(prompts):
+            if isinstance(p, str) and not p.strip():  # the chat template would make it a turn with nothing in it
+                raise ValueError(f"prompt {i} is an empty string ({p!r}); give the text to answer")
             if isinstance(p, str) or is_conversation(p):
                 if not isinstance(p, str):
                     check_conversation(p, f"prompt {i}")
@@ -1280,6 +1288,9 @@ def row_keys(rows: list[list[int]], row_ids, seed: int | None) -> torch.Tensor:
             row_ids.append(f"p{seen.get(k, 0)}:{','.join(map(str, r))}")
             seen[k] = seen.get(k, 0) + 1
     else:
+        if isinstance(row_ids, (str, bytes)) or not isinstance(row_ids, Sequence) or any(
+                isinstance(r, bool) or not isinstance(r, (numbers.Integral, str)) for r in row_ids):
+            raise ValueError(f"row_ids must be a list of ints or strings, one per prompt, got {row_ids!r:.80}")
         row_ids = list(row_ids)
         if len(row_ids) != len(rows):
             raise ValueError(f"row_ids has {len(row_ids)} entries for {len(rows)} prompts; give one id per prompt")

@@ -34,8 +34,9 @@ from dllm.blocks import AlignedBlocks, BlockPolicyBase, FixedBlocks, SlidingWind
 from dllm.config import GenerateConfig
 from dllm.samplers.recipe import Recipe, as_recipe, configure
 
-__all__ = ["BlockLayout", "Recipe", "as_recipe", "baseline_name", "block_layout", "check_cache_fits", "check_flags",
-           "check_sampler", "configure", "default_sampler", "model_block_size", "precheck_layout", "resolve"]
+__all__ = ["BlockLayout", "Recipe", "as_recipe", "baseline_name", "block_layout", "check_cache", "check_cache_fits",
+           "check_flags", "check_sampler", "configure", "default_sampler", "model_block_size", "precheck_layout",
+           "resolve"]
 
 
 def baseline_name(family: str | None) -> str:
@@ -67,11 +68,15 @@ def resolve(model, sampler, cache, block_policy, config: GenerateConfig):
     from dllm.samplers import get_sampler
     from dllm.samplers.base import SamplerBase
 
+    if not isinstance(config, GenerateConfig):
+        raise TypeError(f"config={config!r} ({type(config).__name__}) is not a GenerateConfig: pass "
+                        "dllm.GenerateConfig(gen_length=..., ...), or the options as keywords (gen_length=...)")
     if isinstance(sampler, str):
         sampler = get_sampler(sampler)
     if sampler is None:
         sampler = default_sampler(model)
     check_sampler(sampler)
+    check_cache(cache)
     check_policy(block_policy)
     check_flags(config)
     recipe = as_recipe(sampler)
@@ -84,9 +89,16 @@ def resolve(model, sampler, cache, block_policy, config: GenerateConfig):
         cache = get_cache(cache)
     elif isinstance(cache, tuple):  # (name, params)
         cache = get_cache(cache[0], **dict(cache[1]))
-    if getattr(cache, "name", None) == "block" and getattr(cache, "block_size", 0) is None:
+    if getattr(cache, "name", None) == "block":
         check_cache_fits("block", block_size)
-        cache.block_size = block_size  # the exact block cache on the model's grid (checked above: it has one)
+        if getattr(cache, "model_grid", False):
+            # the exact block cache on the model's grid (checked above: it has one), set at every call: a cache
+            # object used again on another model takes that model's grid, not the one an earlier call set
+            cache.block_size = block_size
+        elif cache.block_size % block_size:
+            raise ValueError(f"cache 'block' with block_size={cache.block_size} is not exact on this model, whose "
+                             f"attention blocks are {block_size} tokens: use a multiple of {block_size}, or leave "
+                             "block_size out (the model's)")
     cache = _Declared.wrap(cache, CacheBase) if cache is not None else NoCache()
     if not isinstance(cache, NoCache) and not getattr(model, "supports_cache", False):
         raise ValueError(f"cache {cache.name!r} needs a dllm Transformer; this model supports no caches (use cache=None)")
@@ -103,6 +115,26 @@ def check_sampler(sampler) -> None:
         raise TypeError(f"sampler={sampler!r} ({type(sampler).__name__}) is not a sampler: pass a registered name "
                         "(dllm.list_samplers() or `dllm samplers` lists them), dllm.get_sampler(name, **params), or "
                         "an object with a step(logits, ctx) method")
+
+
+def check_cache(cache) -> None:
+    """``cache`` is None, a registered name, ``(name, params)`` or a cache object (at least a ``reset`` method,
+    :class:`dllm.caches.Cache`); else ``TypeError`` naming the accepted forms (a number or a bare object failed with
+    an AttributeError inside the decoder)."""
+    if cache is None or isinstance(cache, str):
+        return
+    if isinstance(cache, tuple):
+        try:
+            ok = len(cache) == 2 and isinstance(cache[0], str) and isinstance(dict(cache[1]), dict)
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise TypeError(f"cache={cache!r} is not a (name, params) pair: pass e.g. ('dual', {{'refresh_every': 8}}),"
+                            " a name such as 'dual', or dllm.get_cache(name, **params)")
+        return
+    if not callable(getattr(cache, "reset", None)):
+        raise TypeError(f"cache={cache!r} ({type(cache).__name__}) is not a cache: pass a registered name "
+                        "(dllm.CACHES lists them), ('name', params), dllm.get_cache(name, **params), or None")
 
 
 def check_policy(block_policy) -> None:

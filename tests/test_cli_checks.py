@@ -356,3 +356,61 @@ def test_generate_guide_options_and_params_must_agree(capsys, no_model):
             "--guide-mode deterministic and --param mode=topk disagree")
     refused(capsys, ["generate", "hi", "--guide", "ar-tiny", "--param", "guide=other"],
             "--guide ar-tiny and --param guide=other disagree")
+
+
+# ------------------------------------------------------------------------------------------------ found by the audit
+
+
+@pytest.mark.parametrize("argv, needles", [
+    (["--seed", str(2**70)], ["seed=1180591620717411303424 is out of range", "2**64 - 1"]),
+    (["--device", "meta"], ["--device 'meta' holds no data", "'cpu'"]),
+    (["--device", "gpu"], ["--device 'gpu' is not a device torch knows"]),
+    (["--model", ""], ["--model '' is empty", "llada-tiny"]),
+])
+def test_generate_seed_device_and_empty_model_checked_before_loading(argv, needles, capsys, no_model):
+    """A seed past torch.Generator's range failed after loading ("Overflow when unpacking long long"), --device
+    was first checked inside the loader (meta was called a corrupt weights file) and --model '' loaded the
+    default model."""
+    refused(capsys, ["generate", "hi", "--gen-length", "4", *argv], *needles)
+
+
+def test_generate_empty_prompts_are_refused(tmp_path, capsys, no_model):
+    """An empty PROMPT (an unset shell variable) or {"prompt": ""} line decoded an empty user turn."""
+    refused(capsys, ["generate", ""], "PROMPT 1 is empty ('')")
+    refused(capsys, ["generate", "ok", "  "], "PROMPT 2 is empty")
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "fine"}\n{"prompt": " "}\n', encoding="utf-8")
+    refused(capsys, ["generate", "--batch-file", str(f)], f'{f}:2: "prompt" is empty')
+
+
+@pytest.mark.parametrize("argv, needles", [
+    (["--host", "not a host!"], ["--host 'not a host!' is not an IP address or a host name", "127.0.0.1"]),
+    (["--device", "meta"], ["--device 'meta' holds no data"]),
+    (["--model", ""], ["--model '' is empty"]),
+])
+def test_serve_host_device_and_model_before_loading(argv, needles, capsys, no_model):
+    """A bad --host loaded the model, then uvicorn failed to bind (exit 3)."""
+    refused(capsys, ["serve", "--port", "8123", *argv], *needles)
+
+
+def test_eval_tasks_and_parallelbench_device_before_loading(tmp_path, capsys, no_model):
+    refused(capsys, ["eval-tasks", "--n", "1", "--device", "meta"], "--device 'meta' holds no data")
+    refused(capsys, [*RUN, "--out", str(tmp_path / "sweep"), "--device", "meta"], "--device 'meta' holds no data")
+    assert not (tmp_path / "sweep").exists()
+
+
+def test_param_given_twice_and_preset_cache_before_loading(tmp_path, capsys, no_model):
+    """A repeated --param silently kept the last value; --param cache=bogus of fast-dllm failed only at generate
+    and cache=block on a LLaDA checkpoint after loading; --gen-seed past the generator's range failed after
+    loading."""
+    refused(capsys, ["generate", "hi", "--sampler", "threshold", "--param", "tau=0.5", "--param", "tau=0.7"],
+            "--param tau is given twice (tau=0.5, then 'tau=0.7')")
+    refused(capsys, ["serve", "--sampler", "threshold", "--param", "tau=0.5", "--param", "tau=0.5", "--port", "8123"],
+            "--param tau is given twice")
+    refused(capsys, ["generate", "hi", "--sampler", "fast-dllm", "--param", "cache=bogus"],
+            "cache='bogus' is not a cache name")
+    refused(capsys, ["generate", "hi", "--sampler", "fast-dllm", "--param", "cache=block"],
+            "cache 'block' is the exact cache of block-diffusion checkpoints")
+    refused(capsys, [*RUN, "--out", str(tmp_path / "sweep"), "--gen-seed", str(2**70)],
+            "--gen-seed: seed=1180591620717411303424 is out of range")
+    assert not (tmp_path / "sweep").exists()

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 
+from dllm.blocks import SlidingWindow
 from dllm.cli import main
 from dllm.config import GenerateConfig
 from dllm.samplers import get_sampler
@@ -120,3 +121,168 @@ def test_escapes_keep_non_ascii(tmp_path, monkeypatch, capsys):
     assert main(["generate", "--escapes", "--batch-file", str(f), "--gen-length", "8", "--json"]) == 0
     assert seen[-1] == [[{"role": "user", "content": "hi"}]]  # conversations pass through unchanged
     capsys.readouterr()
+
+
+def test_seed_outside_the_generators_range_is_refused_up_front():
+    """A seed past torch.Generator's range built a config and failed after the model loaded ("Overflow when
+    unpacking long long"); the ends of the range are kept."""
+    for bad in (2**64, 2**70, -(2**63) - 1):
+        with pytest.raises(ValueError, match=rf"seed={bad} is out of range; it must lie in \[-2\*\*63, 2\*\*64 - 1\]"):
+            GenerateConfig(seed=bad)
+    for ok in (-(2**63), 2**64 - 1, np.uint64(2**64 - 1)):
+        assert GenerateConfig(seed=ok).seed == int(ok)
+
+
+@pytest.mark.parametrize("config", [{"gen_length": 8}, 5, "llada"])
+def test_config_must_be_a_generate_config(tiny, config):
+    """A dict or number as config failed with an AttributeError inside the recipe resolution."""
+    with pytest.raises(TypeError, match=r"is not a GenerateConfig: pass dllm.GenerateConfig\(gen_length=\.\.\."):
+        G.generate(tiny, ["hi"], config)
+
+
+@pytest.mark.parametrize("cache,match", [
+    (5, r"cache=5 \(int\) is not a cache: pass a registered name"),
+    (object(), r"\(object\) is not a cache"),
+    (("dual",), r"cache=\('dual',\) is not a \(name, params\) pair"),
+    (("dual", 5), r"is not a \(name, params\) pair"),
+    ((1, {}), r"is not a \(name, params\) pair"),
+])
+def test_cache_must_be_a_name_a_pair_or_a_cache(tiny, cache, match):
+    """(AttributeError 'CacheBase has no attribute reset' / IndexError inside resolve before)"""
+    with pytest.raises(TypeError, match=match):
+        G.generate(tiny, ["hi"], gen_length=4, cache=cache)
+    G.generate(tiny, ["hi"], gen_length=4, cache=("dual", {"refresh_every": 2}))  # the pair form works
+
+
+def test_block_cache_with_its_own_block_size_must_fit_the_model():
+    """The exact block cache given a block size was accepted on a LLaDA model (no block grid) and on SDAR with a
+    grid that is not the model's (not exact); a cache object used again takes the next model's grid."""
+    from dllm.caches import BlockExact, get_cache
+    from dllm.models import load_model
+
+    llada, sdar, fast2 = load_model("llada-tiny"), load_model("sdar-tiny"), load_model("fastdllm2-tiny")
+    with pytest.raises(ValueError, match="cache 'block' is the exact cache of block-diffusion checkpoints"):
+        G.generate(llada, ["hi"], gen_length=4, cache=get_cache("block", block_size=4))
+    for bs in (2, 6):
+        with pytest.raises(ValueError, match=rf"block_size={bs} is not exact on this model, whose attention blocks "
+                                             r"are 4 tokens: use a multiple of 4"):
+            G.generate(sdar, ["hi"], gen_length=8, cache=get_cache("block", block_size=bs))
+    G.generate(sdar, ["hi"], gen_length=8, cache=get_cache("block", block_size=8))  # a multiple: still exact
+    cache = BlockExact()
+    G.generate(sdar, ["hi"], gen_length=8, cache=cache)
+    assert cache.block_size == 4
+    G.generate(fast2, ["hi"], gen_length=32, cache=cache)
+    assert cache.block_size == 32  # not the 4 the first call set
+
+
+def test_block_length_given_twice_must_agree(tiny):
+    """A block policy with its own block length silently ignored a different GenerateConfig.block_length."""
+    from dllm.blocks import FixedBlocks, WholeCanvas
+
+    with pytest.raises(ValueError, match=r"block_length=2 disagrees with the block policy "
+                                         r"\(FixedBlocks\(block_length=4\)\), which would ignore it"):
+        G.generate(tiny, ["hi"], gen_length=8, block_length=2, block_policy=FixedBlocks(4))
+    with pytest.raises(ValueError, match=r"block_length=4 disagrees with the block policy \(one block over the whole"):
+        G.generate(tiny, ["hi"], gen_length=8, block_length=4, block_policy=WholeCanvas())
+    with pytest.raises(ValueError, match=r"block_length=4 disagrees with AdaBlock's block_length=8"):
+        G.generate(tiny, ["hi"], gen_length=16, block_length=4, sampler=get_sampler("adablock", block_length=8))
+    G.generate(tiny, ["hi"], gen_length=8, block_length=4, block_policy=FixedBlocks(4))  # the same: fine
+    G.generate(tiny, ["hi"], gen_length=8, block_length=8, block_policy=WholeCanvas())
+
+
+def test_load_model_refuses_bad_path_dtype_and_device_before_reading(monkeypatch):
+    """load_model("") loaded the default model; None / 5 failed inside pathlib; a non-float torch dtype failed in
+    load_state_dict after every tensor was read; device "meta" was reported as a corrupt weights file."""
+    import safetensors
+    import torch
+
+    from dllm.models import load_model
+
+    opened = []
+    monkeypatch.setattr(safetensors, "safe_open", lambda *a, **k: opened.append(a))
+    for path in ("", "  "):
+        with pytest.raises(ValueError, match=r"path is .*, empty; pass a checkpoint directory or a bundled name"):
+            load_model(path)
+    for path in (None, 5):
+        with pytest.raises(TypeError, match=rf"path is {path!r} \(.*\); pass a checkpoint directory or a bundled"):
+            load_model(path)
+    for dtype in (torch.int64, torch.bool, torch.float8_e4m3fn):
+        with pytest.raises(ValueError, match=rf"dtype {dtype} cannot hold the model's weights.*torch.float32"):
+            load_model("llada-tiny", dtype=dtype)
+    with pytest.raises(ValueError, match=r"device 'meta' holds no data: weights cannot be read onto it; use 'cpu'"):
+        load_model("llada-tiny", device="meta")
+    with pytest.raises(ValueError, match=r"device True is not a device"):
+        load_model("llada-tiny", device=True)
+    assert not opened  # every refusal came before a weights file was opened
+
+
+def test_preset_cache_and_guide_parameters_are_checked_when_the_sampler_is_built(tiny):
+    """get_sampler("fast-dllm", cache="bogus") built, and failed at generate (cache=3: an AttributeError inside
+    resolve); get_sampler("guided", guide=3) built, and failed with an AttributeError at the first step."""
+    for bad in ("bogus", 3, True):
+        with pytest.raises(ValueError, match=rf"cache={bad!r} is not a cache name; use one of block, .*dual"):
+            get_sampler("fast-dllm", cache=bad)
+    for ok in ("prefix", "none", None):
+        get_sampler("fast-dllm", cache=ok)
+    for bad in (3, 2.5, ["ar-tiny"]):
+        with pytest.raises(ValueError, match=rf"guide must be a causal LM checkpoint directory, .* not "
+                                             rf"{type(bad).__name__}"):
+            get_sampler("guided", guide=bad)
+
+
+def test_wrapped_hf_model_checks_its_ids_and_context():
+    """HFModel took a mask id outside the vocabulary (IndexError in the embedding at the first forward), a string
+    or float id (TypeError / IndexError inside the loop), an EOS id outside the vocabulary (never matched),
+    max_seq_len=0 (silently the config's) and a non-model (AttributeError)."""
+    import torch
+    from transformers import BertConfig, BertForMaskedLM
+
+    from dllm.models.hf import HFModel
+
+    torch.manual_seed(0)
+    bert = BertForMaskedLM(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                      intermediate_size=32, max_position_embeddings=64)).eval()
+    for name, value in (("mask_id", 50), ("mask_id", -1), ("mask_id", "3"), ("mask_id", 4.0), ("mask_id", True),
+                        ("eos_id", 999), ("pad_id", -2)):
+        kw = {"mask_id": 4, name: value}
+        with pytest.raises(ValueError, match=rf"HFModel: {name}={value!r} is not a token id of this model "
+                                             r"\(an integer in 0\.\.49\)"):
+            HFModel(bert, **kw)
+    for bad in (0, -5, 2.5, True):
+        with pytest.raises(ValueError, match=rf"HFModel: max_seq_len={bad!r} must be a positive integer or None"):
+            HFModel(bert, mask_id=4, max_seq_len=bad)
+    with pytest.raises(TypeError, match=r"hf_model is a int, not a model"):
+        HFModel(5, mask_id=4)
+    model = HFModel(bert, mask_id=np.int64(4), max_seq_len=32)
+    assert type(model.mask_id) is int and model.max_seq_len == 32
+    assert G.generate(model, [[1, 2, 3]], gen_length=4).sequences.shape == (1, 4)
+
+
+def test_empty_string_prompts_masks_and_row_ids_are_refused_before_decoding(tiny, monkeypatch):
+    """An empty string (which the chat template would turn into a turn with nothing in it), an attention mask that is
+    not a tensor of 0 / 1, and row ids that are not ints or strings are refused, before any forward."""
+    import torch
+
+    def no_forward(*a, **k):
+        raise AssertionError("a forward ran")
+
+    monkeypatch.setattr(tiny, "forward", no_forward)
+    for prompts in ([""], ["hi", "  "]):
+        with pytest.raises(ValueError, match="is an empty string"):
+            G.generate(tiny, prompts, gen_length=4)
+    ids = torch.tensor([[10, 11]])
+    for mask, got in (([[1, 1]], "got a list"), (torch.tensor([[0.5, 1.0]]), "values other than 0 and 1"),
+                      (torch.tensor([[2, 1]]), "values other than 0 and 1")):
+        with pytest.raises(ValueError, match=f"attention_mask must be a tensor of 0 / 1.*{got}"):
+            G.generate(tiny, ids, attention_mask=mask, gen_length=4)
+    for row_ids in (5, "ab", [1.5], [None], [True]):
+        with pytest.raises(ValueError, match="row_ids must be a list of ints or strings"):
+            G.generate(tiny, ["hi"], gen_length=4, row_ids=row_ids)
+
+
+def test_a_block_length_with_a_sliding_window_has_no_effect(tiny):
+    """Elastic-Cache's sliding window has no blocks: a block length given with it (one sweep passing it to every
+    sampler) decodes what no block length decodes (docs/samplers.md)."""
+    for how in (dict(sampler="elastic"), dict(block_policy=SlidingWindow(4))):
+        outs = [G.generate(tiny, ["Reverse the list: [1, 2]"], gen_length=16, block_length=b, **how) for b in (None, 4)]
+        assert outs[0].sequences.tolist() == outs[1].sequences.tolist() and outs[0].stats.nfe == outs[1].stats.nfe

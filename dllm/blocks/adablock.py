@@ -143,6 +143,10 @@ class AdaBlock(BlockPolicyBase):
     def validate(self, cfg: GenerateConfig) -> None:
         if isinstance(self.delimiters, str) or self.delimiter_threshold is None:
             raise ValueError("AdaBlock is not bound to a model; generate() binds it (or call policy.bind(model))")
+        if self.block_length is not None and cfg.block_length is not None and cfg.block_length != self.block_length:
+            raise ValueError(f"block_length={cfg.block_length} disagrees with AdaBlock's block_length="
+                             f"{self.block_length}, which would ignore it; give the fallback block length once: in "
+                             "the sampler (--param block_length=...) or as block_length")
 
     def _steps(self, length: torch.Tensor, cfg: GenerateConfig) -> torch.Tensor:
         """Schedule length for a region (quota samplers): the region's share of ``steps``, at least 1."""

@@ -77,6 +77,11 @@ class FixedBlocks(BlockPolicyBase):
         return cfg.gen_length if self.whole else (self.block_length or cfg.block)
 
     def validate(self, cfg: GenerateConfig) -> None:
+        own = cfg.gen_length if self.whole else self.block_length
+        if own is not None and cfg.block_length is not None and cfg.block_length != own:
+            what = "one block over the whole generation" if self.whole else f"FixedBlocks(block_length={own})"
+            raise ValueError(f"block_length={cfg.block_length} disagrees with the block policy ({what}), which would "
+                             "ignore it; give the block length once: in the policy or as block_length")
         bl, G, S = self.size(cfg), cfg.gen_length, cfg.total_steps
         if bl > G:
             raise ValueError(f"block_length ({bl}) is larger than gen_length ({G}); use block_length <= gen_length")

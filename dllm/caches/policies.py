@@ -180,6 +180,9 @@ class BlockExact(KVCache):
             check_int("block_size", block_size, 1, what="a positive integer or None",
                       fix=" (the model's attention block size; None: the model's, set by generate)")
         self.block_size = block_size
+        #: the model's block size, set by ``generate`` for each model it decodes (``block_size=None``); else a size of
+        #: the caller's, which must be a multiple of the model's
+        self.model_grid = block_size is None
 
     def __repr__(self) -> str:
         return f"BlockExact(block_size={self.block_size})"

@@ -121,6 +121,32 @@ def dtype_name(name: str | None) -> None:
         raise ValueError(f"--dtype: {exc}") from None
 
 
+def device_name(device: str | None) -> None:
+    """``--device`` names a device this machine has (the loader's own check, before it reads anything)."""
+    if device is None:
+        return
+    from dllm.models.weights import check_device
+
+    check_device(device, "--device")
+
+
+def host_name(host: str) -> None:
+    """``--host`` is an IP address or a host name (letters, digits and hyphens between dots): what the server can
+    bind, checked before the model loads (the server failed only once it started, after loading)."""
+    import ipaddress
+    import re
+
+    try:
+        ipaddress.ip_address(host)
+        return
+    except ValueError:
+        pass
+    label = r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)"
+    if len(host) > 253 or not re.fullmatch(rf"{label}(\.{label})*\.?", host):
+        raise ValueError(f"--host {host!r} is not an IP address or a host name; use e.g. 127.0.0.1 (this machine "
+                         "only), 0.0.0.0 (every interface) or localhost")
+
+
 @dataclass(frozen=True)
 class ModelFacts:
     """What config.json tells about a checkpoint before any weight is read (:func:`model_dir`)."""
@@ -144,6 +170,11 @@ def model_dir(name: str | None) -> ModelFacts:
     from dllm.models.transformer import Transformer
     from dllm.samplers.guided import bundled_guides
 
+    if name is not None and not name.strip():
+        from dllm.assets import BUNDLED
+
+        raise ValueError(f"--model {name!r} is empty; give a checkpoint directory or a bundled name "
+                         f"({', '.join(BUNDLED)}), or leave --model out (llada-tiny)")
     path = Path(model_path(name))
     if name in bundled_guides() and not path.is_dir():
         raise ValueError(f"--model {name}: {name} is the bundled AR guide (a causal LM), not a diffusion model; pass it "

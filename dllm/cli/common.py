@@ -22,6 +22,8 @@ def parse_params(items: list[str] | None, sampler: str | None = None) -> dict:
         if "=" not in item:
             raise ValueError(f"--param expects key=value, got {item!r}")
         k, v = (x.strip() for x in item.split("=", 1))
+        if k in out:
+            raise ValueError(f"--param {k} is given twice ({k}={out[k]!r}, then {item!r}); give each parameter once")
         value = parse_scalar(v)
         if isinstance(defaults.get(k), str) and value is not None:
             value = v
@@ -80,6 +82,7 @@ def check_decode_args(args, prompts=None, also=None):
     from dllm.recipes import check_cache_fits, precheck_layout
 
     checks.dtype_name(args.dtype)
+    checks.device_name(args.device)
     checks.cache_name(args.cache)
     facts = checks.model_dir(args.model)
     check_cache_fits(args.cache, facts.block_size)
@@ -87,6 +90,11 @@ def check_decode_args(args, prompts=None, also=None):
     if guide is not None:
         checks.guide_dir(guide)
     config, sampler = decode_setup(args)
+    if args.cache is None and facts.block_size is None:  # the preset's own cache (--param cache=block)
+        from dllm.recipes import as_recipe
+
+        own = as_recipe(sampler).cache if sampler is not None else None
+        check_cache_fits(own[0] if isinstance(own, tuple) else own, None)
     if guide is None and isinstance(getattr(sampler, "guide", None), str):  # --sampler guided --param guide=DIR
         checks.guide_dir(sampler.guide, f"--param guide={sampler.guide}")
     lengths = [len(r) for r in _token_id_prompts(prompts or [], facts)]

@@ -27,6 +27,8 @@ def _batch_line(line: str, where: str):
         if not isinstance(obj, dict) or "prompt" not in obj:
             raise ValueError(f'{where}: a JSON object line needs a "prompt" key, e.g. {{"prompt": "..."}}')
         prompt = obj["prompt"]
+        if isinstance(prompt, str) and not prompt.strip():
+            raise ValueError(f'{where}: "prompt" is empty; give the text to answer, or remove the line')
         if is_conversation(prompt):
             check_conversation(prompt, where)
         elif not (isinstance(prompt, str) or _is_token_ids(prompt)):
@@ -79,6 +81,9 @@ def cmd_generate(args) -> int:
     from dllm.generate import generate
 
     prompts = list(args.prompt or [])
+    for i, p in enumerate(prompts, 1):
+        if not p.strip():  # an unset shell variable ("$PROMPT") decoded as an empty prompt
+            raise ValueError(f"PROMPT {i} is empty ({p!r}); give the text to answer")
     if args.batch_file:
         prompts += _read_batch_file(args.batch_file)
     prompts = [_unescape(p) if args.escapes and isinstance(p, str) else p for p in prompts]

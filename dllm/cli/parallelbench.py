@@ -199,6 +199,13 @@ def cmd_run(args) -> int:
     checks.positive(args.gen_length, "--gen-length")
     checks.cache_name(args.cache)
     checks.dtype_name(args.dtype)
+    checks.device_name(args.device)
+    try:  # its type and range, before the model loads
+        from dllm.config import GenerateConfig
+
+        GenerateConfig(seed=args.gen_seed)
+    except ValueError as exc:
+        raise ValueError(f"--gen-seed: {exc}") from None
     facts = checks.model_dir(args.model)
     check_cache_fits(args.cache, facts.block_size)
     if args.data_dir is not None:
@@ -276,6 +283,7 @@ def cmd_show(args) -> int:
         except (ValueError, KeyError, TypeError, AttributeError):
             raise ValueError(f"{results / RUN_FILE} is not a sweep's run file; pass --model, or rerun the "
                              "sweep") from None
+    checks.device_name(args.device)
     facts = checks.model_dir(args.model)
     # the sample, its record and its setting, before loading
     replay_plan(args.results, args.id, task=args.task, setting=args.setting, family=facts.family)

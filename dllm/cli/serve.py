@@ -34,7 +34,9 @@ def cmd_serve(args) -> int:
         raise ValueError(f"--read-timeout: {exc}") from None
     from dllm.cli import checks
 
-    checks.dtype_name(args.dtype)  # before the model loads: its dtype, its config.json, the guides allowed
+    checks.dtype_name(args.dtype)  # before the model loads: its dtype, device, config.json, the guides allowed
+    checks.device_name(args.device)
+    checks.host_name(args.host)
     checks.model_dir(args.model)
     guides = list(args.guide or [])
     for g in guides:  # each a causal LM checkpoint directory, as `dllm generate --guide` requires

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import numbers
 
 import torch
 from torch import nn
@@ -71,6 +72,9 @@ class HFModel(nn.Module):
     def __init__(self, hf_model, tokenizer=None, *, mask_id=None, eos_id=None, eot_id=None, pad_id=None,
                  shift_logits: bool = False, max_seq_len: int | None = None):
         super().__init__()
+        if not callable(getattr(hf_model, "forward", None)):
+            raise TypeError(f"hf_model is a {type(hf_model).__name__}, not a model: pass a transformers model whose "
+                            "forward returns logits, e.g. AutoModelForMaskedLM.from_pretrained(path)")
         self.hf = hf_model
         self.tokenizer = tokenizer
         self.spec = None
@@ -87,6 +91,21 @@ class HFModel(nn.Module):
         self.pad_id = pad_id if pad_id is not None else _first(from_tok("pad_token_id"), self.eos_id, 0)
         self._shift = shift_logits
         cfg = getattr(hf_model, "config", None)
+        V = getattr(cfg, "vocab_size", None)
+        V = V if isinstance(V, int) and not isinstance(V, bool) else None
+        for name in ("mask_id", "eos_id", "eot_id", "pad_id"):  # checked here, not as an IndexError in the forward
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0 or (V and value >= V):
+                span = f"0..{V - 1}" if V else ">= 0"
+                raise ValueError(f"HFModel: {name}={value!r} is not a token id of this model (an integer in {span}); "
+                                 "pass the tokenizer's id")
+            setattr(self, name, int(value))
+        if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, numbers.Integral)
+                                        or max_seq_len < 1):
+            raise ValueError(f"HFModel: max_seq_len={max_seq_len!r} must be a positive integer or None (None: "
+                             "config.max_position_embeddings)")
         self._max_len = max_seq_len or getattr(cfg, "max_position_embeddings", None) or 4096
         params = inspect.signature(hf_model.forward).parameters
         self._takes_positions = "position_ids" in params

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import warnings
 from pathlib import Path
 
@@ -21,6 +22,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def resolve_dtype(dtype) -> torch.dtype | None:
+    if isinstance(dtype, torch.dtype) and not (dtype.is_floating_point and dtype.itemsize >= 2):
+        raise ValueError(f"dtype {dtype} cannot hold the model's weights (the layers compute in floating point of "
+                         "16 bits or more); use torch.float32, torch.bfloat16 or torch.float16 (or their names)")
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
@@ -168,6 +172,14 @@ def load_model(
     if not isinstance(tokenizer, bool) and not (callable(getattr(tokenizer, "encode", None))
                                                 and callable(getattr(tokenizer, "decode", None))):
         raise ValueError(f"tokenizer must be True, False or a tokenizer (load_tokenizer(path)), got {tokenizer!r}")
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path is {path!r} ({type(path).__name__}); pass a checkpoint directory or a bundled name "
+                        "such as 'llada-tiny'")
+    if isinstance(path, str) and not path.strip():
+        from dllm.assets import BUNDLED
+
+        raise ValueError(f"path is {path!r}, empty; pass a checkpoint directory or a bundled name "
+                         f"({', '.join(BUNDLED)})")
     if isinstance(path, str):
         from dllm.assets import model_path
 

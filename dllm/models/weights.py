@@ -23,6 +23,8 @@ Plan = dict[Path, list[tuple[str, str]]]  # file -> [(checkpoint name, our name)
 
 def check_device(device, what: str = "device") -> torch.device:
     """``device`` as a ``torch.device`` that exists on this machine, else a ValueError saying what to pass."""
+    if isinstance(device, bool):
+        raise ValueError(f"{what} {device!r} is not a device; use e.g. 'cpu', 'cuda', 'cuda:1' or a GPU index")
     try:
         dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     except (RuntimeError, TypeError, ValueError) as e:
@@ -40,6 +42,13 @@ def check_device(device, what: str = "device") -> torch.device:
         return torch.device("cuda", index)
     if dev.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError(f"{what} {device!r}: MPS is not available on this machine; use device 'cpu'")
+    if dev.type == "meta":
+        raise ValueError(f"{what} {device!r} holds no data: weights cannot be read onto it; use 'cpu' or 'cuda'")
+    if dev.type not in ("cpu", "cuda", "mps"):
+        backend = getattr(torch, dev.type, None)
+        if not callable(getattr(backend, "is_available", None)) or not backend.is_available():
+            raise ValueError(f"{what} {device!r}: no {dev.type} device is available on this machine; use 'cpu' or "
+                             "'cuda'")
     return dev
 
 

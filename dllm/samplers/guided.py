@@ -246,6 +246,7 @@ class GuidedSampler(SamplerBase):
         if guide is None:
             raise ValueError("the guided sampler needs a guide: a bundled name ('ar-tiny'), a checkpoint directory "
                              "or a transformers causal LM")
+        check_guide(guide)
         self.guide, self.mode, self.k, self.r, self.chunk = guide, mode, int(k), float(r), int(chunk)
         check_temperature("temperature", temperature)
         if guide_dtype is not None:  # a dtype name, checked now (not when the guide loads)
@@ -525,14 +526,20 @@ def guided(guide=DEFAULT_GUIDE, mode: str = "deterministic", k: int = 2, r: floa
                                 temperature=temperature, name=name), block_length=block_length, name=name)
 
 
-def with_guide(sampler, guide):
-    """``generate(..., guide=...)``: the ``guided`` preset around ``guide`` (no sampler or ``"guided"``), or
-    a copy of a :class:`GuidedSampler` with that guide."""
+def check_guide(guide) -> None:
+    """``guide`` is a form the guided sampler loads: a checkpoint directory or bundled name, a transformers causal
+    LM or a (model, tokenizer) pair; else ValueError naming them (a number failed inside the first step)."""
     ok = isinstance(guide, (str, Path)) or (isinstance(guide, tuple) and len(guide) == 2) or (
         callable(guide) and hasattr(guide, "config"))
     if not ok:
         raise ValueError(f"AR-guided decoding: guide must be a causal LM checkpoint directory, the bundled name "
                          f"'ar-tiny', a transformers causal LM or a (model, tokenizer) pair, not {type(guide).__name__}")
+
+
+def with_guide(sampler, guide):
+    """``generate(..., guide=...)``: the ``guided`` preset around ``guide`` (no sampler or ``"guided"``), or
+    a copy of a :class:`GuidedSampler` with that guide."""
+    check_guide(guide)
     from dllm.samplers.recipe import Recipe, as_recipe
 
     if sampler is None or sampler == "guided":

@@ -16,7 +16,7 @@ import torch
 from dllm import ops
 from dllm.blocks import AdaBlock, MultiBlock, SlidingWindow
 from dllm.blocks.multiblock import block_states
-from dllm.caches import get_cache
+from dllm.caches import CACHES, get_cache
 from dllm.samplers.base import StepContext, StepResult, check_choice
 from dllm.samplers.composed import ComposedSampler
 from dllm.samplers.guided import guided
@@ -124,7 +124,13 @@ class MultiBlockRecipe(Recipe):
 
 
 def _cache(cache):
-    return None if cache in (None, "none", "") else cache
+    """A recipe's ``cache`` parameter: a registered cache name (checked now, not at the first generate) or
+    None / "none" / "" for no cache of its own."""
+    if cache in (None, "none", ""):
+        return None
+    if not isinstance(cache, str) or cache not in CACHES:
+        raise ValueError(f"cache={cache!r} is not a cache name; use one of {', '.join(sorted(CACHES))} (none: no cache)")
+    return cache
 
 
 def _cache_spec(name: str, **params) -> tuple:
