@@ -61,6 +61,16 @@ def check_choice(name: str, value, choices) -> None:
         raise ValueError(f"unknown {name} {value!r}; known: {', '.join(choices)}")
 
 
+SHOWN_CHARS = 80  # the most characters of a caller's value an error message repeats
+
+
+def shown(v) -> str:
+    """``repr(v)`` for an error message, cut to :data:`SHOWN_CHARS` characters (a message never repeats a megabyte of
+    a client's request back)."""
+    r = repr(v)
+    return r if len(r) <= SHOWN_CHARS else f"{r[:SHOWN_CHARS]}... ({len(r)} characters)"
+
+
 def shape_bucket(n: int, cap: int | None = None) -> int:
     """The size a graph is captured at for a size ``n`` (active rows, packed rows, logits columns, canvas length):
     the next power of two up to 64 (a GPU step of that few rows costs what one row costs: it reads the weights once),

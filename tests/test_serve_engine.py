@@ -60,7 +60,7 @@ def test_concurrent_requests_with_mixed_settings_and_join_times_match_solo_runs(
         ("credit", {}, 32, 8, 0),  # its credit tables move with the rows
         ("credit-localleap", {}, 32, 16, 0),
     ]
-    eng = Engine(model, max_rows=3)
+    eng = Engine(model, max_rows=3, max_running=3 * len(settings))  # every setting's batch runs at once
     reqs = []
     for wave in range(3):  # every setting gets a request per wave; waves 2 and 3 join running batches
         for k, (sampler, params, G, B, seed) in enumerate(settings):

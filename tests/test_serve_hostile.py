@@ -5,6 +5,7 @@ and the sampler checks behind them are the library's (``dllm.get_sampler`` raise
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import random
@@ -367,3 +368,216 @@ def test_clients_that_stall_in_their_headers_cannot_hold_every_connection_slot()
         assert httpx.get(f"{url}/health", timeout=5).status_code == 200
     for s in stalled:
         s.close()
+
+
+# --------------------------------------------------------------------------- 8: odd but harmless field values
+def test_an_empty_stop_list_means_no_stop_strings(server):
+    _, _, url = server
+    body = {"prompt": PROMPT, "max_tokens": 8}
+    plain = _post(url, body)
+    r = _post(url, {**body, "stop": []})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+
+
+def _raw_post(url: str, raw: str, chat: bool = False) -> httpx.Response:
+    return httpx.post(f"{url}/v1/{'chat/completions' if chat else 'completions'}", content=raw.encode(),
+                      headers={"content-type": "application/json"}, timeout=60)
+
+
+def test_lone_surrogates_are_refused_naming_the_field(server):
+    """JSON's ``"\\ud800"`` unpaired is no Unicode character: the tokenizer cannot encode it. It is refused by field
+    (key or value, anywhere in the body) in an answer that is itself valid UTF-8; a proper pair is a character."""
+    _, engine, url = server
+    cases = [  # (raw body, chat, param, where the message says it is)
+        ('{"prompt": "hi \\ud800 there", "max_tokens": 8}', False, "prompt", "prompt:"),
+        ('{"messages": [{"role": "user", "content": "\\udc80"}], "max_tokens": 8}', True, "messages",
+         "messages[0].content:"),
+        ('{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\\ud83d"}]}]}', True, "messages",
+         "messages[0].content[0].text:"),
+        ('{"prompt": "hi", "params": {"\\ud800": 1}}', False, "params", "params.\\ud800 (a key)"),
+        ('{"prompt": "hi", "\\ud800": 1}', False, "\\ud800", "\\ud800 (a key)"),
+    ]
+    for raw, chat, param, where in cases:
+        r = _raw_post(url, raw, chat)
+        msg = _refused(r, param, "lone UTF-16 surrogate", "send valid Unicode")
+        assert msg.startswith(where), msg
+    r = _raw_post(url, '{"prompt": "hi \\ud83d\\ude00", "max_tokens": 8}')  # a pair: one character, served
+    assert r.status_code == 200, r.text
+    assert engine.stats()["engine_errors"] == 0
+
+
+def test_settings_are_refused_before_the_prompt_is_tokenised(server, monkeypatch):
+    _, _, url = server
+    tokenised = []
+    real = engine_module.prepare_prompts
+    monkeypatch.setattr(engine_module, "prepare_prompts", lambda *a, **kw: tokenised.append(1) or real(*a, **kw))
+    _refused(_post(url, {"prompt": PROMPT, "max_tokens": 8, "cache": "nope"}), "cache", "not served")
+    _refused(_post(url, {"prompt": PROMPT, "max_tokens": 32, "block_length": 5}), "max_tokens", "block_length")
+    _refused(_post(url, {"prompt": PROMPT, "max_tokens": 8, "steps": 9}), "steps", "steps <= gen_length")
+    assert not tokenised
+    assert _post(url, {"prompt": PROMPT, "max_tokens": 8}).status_code == 200 and tokenised
+
+
+def test_n_beyond_the_queue_is_refused_by_name_and_a_full_queue_costs_no_tokenising(server, monkeypatch):
+    """``n`` above ``--max-queue`` can never be queued: a 400 naming ``n`` (a 429 would have the client retry for
+    ever); ``n`` above the free places is a 429 before any choice is tokenised or queued."""
+    _, engine, url = server
+    _refused(_post(url, {"prompt": PROMPT, "max_tokens": 8, "n": engine.max_queue + 1}), "n", "--max-queue",
+             f"at most {engine.max_queue} choices")
+    engine.step = lambda: time.sleep(0.01) or False  # the loop runs but decodes nothing: the queue holds
+    handles = []
+    try:
+        handles = [engine.submit(PROMPT, gen_length=8) for _ in range(engine.max_queue - 2)]
+        tokenised = []
+        real = engine_module.prepare_prompts
+        monkeypatch.setattr(engine_module, "prepare_prompts",
+                            lambda *a, **kw: tokenised.append(1) or real(*a, **kw))
+        r = _post(url, {"prompt": PROMPT, "max_tokens": 8, "n": 3})
+        assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error", r.text
+        assert "retry later" in r.json()["error"]["message"]
+        assert not tokenised and engine.pending() == engine.max_queue - 2
+    finally:
+        del engine.step
+    for h in handles:
+        assert h.result(timeout=60).finish_reason in ("stop", "length")
+
+
+def test_error_messages_never_repeat_a_huge_value(server):
+    """A wrong value of a megabyte is named, not sent back whole: every message stays short and still names the
+    field and the fix."""
+    _, _, url = server
+    big = "x" * 200_000
+    cases = [  # (body, chat, status, param, words)
+        ({"prompt": PROMPT, "stop": [1] * 100_000}, False, 400, "stop", ["stop:", "list of strings"]),
+        ({"prompt": PROMPT, "max_tokens": big}, False, 400, "max_tokens", ["max_tokens:", "integer"]),
+        ({"prompt": PROMPT, "model": big}, False, 404, "model", ["does not exist", "GET /v1/models"]),
+        ({"prompt": PROMPT, "sampler": big}, False, 400, "sampler", ["unknown sampler"]),
+        ({"prompt": PROMPT, "cache": big}, False, 400, "cache", ["not served", "served caches"]),
+        ({"prompt": PROMPT, "sampler": "threshold", "params": {"tau": [1] * 100_000}}, False, 400, "params",
+         ["tau", "confidence threshold"]),
+        ({"prompt": PROMPT, big: 1}, False, 400, None, ["unknown field", "docs/serving.md"]),
+        ({"messages": [{"role": big, "content": "a"}]}, True, 400, "messages", ["is not served", "user"]),
+    ]
+    for body, chat, status, param, words in cases:
+        r = _post(url, body, chat)
+        assert r.status_code == status, r.text[:300]
+        err = r.json()["error"]
+        assert err["param"] == param and len(err["message"]) <= 2000, (param, len(err["message"]))
+        for w in words:
+            assert w in err["message"], (w, err["message"])
+
+
+@contextlib.contextmanager
+def _protocol_server(engine, **limits):
+    """The app over ``engine`` behind ``dllm serve``'s HTTP protocol (:func:`header_deadline`) on a free loopback
+    port; yields the port."""
+    import threading
+
+    from serve_helpers import free_port
+
+    from dllm.serve.server import create_app, header_deadline
+
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(create_app(engine, "llada-tiny"), host="127.0.0.1", port=port,
+                                        log_level="critical", http=header_deadline(5, 64, **limits)))
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    try:
+        for _ in range(200):
+            if srv.started:
+                break
+            time.sleep(0.05)
+        yield port
+    finally:
+        srv.should_exit = True
+        th.join(10)
+
+
+def _exchange(port: int, data: bytes) -> tuple[bytes, bytes]:
+    """Send ``data`` on a new connection and read until the server closes it: ``(status line and headers, body)``."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=20)
+    s.sendall(data)
+    got = b""
+    while chunk := s.recv(4096):
+        got += chunk
+    s.close()
+    head, _, body = got.partition(b"\r\n\r\n")
+    return head, body
+
+
+def test_a_request_with_headers_over_the_limit_gets_431_and_its_connection_closed(server):
+    """uvicorn's httptools keeps every header a client sends until the blank line: without a limit one connection
+    fills the server's memory with headers before the deadline. Past the limit the request gets 431 in OpenAI's
+    error shape and its connection is closed; other clients are served."""
+    from dllm.serve.server import header_deadline
+
+    _, engine, _ = server
+    with _protocol_server(engine, max_header_bytes=8192) as port:
+        # the parser completes a header when the next one starts: the limit is passed at the last byte sent, so the
+        # server has read every byte when it closes (unread bytes would reset the connection before the answer);
+        # and never the end of the headers
+        head, body = _exchange(port, b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"".join(
+            b"X-Pad-%d: %s\r\n" % (i, b"a" * 1000) for i in range(9)) + b"X")
+        assert head.startswith(b"HTTP/1.1 431"), head
+        err = json.loads(body)["error"]
+        assert err["code"] == "headers_too_large" and "8192 bytes" in err["message"], err
+        assert set(err) == {"message", "type", "param", "code"}
+        ok = httpx.get(f"http://127.0.0.1:{port}/health", headers={"X-Pad": "a" * 4000}, timeout=10)
+        assert ok.status_code == 200  # under the limit: served
+    with pytest.raises(ValueError, match="max_header_bytes"):
+        header_deadline(5, 64, max_header_bytes=0)
+
+
+def test_malformed_http_gets_400_in_the_error_shape(server):
+    """A request uvicorn's parser refuses (here a Content-Length that is no number) is answered in OpenAI's error
+    shape, not uvicorn's plain text, and its connection closed; the server goes on serving."""
+    _, engine, _ = server
+    with _protocol_server(engine) as port:
+        head, body = _exchange(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n{}")
+        assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head, head
+        err = json.loads(body)["error"]
+        assert err["code"] == "invalid_http_request" and "not valid HTTP/1.1" in err["message"], err
+        assert err["type"] == "invalid_request_error" and set(err) == {"message", "type", "param", "code"}
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
+
+
+def test_list_valued_sampler_parameters_are_served_and_misplaced_lists_named(server):
+    """JSON has no tuples: a parameter that takes a pair (Prophet's ``span``) arrives as a list, and is served (the
+    batch key holds it hashable); a list where the sampler checks a name is a 400 naming that parameter, not
+    Python's ``unhashable type``."""
+    model, engine, url = server
+    body = {"prompt": PROMPT, "max_tokens": 16, "block_length": 8, "sampler": "prophet", "params": {"span": [1, 2]}}
+    r = _post(url, body)
+    assert r.status_code == 200, r.text
+    want = dllm.generate(model, [PROMPT], gen_length=16, block_length=8, chat_template=False,
+                         sampler=dllm.get_sampler("prophet", span=(1, 2))).texts[0]
+    assert r.json()["choices"][0]["text"] == want
+    msg = _refused(_post(url, {"prompt": PROMPT, "max_tokens": 8, "sampler": "llada",
+                               "params": {"softmax_dtype": ["float32"]}}), "params", "softmax_dtype", "single value")
+    assert "unhashable" not in msg
+    assert engine.stats()["engine_errors"] == 0
+
+
+def test_requests_with_other_settings_cannot_run_more_rows_than_max_running():
+    """Requests whose settings differ (here each its own seed) decode in batches of their own; however many a client
+    sends, at most ``max_running`` rows decode at once (each with its canvas and cache), the rest wait in the queue,
+    and every request still gets its own answer."""
+    import dllm
+    from dllm.serve import Engine
+
+    model = dllm.load_model("llada-tiny", dtype="float32")
+    eng = Engine(model, max_rows=2, max_running=3)
+    kw = dict(gen_length=16, block_length=8, sampler="llada", params={"temperature": 0.7})
+    hs = [eng.submit("What is 12 + 30?", seed=s, **kw) for s in range(7)]
+    running = []
+    while any(not h.done() for h in hs):
+        eng.step()
+        running.append(sum(len(g.requests) for g in eng.groups.values()))
+    assert max(running) == 3 and len(running) > 2, running
+    for s, h in enumerate(hs):
+        want = dllm.generate(model, ["What is 12 + 30?"], seed=s, gen_length=16, block_length=8,
+                             sampler=dllm.get_sampler("llada", temperature=0.7))
+        assert h.result(timeout=0).tokens == want.sequences[0].tolist()
+    with pytest.raises(ValueError, match="max_running=0 must be a positive integer"):
+        Engine(model, max_running=0)

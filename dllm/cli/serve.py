@@ -25,8 +25,8 @@ def cmd_serve(args) -> int:
         check_port(args.port)
     except ValueError as exc:
         raise ValueError(f"--port: {exc}") from None
-    for name in ("max_rows", "max_queue", "max_body_bytes", "limit_concurrency"):
-        if getattr(args, name) < 1:
+    for name in ("max_rows", "max_running", "max_queue", "max_body_bytes", "limit_concurrency"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     try:
         check_read_timeout(args.read_timeout)
@@ -46,7 +46,7 @@ def cmd_serve(args) -> int:
         serve(model, host=args.host, port=args.port, model_name=args.served_name or args.model or "llada-tiny",
               api_key=args.api_key, max_rows=args.max_rows, max_queue=args.max_queue, sampler=args.sampler,
               params=params, max_body_bytes=args.max_body_bytes, graphs=args.graphs, guides=guides,
-              read_timeout=args.read_timeout, limit_concurrency=args.limit_concurrency)
+              read_timeout=args.read_timeout, limit_concurrency=args.limit_concurrency, max_running=args.max_running)
     except RequestError as exc:
         raise ValueError(str(exc)) from None
     return 0
@@ -65,6 +65,9 @@ def add_parser(sub) -> None:
     s.add_argument("--served-name", default=None, help="model name in the API (default: --model)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     s.add_argument("--max-rows", type=int, default=8, help="rows per batch (default 8)")
+    s.add_argument("--max-running", type=int, default=None,
+                   help="rows decoding at once, every batch together (requests with other settings, e.g. another "
+                        "seed, decode in batches of their own); more wait in the queue (default 4 x --max-rows)")
     s.add_argument("--max-queue", type=int, default=256, help="requests waiting or running before 429 (default 256)")
     s.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
                    help="largest request body in bytes; larger ones get 413 (default 4 MiB)")

@@ -48,7 +48,7 @@ import torch
 from dllm.config import GenerateConfig, check_graphs
 from dllm.generate import Decoder, DecodeState, decode_texts, decoding, prepare_prompts, row_keys
 from dllm.graphs import GraphRunner
-from dllm.ops import cached_arange, moved_rows
+from dllm.ops import cached_arange, moved_rows, shown
 from dllm.recipes import baseline_name, check_cache_fits, model_block_size, resolve
 from dllm.samplers import get_sampler
 from dllm.samplers import guided as _guided
@@ -61,6 +61,16 @@ log = logging.getLogger(__name__)
 SERVED_CACHES = ("none", "prefix", "dual", "dkv-decode", "dkv-greedy", "block", "freecache", "elastic")
 SEED_MAX = 2**63 - 1  # seeds are 0 .. 2**63 - 1
 MAX_TOP_LOGPROBS = 20  # most alternatives per token a request may ask for (OpenAI's bound)
+
+
+def _frozen(v):
+    """``v`` hashable: a dict as its sorted ``(key, value)`` pairs, a list as a tuple, recursively (a sampler
+    parameter that takes a list, such as Prophet's ``span``, arrives from JSON as a list)."""
+    if isinstance(v, dict):
+        return tuple(sorted((k, _frozen(x)) for k, x in v.items()))
+    if isinstance(v, (list, tuple)):
+        return tuple(_frozen(x) for x in v)
+    return v
 
 
 class QueueFull(RuntimeError):
@@ -340,7 +350,9 @@ def _move_rows(dec: Decoder, st: DecodeState, d: int, keep: list[int] | None,
 
 class Engine:
     """Continuous-batching decoder for one model (see the module docstring). ``max_rows``: rows per group;
-    ``max_queue``: requests waiting or running before :meth:`submit` raises :class:`QueueFull`; ``sampler`` and
+    ``max_running``: rows decoding at once, all groups together (requests whose settings differ, e.g. by ``seed``
+    or ``max_tokens``, decode in groups of their own: without it each would add its rows, and its canvas and cache,
+    up to ``max_queue`` rows; default ``4 * max_rows``); more wait in the queue; ``max_queue``: requests waiting or running before :meth:`submit` raises :class:`QueueFull`; ``sampler`` and
     ``params``: the sampler of requests that name none (default: the model family's baseline), and its
     parameters (a request naming no sampler, or this one, adds its own ``params`` over them); ``graphs``: the
     cached steps through CUDA graphs (``GenerateConfig.graphs``: ``"auto"`` on CUDA; ``"on"`` on the CPU runs the
@@ -355,10 +367,13 @@ class Engine:
     tick fails the requests it held; the loop goes on."""
 
     def __init__(self, model, *, max_rows: int = 8, max_queue: int = 256, sampler: str | None = None,
-                 params: dict | None = None, graphs: str = "auto", guides=()):
+                 params: dict | None = None, graphs: str = "auto", guides=(), max_running: int | None = None):
         check_graphs(graphs)
         if not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows < 1:
             raise ValueError(f"max_rows={max_rows!r} must be a positive integer")
+        max_running = 4 * max_rows if max_running is None else max_running
+        if not isinstance(max_running, int) or isinstance(max_running, bool) or max_running < 1:
+            raise ValueError(f"max_running={max_running!r} must be a positive integer (rows decoding at once)")
         if not isinstance(max_queue, int) or isinstance(max_queue, bool) or max_queue < 1:
             raise ValueError(f"max_queue={max_queue!r} must be a positive integer")
         self.model = model
@@ -371,7 +386,7 @@ class Engine:
             get_sampler(self.sampler, **self.params)
         except (ValueError, TypeError, KeyError) as exc:
             raise RequestError(str(exc)) from None
-        self.max_rows, self.max_queue, self.graphs = max_rows, max_queue, graphs
+        self.max_rows, self.max_running, self.max_queue, self.graphs = max_rows, max_running, max_queue, graphs
         self.groups: dict[tuple, _Group] = {}
         self.waiting: deque[_Request] = deque()
         self._lock = threading.Lock()
@@ -393,8 +408,9 @@ class Engine:
                cache: str | None = None, canvas: bool = False, sample: int = 0,
                logprobs: int | None = None, top_p: float | None = None) -> RequestHandle:
         """Queue one request (a string, a chat conversation or token ids); returns its handle. Bad settings
-        raise :class:`RequestError` here, before anything runs; a prompt that cannot fit the context with
-        ``gen_length`` is refused before it is tokenised.
+        raise :class:`RequestError` here, before anything runs and before the prompt is tokenised (every check of
+        the settings comes first); a prompt that cannot fit the context with ``gen_length`` is refused before it
+        is tokenised too.
 
         The request's random stream is keyed by ``seed`` and its prompt tokens, as ``dllm.generate`` keys a
         prompt by default: the answer equals ``dllm.generate(model, [prompt] * (sample + 1), seed=seed, ...)``'s
@@ -451,7 +467,12 @@ class Engine:
         try:
             recipe = get_sampler(name, **params)
         except (ValueError, TypeError, KeyError) as exc:
-            raise RequestError(str(exc), "sampler" if "unknown sampler" in str(exc) else "params") from None
+            msg = str(exc)
+            nested = sorted(k for k, v in params.items() if isinstance(v, (list, tuple, dict)))
+            if isinstance(exc, TypeError) and "unhashable" in msg and nested:  # a list where a name is checked
+                msg = (f"params {', '.join(nested)}: sampler {name!r} takes a single value there (a name or a "
+                       f"number), not a list or an object")
+            raise RequestError(msg, "sampler" if "unknown sampler" in msg else "params") from None
         try:
             self._share_guide(recipe)
         except (OSError, ValueError) as exc:  # e.g. a guide directory that does not exist
@@ -461,26 +482,30 @@ class Engine:
                 recipe = with_top_p(recipe, cut)
             except (ValueError, TypeError) as exc:
                 raise RequestError(str(exc), "top_p") from None
-        try:
-            rows = prepare_prompts(self.model, [prompt], None, chat_template)
-        except (ValueError, TypeError, KeyError) as exc:
-            raise RequestError(str(exc), "prompt") from None
         if cache is None:  # the preset's own cache (fast-dllm: dual), where the engine can move it; block-diffusion
             # checkpoints: their exact block cache, as in generate
             cache = "block" if model_block_size(self.model) else (getattr(recipe, "cache", None) or "none")
-            cache = cache if isinstance(cache, str) else cache[0]
+            if isinstance(cache, (list, tuple)) and cache and isinstance(cache[0], str):  # (name, its parameters)
+                cache = cache[0]
+            if not isinstance(cache, str):  # e.g. a preset's params.cache of another type
+                raise RequestError(f"the sampler's cache {shown(cache)} is not a cache name; its params.cache takes "
+                                   f"one of {', '.join(SERVED_CACHES)}", "params")
         if cache not in SERVED_CACHES:
             raise RequestError(f"cache {cache!r} is not served; served caches: {', '.join(SERVED_CACHES)}", "cache")
         try:  # else it fails at the request's first forward
             check_cache_fits(cache, model_block_size(self.model))
         except ValueError as exc:
             raise RequestError(str(exc), "cache") from None
-        spec = (name, tuple(sorted(params.items())), cache, None if cut is None or own_cut else cut)
+        spec = (name, _frozen(params), cache, None if cut is None or own_cut else cut)  # the batch key: hashable
         try:  # lengths, block layout and context checked before queueing
             resolve(self.model, recipe, cache, None, config)
             hash(spec)
         except (ValueError, TypeError) as exc:
             raise RequestError(str(exc)) from None
+        try:  # tokenising last: a request refused for its settings costs no tokenising
+            rows = prepare_prompts(self.model, [prompt], None, chat_template)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise RequestError(str(exc), "prompt") from None
         if len(rows[0]) + gen_length > self.model.max_seq_len:
             raise RequestError(f"prompt ({len(rows[0])} tokens) + gen_length ({gen_length}) exceeds the model's "
                                f"context of {self.model.max_seq_len} tokens; shorten the prompt or lower gen_length "
@@ -528,8 +553,8 @@ class Engine:
         if isinstance(guide, str) and guide in self._guide_names:
             return self._guide_names[guide]
         allowed = ", ".join(sorted(n for n in self._guide_names if os.sep not in n))
-        shown = repr(guide) if isinstance(guide, str) and len(guide) <= 200 else f"of type {type(guide).__name__}"
-        raise RequestError(f"guide {shown} is not one this server allows; allowed guides: {allowed} (the "
+        named = repr(guide) if isinstance(guide, str) and len(guide) <= 200 else f"of type {type(guide).__name__}"
+        raise RequestError(f"guide {named} is not one this server allows; allowed guides: {allowed} (the "
                            f"operator allows more with `dllm serve --guide PATH`)", "params")
 
     def _least_tokens(self, prompt) -> int:
@@ -698,10 +723,12 @@ class Engine:
                 self._answer(req, None, "cancelled")
                 continue
             by_key.setdefault(self._key(req), []).append(req)
+        free = self.max_running - sum(len(g.requests) for g in self.groups.values())  # rows all groups may add
         for key, reqs in by_key.items():
             group = self.groups.get(key)
-            room = self.max_rows - (len(group.requests) if group else 0)
+            room = max(min(self.max_rows - (len(group.requests) if group else 0), free), 0)
             take, rest = reqs[:room], reqs[room:]
+            free -= len(take)
             later += rest
             if not take:
                 continue

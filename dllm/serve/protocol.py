@@ -7,10 +7,14 @@ in OpenAI's error shape. :data:`REFUSED` lists the OpenAI fields refused unless 
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError, model_validator
+
+from dllm.ops import SHOWN_CHARS, shown
 
 SEED_MAX = 2**63 - 1
 MAX_N = 16
@@ -18,6 +22,9 @@ MAX_STOPS = 4
 MAX_STOP_CHARS = 1000  # characters per stop string (the held-back tail is checked against each one as text arrives)
 MAX_TOP_LOGPROBS = 20  # alternatives per token (top_logprobs; completions' logprobs)
 ROLES = ("system", "developer", "user", "assistant")  # developer: OpenAI's newer name for system
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class BadRequest(ValueError):
@@ -31,7 +38,7 @@ class BadRequest(ValueError):
 def _int(lo: int, hi: int | None = None, fix: str = ""):
     def check(v):
         if isinstance(v, bool) or not isinstance(v, int):
-            raise ValueError(f"expected an integer, got {v!r}{fix}")
+            raise ValueError(f"expected an integer, got {shown(v)}{fix}")
         if v < lo or (hi is not None and v > hi):
             bound = f"from {lo} to {hi}" if hi is not None else f">= {lo}"
             raise ValueError(f"{v} is out of range: an integer {bound}{fix}")
@@ -42,7 +49,7 @@ def _int(lo: int, hi: int | None = None, fix: str = ""):
 def _number(lo: float, hi: float, fix: str = ""):
     def check(v):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise ValueError(f"expected a number, got {v!r}{fix}")
+            raise ValueError(f"expected a number, got {shown(v)}{fix}")
         if not lo <= v <= hi:
             raise ValueError(f"{v} is out of range: a number from {lo} to {hi}{fix}")
         return float(v)
@@ -52,7 +59,7 @@ def _number(lo: float, hi: float, fix: str = ""):
 def _typed(kind, name: str):
     def check(v):
         if not isinstance(v, kind) or (kind is not bool and isinstance(v, bool)):
-            raise ValueError(f"expected {name}, got {v!r}")
+            raise ValueError(f"expected {name}, got {shown(v)}")
         return v
     return Annotated[Any, AfterValidator(check)]
 
@@ -61,7 +68,9 @@ def _stop(v):
     if isinstance(v, str):
         v = [v]
     if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
-        raise ValueError(f"expected a string or a list of strings, got {v!r}")
+        raise ValueError(f"expected a string or a list of strings, got {shown(v)}")
+    if not v:  # no stop strings: as if left out
+        return None
     if len(v) > MAX_STOPS:
         raise ValueError(f"{len(v)} stop strings; at most {MAX_STOPS}")
     if any(not s for s in v):
@@ -76,7 +85,7 @@ def _finite(v, where: str = ""):
     """Every number inside the sampler's ``params`` is finite: JSON's NaN / Infinity (which Python's parser
     accepts) never reach a sampler (each sampler checks its own ranges too; this is the net under them)."""
     if isinstance(v, float) and not math.isfinite(v):
-        raise ValueError(f"{where or 'a value'} is {v!r}; every number in params must be finite")
+        raise ValueError(f"{where or 'a value'} is {shown(v)}; every number in params must be finite")
     if isinstance(v, dict):
         for k, x in v.items():
             _finite(x, f"{where}.{k}" if where else str(k))
@@ -168,16 +177,16 @@ def _text_part(v):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str) \
                     or set(part) - {"type", "text"}:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ValueError(f"part {i} ({kind!r}) is not supported: content is a string or a list of "
+                raise ValueError(f"part {i} ({shown(kind)}) is not supported: content is a string or a list of "
                                  f"{{\"type\": \"text\", \"text\": ...}} parts")
             texts.append(part["text"])
         return "".join(texts)
-    raise ValueError(f"expected a string or a non-empty list of text parts, got {v!r}")
+    raise ValueError(f"expected a string or a non-empty list of text parts, got {shown(v)}")
 
 
 def _role(v):
     if v not in ROLES:
-        raise ValueError(f"role {v!r} is not served; one of {', '.join(ROLES)}")
+        raise ValueError(f"role {shown(v)} is not served; one of {', '.join(ROLES)}")
     return v
 
 
@@ -265,10 +274,70 @@ class CompletionRequest(_Body):
         return self.max_tokens or 64
 
 
+def _lone_surrogate(body: dict) -> tuple[str, str, str] | None:
+    """``(field, where, character)`` of the first string (value or key) holding a lone UTF-16 surrogate (JSON's
+    ``"\\ud800"`` unpaired: no Unicode character; a tokenizer cannot encode it), ``None`` if there is none. Walks
+    the body without recursion (json.loads bounds its depth); the place is worked out only when there is one."""
+    try:  # the common case at C speed: the body encodes as UTF-8 (a lone surrogate cannot)
+        json.dumps(body, ensure_ascii=False, check_circular=False).encode("utf-8")
+        return None
+    except UnicodeEncodeError:
+        pass
+    except (TypeError, ValueError, RecursionError):  # not JSON's own values: walked below
+        pass
+    stack = [(body, None)]  # (value, its place: (the parent's place, key or index), None at the top)
+    while stack:
+        v, at = stack.pop()
+        kind = type(v)
+        if kind is str:
+            m = _SURROGATE.search(v)
+            if m:
+                return _found(at, m.group())
+        elif kind is dict:
+            for k, x in v.items():
+                m = _SURROGATE.search(k)
+                if m:
+                    return _found((at, k), m.group(), key=True)
+                stack.append((x, (at, k)))
+        elif kind is list:
+            stack.extend((x, (at, i)) for i, x in enumerate(v))
+    return None
+
+
+def _found(at, ch: str, key: bool = False) -> tuple[str, str, str]:
+    """:func:`_lone_surrogate`'s answer for the place ``at`` (a chain of ``(parent's place, key or index)``)."""
+    loc = []
+    while at is not None:
+        at, k = at
+        loc.append(k)
+    loc.reverse()
+    return str(loc[0]), _where(loc) + (" (a key)" if key else ""), ch
+
+
+def escaped(text: str) -> str:
+    """``text`` with each lone surrogate written as its escape (``\\ud800``): a message or ``param`` naming a
+    client's key must still encode as UTF-8."""
+    return _SURROGATE.sub(lambda m: ascii(m.group())[1:-1], text)
+
+
+def _where(loc) -> str:
+    """A field's place in the body as a message names it (``messages[0].content``), cut to a readable length."""
+    loc = [escaped(str(p)) for p in loc]
+    where = loc[0] + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in loc[1:]) if loc else "body"
+    return where if len(where) <= SHOWN_CHARS else f"{where[:SHOWN_CHARS]}..."
+
+
 def parse(body: Any, chat: bool) -> ChatRequest | CompletionRequest:
     """The request body checked; :class:`BadRequest` naming the first wrong field."""
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
+    bad = _lone_surrogate(body)
+    if bad is not None:
+        param, where, ch = bad
+        param = escaped(param) if len(param) <= SHOWN_CHARS else None
+        raise BadRequest(f"{where}: holds a lone UTF-16 surrogate ({ascii(ch)}), which is no Unicode character (a "
+                         f"tokenizer cannot encode it); send valid Unicode (an escaped character outside the BMP is a "
+                         f"high-low pair such as \\ud83d\\ude00)", param)
     try:
         return (ChatRequest if chat else CompletionRequest).model_validate(body)
     except BadRequest:
@@ -276,8 +345,8 @@ def parse(body: Any, chat: bool) -> ChatRequest | CompletionRequest:
     except ValidationError as exc:
         err = exc.errors()[0]
         loc = [str(p) for p in err.get("loc", ())]
-        param = loc[0] if loc else None
-        where = loc[0] + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in loc[1:]) if loc else "body"
+        param = loc[0] if loc and len(loc[0]) <= SHOWN_CHARS else None
+        where = _where(loc)
         ctx_err = (err.get("ctx") or {}).get("error")
         if isinstance(ctx_err, BadRequest):
             raise ctx_err from None

@@ -8,8 +8,9 @@ format, ``prometheus-client``).
 Every request body is checked by the pydantic models of :mod:`dllm.serve.protocol` before anything runs; the
 body is read with a size limit (413), and parsing, checking and tokenising run in worker threads, never on the
 event loop. Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad field
-(named, with the fix), 401 without the ``--api-key`` bearer key, 404 for an unknown model or path, 405, 408 for a
-body that does not arrive within ``--read-timeout``, 413, 429 when the queue is full, 503 when the engine is not
+(named, with the fix) or malformed HTTP, 401 without the ``--api-key`` bearer key, 404 for an unknown model or path, 405, 408 for a
+body that does not arrive within ``--read-timeout``, 413, 429 when the queue is full, 431 for headers over
+``MAX_HEADER_BYTES`` (:func:`header_deadline`), 503 when the engine is not
 running or when more connections are open, or requests in flight, than ``--limit-concurrency``. A client that disconnects (streaming or not, or while sending its body: 499, logged at debug level only)
 frees its rows at the next step. docs/serving.md lists the fields that work and the ones refused.
 """
@@ -26,8 +27,9 @@ import time
 import uuid
 from typing import Any
 
+from dllm.ops import shown
 from dllm.serve.engine import Engine, QueueFull, RequestError
-from dllm.serve.protocol import BadRequest, parse
+from dllm.serve.protocol import BadRequest, escaped, parse
 
 try:
     from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -52,13 +54,23 @@ HEALTH_STALL_S = 60.0  # /health is 503 when requests are pending and the loop h
 INLINE_DECODE = 64  # answers up to this many tokens are detokenised on the event loop, longer ones in a thread
 SHUTDOWN_TIMEOUT_S = 60  # on SIGTERM, connections still open after this long are closed
 READ_TIMEOUT_S = 30.0  # a request's headers, then its body, must arrive within this long (closed / 408 after it)
+MAX_HEADER_BYTES = 64 * 1024  # a request line and headers larger than this get 431 (uvicorn's httptools has no limit)
+MAX_MESSAGE_CHARS = 1000  # an error message longer than this keeps its start and its end (the fix)
 LIMIT_CONCURRENCY = 512  # open connections (and requests in flight) before a request gets 503: what slow clients can hold
 _KINDS = {401: "authentication_error", 403: "permission_error", 404: "invalid_request_error",
           429: "rate_limit_error", 503: "server_error"}
 
 
 def _error(status: int, message: str, param: str | None = None, kind: str | None = None, code: str | None = None):
+    """An error response in OpenAI's shape. The message is cut in its middle to :data:`MAX_MESSAGE_CHARS` (a
+    library's check may repeat a client's value whole) and, like ``param``, has any lone surrogate of the client's
+    escaped (the body must encode as UTF-8)."""
     kind = kind or _KINDS.get(status, "invalid_request_error" if status < 500 else "server_error")
+    message = escaped(message)
+    if len(message) > MAX_MESSAGE_CHARS:
+        half = MAX_MESSAGE_CHARS // 2
+        message = f"{message[:half]} [... {len(message) - 2 * half} characters cut ...] {message[-half:]}"
+    param = escaped(param) if isinstance(param, str) else param
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
                         status_code=status)
 
@@ -317,7 +329,7 @@ def create_app(engine: Engine, model_name: str = "dllm", api_key: str | None = N
             raise BadRequest("the body is not valid JSON") from None
         req = parse(body, chat)
         if req.model is not None and req.model != model_name:
-            raise BadRequest(f"model {req.model!r} does not exist; this server serves {model_name!r} "
+            raise BadRequest(f"model {shown(req.model)} does not exist; this server serves {model_name!r} "
                              f"(GET /v1/models)", "model", 404, "model_not_found")
         prompt = req.conversation() if chat else req.prompt
         params = dict(req.params or {})
@@ -325,6 +337,14 @@ def create_app(engine: Engine, model_name: str = "dllm", api_key: str | None = N
             params["temperature"] = req.temperature
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         n = req.n or 1
+        if n > engine.max_queue:  # never fits: a 429 would have the client retry for ever
+            raise BadRequest(f"n={n} choices need {n} places in the queue, more than this server's --max-queue of "
+                             f"{engine.max_queue}; ask for at most {engine.max_queue} choices (or send several "
+                             f"requests)", "n")
+        held = engine.pending()
+        if held + n > engine.max_queue:  # refused before any choice is tokenised and queued
+            raise BadRequest(f"the engine holds {held} of its {engine.max_queue} requests, too many for {n} more; "
+                             f"retry later", None, 429)
         handles = []
         try:
             for i in range(n):
@@ -574,11 +594,13 @@ def serve(model, *, host: str = "127.0.0.1", port: int = 8000, model_name: str =
           max_rows: int = 8, max_queue: int = 256, sampler: str | None = None, params: dict | None = None,
           log_level: str = "info", max_body_bytes: int = MAX_BODY_BYTES,
           shutdown_timeout: int = SHUTDOWN_TIMEOUT_S, graphs: str = "auto", guides=(),
-          read_timeout: float = READ_TIMEOUT_S, limit_concurrency: int = LIMIT_CONCURRENCY) -> None:
+          read_timeout: float = READ_TIMEOUT_S, limit_concurrency: int = LIMIT_CONCURRENCY,
+          max_running: int | None = None) -> None:
     """Run the server until SIGINT / SIGTERM (uvicorn stops accepting and finishes the requests in flight, at
     most ``shutdown_timeout`` seconds: a client that never reads its stream cannot hold the shutdown).
     ``sampler`` / ``params``: the default of requests that name no sampler; ``graphs``: CUDA graphs for the cached
-    steps; ``guides``: AR guide checkpoints requests may name besides the bundled ones (:class:`Engine`).
+    steps; ``guides``: AR guide checkpoints requests may name besides the bundled ones; ``max_rows`` /
+    ``max_running``: rows per batch / decoding at once (:class:`Engine`).
     ``read_timeout``: seconds a request's headers may take to arrive on a connection (from its opening, or from
     the previous response on it; the connection is closed after it: :func:`header_deadline`) and then its body
     (408 after it); ``limit_concurrency``: the connections (and requests) served at once; one more gets 503 in
@@ -590,7 +612,7 @@ def serve(model, *, host: str = "127.0.0.1", port: int = 8000, model_name: str =
     if isinstance(limit_concurrency, bool) or not isinstance(limit_concurrency, int) or limit_concurrency < 1:
         raise ValueError(f"limit_concurrency={limit_concurrency!r} must be a positive integer")
     engine = Engine(model, max_rows=max_rows, max_queue=max_queue, sampler=sampler, params=params, graphs=graphs,
-                    guides=guides)
+                    guides=guides, max_running=max_running)
     app = create_app(engine, model_name, api_key, max_body_bytes=max_body_bytes, read_timeout_s=read_timeout)
     engine.start()
     try:
@@ -600,7 +622,8 @@ def serve(model, *, host: str = "127.0.0.1", port: int = 8000, model_name: str =
         engine.stop(drain=True, timeout=60)
 
 
-def header_deadline(seconds: float, limit_concurrency: int | None = None) -> type:
+def header_deadline(seconds: float, limit_concurrency: int | None = None,
+                    max_header_bytes: int = MAX_HEADER_BYTES) -> type:
     """uvicorn's HTTP protocol (httptools where installed, else h11: what its ``"auto"`` picks) with a deadline for a
     request's headers: a connection on which no request's headers have arrived ``seconds`` after it opened, or after
     its previous response, is closed. uvicorn has no such limit, and a connection limit counts connections, so
@@ -610,7 +633,16 @@ def header_deadline(seconds: float, limit_concurrency: int | None = None) -> typ
 
     ``limit_concurrency``: with more open connections, or more requests in flight, than this, a request is answered
     503 in OpenAI's error shape and its connection closed (:func:`_concurrency_limited`; uvicorn's own limit answers
-    in plain text)."""
+    in plain text).
+
+    ``max_header_bytes``: a request whose request line and headers pass this many bytes is answered 431 in OpenAI's
+    error shape and its connection closed (httptools, which uvicorn runs where installed, keeps every header a
+    client sends: without it one connection can fill the server's memory with headers before the deadline; h11
+    has a limit of its own)."""
+    if isinstance(max_header_bytes, bool) or not isinstance(max_header_bytes, int) or max_header_bytes < 1:
+        raise ValueError(f"max_header_bytes={max_header_bytes!r} must be a positive integer")
+    too_large = _plain_response(431, "the request line and headers are larger than the server's limit of "
+                                f"{max_header_bytes} bytes; send fewer or shorter headers", "headers_too_large")
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
     except ImportError:  # pragma: no cover - httptools is optional
@@ -646,6 +678,47 @@ def header_deadline(seconds: float, limit_concurrency: int | None = None) -> typ
                 self._header_timer.cancel()
                 self._header_timer = None
 
+        # httptools' callbacks (h11 calls none of these): the bytes of the request line and headers, counted from the
+        # start of each request
+        _header_bytes = 0
+        _headers_refused = False
+
+        def on_message_begin(self) -> None:
+            self._header_bytes = 0
+            super().on_message_begin()
+
+        def on_url(self, url: bytes) -> None:
+            self._count_header_bytes(len(url))
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._count_header_bytes(len(name) + len(value) + 4)
+            super().on_header(name, value)
+
+        def _count_header_bytes(self, n: int) -> None:
+            self._header_bytes += n
+            if self._header_bytes > max_header_bytes and not self._headers_refused:
+                self._headers_refused = True
+                log.debug("refusing a request whose headers pass %d bytes", max_header_bytes)
+                self.transport.write(too_large)
+                self.transport.close()
+            if self._headers_refused:
+                raise _HeadersTooLarge()  # stops the parser (uvicorn's own 400 is not sent: send_400_response)
+
+        def data_received(self, data: bytes) -> None:
+            if not self._headers_refused:  # after the 431 nothing more is read
+                super().data_received(data)
+
+        def send_400_response(self, msg: str) -> None:
+            """uvicorn's answer to a request its parser refuses (malformed HTTP), in OpenAI's error shape instead of
+            plain text; nothing when the parser was stopped by the header limit (the 431 is sent already)."""
+            if self._headers_refused:
+                return
+            self.transport.write(_plain_response(
+                400, f"the request is not valid HTTP/1.1 ({msg.rstrip('.')}); check the request line, the headers "
+                "(Content-Length a number of bytes) and the body's framing", "invalid_http_request"))
+            self.transport.close()
+
         def _header_deadline_passed(self) -> None:
             self._header_timer = None
             if self.cycle is None or self.cycle.response_complete:  # no request's headers since: a stalled client
@@ -653,6 +726,20 @@ def header_deadline(seconds: float, limit_concurrency: int | None = None) -> typ
                 self.transport.close()
 
     return HeaderDeadline
+
+
+class _HeadersTooLarge(Exception):
+    """Raised in the HTTP parser's callback to stop parsing a request whose headers passed the limit."""
+
+
+def _plain_response(status: int, message: str, code: str) -> bytes:
+    """A whole HTTP/1.1 response in OpenAI's error shape, written by the protocol itself (the app never sees the
+    request), with the connection closed after it."""
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                 "code": code}}).encode()
+    reason = {400: b"Bad Request", 431: b"Request Header Fields Too Large"}.get(status, b"Error")
+    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+            % (status, reason, len(body))) + body
 
 
 def _concurrency_limited(app, connections, tasks, limit: int):
