@@ -20,7 +20,7 @@ from dllm.config import GenerateConfig
 from dllm.graphs import GraphRunner
 from dllm.kernels.device import on_device
 from dllm.models.spec import vocab_size
-from dllm.ops import cached_arange, ids_on, shape_bucket
+from dllm.ops import cached_arange, ids_on, shape_bucket, shown
 from dllm.recipes import resolve
 from dllm.samplers.base import StepContext, row_key_words
 
@@ -1288,10 +1288,11 @@ def row_keys(rows: list[list[int]], row_ids, seed: int | None) -> torch.Tensor:
             row_ids.append(f"p{seen.get(k, 0)}:{','.join(map(str, r))}")
             seen[k] = seen.get(k, 0) + 1
     else:
-        if isinstance(row_ids, (str, bytes)) or not isinstance(row_ids, Sequence) or any(
-                isinstance(r, bool) or not isinstance(r, (numbers.Integral, str)) for r in row_ids):
-            raise ValueError(f"row_ids must be a list of ints or strings, one per prompt, got {row_ids!r:.80}")
-        row_ids = list(row_ids)
+        ids = list(row_ids) if isinstance(row_ids, (Sequence, np.ndarray)) and not isinstance(row_ids, (str, bytes)) \
+            else None
+        if ids is None or any(isinstance(r, bool) or not isinstance(r, (numbers.Integral, str)) for r in ids):
+            raise ValueError(f"row_ids must be a list of ints or strings, one per prompt, got {shown(row_ids)}")
+        row_ids = ids
         if len(row_ids) != len(rows):
             raise ValueError(f"row_ids has {len(row_ids)} entries for {len(rows)} prompts; give one id per prompt")
         row_ids = [f"i:{r}" for r in row_ids]

@@ -278,6 +278,9 @@ def test_empty_string_prompts_masks_and_row_ids_are_refused_before_decoding(tiny
     for row_ids in (5, "ab", [1.5], [None], [True]):
         with pytest.raises(ValueError, match="row_ids must be a list of ints or strings"):
             G.generate(tiny, ["hi"], gen_length=4, row_ids=row_ids)
+    monkeypatch.undo()
+    same = [G.generate(tiny, ["hi"], gen_length=4, seed=1, row_ids=ids).sequences for ids in ([7], np.array([7]))]
+    assert same[0].tolist() == same[1].tolist()  # numpy integers are ints
 
 
 def test_a_block_length_with_a_sliding_window_has_no_effect(tiny):
