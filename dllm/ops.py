@@ -56,8 +56,13 @@ def check_range(name: str, value, lo, hi, *, lo_open=False, hi_open=False, fix: 
 
 
 def check_choice(name: str, value, choices) -> None:
-    """Raise a ValueError naming the unknown value and listing the known ones."""
-    if value not in choices:
+    """Raise a ValueError naming the unknown value and listing the known ones (a list or an object, e.g. from JSON,
+    where a single value is expected: said so, not Python's "unhashable type")."""
+    try:
+        known = value in choices
+    except TypeError:
+        raise ValueError(f"{name} takes a single value, one of {', '.join(choices)}; got {shown(value)}") from None
+    if not known:
         raise ValueError(f"unknown {name} {value!r}; known: {', '.join(choices)}")
 
 

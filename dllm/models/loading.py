@@ -15,6 +15,7 @@ from dllm.models.fast import check_fast, enable_fast_path, wants_fast
 from dllm.models.spec import ModelSpec, spec_for_model_type
 from dllm.models.transformer import Transformer
 from dllm.models.weights import check_device, inspect_files, read_tensors
+from dllm.ops import shown
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -29,8 +30,8 @@ def resolve_dtype(dtype) -> torch.dtype | None:
         return dtype
     if dtype == "auto":
         return None
-    if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(set(_DTYPES))}")
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {shown(dtype)}; use one of {sorted(set(_DTYPES))}")
     return _DTYPES[dtype]
 
 

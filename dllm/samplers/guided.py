@@ -252,7 +252,10 @@ class GuidedSampler(SamplerBase):
         if guide_dtype is not None:  # a dtype name, checked now (not when the guide loads)
             from dllm.models.loading import resolve_dtype
 
-            resolve_dtype(guide_dtype)
+            try:
+                resolve_dtype(guide_dtype)
+            except ValueError as exc:
+                raise ValueError(f"guide_dtype: {exc}") from None
         self.guide_dtype, self.pad_id, self.record, self.name = guide_dtype, pad_id, record, name
         self.temperature = float(temperature)
         self._model = self._tok = None

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from dllm.ops import shown
 from dllm.samplers.base import Sampler
 from dllm.samplers.dream import DreamSampler
 from dllm.samplers.llada import LLaDASampler
@@ -77,6 +78,9 @@ def prophet(base: str = "llada", early: float = 7.5, mid: float = 5.0, late: flo
             progress: str = "steps", temperature: float = 0.0, block_length: int | None = 32,
             name: str = "prophet") -> Prophet:
     """Prophet early commit over a registered sampler (default LLaDA low-confidence, block 32 as in the paper)."""
+    if not isinstance(base, str):
+        raise ValueError(f"base={shown(base)}: Prophet's base takes a single value, a registered sampler's name, e.g. "
+                         "'llada' or 'fast-dllm'")
     if base in ("prophet", name):
         raise ValueError(f"base={base!r}: Prophet cannot wrap itself; use e.g. base='llada' or base='fast-dllm'")
     inner = get_sampler(base, temperature=temperature)

@@ -352,7 +352,8 @@ class Engine:
     """Continuous-batching decoder for one model (see the module docstring). ``max_rows``: rows per group;
     ``max_running``: rows decoding at once, all groups together (requests whose settings differ, e.g. by ``seed``
     or ``max_tokens``, decode in groups of their own: without it each would add its rows, and its canvas and cache,
-    up to ``max_queue`` rows; default ``4 * max_rows``); more wait in the queue; ``max_queue``: requests waiting or running before :meth:`submit` raises :class:`QueueFull`; ``sampler`` and
+    up to ``max_queue`` rows; default ``4 * max_rows``); more wait in the queue; ``max_queue``: requests waiting or
+    running before :meth:`submit` raises :class:`QueueFull`; ``sampler`` and
     ``params``: the sampler of requests that name none (default: the model family's baseline), and its
     parameters (a request naming no sampler, or this one, adds its own ``params`` over them); ``graphs``: the
     cached steps through CUDA graphs (``GenerateConfig.graphs``: ``"auto"`` on CUDA; ``"on"`` on the CPU runs the
@@ -467,12 +468,7 @@ class Engine:
         try:
             recipe = get_sampler(name, **params)
         except (ValueError, TypeError, KeyError) as exc:
-            msg = str(exc)
-            nested = sorted(k for k, v in params.items() if isinstance(v, (list, tuple, dict)))
-            if isinstance(exc, TypeError) and "unhashable" in msg and nested:  # a list where a name is checked
-                msg = (f"params {', '.join(nested)}: sampler {name!r} takes a single value there (a name or a "
-                       f"number), not a list or an object")
-            raise RequestError(msg, "sampler" if "unknown sampler" in msg else "params") from None
+            raise RequestError(str(exc), "sampler" if "unknown sampler" in str(exc) else "params") from None
         try:
             self._share_guide(recipe)
         except (OSError, ValueError) as exc:  # e.g. a guide directory that does not exist
