@@ -48,11 +48,12 @@ def test_two_processes_match_one(tmp_path):
     assert _lines(tmp_path / "two" / "samples.jsonl") == b
 
 
-@pytest.mark.parametrize("t", ["0.8", pytest.param("0", marks=pytest.mark.slow)])
+@pytest.mark.slow  # six evaluation processes: the default run shards over two in test_two_processes_match_one
+@pytest.mark.parametrize("t", ["0.8", "0"])
 def test_answers_do_not_depend_on_batch_size_or_process_count(tmp_path, t):
-    """A cached threshold sampler (fast-dllm: dual cache) seeded at temperature 0.8 (and at temperature 0, in the
-    slow run): every sample's output is the same at batch 1, at batch 4 and sharded over two processes at batch 2
-    (caches decide per row; random streams are keyed by the seed and the sample id)."""
+    """A cached threshold sampler (fast-dllm: dual cache) seeded at temperature 0.8 and at temperature 0: every
+    sample's output is the same at batch 1, at batch 4 and sharded over two processes at batch 2 (caches decide per
+    row; random streams are keyed by the seed and the sample id)."""
     keys = ("id", "output", "nfe", "tokens")
     args = ["gsm8k", "--model", "llada-tiny", "--data", str(GSM8K), "--shots", "1", "--limit", "6",
             "--gen-length", "32", "--block-length", "8", "--sampler", "fast-dllm", "--param", f"temperature={t}",

@@ -403,7 +403,8 @@ def test_kv_cache_offers_its_buffers_to_the_fast_layer_only_where_update_is_the_
             assert cache.write_buffers(0, 3) is None  # another batch: update raises
 
 
-@pytest.mark.parametrize("cache", ["dual", pytest.param("prefix", marks=pytest.mark.slow)])  # slow: the interpreter
+@pytest.mark.slow  # the interpreter: a minute; the default run decodes through the Triton fast layer with the dual
+@pytest.mark.parametrize("cache", ["dual", "prefix"])  # cache in tests/test_graph_replay_safety.py
 def test_fast_model_with_the_triton_kernels_decodes_the_eager_tokens_with_a_cache(cache, triton_backend):
     """The whole decode loop through the Triton kernels (interpreter): RoPE writing the cache's keys and values
     itself, the attention output stored for a view into the output product."""

@@ -858,7 +858,8 @@ class Engine:
                     req.handle._put("canvas", {"step": row_nfe[i], "committed": cols})
         record = None  # the logprobs record on the host, read once per tick when some row emits
         for i, req in enumerate(group.requests):
-            final = next((j for j, t in enumerate(rows[i]) if t == mask_id), len(rows[i]))
+            row = rows[i]  # committed tokens stay: the final prefix only grows, searched from where it ended
+            final = next((j for j in range(req.emitted, len(row)) if row[j] == mask_id), len(row))
             if final > req.emitted:
                 if st.commit_logprob is not None:
                     if record is None:

@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 4 * 1024 * 1024  # default request body limit (413 above it)
 HEALTH_STALL_S = 60.0  # /health is 503 when requests are pending and the loop has not ticked for this long
+_CONTEXT = 6  # ids decoded before a streamed answer's unfixed tail (``_Text._upto``)
 INLINE_DECODE = 64  # answers up to this many tokens are detokenised on the event loop, longer ones in a thread
 SHUTDOWN_TIMEOUT_S = 60  # on SIGTERM, connections still open after this long are closed
 READ_TIMEOUT_S = 30.0  # a request's headers, then its body, must arrive within this long (closed / 408 after it)
@@ -159,16 +160,52 @@ class _Text:
         self.taken = 0  # entries handed out
         self.covered = 0  # answer tokens whose text is all sent
         self.offset = 0  # text_offset of the next entry handed out (completions)
+        self.end: int | None = None  # index of the first EOS/EOT among the ids
+        self.fixed = 0  # answer tokens whose text, ``fixed_text``, no later token changes
+        self.fixed_text = ""
+        self.longest = max((len(s) for s in stops), default=0)
 
     def _decode(self, ids) -> str:
         return self.tok.decode(ids, skip_special_tokens=True) if self.tok is not None else ""
 
+    def _upto(self, n: int) -> str:
+        """The text of the first ``n`` ids, as one decode of them all gives it, from the fixed text and a decode of
+        the ids after it (with ``_CONTEXT`` ids before them, so that a tokenizer's joins, such as a word's leading
+        space, come out as in the whole text): each call decodes a bounded number of ids, not the whole answer.
+        Where the window's text does not extend its context's (a decoder that rewrites across the join), the whole
+        answer is decoded. The fixed point then moves to ``_CONTEXT`` ids before the end, where the text up to it
+        ends in a whole character."""
+        k = self.fixed
+        c = max(0, k - _CONTEXT)
+        head = self._decode(self.ids[c:k])
+        whole = self._decode(self.ids[c:n])
+        if not whole.startswith(head):
+            text = self._decode(self.ids[:n])
+            if not text.startswith(self.fixed_text):  # not even the fixed text holds: decode it all from now on
+                self.fixed, self.fixed_text = 0, ""
+            return text
+        text = self.fixed_text + whole[len(head):]
+        k2 = n - _CONTEXT
+        if k2 > k:
+            upto = self._decode(self.ids[c:k2])
+            if upto.startswith(head) and not upto.endswith("\ufffd"):
+                fixed = self.fixed_text + upto[len(head):]
+                if text.startswith(fixed):
+                    self.fixed, self.fixed_text = k2, fixed
+        return text
+
     def feed(self, ids: list[int], final: bool = False) -> str:
         """The text to send now."""
+        start = len(self.ids)
         self.ids += ids
-        n = next((i for i, t in enumerate(self.ids) if t in self.eos), len(self.ids))
-        text = self._decode(self.ids[:n])
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if self.end is None:
+            self.end = next((i for i in range(start, len(self.ids)) if self.ids[i] in self.eos), None)
+        n = len(self.ids) if self.end is None else self.end
+        stable = len(self.fixed_text)  # searched for the stop strings before, none found
+        text = self._upto(n)
+        # a stop string not found before ends after the text that was fixed then (and still is)
+        frm = max(0, min(stable, len(self.fixed_text)) - self.longest + 1)
+        hits = [i for i in (text.find(s, frm) for s in self.stops) if i >= 0]
         if hits:
             text, self.stopped, final = text[: min(hits)], True, True
         self.text = text
@@ -198,7 +235,7 @@ class _Text:
 
     def tokens(self) -> int:
         """Answer tokens up to the cut (the fewest whose text covers it)."""
-        n = next((i for i, t in enumerate(self.ids) if t in self.eos), len(self.ids))
+        n = len(self.ids) if self.end is None else self.end
         if not self.stopped:
             return n
         lo, hi = 0, n
