@@ -143,6 +143,15 @@ def test_bench_padding_shows_rows_out_of_step_widen_the_batch_unless_packed(tmp_
     assert by[("fast-dllm", 8, "packed")]["run_per_computed"] == 1.0  # ... and packed run only their own rows
 
 
+def test_bench_detok_compares_incremental_and_whole_answer_detokenising(tmp_path):
+    """bench_detok.py: the same text both ways (it refuses to print otherwise), and the incremental way decodes a
+    bounded number of ids per token where decoding the whole answer at each piece grows with the answer."""
+    rows = run("bench_detok.py", "--lengths", "64", "512", "--steps", "1", tmp_path=tmp_path)
+    assert [(r["tokens"], r["per_piece"]) for r in rows] == [(64, 1), (512, 1)]
+    assert all(r["ids_decoded_per_token"] < 40 for r in rows)
+    assert rows[1]["whole_ids_decoded_per_token"] > 8 * rows[0]["ids_decoded_per_token"]
+
+
 def test_bench_serve_writes_rows_the_goals_table_reads(tmp_path):
     """bench_serve.py's rows (CPU: shown, not judged) carry what the serving goal reads: the 16-client continuous and
     one-at-a-time throughput, the continuous p99 and the longest solo request."""
