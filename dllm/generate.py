@@ -222,8 +222,9 @@ def check_prompt_ids(rows: list[list[int]] | dict[int, list[int]], vocab: int | 
             )
 
 
-def prepare_prompts(model, prompts, attention_mask=None, chat_template=True) -> list[list[int]]:
-    """Normalise any accepted prompt form into a list of token-id lists (validated)."""
+def prepare_prompts(model, prompts, attention_mask=None, chat_template=True, content_specials=True) -> list[list[int]]:
+    """Normalise any accepted prompt form into a list of token-id lists (validated). ``content_specials=False``: a
+    special token's text inside a chat message's content is tokenised as text (:func:`encode_prompt`)."""
     tok = getattr(model, "tokenizer", None)
     if attention_mask is not None and not isinstance(prompts, torch.Tensor):
         raise ValueError("attention_mask is only used with a [B, L] tensor of prompts; pass ragged token-id "
@@ -268,23 +269,57 @@ def prepare_prompts(model, prompts, attention_mask=None, chat_template=True) -> 
                 if tok is None:
                     raise ValueError("string prompts need a tokenizer: load the model with dllm.load_model(path) "
                                      "(tokenizer files present) or pass token ids")
-                rows.append(encode_prompt(tok, p, chat_template))
+                rows.append(encode_prompt(tok, p, chat_template, content_specials))
             else:
                 rows.append(_token_row(p, i))
     check_prompt_ids(rows, vocab_size(model), model.mask_id)
     return rows
 
 
-def encode_prompt(tok, p, chat_template: bool = True) -> list[int]:
+def encode_prompt(tok, p, chat_template: bool = True, content_specials: bool = True) -> list[int]:
     """A string or a conversation as token ids: through the tokenizer's chat template (with the generation
-    prompt) when it has one and ``chat_template``, else the string as it is."""
+    prompt) when it has one and ``chat_template``, else the string as it is. ``content_specials=False``: a special
+    token's text inside a message's content (``"<|eot_id|>"`` typed by a user) is text, as every other character
+    of the content, not the special token (:func:`_content_as_text`); the template's own special tokens are special
+    tokens either way. Without special-token text in the contents both ways give the same ids."""
     messages = [{"role": "user", "content": p}] if isinstance(p, str) else p
     if chat_template and getattr(tok, "chat_template", None):
+        ids = None if content_specials else _content_as_text(tok, messages)
+        if ids is not None:
+            return ids
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return tok(text, add_special_tokens=False)["input_ids"]
     if not isinstance(p, str):
         raise ValueError("chat conversations need a tokenizer with a chat template")
     return tok(p)["input_ids"]
+
+
+def _content_as_text(tok, messages) -> list[int] | None:
+    """The chat template's ids with the special-token text inside the contents of ``messages`` tokenised as text
+    (``split_special_tokens``); ``None`` where no content holds any (then the plain path's ids are the same). Each
+    such content is wrapped in two characters found nowhere in the conversation before the template is applied, the
+    text between them tokenised as text and the template's text around them as usual."""
+    specials = [t.content for t in getattr(tok, "added_tokens_decoder", {}).values() if t.content]
+    specials += [t for t in getattr(tok, "all_special_tokens", []) if t not in specials]
+    marked = {i for i, m in enumerate(messages)
+              if isinstance(m.get("content"), str) and any(t in m["content"] for t in specials)}
+    if not marked:
+        return None
+    seen = "".join(str(m.get("content", "")) + str(m.get("role", "")) for m in messages)
+    a, b = [c for c in map(chr, range(0xE000, 0xF900)) if c not in seen][:2]  # private-use characters
+    wrapped = [dict(m, content=a + m["content"] + b) if i in marked else m for i, m in enumerate(messages)]
+    text = tok.apply_chat_template(wrapped, add_generation_prompt=True, tokenize=False)
+    if text.count(a) != len(marked) or text.count(b) != len(marked):
+        raise ValueError("a message's content holds a special token's text (e.g. '<|eot_id|>') that this "
+                         "tokenizer's chat template does not keep as it is; remove it from the message")
+    head, *rest = text.split(a)
+    ids = tok(head, add_special_tokens=False)["input_ids"] if head else []
+    for part in rest:
+        content, _, after = part.partition(b)
+        ids += tok(content, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        if after:
+            ids += tok(after, add_special_tokens=False)["input_ids"]
+    return ids
 
 
 def check_model(model) -> None:

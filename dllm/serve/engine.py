@@ -407,7 +407,8 @@ class Engine:
                sampler: str | None = None, params: dict | None = None, seed: int = 0,
                eos_early_stop: bool = False, chat_template: bool = True, request_id: str | None = None,
                cache: str | None = None, canvas: bool = False, sample: int = 0,
-               logprobs: int | None = None, top_p: float | None = None) -> RequestHandle:
+               logprobs: int | None = None, top_p: float | None = None,
+               content_specials: bool = False) -> RequestHandle:
         """Queue one request (a string, a chat conversation or token ids); returns its handle. Bad settings
         raise :class:`RequestError` here, before anything runs and before the prompt is tokenised (every check of
         the settings comes first); a prompt that cannot fit the context with ``gen_length`` is refused before it
@@ -416,6 +417,12 @@ class Engine:
         The request's random stream is keyed by ``seed`` and its prompt tokens, as ``dllm.generate`` keys a
         prompt by default: the answer equals ``dllm.generate(model, [prompt] * (sample + 1), seed=seed, ...)``'s
         row ``sample`` (``sample``: which of several answers to the same prompt, e.g. the OpenAI ``n``).
+
+        A special token's text inside a chat message's content (``"<|eot_id|>"`` typed by a user) is text, as in
+        OpenAI's API, so that no content can end its turn or open another role's; ``content_specials=True`` parses
+        it as the special token, as :func:`dllm.generate` does. Prompts without such text give the same ids either
+        way (:func:`dllm.generate.encode_prompt`). A string through no chat template is the caller's own format and
+        keeps its special tokens.
 
         ``logprobs=k`` (0 to :data:`MAX_TOP_LOGPROBS`; ``None``: off) records each generated token's
         log-probability under the distribution (full-vocabulary softmax) of the step that committed it and that
@@ -499,7 +506,7 @@ class Engine:
         except (ValueError, TypeError) as exc:
             raise RequestError(str(exc)) from None
         try:  # tokenising last: a request refused for its settings costs no tokenising
-            rows = prepare_prompts(self.model, [prompt], None, chat_template)
+            rows = prepare_prompts(self.model, [prompt], None, chat_template, content_specials)
         except (ValueError, TypeError, KeyError) as exc:
             raise RequestError(str(exc), "prompt") from None
         if len(rows[0]) + gen_length > self.model.max_seq_len:
