@@ -146,8 +146,9 @@ class _Auth:
 
 class _Text:
     """One choice's answer text as its final token ids arrive: cut at the first EOS/EOT and at the first ``stop``
-    string; the tail that may still grow into a stop string (or is an incomplete UTF-8 character) is held
-    back until it cannot. With log-probabilities, ``entries`` holds each fed token's entry (the engine's
+    string; the tail that may still grow into a stop string (or is an incomplete UTF-8 character, or the last
+    ids' text where the decoder may rewrite it: :func:`_prefix_stable`) is held back until it cannot. Each piece
+    decodes a bounded number of ids (:meth:`_upto`). With log-probabilities, ``entries`` holds each fed token's entry (the engine's
     ``logprobs`` events); :meth:`take` hands out those of the tokens whose text is all sent."""
 
     def __init__(self, tokenizer, eos: set, stops: list[str]):
@@ -164,6 +165,7 @@ class _Text:
         self.fixed = 0  # answer tokens whose text, ``fixed_text``, no later token changes
         self.fixed_text = ""
         self.longest = max((len(s) for s in stops), default=0)
+        self.rewrites = not _prefix_stable(tokenizer)  # only the fixed text is sent before the end (_prefix_stable)
 
     def _decode(self, ids) -> str:
         return self.tok.decode(ids, skip_special_tokens=True) if self.tok is not None else ""
@@ -217,6 +219,8 @@ class _Text:
                 hold = max((_overlap(text, s) for s in self.stops), default=0)
                 safe = text[: len(text) - hold]
                 safe = safe.rstrip("\ufffd")  # an incomplete multi-byte character
+                if self.rewrites:
+                    safe = safe[:len(self.fixed_text)]
         piece = ""
         if len(safe) > len(self.sent) and safe.startswith(self.sent):
             piece, self.sent = safe[len(self.sent):], safe
@@ -246,6 +250,17 @@ class _Text:
             else:
                 lo = mid + 1
         return lo
+
+
+def _prefix_stable(tok) -> bool:
+    """Whether the text of fewer ids is always the start of the text of more (up to an incomplete character at its
+    end): a byte-level decoder without clean-up (every checkpoint format the project loads). Others may rewrite the
+    text of the last few ids (WordPiece's clean-up joins "do n't", a byte fallback turns invalid with the next
+    byte): their streams send the text of all but the last ``_CONTEXT`` ids until the answer ends."""
+    if tok is None:
+        return True
+    decoder = getattr(getattr(tok, "backend_tokenizer", None), "decoder", None)
+    return type(decoder).__name__ == "ByteLevel" and not getattr(tok, "clean_up_tokenization_spaces", False)
 
 
 def _overlap(text: str, stop: str) -> int:
