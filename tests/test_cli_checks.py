@@ -408,7 +408,7 @@ def test_param_given_twice_and_preset_cache_before_loading(tmp_path, capsys, no_
     refused(capsys, ["serve", "--sampler", "threshold", "--param", "tau=0.5", "--param", "tau=0.5", "--port", "8123"],
             "--param tau is given twice")
     refused(capsys, ["generate", "hi", "--sampler", "fast-dllm", "--param", "cache=bogus"],
-            "cache='bogus' is not a cache name")
+            "unknown cache 'bogus'; known caches:")
     refused(capsys, ["generate", "hi", "--sampler", "fast-dllm", "--param", "cache=block"],
             "cache 'block' is the exact cache of block-diffusion checkpoints")
     refused(capsys, [*RUN, "--out", str(tmp_path / "sweep"), "--gen-seed", str(2**70)],

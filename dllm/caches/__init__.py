@@ -20,11 +20,16 @@ CACHES = {
 }
 
 
+def check_cache_name(name) -> None:
+    """``name`` is a registered cache policy (:data:`CACHES`); else a ValueError listing them."""
+    if not isinstance(name, str) or name not in CACHES:
+        raise ValueError(f"unknown cache {name!r}; known caches: {', '.join(sorted(CACHES))}")
+
+
 def get_cache(name: str, **params) -> Cache:
     """Resolve a cache policy by name (``dllm.caches.CACHES`` lists them); ``params`` go to its constructor, which
     checks their values (a ValueError naming the parameter, its range and a fix)."""
-    if not isinstance(name, str) or name not in CACHES:
-        raise ValueError(f"unknown cache {name!r}; known caches: {', '.join(sorted(CACHES))}")
+    check_cache_name(name)
     sig = inspect.signature(CACHES[name]).parameters
     known = [p for p, v in sig.items() if v.kind in (v.POSITIONAL_OR_KEYWORD, v.KEYWORD_ONLY)]
     unknown = sorted(set(params) - set(known))
@@ -34,4 +39,4 @@ def get_cache(name: str, **params) -> Cache:
 
 
 __all__ = ["CACHES", "BlockExact", "Cache", "CacheState", "DKVDecode", "DKVGreedy", "DualCache", "ElasticCache", "FreeCache", "KVCache",
-           "NoCache", "PrefixCache", "get_cache"]
+           "NoCache", "PrefixCache", "check_cache_name", "get_cache"]

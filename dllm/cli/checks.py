@@ -103,10 +103,12 @@ def cache_name(name: str | None) -> None:
     """``--cache`` names a registered cache policy."""
     if name is None:
         return
-    from dllm.caches import CACHES
+    from dllm.caches import check_cache_name
 
-    if name not in CACHES:
-        raise ValueError(f"--cache {name}: unknown cache; known caches: {', '.join(sorted(CACHES))}")
+    try:
+        check_cache_name(name)
+    except ValueError as exc:
+        raise ValueError(f"--cache {name}: {exc}") from None
 
 
 def dtype_name(name: str | None) -> None:

@@ -16,7 +16,7 @@ import torch
 from dllm import ops
 from dllm.blocks import AdaBlock, MultiBlock, SlidingWindow
 from dllm.blocks.multiblock import block_states
-from dllm.caches import CACHES, get_cache
+from dllm.caches import check_cache_name, get_cache
 from dllm.samplers.base import StepContext, StepResult, check_choice
 from dllm.samplers.composed import ComposedSampler
 from dllm.samplers.guided import guided
@@ -128,8 +128,7 @@ def _cache(cache):
     None / "none" / "" for no cache of its own."""
     if cache in (None, "none", ""):
         return None
-    if not isinstance(cache, str) or cache not in CACHES:
-        raise ValueError(f"cache={cache!r} is not a cache name; use one of {', '.join(sorted(CACHES))} (none: no cache)")
+    check_cache_name(cache)
     return cache
 
 
