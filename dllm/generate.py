@@ -299,7 +299,7 @@ def _content_as_text(tok, messages) -> list[int] | None:
     (``split_special_tokens``); ``None`` where no content holds any (then the plain path's ids are the same). Each
     such content is wrapped in two characters found nowhere in the conversation before the template is applied, the
     text between them tokenised as text and the template's text around them as usual."""
-    specials = [t.content for t in getattr(tok, "added_tokens_decoder", {}).values() if t.content]
+    specials = [t.content for t in getattr(tok, "added_tokens_decoder", {}).values() if t.special and t.content]
     specials += [t for t in getattr(tok, "all_special_tokens", []) if t not in specials]
     marked = {i for i, m in enumerate(messages)
               if isinstance(m.get("content"), str) and any(t in m["content"] for t in specials)}

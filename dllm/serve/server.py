@@ -148,8 +148,8 @@ class _Text:
     """One choice's answer text as its final token ids arrive: cut at the first EOS/EOT and at the first ``stop``
     string; the tail that may still grow into a stop string (or is an incomplete UTF-8 character, or the last
     ids' text where the decoder may rewrite it: :func:`_prefix_stable`) is held back until it cannot. Each piece
-    decodes a bounded number of ids (:meth:`_upto`). With log-probabilities, ``entries`` holds each fed token's entry (the engine's
-    ``logprobs`` events); :meth:`take` hands out those of the tokens whose text is all sent."""
+    decodes a bounded number of ids (:meth:`_upto`). With log-probabilities, ``entries`` holds each fed token's
+    entry (the engine's ``logprobs`` events); :meth:`take` hands out those of the tokens whose text is all sent."""
 
     def __init__(self, tokenizer, eos: set, stops: list[str]):
         self.tok, self.eos, self.stops = tokenizer, eos, stops
