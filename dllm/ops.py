@@ -124,6 +124,16 @@ def cached_arange(n: int, device) -> torch.Tensor:
     return t
 
 
+@functools.lru_cache(maxsize=16)
+def id_table(ids: tuple[int, ...], size: int, device) -> torch.Tensor:
+    """A ``[size]`` bool tensor on ``device``, True at ``ids`` (those inside it): whether a token is one of many ids
+    by one gather (``id_table(...)[tokens]``), where ``torch.isin`` against many ids sorts them and synchronises with
+    the device on CUDA (no graph can hold it). Made once per (ids, size, device) and shared; read-only."""
+    table = torch.zeros(size, dtype=torch.bool, device=device)
+    table[torch.tensor([i for i in ids if 0 <= i < size], dtype=torch.long, device=device)] = True
+    return table
+
+
 @functools.lru_cache(maxsize=64)
 def ids_on(ids: tuple[int, ...], device) -> torch.Tensor:
     """Token ids (a tuple: delimiters, stop tokens) as an int64 tensor on ``device``, made once per (ids, device) and

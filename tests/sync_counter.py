@@ -1,8 +1,9 @@
 """Count the operations that make the host wait for the device (on CUDA) while the decode loop runs.
 
 Works on any device: it counts the calls, not the waits. ``item`` / ``tolist`` / ``bool()`` / ``int()`` /
-``float()`` / ``__index__`` on a tensor, ``nonzero`` / ``masked_select`` / ``unique``, and indexing or assigning
-with a boolean-mask tensor (a data-dependent shape) are what synchronise on CUDA.
+``float()`` / ``__index__`` on a tensor, ``nonzero`` / ``masked_select`` / ``unique``, ``isin`` against more ids
+than its broadcast comparison takes (it sorts them with ``unique``), and indexing or assigning with a boolean-mask
+tensor (a data-dependent shape) are what synchronise on CUDA.
 """
 
 from __future__ import annotations
@@ -17,6 +18,13 @@ SYNC_FUNCS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, tor
               torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.nonzero, torch.nonzero,
               torch.masked_select, torch.Tensor.masked_select, torch.unique, torch.Tensor.unique,
               torch.Tensor.cpu}
+
+
+def _isin_sorts(elements, test_elements, *args, **kwargs) -> bool:
+    """Whether ``torch.isin`` takes its sorting path (PyTorch's heuristic, numpy's): ``unique`` on both inputs."""
+    n = elements.numel() if isinstance(elements, torch.Tensor) else 1
+    k = test_elements.numel() if isinstance(test_elements, torch.Tensor) else 1
+    return n > 0 and k >= 10.0 * n ** 0.145
 
 
 class SyncCounter(TorchFunctionMode):
@@ -34,6 +42,8 @@ class SyncCounter(TorchFunctionMode):
         name = None
         if func in SYNC_FUNCS:
             name = getattr(func, "__name__", str(func))
+        elif func is torch.isin and _isin_sorts(*args, **(kwargs or {})):
+            name = "isin[sorting]"
         elif func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and len(args) > 1:
             idx = args[1] if isinstance(args[1], tuple) else (args[1],)
             if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool and i.dim() > 0 for i in idx):

@@ -214,3 +214,29 @@ def test_a_served_step_synchronises_once(dense_window, monkeypatch):
         assert all(h.result(timeout=0).finish_reason in ("stop", "length") for h in hs)
         assert len(counts) >= 2 and eng.stats()["joins"] == 0
         assert all(n == 1 for n, _ in counts), (sampler, graphs, [(n, w.most_common(3)) for n, w in counts if n != 1])
+
+
+def test_adablock_with_many_delimiters_synchronises_once_per_step(dense_window, monkeypatch):
+    """A real tokenizer's newline delimiters are hundreds of ids: AdaBlock looks them up in a table (one gather), not
+    with ``torch.isin``, which sorts many ids with ``unique`` and synchronises on CUDA (the counter sees it: with
+    ``isin`` put back, one more per step)."""
+    model = cached_model("llada", 0)
+    many = tuple(range(10, 60))  # more than isin compares by broadcasting for this window
+
+    def run():
+        sampler = get_sampler("adablock", delimiters=many)
+        return syncs_per_step(lambda: dllm.generate(model, ragged_prompts(3, 1), gen_length=16, block_length=8,
+                                                    steps=16, sampler=sampler, cache="dual", seed=1))
+
+    per_step, where, steps = run()
+    assert steps > 0 and per_step == 1, where.most_common(4)
+
+    def isin_table(ids, size, device):  # the table's answer through torch.isin, as the lookup was written before
+        class Lookup:
+            def __getitem__(self, x):
+                return torch.isin(x, torch.tensor(ids, device=device))
+        return Lookup()
+
+    monkeypatch.setattr(dllm_ops, "id_table", isin_table)
+    more, where, _ = run()
+    assert more > 1 and any(k[0] == "isin[sorting]" for k in where), where.most_common(4)

@@ -213,7 +213,7 @@ def problems(runs) -> list[str]:
 @pytest.mark.parametrize("name,t", [("llada", 0.0), ("llada", 0.7), ("llada-random", 0.7), ("fast-dllm", 0.0),
                                     ("threshold", 0.7), ("factor", 0.0), ("localleap", 0.0), ("eb", 0.0),
                                     ("entropy-threshold", 0.0), ("ascending", 0.0), ("eoser-ass", 0.0),
-                                    ("eoser", 0.7)])
+                                    ("eoser", 0.7), ("adablock", 0.0)])
 def test_step_graphs_replay_what_they_captured(name, t):
     runs = traced_steps(random_model("llada"), name, t=t)
     found = problems(runs)
@@ -314,7 +314,7 @@ def _serve(model, sampler, cache, step_graphs=True):
         Decoder.step_graphs = saved
 
 
-@pytest.mark.parametrize("sampler,cache", [("fast-dllm", None), ("threshold", "none")])
+@pytest.mark.parametrize("sampler,cache", [("fast-dllm", None), ("threshold", "none"), ("adablock", "dual")])
 def test_served_steps_replay_their_graphs_as_rows_join_and_leave(sampler, cache):
     """The serving engine's steps take the step graphs too: its batches change shape as requests join and leave
     (each shape its own bank and graphs), and a state's tensors are copied into a bank's where they are not its
@@ -341,7 +341,8 @@ CUDA_PROMPTS = ["What is 12 + 30?", "Please reverse the order of the list:\n[\"A
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("sampler,cache", [("llada", "dual"), ("fast-dllm", "dual"), ("eb", "none"), ("llada", "elastic")])
+@pytest.mark.parametrize("sampler,cache", [("llada", "dual"), ("fast-dllm", "dual"), ("eb", "none"), ("llada", "elastic"),
+                                           ("adablock", "dual")])
 def test_cuda_step_graphs_capture_and_decode_what_the_uncaptured_path_decodes(sampler, cache):
     """Real captures of the step graphs (bf16): no capture fails, a later call replays what the earlier ones
     captured (a key is captured the second time it is seen), and every call decodes the uncaptured graph path's

@@ -177,10 +177,10 @@ class AdaBlock(BlockPolicyBase):
         # the reference's exp(l - logsumexp(l)) in the logits' dtype: it saturates to exactly 1.0 for confident
         # delimiters (a softmax may not), and among equal maxima the first delimiter wins
         conf = torch.exp(logits.gather(-1, x0[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1))
-        ids = ops.ids_on(tuple(self.delimiters), logits.device)
+        table = ops.id_table(tuple(self.delimiters), logits.shape[-1], logits.device)
         win = int(self.window * cfg.gen_length)
         in_win = (cols[None] >= lo[:, None]) & (cols[None] < (lo + win)[:, None]) & (cols[None] < hi[:, None])
-        is_delim = torch.isin(x0, ids) & in_win
+        is_delim = table[x0] & in_win
         c = conf.masked_fill(~is_delim, -1.0)
         best, pos = c.max(-1)
         found = is_delim.any(-1) & (best >= self.delimiter_threshold)
