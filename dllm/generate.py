@@ -554,15 +554,16 @@ class Decoder:
         self._relaunch = None  # a speculative cache's first part that may be launched again (_speculate)
         # the step's work after its forward as one graph (_commit_graphed), where the model's forwards can go through
         # graphs and the sampler's step is a function of its tensors alone (SamplerBase.graph_safe), with none of the
-        # hooks that make a step's work depend on the host (a region slid, a widened window; AdaBlock's refined block end
-        # is a function of the window's logits on the graph path, ops.dense_window). A speculative
+        # window widened past the regions (Prophet): the block policies' hooks are functions of the decode state's
+        # tensors (AdaBlock's refined end of the window's logits, ops.dense_window; MultiBlock's and the sliding
+        # window's regions of the canvas), their windows part of the graphs' keys. A speculative
         # cache's forward runs in parts and reads its drift tests, before the step: its logits are copied in as any
         # forward's. Its value is part of the graphs' keys.
         self._bank = None  # the step graphs' static state of the last step (_StepBank)
         safe = getattr(sampler, "graph_safe", None)
         self._commit_graph = (repr(sampler), repr(policy), repr(config), self._pipelined, self.shift) if (
             self.step_graphs and self.graphs is not None and self.graphs._model_reason(config.cfg_scale > 0) is None
-            and self.slide is None and self.widen is None
+            and self.widen is None
             and callable(safe) and safe()) else None
 
     @property

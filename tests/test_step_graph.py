@@ -213,7 +213,7 @@ def problems(runs) -> list[str]:
 @pytest.mark.parametrize("name,t", [("llada", 0.0), ("llada", 0.7), ("llada-random", 0.7), ("fast-dllm", 0.0),
                                     ("threshold", 0.7), ("factor", 0.0), ("localleap", 0.0), ("eb", 0.0),
                                     ("entropy-threshold", 0.0), ("ascending", 0.0), ("eoser-ass", 0.0),
-                                    ("eoser", 0.7), ("adablock", 0.0)])
+                                    ("eoser", 0.7), ("adablock", 0.0), ("multiblock", 0.0), ("elastic", 0.0)])
 def test_step_graphs_replay_what_they_captured(name, t):
     runs = traced_steps(random_model("llada"), name, t=t)
     found = problems(runs)
@@ -342,7 +342,7 @@ CUDA_PROMPTS = ["What is 12 + 30?", "Please reverse the order of the list:\n[\"A
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("sampler,cache", [("llada", "dual"), ("fast-dllm", "dual"), ("eb", "none"), ("llada", "elastic"),
-                                           ("adablock", "dual")])
+                                           ("adablock", "dual"), ("multiblock", "dual"), ("elastic", None)])
 def test_cuda_step_graphs_capture_and_decode_what_the_uncaptured_path_decodes(sampler, cache):
     """Real captures of the step graphs (bf16): no capture fails, a later call replays what the earlier ones
     captured (a key is captured the second time it is seen), and every call decodes the uncaptured graph path's

@@ -92,7 +92,8 @@ class MultiBlockSampler(ComposedSampler):
         in_first = (block_of[:, off:off + W] == first[:, None]) & ctx.cand
         need = in_first.any(-1) & ~(res.commit & in_first).any(-1)
         ent = d3llm_entropy(logits).masked_fill(~in_first, math.inf)
-        force = torch.nn.functional.one_hot(ent.argmin(-1), W).bool() & need[:, None]
+        # the lowest-entropy column as a mask (one_hot would check its indices on the host, on the CPU)
+        force = (ops.cached_arange(W, logits.device)[None] == ent.argmin(-1)[:, None]) & need[:, None]
         proposal = torch.where(force, logits.argmax(-1), res.proposal)
         return StepResult(proposal, res.commit | force, res.info)
 
