@@ -63,6 +63,12 @@ SEED_MAX = 2**63 - 1  # seeds are 0 .. 2**63 - 1
 MAX_TOP_LOGPROBS = 20  # most alternatives per token a request may ask for (OpenAI's bound)
 
 
+def check_positive(name: str, value, note: str = "") -> None:
+    """``value`` is a positive integer (a bool is not); else a ValueError naming ``name`` (``note``: what it counts)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer{note}")
+
+
 def _frozen(v):
     """``v`` hashable: a dict as its sorted ``(key, value)`` pairs, a list as a tuple, recursively (a sampler
     parameter that takes a list, such as Prophet's ``span``, arrives from JSON as a list)."""
@@ -370,13 +376,10 @@ class Engine:
     def __init__(self, model, *, max_rows: int = 8, max_queue: int = 256, sampler: str | None = None,
                  params: dict | None = None, graphs: str = "auto", guides=(), max_running: int | None = None):
         check_graphs(graphs)
-        if not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows < 1:
-            raise ValueError(f"max_rows={max_rows!r} must be a positive integer")
+        check_positive("max_rows", max_rows)
         max_running = 4 * max_rows if max_running is None else max_running
-        if not isinstance(max_running, int) or isinstance(max_running, bool) or max_running < 1:
-            raise ValueError(f"max_running={max_running!r} must be a positive integer (rows decoding at once)")
-        if not isinstance(max_queue, int) or isinstance(max_queue, bool) or max_queue < 1:
-            raise ValueError(f"max_queue={max_queue!r} must be a positive integer")
+        check_positive("max_running", max_running, " (rows decoding at once)")
+        check_positive("max_queue", max_queue)
         self.model = model
         self.sampler = sampler or baseline_name(getattr(model.spec, "family", "llada"))
         self.params = dict(params or {})

@@ -28,7 +28,7 @@ import uuid
 from typing import Any
 
 from dllm.ops import shown
-from dllm.serve.engine import Engine, QueueFull, RequestError
+from dllm.serve.engine import Engine, QueueFull, RequestError, check_positive
 from dllm.serve.protocol import BadRequest, escaped, parse
 
 try:
@@ -661,8 +661,7 @@ def serve(model, *, host: str = "127.0.0.1", port: int = 8000, model_name: str =
 
     check_port(port)
     check_read_timeout(read_timeout)
-    if isinstance(limit_concurrency, bool) or not isinstance(limit_concurrency, int) or limit_concurrency < 1:
-        raise ValueError(f"limit_concurrency={limit_concurrency!r} must be a positive integer")
+    check_positive("limit_concurrency", limit_concurrency)
     engine = Engine(model, max_rows=max_rows, max_queue=max_queue, sampler=sampler, params=params, graphs=graphs,
                     guides=guides, max_running=max_running)
     app = create_app(engine, model_name, api_key, max_body_bytes=max_body_bytes, read_timeout_s=read_timeout)
@@ -691,8 +690,7 @@ def header_deadline(seconds: float, limit_concurrency: int | None = None,
     error shape and its connection closed (httptools, which uvicorn runs where installed, keeps every header a
     client sends: without it one connection can fill the server's memory with headers before the deadline; h11
     has a limit of its own)."""
-    if isinstance(max_header_bytes, bool) or not isinstance(max_header_bytes, int) or max_header_bytes < 1:
-        raise ValueError(f"max_header_bytes={max_header_bytes!r} must be a positive integer")
+    check_positive("max_header_bytes", max_header_bytes)
     too_large = _plain_response(431, "the request line and headers are larger than the server's limit of "
                                 f"{max_header_bytes} bytes; send fewer or shorter headers", "headers_too_large")
     try:
