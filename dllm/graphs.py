@@ -77,7 +77,7 @@ from dllm.config import GRAPH_MODES, check_graphs
 from dllm.kernels.device import on_device
 from dllm.kernels.dispatch import capture_graph
 from dllm.models.transformer import Transformer
-from dllm.ops import pinned_aranges, shape_bucket
+from dllm.ops import pinned, shape_bucket
 
 log = logging.getLogger(__name__)
 
@@ -479,7 +479,7 @@ class GraphRunner:
             self.stats[eager + "first sight"] += 1
             return _narrow(self._forward(g, cache), B, W)
         if not g.captured:
-            with pinned_aranges():  # the aranges the forward reads live as long as the graph may replay them
+            with pinned():  # the constants the forward reads (aranges) live as long as the graph may replay them
                 out = self._capture(g, cache)
             self.stats[captures] += 1
             return _narrow(out, B, W)
@@ -570,7 +570,7 @@ class GraphRunner:
             return fn()
         if not t.captured:
             self.tail_stats["captures"] += 1
-            with pinned_aranges():  # the aranges it reads live as long as the graph may replay them
+            with pinned():  # the constants it reads (aranges, tables) live as long as the graph may replay them
                 return self._capture_tail(t, fn)
         self.tail_stats["replays"] += 1
         if t.graph is None:  # capture=False: the same work on the same memory

@@ -3,8 +3,8 @@ imports)."""
 
 from __future__ import annotations
 
-import functools
 import numbers
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -89,16 +89,18 @@ def shape_bucket(n: int, cap: int | None = None) -> int:
     return b if cap is None or b <= cap else max(cap, n)
 
 
-_ARANGES: dict = {}  # (n, device) -> arange(n), read-only (cached_arange)
-_PINNED: set = set()  # keys of the aranges a captured graph reads: kept for the process (pinned_aranges)
+_KEPT: dict = {}  # key -> a device constant made once and shared, read-only (kept)
+_PINNED: set = set()  # keys of the constants a captured graph reads: kept for the process (pinned)
 _pinning = 0
+KEPT_UNPINNED = 64  # the most constants kept that no captured graph reads
 
 
 @contextmanager
-def pinned_aranges():
+def pinned():
     """While a graph is captured (``dllm.graphs``; on the CPU the static-buffer path's first run in its place): every
-    arange :func:`cached_arange` returns stays cached for the life of the process, as the graph replays the address
-    it read (an arange freed and its memory reused would be read by every later replay)."""
+    constant :func:`kept` returns (aranges, id tables, a sampler's tables) stays cached for the life of the process,
+    as the graph replays the address it read (a constant freed and its memory reused would be read by every later
+    replay)."""
     global _pinning
     _pinning += 1
     try:
@@ -107,38 +109,51 @@ def pinned_aranges():
         _pinning -= 1
 
 
-def cached_arange(n: int, device) -> torch.Tensor:
-    """``torch.arange(n, device=device)`` (int64), made once per (length, device) and shared: the decode loop's per-step
-    masks compare columns against it every step, and on a GPU each new arange is a kernel. Read-only: never write
-    into it. A few lengths are kept (a generation uses one canvas length; the serving engine a few), and every one a
-    captured graph read (:func:`pinned_aranges`)."""
-    key = (int(n), torch.device(device))
-    t = _ARANGES.get(key)
+def kept(key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """The device constant ``make()`` made once per ``key`` (a hashable that names its device) and shared: a decode
+    step's constants (aranges, id tables, schedule tables) cost a kernel or a host copy each time they are made on a
+    GPU. Read-only: never write into it. :data:`KEPT_UNPINNED` keys are kept, and every one a captured graph read
+    (:func:`pinned`)."""
+    t = _KEPT.get(key)
     if t is None:
-        if len(_ARANGES) - len(_PINNED) >= 32:
-            for old in [k for k in _ARANGES if k not in _PINNED]:
-                del _ARANGES[old]
-        t = _ARANGES[key] = torch.arange(int(n), device=device)
+        if len(_KEPT) - len(_PINNED) >= KEPT_UNPINNED:
+            for old in [k for k in _KEPT if k not in _PINNED]:
+                del _KEPT[old]
+        t = _KEPT[key] = make()
     if _pinning:
         _PINNED.add(key)
     return t
 
 
-@functools.lru_cache(maxsize=16)
+def cached_arange(n: int, device) -> torch.Tensor:
+    """``torch.arange(n, device=device)`` (int64), made once per (length, device) and shared (:func:`kept`): the decode
+    loop's per-step masks compare columns against it every step, and on a GPU each new arange is a kernel. Read-only:
+    never write into it."""
+    n, device = int(n), torch.device(device)
+    return kept(("arange", n, device), lambda: torch.arange(n, device=device))
+
+
 def id_table(ids: tuple[int, ...], size: int, device) -> torch.Tensor:
     """A ``[size]`` bool tensor on ``device``, True at ``ids`` (those inside it): whether a token is one of many ids
     by one gather (``id_table(...)[tokens]``), where ``torch.isin`` against many ids sorts them and synchronises with
-    the device on CUDA (no graph can hold it). Made once per (ids, size, device) and shared; read-only."""
-    table = torch.zeros(size, dtype=torch.bool, device=device)
-    table[torch.tensor([i for i in ids if 0 <= i < size], dtype=torch.long, device=device)] = True
-    return table
+    the device on CUDA (no graph can hold it). Made once per (ids, size, device) and shared (:func:`kept`);
+    read-only."""
+    device = torch.device(device)
+
+    def make():
+        table = torch.zeros(size, dtype=torch.bool, device=device)
+        table[torch.tensor([i for i in ids if 0 <= i < size], dtype=torch.long, device=device)] = True
+        return table
+
+    return kept(("id_table", tuple(ids), int(size), device), make)
 
 
-@functools.lru_cache(maxsize=64)
 def ids_on(ids: tuple[int, ...], device) -> torch.Tensor:
     """Token ids (a tuple: delimiters, stop tokens) as an int64 tensor on ``device``, made once per (ids, device) and
-    shared, so a decode step does not copy them from the host each time. Read-only: never write into it."""
-    return torch.tensor(ids, dtype=torch.long, device=device)
+    shared (:func:`kept`), so a decode step does not copy them from the host each time. Read-only: never write into
+    it."""
+    device = torch.device(device)
+    return kept(("ids", tuple(ids), device), lambda: torch.tensor(ids, dtype=torch.long, device=device))
 
 
 def moved_rows(t: torch.Tensor, keep: torch.Tensor | None, n_new: int = 0, *, d: int = 0, dim: int | None = None,

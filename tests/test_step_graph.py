@@ -29,6 +29,7 @@ from dllm.graphs import GraphRunner
 from dllm.recipes import resolve
 from dllm.samplers import SAMPLERS, get_sampler
 from dllm.samplers.composed import ComposedSampler
+from dllm.samplers.dream import DreamSampler
 from dllm.samplers.llada import LLaDASampler
 from dllm.samplers.rules import Threshold
 
@@ -67,12 +68,15 @@ def _same(a, b):
 
 
 def test_the_registered_graph_safe_samplers():
-    """The baselines and the stateless rules declare themselves; samplers with state across steps (Credit, KLASS,
-    the AR guide, Dream's tables) or hooks of their own do not."""
+    """The baselines (Dream's schedule a shared table) and the stateless rules declare themselves; samplers with state
+    across steps (Credit, KLASS, the AR guide) or hooks of their own do not."""
     assert {"llada", "llada-random", "threshold", "fast-dllm", "factor", "localleap", "eb", "entropy-threshold",
             "ascending", "eoser", "eoser-ass"} <= set(SAFE)
-    assert not {"credit", "klass", "guided", "dream", "prophet"} & set(SAFE)
+    assert not {"credit", "klass", "guided", "prophet"} & set(SAFE)
     assert not LLaDASampler(temperature=0.7, noise_scope="region").graph_safe()  # draws from the run's generator
+    assert "dream" in SAFE and DreamSampler(noise_scope="region").graph_safe()  # greedy: no noise drawn
+    for kw in (dict(temperature=0.7), dict(alg="origin"), dict(alg_temp=0.5)):  # draws from the run's generator
+        assert not DreamSampler(noise_scope="region", **kw).graph_safe(), kw
 
 
 @pytest.mark.parametrize("t", [0.0, 0.7])
@@ -93,6 +97,45 @@ def test_step_graphs_decode_what_the_eager_step_decodes(name, t):
         if Decoder(model, *resolve(model, _sampler(name, t), cache, None, dllm.GenerateConfig(
                 gen_length=16, block_length=8, steps=16, graphs="on")))._commit_graph is not None:
             assert graphed[1].stats.step_graphs.get("replays", 0) > 0, graphed[1].stats.step_graphs
+
+
+#: Dream's algorithms (greedy and sampled, its position draw, ``origin``'s reveal, top-p) on each row's noise
+DREAMS = [DreamSampler(), DreamSampler(temperature=0.7), DreamSampler(alg="origin", temperature=0.7),
+          DreamSampler(alg="maskgit_plus", temperature=0.5, alg_temp=0.5),
+          DreamSampler(alg="topk_margin", temperature=0.8, top_p=0.9), DreamSampler(noise_scope="region")]
+DREAM_IDS = ["greedy", "sampled", "origin", "alg-temp", "top-p", "region-greedy"]
+
+
+@pytest.mark.parametrize("dense", [False, True])
+@pytest.mark.parametrize("sampler", DREAMS, ids=DREAM_IDS)
+def test_dream_step_graphs_decode_what_the_eager_step_decodes(sampler, dense, monkeypatch):
+    """Dream's sampler on Dream's model (its logits shifted), without a cache and with the dual cache, in two calls:
+    the tokens and records of the step run eagerly, every window position scored as on a GPU or only the masked
+    ones as on the CPU."""
+    if dense:
+        monkeypatch.setattr(dllm_ops, "dense_window", lambda logits: True)
+    for cache in ("none", "dual"):
+        graphed = _decode(random_model("dream"), sampler, cache)
+        for a, b in zip(graphed, _decode(random_model("dream"), sampler, cache, step_graphs=False)):
+            _same(a, b)
+        assert graphed[1].stats.step_graphs.get("replays", 0) > 0, graphed[1].stats.step_graphs
+
+
+@pytest.mark.parametrize("sampler", DREAMS[:5], ids=DREAM_IDS[:5])
+def test_dream_step_graphs_replay_what_they_captured(sampler):
+    """Every run of a Dream step graph's key issues its capture's operators on its memory, its schedule table among
+    them, across calls, with more device constants made between the calls than are kept unpinned."""
+    def run(i):
+        if i:
+            for n in range(dllm_ops.KEPT_UNPINNED + 8):
+                dllm_ops.kept(("other", n), lambda: torch.zeros(1))
+        _decode(model, sampler, "dual", calls=[PROMPTS[i]])
+
+    model = random_model("dream")
+    runs = traced(model, run, 2)
+    found = problems(runs)
+    assert not found, "\n".join(found[:8])
+    assert any(len({r.call for r in rs}) > 1 for rs in runs.values()), "no graph of the first call replayed"
 
 
 @pytest.mark.parametrize("cache", ["prefix", "dkv-decode", "freecache", "elastic"])
@@ -314,13 +357,15 @@ def _serve(model, sampler, cache, step_graphs=True):
         Decoder.step_graphs = saved
 
 
-@pytest.mark.parametrize("sampler,cache", [("fast-dllm", None), ("threshold", "none"), ("adablock", "dual")])
+@pytest.mark.parametrize("sampler,cache", [("fast-dllm", None), ("threshold", "none"), ("adablock", "dual"),
+                                           ("dream", "dual")])
 def test_served_steps_replay_their_graphs_as_rows_join_and_leave(sampler, cache):
     """The serving engine's steps take the step graphs too: its batches change shape as requests join and leave
     (each shape its own bank and graphs), and a state's tensors are copied into a bank's where they are not its
     own. The tokens are the eager step's, every replay issues its capture's operators on its memory, and graphs
     captured for one engine's batches replay in the next engine's."""
-    model = dllm.load_model("llada-tiny", dtype="float32")  # its own: the runner's graphs live on the model
+    # its own model: the runner's graphs live on it
+    model = dllm.load_model("dream-tiny" if sampler == "dream" else "llada-tiny", dtype="float32")
     eager, stats = _serve(model, sampler, cache, step_graphs=False)
     assert stats["step_graphs"] == {} and stats["joins"] > 0
     served = []
@@ -342,14 +387,15 @@ CUDA_PROMPTS = ["What is 12 + 30?", "Please reverse the order of the list:\n[\"A
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("sampler,cache", [("llada", "dual"), ("fast-dllm", "dual"), ("eb", "none"), ("llada", "elastic"),
-                                           ("adablock", "dual"), ("multiblock", "dual"), ("elastic", None)])
+                                           ("adablock", "dual"), ("multiblock", "dual"), ("elastic", None),
+                                           ("dream", "dual"), ("dream", "none")])
 def test_cuda_step_graphs_capture_and_decode_what_the_uncaptured_path_decodes(sampler, cache):
     """Real captures of the step graphs (bf16): no capture fails, a later call replays what the earlier ones
     captured (a key is captured the second time it is seen), and every call decodes the uncaptured graph path's
     tokens, commit steps and forwards (its twin: the same kernels run instead of replayed)."""
     from test_graphs import uncaptured
 
-    model = dllm.load_model("llada-tiny", device="cuda", dtype="bfloat16")
+    model = dllm.load_model("dream-tiny" if sampler == "dream" else "llada-tiny", device="cuda", dtype="bfloat16")
     kw = dict(gen_length=32, block_length=8, steps=32, sampler=sampler, cache=cache, record_confidence=True)
     twin = uncaptured(model, CUDA_PROMPTS, **kw)
     outs = [dllm.generate(model, CUDA_PROMPTS, graphs="auto", **kw) for _ in range(3)]

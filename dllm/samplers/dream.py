@@ -138,17 +138,21 @@ def _alg_confidence(probs: torch.Tensor, conf: torch.Tensor, alg: str) -> torch.
 def dream_ratio(ctx: StepContext, eps: float) -> torch.Tensor:
     """``1 - s/t`` per row for the row's current step (float32, exactly as the reference computes it from
     ``torch.linspace(1, eps, S + 1)``); 1 at the region's last step. The values for every schedule length
-    ``S`` up to the run's longest (``max(total_steps, gen_length)``) are tabulated once per run, so the lookup
-    needs no host synchronisation."""
+    ``S`` up to the run's longest (``max(total_steps, gen_length)``, rounded up to a
+    :func:`~dllm.ops.shape_bucket` size) are tabulated once per (``eps``, size, device) and shared
+    (:func:`dllm.ops.kept`), so the lookup needs no host synchronisation and a captured step graph reads a table
+    that outlives its generation."""
     smax = max(ctx.total_steps, ctx.canvas_len - ctx.gen_lo, 1)
-    key = ("dream_ratio", eps, smax)
-    table = ctx.state.get(key)
-    if table is None:
-        table = torch.ones((smax + 1, smax + 1), dtype=torch.float32, device=ctx.steps.device)
-        for S in range(1, smax + 1):
-            ts = torch.linspace(1, eps, S + 1, device=ctx.steps.device)
+    size, device = ops.shape_bucket(smax), ctx.steps.device
+
+    def make():
+        table = torch.ones((size + 1, size + 1), dtype=torch.float32, device=device)
+        for S in range(1, size + 1):
+            ts = torch.linspace(1, eps, S + 1, device=device)
             table[S, :S] = 1 - ts[1:] / ts[:-1]
-        ctx.state[key] = table
+        return table
+
+    table = ops.kept(("dream_ratio", float(eps), size, device), make)
     steps = ctx.steps.clamp(1, smax)
     i = ctx.step.clamp_max(steps - 1)
     ratio = table[steps, i]
@@ -200,6 +204,12 @@ class DreamSampler(SamplerBase):
         check_range("eps", self.eps, 0, 1, lo_open=True, hi_open=True)
         check_choice("noise_scope", self.noise_scope, NOISE_SCOPES)
         check_choice("fused", self.fused, FUSED_CHOICES)
+
+    def graph_safe(self) -> bool:
+        """Its schedule is a shared table (:func:`dream_ratio`), read on the device; its noise is each row's
+        counter-based stream (``noise_scope="row"``) or none (a greedy confidence ``alg`` without ``alg_temp``). On a
+        GPU it scores every window position (:func:`dllm.ops.dense_window`): no data-dependent shape."""
+        return self.noise_scope == "row" or (self.temperature == 0 and self.alg != "origin" and not self.alg_temp)
 
     def _fused(self, logits: torch.Tensor) -> bool:
         """Whether this step's proposal and score come from :func:`dllm.kernels.confidence_stats`."""
