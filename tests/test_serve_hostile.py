@@ -584,6 +584,18 @@ def test_requests_with_other_settings_cannot_run_more_rows_than_max_running():
         Engine(model, max_running=0)
 
 
+def test_a_bool_is_not_a_count_for_any_serving_limit():
+    """``True`` is an int to Python; as a row, queue or body limit it is a mistake, refused by name like 0."""
+    from dllm.serve.server import create_app
+
+    model = dllm.load_model("llada-tiny")
+    for name in ("max_rows", "max_running", "max_queue"):
+        with pytest.raises(ValueError, match=f"{name}=True must be a positive integer"):
+            Engine(model, **{name: True})
+    with pytest.raises(ValueError, match="max_body_bytes=True must be a positive integer"):
+        create_app(Engine(model), max_body_bytes=True)
+
+
 def test_special_token_text_in_a_chat_message_is_text_and_a_raw_prompt_keeps_its_format(server):
     """A user who types the template's special tokens into a message cannot end the turn or open a system turn:
     the chat answer is ``dllm.generate``'s on the conversation tokenised with the content as text (the mask token's

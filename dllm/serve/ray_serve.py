@@ -30,7 +30,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the ray extra
     raise ImportError("the Ray Serve deployment needs Ray Serve: pip install 'dllm[ray]'") from exc
 
-from dllm.serve.engine import Engine
+from dllm.serve.engine import Engine, check_positive
 from dllm.serve.server import create_app
 
 
@@ -70,8 +70,7 @@ def deployment(model: str = "llada-tiny", *, num_replicas: int = 1, num_cpus: fl
     goes to :class:`DllmServer` (``dtype``, ``device``, ``model_name``, ``api_key``, ``max_rows``,
     ``max_queue``, ``sampler``, ``params``). ``max_ongoing_requests`` (default: ``max_queue``) bounds what Ray
     routes to one replica; beyond ``max_queue`` a replica answers 429."""
-    if not isinstance(num_replicas, int) or num_replicas < 1:
-        raise ValueError(f"num_replicas={num_replicas!r} must be a positive integer")
+    check_positive("num_replicas", num_replicas)
     ongoing = max_ongoing_requests or int(server.get("max_queue", 256))
     dep = serve.deployment(DllmServer, name="dllm", num_replicas=num_replicas, max_ongoing_requests=ongoing,
                            ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus})

@@ -288,8 +288,7 @@ def create_app(engine: Engine, model_name: str = "dllm", api_key: str | None = N
                read_timeout_s: float = READ_TIMEOUT_S) -> FastAPI:
     """The FastAPI app over a started (or later started) ``engine``. ``read_timeout_s``: the time a request's body
     may take to arrive (408 after it)."""
-    if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
-        raise ValueError(f"max_body_bytes={max_body_bytes!r} must be a positive integer")
+    check_positive("max_body_bytes", max_body_bytes)
     check_read_timeout(read_timeout_s)
     app = FastAPI(title="dllm", version="1")
     tokenizer = getattr(engine.model, "tokenizer", None)
