@@ -868,7 +868,7 @@ class Decoder:
         bank = self._bank = _StepBank.of(runner, st, logits)
         bank.bind(st, logits)
         self._false = bank.no_rows  # the trace's all-False record, read by the graph: the bank's, not this call's
-        key = ("step", bank.serial, w_lo, w_hi, win_hi, st.P, self._commit_graph)
+        key = ("step", bank.serial, w_lo, w_hi, win_hi, st.P, self._commit_graph, _scratch_key(st.state))
         T, device = st.x.shape[1], st.x.device
         self.cols_all = cached_arange(T, device)  # the shared columns (made anew only where the cache dropped them)
         cols = self.cols_all[w_lo:w_hi]
@@ -1158,15 +1158,34 @@ _BANKED = ("x", "positions", "lo", "hi", "steps", "step_in", "n_start", "active"
 _bank_serial = iter(range(1 << 62))
 
 
+def _scratch(state: dict, path: tuple = ()):
+    """The sampler's scratch state (:attr:`DecodeState.state`, dicts of dicts) as ``(path, dict, key, value)`` per
+    leaf, in order."""
+    for k, v in state.items():
+        if isinstance(v, dict):
+            yield from _scratch(v, (*path, k))
+        else:
+            yield (*path, k), state, k, v
+
+
+def _scratch_key(state: dict) -> tuple:
+    """What a step graph's key holds of the sampler's scratch state: each leaf's path, and a tensor's shape and dtype
+    (its values are read from the bank's copy, :class:`_StepBank`) or another value's repr."""
+    return tuple((p, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (p, repr(v))
+                 for p, _, _, v in _scratch(state))
+
+
 class _StepBank:
-    """Static copies of a decode state's tensors (:data:`_BANKED`), its logits and its forwards' count: the memory the
-    step graphs (:meth:`Decoder._commit_graphed`) read and write. One per shape, kept by the model's
-    :class:`GraphRunner` (``banks``), so that a graph captured in one call replays in the next. A state is bound to
-    it (its tensors are the bank's) while its steps run on it; another state of the same shape taking it over gives
-    the last one copies of them."""
+    """Static copies of a decode state's tensors (:data:`_BANKED`), of the tensors of its sampler's scratch state
+    (``slots``: one per path, shape and dtype; a stateful sampler's tables, CreditDecoding's), its logits and its
+    forwards' count: the memory the step graphs (:meth:`Decoder._commit_graphed`) read and write. One per shape, kept
+    by the model's :class:`GraphRunner` (``banks``), so that a graph captured in one call replays in the next. A
+    state is bound to it (its tensors are the bank's) while its steps run on it; another state of the same shape
+    taking it over gives the last one copies of them."""
 
     def __init__(self, st: DecodeState, logits: torch.Tensor):
         self.t = {f: torch.empty_like(getattr(st, f)) for f in _BANKED if getattr(st, f) is not None}
+        self.slots: dict[tuple, torch.Tensor] = {}
         self.logits = torch.empty_like(logits)
         self.nfe = torch.zeros((), dtype=torch.long, device=logits.device)
         self.no_rows = torch.zeros_like(st.active)
@@ -1204,6 +1223,9 @@ class _StepBank:
         for f, b in self.t.items():
             if getattr(st, f) is b:
                 setattr(st, f, b.clone())
+        for p, d, k, v in list(_scratch(st.state)):
+            if isinstance(v, torch.Tensor) and self.slots.get((p, tuple(v.shape), v.dtype)) is v:
+                d[k] = v.clone()
         if self.owner is not None and self.owner() is st:
             self.owner, self.nfe_host = None, None
 
@@ -1217,12 +1239,22 @@ class _StepBank:
             if live is not b:
                 b.copy_(live)
                 setattr(st, f, b)
+        for p, d, k, v in list(_scratch(st.state)):
+            if not isinstance(v, torch.Tensor):
+                continue
+            key = (p, tuple(v.shape), v.dtype)
+            b = self.slots.get(key)
+            if b is None:  # a path first seen (the step that made it ran eagerly): its copy, kept from now on
+                b = self.slots[key] = v.clone()
+            elif v is not b:
+                b.copy_(v)
+            d[k] = b
 
     def stepped(self, st: DecodeState) -> None:
         """After a step on the bank (``st.nfe`` not yet counted up): a replay wrote its tensors in place without
         their version counters knowing (the graph path's inputs are copied again where a tensor's version moved)."""
         self.nfe_host = st.nfe + 1
-        for b in self.t.values():
+        for b in (*self.t.values(), *self.slots.values()):
             torch.autograd.graph.increment_version(b)
 
 

@@ -68,11 +68,12 @@ def _same(a, b):
 
 
 def test_the_registered_graph_safe_samplers():
-    """The baselines (Dream's schedule a shared table) and the stateless rules declare themselves; samplers with state
-    across steps (Credit, KLASS, the AR guide) or hooks of their own do not."""
+    """The baselines (Dream's schedule a shared table), the stateless rules and CreditDecoding (its tables in the
+    bank) declare themselves; samplers with state across steps outside tensors of fixed shapes (KLASS's kept logits,
+    the AR guide) or hooks of their own do not."""
     assert {"llada", "llada-random", "threshold", "fast-dllm", "factor", "localleap", "eb", "entropy-threshold",
-            "ascending", "eoser", "eoser-ass"} <= set(SAFE)
-    assert not {"credit", "klass", "guided", "prophet"} & set(SAFE)
+            "ascending", "eoser", "eoser-ass", "credit", "dream"} <= set(SAFE)
+    assert not {"klass", "guided", "prophet"} & set(SAFE)
     assert not LLaDASampler(temperature=0.7, noise_scope="region").graph_safe()  # draws from the run's generator
     assert "dream" in SAFE and DreamSampler(noise_scope="region").graph_safe()  # greedy: no noise drawn
     for kw in (dict(temperature=0.7), dict(alg="origin"), dict(alg_temp=0.5)):  # draws from the run's generator
@@ -157,13 +158,15 @@ def test_step_graphs_with_records_and_eos_early_stop():
             assert a.stats.step_graphs.get("replays", 0) > 0
 
 
-def test_interleaved_decodes_of_one_shape_keep_their_own_state():
+@pytest.mark.parametrize("sampler", ["fast-dllm", "credit"])
+def test_interleaved_decodes_of_one_shape_keep_their_own_state(sampler):
     """Two decodes of one shape share the runner's bank: stepped in turn, each decodes what it decodes alone (the
-    bank's last state keeps its values in tensors of its own when the other takes the bank over)."""
+    bank's last state keeps its values in tensors of its own when the other takes the bank over, CreditDecoding's
+    tables among them)."""
     model = random_model("llada")
     config = dllm.GenerateConfig(gen_length=16, block_length=8, steps=16, graphs="on", seed=1)
-    alone = [dllm.generate(model, p, sampler="fast-dllm", cache="dual", config=config) for p in PROMPTS]
-    decs = [Decoder(model, *resolve(model, "fast-dllm", "dual", None, config)) for _ in PROMPTS]
+    alone = [dllm.generate(model, p, sampler=sampler, cache="dual", config=config) for p in PROMPTS]
+    decs = [Decoder(model, *resolve(model, sampler, "dual", None, config)) for _ in PROMPTS]
     states = [d.start(p) for d, p in zip(decs, PROMPTS)]
     going = [True, True]
     while any(going):
@@ -256,7 +259,8 @@ def problems(runs) -> list[str]:
 @pytest.mark.parametrize("name,t", [("llada", 0.0), ("llada", 0.7), ("llada-random", 0.7), ("fast-dllm", 0.0),
                                     ("threshold", 0.7), ("factor", 0.0), ("localleap", 0.0), ("eb", 0.0),
                                     ("entropy-threshold", 0.0), ("ascending", 0.0), ("eoser-ass", 0.0),
-                                    ("eoser", 0.7), ("adablock", 0.0), ("multiblock", 0.0), ("elastic", 0.0)])
+                                    ("eoser", 0.7), ("adablock", 0.0), ("multiblock", 0.0), ("elastic", 0.0),
+                                    ("credit", 0.0), ("credit", 0.7)])
 def test_step_graphs_replay_what_they_captured(name, t):
     runs = traced_steps(random_model("llada"), name, t=t)
     found = problems(runs)
@@ -358,7 +362,7 @@ def _serve(model, sampler, cache, step_graphs=True):
 
 
 @pytest.mark.parametrize("sampler,cache", [("fast-dllm", None), ("threshold", "none"), ("adablock", "dual"),
-                                           ("dream", "dual")])
+                                           ("dream", "dual"), ("credit", "dual")])
 def test_served_steps_replay_their_graphs_as_rows_join_and_leave(sampler, cache):
     """The serving engine's steps take the step graphs too: its batches change shape as requests join and leave
     (each shape its own bank and graphs), and a state's tensors are copied into a bank's where they are not its
@@ -388,7 +392,7 @@ CUDA_PROMPTS = ["What is 12 + 30?", "Please reverse the order of the list:\n[\"A
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("sampler,cache", [("llada", "dual"), ("fast-dllm", "dual"), ("eb", "none"), ("llada", "elastic"),
                                            ("adablock", "dual"), ("multiblock", "dual"), ("elastic", None),
-                                           ("dream", "dual"), ("dream", "none")])
+                                           ("dream", "dual"), ("dream", "none"), ("credit", "dual")])
 def test_cuda_step_graphs_capture_and_decode_what_the_uncaptured_path_decodes(sampler, cache):
     """Real captures of the step graphs (bf16): no capture fails, a later call replays what the earlier ones
     captured (a key is captured the second time it is seen), and every call decodes the uncaptured graph path's

@@ -121,11 +121,11 @@ class ComposedSampler(SamplerBase):
                 move(state, d, keep, n_new)
 
     def graph_safe(self) -> bool:
-        """Without CreditDecoding (its tables are kept across steps) and with a rule that declares itself
-        ``graph_safe``; its noise is each row's counter-based stream or none (greedy, a score that draws none)."""
+        """With a rule that declares itself ``graph_safe``; its noise is each row's counter-based stream or none
+        (greedy, a score that draws none). CreditDecoding's tables, kept across steps in the scratch state as tensors
+        of fixed shapes and updated there, are read and written in the step graphs' bank (``generate._StepBank``)."""
         noise_free = self.temperature == 0 and self.confidence != "random"
-        return (self.credit is None and bool(getattr(self.rule, "graph_safe", False))
-                and (self.noise_scope == "row" or noise_free))
+        return bool(getattr(self.rule, "graph_safe", False)) and (self.noise_scope == "row" or noise_free)
 
     def _rule_wants_probs(self) -> bool:
         return bool(getattr(self.rule, "needs_probs", False))
