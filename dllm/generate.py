@@ -553,8 +553,9 @@ class Decoder:
         self._bounds = None  # (key, [2, 7 + policy's numbers] bounds) of _guard
         self._relaunch = None  # a speculative cache's first part that may be launched again (_speculate)
         # the step's work after its forward as one graph (_commit_graphed), where the model's forwards can go through
-        # graphs and the sampler's step is a function of its tensors alone (SamplerBase.graph_safe), with none of the
-        # window widened past the regions (Prophet): the block policies' hooks are functions of the decode state's
+        # graphs and the sampler's step is a function of its tensors alone (SamplerBase.graph_safe; a window widened
+        # past the regions, Prophet's, is keyed by its ends as any window): the block policies' hooks are functions
+        # of the decode state's
         # tensors (AdaBlock's refined end of the window's logits, ops.dense_window; MultiBlock's and the sliding
         # window's regions of the canvas), their windows part of the graphs' keys. A speculative
         # cache's forward runs in parts and reads its drift tests, before the step: its logits are copied in as any
@@ -563,7 +564,6 @@ class Decoder:
         safe = getattr(sampler, "graph_safe", None)
         self._commit_graph = (repr(sampler), repr(policy), repr(config), self._pipelined, self.shift) if (
             self.step_graphs and self.graphs is not None and self.graphs._model_reason(config.cfg_scale > 0) is None
-            and self.widen is None
             and callable(safe) and safe()) else None
 
     @property
@@ -1057,6 +1057,8 @@ class Decoder:
         r_lo, r_hi = self.widen(lo, hi, st.P, T) if self.widen is not None else (lo, hi)  # each row's own window
         if not torch.is_tensor(r_hi):  # a column for every row (Prophet's: the canvas end), on the canvas's device
             r_hi = torch.full_like(lo, r_hi)
+        if self.widen is not None:  # a finished row reads nothing (no cache computes its rows; Prophet's fixed span
+            r_lo = torch.where(st.active, r_lo, r_hi)  # would otherwise keep its columns in a finished row's window)
         return CacheState(st.x, lo, hi, st.active, st.step_in, cols, st.P, self.model.mask_id, self.shift,
                           st.committed, st.nfe, st.key_mask, st.row_nfe, r_lo, r_hi.expand(B))
 

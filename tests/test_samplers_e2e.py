@@ -386,6 +386,21 @@ def test_prophet_fill_covers_the_whole_generation_and_stops_the_row():
     assert torch.equal(out.sequences, logits.argmax(-1))
 
 
+@pytest.mark.parametrize("cache", ["dual", "prefix"])
+def test_prophet_fixed_span_with_a_cache_after_a_row_finished_early(cache):
+    """A fixed span reaches left of the block; once a row commits early and finishes, the others go on with a cache
+    that computes no row of a finished row: the finished row reads no logits (it did, its span's columns, and the
+    forward refused them). Each row decodes what it decodes alone."""
+    model = random_model("llada")
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13]]
+    sampler = Prophet(get_sampler("llada"), early=3.0, mid=1.6, late=1.1, span=(2, 6))
+    kw = dict(gen_length=16, block_length=8, steps=16, sampler=sampler, cache=cache, seed=1)
+    out = dllm.generate(model, prompts, **kw)
+    assert len(set(out.stats.finish_step)) > 1, out.stats.finish_step  # rows finished at different steps
+    for b, p in enumerate(prompts):
+        assert out.sequences[b].tolist() == dllm.generate(model, [p], **kw).sequences[0].tolist()
+
+
 # ------------------------------------------------------------------------------------ preferred layouts
 def test_preset_block_length_is_used_when_the_caller_sets_none():
     model = random_model("llada", seed=1)

@@ -31,6 +31,7 @@ from dllm.samplers import SAMPLERS, get_sampler
 from dllm.samplers.composed import ComposedSampler
 from dllm.samplers.dream import DreamSampler
 from dllm.samplers.llada import LLaDASampler
+from dllm.samplers.prophet import Prophet
 from dllm.samplers.rules import Threshold
 
 GEN = importlib.import_module("dllm.generate")  # the module (dllm.generate is also the function)
@@ -72,8 +73,8 @@ def test_the_registered_graph_safe_samplers():
     bank) declare themselves; samplers with state across steps outside tensors of fixed shapes (KLASS's kept logits,
     the AR guide) or hooks of their own do not."""
     assert {"llada", "llada-random", "threshold", "fast-dllm", "factor", "localleap", "eb", "entropy-threshold",
-            "ascending", "eoser", "eoser-ass", "credit", "dream"} <= set(SAFE)
-    assert not {"klass", "guided", "prophet"} & set(SAFE)
+            "ascending", "eoser", "eoser-ass", "credit", "dream", "prophet"} <= set(SAFE)
+    assert not {"klass", "guided"} & set(SAFE)
     assert not LLaDASampler(temperature=0.7, noise_scope="region").graph_safe()  # draws from the run's generator
     assert "dream" in SAFE and DreamSampler(noise_scope="region").graph_safe()  # greedy: no noise drawn
     for kw in (dict(temperature=0.7), dict(alg="origin"), dict(alg_temp=0.5)):  # draws from the run's generator
@@ -134,6 +135,36 @@ def test_dream_step_graphs_replay_what_they_captured(sampler):
 
     model = random_model("dream")
     runs = traced(model, run, 2)
+    found = problems(runs)
+    assert not found, "\n".join(found[:8])
+    assert any(len({r.call for r in rs}) > 1 for rs in runs.values()), "no graph of the first call replayed"
+
+
+#: Prophet's early commit at gaps random weights reach (it fires), over each span, both progress measures, greedy and
+#: sampled: its window runs to the canvas end (``window_columns``)
+PROPHETS = [Prophet(LLaDASampler(), early=3.0, mid=1.6, late=1.1, **kw) for kw in (
+    {}, dict(span="masked", progress="decoded"), dict(span=(2, 6)), dict(temperature=0.7))]
+PROPHET_IDS = ["region", "masked-decoded", "fixed-span", "sampled"]
+
+
+@pytest.mark.parametrize("dense", [False, True])
+@pytest.mark.parametrize("sampler", PROPHETS, ids=PROPHET_IDS)
+def test_prophet_step_graphs_decode_what_the_eager_step_decodes(sampler, dense, monkeypatch):
+    """Prophet's early commits from the step graphs: the tokens and records of the eager step (its early commits among
+    them), every window column's gap computed as on a GPU or only the spans' as on the CPU."""
+    if dense:
+        monkeypatch.setattr(dllm_ops, "dense_window", lambda logits: True)
+    for cache in ("none", "dual"):
+        graphed = _decode(random_model("llada"), sampler, cache)
+        for a, b in zip(graphed, _decode(random_model("llada"), sampler, cache, step_graphs=False)):
+            _same(a, b)
+        assert graphed[1].stats.step_graphs.get("replays", 0) > 0, graphed[1].stats.step_graphs
+        assert any(any(r["early_commit"]) for o in graphed for r in o.stats.trace), "it never fired"
+
+
+@pytest.mark.parametrize("sampler", PROPHETS, ids=PROPHET_IDS)
+def test_prophet_step_graphs_replay_what_they_captured(sampler):
+    runs = traced_steps(random_model("llada"), sampler)
     found = problems(runs)
     assert not found, "\n".join(found[:8])
     assert any(len({r.call for r in rs}) > 1 for rs in runs.values()), "no graph of the first call replayed"
@@ -260,7 +291,7 @@ def problems(runs) -> list[str]:
                                     ("threshold", 0.7), ("factor", 0.0), ("localleap", 0.0), ("eb", 0.0),
                                     ("entropy-threshold", 0.0), ("ascending", 0.0), ("eoser-ass", 0.0),
                                     ("eoser", 0.7), ("adablock", 0.0), ("multiblock", 0.0), ("elastic", 0.0),
-                                    ("credit", 0.0), ("credit", 0.7)])
+                                    ("credit", 0.0), ("credit", 0.7), ("prophet", 0.0), ("prophet", 0.7)])
 def test_step_graphs_replay_what_they_captured(name, t):
     runs = traced_steps(random_model("llada"), name, t=t)
     found = problems(runs)
@@ -392,7 +423,8 @@ CUDA_PROMPTS = ["What is 12 + 30?", "Please reverse the order of the list:\n[\"A
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("sampler,cache", [("llada", "dual"), ("fast-dllm", "dual"), ("eb", "none"), ("llada", "elastic"),
                                            ("adablock", "dual"), ("multiblock", "dual"), ("elastic", None),
-                                           ("dream", "dual"), ("dream", "none"), ("credit", "dual")])
+                                           ("dream", "dual"), ("dream", "none"), ("credit", "dual"),
+                                           ("prophet", "dual")])
 def test_cuda_step_graphs_capture_and_decode_what_the_uncaptured_path_decodes(sampler, cache):
     """Real captures of the step graphs (bf16): no capture fails, a later call replays what the earlier ones
     captured (a key is captured the second time it is seen), and every call decodes the uncaptured graph path's

@@ -135,6 +135,12 @@ class Prophet(SamplerBase):
         if move is not None:
             move(state, d, keep, n_new, **joining)
 
+    def graph_safe(self) -> bool:
+        """Its inner sampler's: the early-commit test and proposal read the window's tensors alone (on a GPU at every
+        step, :func:`dllm.ops.dense_window`; its noise each row's own), the window's ends are the graphs' key."""
+        safe = getattr(self.inner, "graph_safe", None)
+        return callable(safe) and safe()
+
     def window_columns(self, win_lo: int, win_hi: int, gen_lo: int, canvas_len: int) -> tuple[int, int]:
         """Canvas columns whose logits the decode loop computes: to the canvas end (the fill), from the
         regions' start or a fixed span's start, whichever is further left. ``win_lo`` / ``win_hi`` are ints (the
