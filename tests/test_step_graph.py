@@ -101,6 +101,22 @@ def test_step_graphs_decode_what_the_eager_step_decodes(name, t):
             assert graphed[1].stats.step_graphs.get("replays", 0) > 0, graphed[1].stats.step_graphs
 
 
+def _graphed_as_eager(family: str, sampler, dense: bool, monkeypatch) -> list:
+    """``sampler``'s decodes from the step graphs on a random ``family`` model, without a cache and with the dual
+    cache, in two calls each (the second replays), checked against the eager step's; returns the graphed outputs.
+    ``dense``: every window position scored, as on a GPU (else only where needed, as on the CPU)."""
+    if dense:
+        monkeypatch.setattr(dllm_ops, "dense_window", lambda logits: True)
+    outs = []
+    for cache in ("none", "dual"):
+        graphed = _decode(random_model(family), sampler, cache)
+        for a, b in zip(graphed, _decode(random_model(family), sampler, cache, step_graphs=False)):
+            _same(a, b)
+        assert graphed[1].stats.step_graphs.get("replays", 0) > 0, graphed[1].stats.step_graphs
+        outs += graphed
+    return outs
+
+
 #: Dream's algorithms (greedy and sampled, its position draw, ``origin``'s reveal, top-p) on each row's noise
 DREAMS = [DreamSampler(), DreamSampler(temperature=0.7), DreamSampler(alg="origin", temperature=0.7),
           DreamSampler(alg="maskgit_plus", temperature=0.5, alg_temp=0.5),
@@ -114,13 +130,7 @@ def test_dream_step_graphs_decode_what_the_eager_step_decodes(sampler, dense, mo
     """Dream's sampler on Dream's model (its logits shifted), without a cache and with the dual cache, in two calls:
     the tokens and records of the step run eagerly, every window position scored as on a GPU or only the masked
     ones as on the CPU."""
-    if dense:
-        monkeypatch.setattr(dllm_ops, "dense_window", lambda logits: True)
-    for cache in ("none", "dual"):
-        graphed = _decode(random_model("dream"), sampler, cache)
-        for a, b in zip(graphed, _decode(random_model("dream"), sampler, cache, step_graphs=False)):
-            _same(a, b)
-        assert graphed[1].stats.step_graphs.get("replays", 0) > 0, graphed[1].stats.step_graphs
+    _graphed_as_eager("dream", sampler, dense, monkeypatch)
 
 
 @pytest.mark.parametrize("sampler", DREAMS[:5], ids=DREAM_IDS[:5])
@@ -152,14 +162,8 @@ PROPHET_IDS = ["region", "masked-decoded", "fixed-span", "sampled"]
 def test_prophet_step_graphs_decode_what_the_eager_step_decodes(sampler, dense, monkeypatch):
     """Prophet's early commits from the step graphs: the tokens and records of the eager step (its early commits among
     them), every window column's gap computed as on a GPU or only the spans' as on the CPU."""
-    if dense:
-        monkeypatch.setattr(dllm_ops, "dense_window", lambda logits: True)
-    for cache in ("none", "dual"):
-        graphed = _decode(random_model("llada"), sampler, cache)
-        for a, b in zip(graphed, _decode(random_model("llada"), sampler, cache, step_graphs=False)):
-            _same(a, b)
-        assert graphed[1].stats.step_graphs.get("replays", 0) > 0, graphed[1].stats.step_graphs
-        assert any(any(r["early_commit"]) for o in graphed for r in o.stats.trace), "it never fired"
+    graphed = _graphed_as_eager("llada", sampler, dense, monkeypatch)
+    assert any(any(r["early_commit"]) for o in graphed for r in o.stats.trace), "it never fired"
 
 
 @pytest.mark.parametrize("sampler", PROPHETS, ids=PROPHET_IDS)
