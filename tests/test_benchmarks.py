@@ -326,6 +326,18 @@ def test_gpu_check_skips_the_parts_its_deadline_leaves_no_time_for(tmp_path):
     assert "bench_step" not in p.stdout and (out / "goals.md").exists()
 
 
+def test_bench_step_times_another_samplers_step_and_its_graph_saves_launches(tmp_path):
+    """``--sampler``: the step tables of another sampler (CreditDecoding: its tables in the step graphs' bank); on the
+    graph path the host launches fewer kernels per step than with the sampler's work eager (CPU counts, the CUDA
+    path's)."""
+    rows = run("bench_step.py", "--batch", "1", "--modes", "graph", "graph-eager-sampler", "--caches", "dual",
+               "--sampler", "credit", tmp_path=tmp_path)
+    steps = {r["mode"]: r for r in rows if r["what"] == "step"}
+    assert set(steps) == {"graph", "graph-eager-sampler"} and all(r["sampler"] == "credit" for r in steps.values())
+    assert all(r["syncs_per_step"] == 1 for r in steps.values()), steps
+    assert steps["graph"]["host_launches_per_step"] * 2 < steps["graph-eager-sampler"]["host_launches_per_step"], steps
+
+
 def test_bench_step_timeline_counts_overlapping_work_once_and_sorts_the_gaps():
     """``--e2e-profile``'s accounting of a generation's device time (its spans in microseconds): overlapping spans
     count once, and each idle gap goes to its kind by its length."""
