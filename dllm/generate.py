@@ -872,17 +872,22 @@ class Decoder:
         T, device = st.x.shape[1], st.x.device
         self.cols_all = cached_arange(T, device)  # the shared columns (made anew only where the cache dropped them)
         cols = self.cols_all[w_lo:w_hi]
+        before = bank.scratch(st.state)
 
         def body():
+            # the scratch state as the key saw it: a capture runs this body again after its warm-up, and a step that
+            # makes a table must be captured making it
+            bank.restore(st, before)
             cached_arange(T, device)  # in a capture: kept for as long as the graph may replay its reads of them
             done = bank.nfe + 1
             bad, record, head, pace = self._commit(st, bank.logits, w_lo, w_hi, win_hi, cols, done)
             layout, packed = _pack(record)  # before the state is written back: the record reads lo and hi
             bank.write_back(st, done)
-            return bad, torch.cat(head), torch.cat(pace) if pace else None, packed, layout
+            return bad, torch.cat(head), torch.cat(pace) if pace else None, packed, layout, bank.scratch(st.state)
 
         with on_device(bank.logits):  # a capture records the model's device
-            bad, head, pace, packed, layout = runner.tail(key, body, keep=bank)
+            bad, head, pace, packed, layout, after = runner.tail(key, body, keep=bank)
+        bank.restore(st, after)  # a replay runs no Python: the scratch state's layout after the step, as captured
         bank.stepped(st)
         record = _unpack(layout, [t.clone() for t in packed])
         return bad, record, [head], [pace] if pace is not None else []
@@ -1251,6 +1256,26 @@ class _StepBank:
             elif v is not b:
                 b.copy_(v)
             d[k] = b
+
+    def scratch(self, state: dict) -> tuple:
+        """The layout of a sampler's scratch state bound to the bank (after :meth:`bind` or :meth:`write_back`): per
+        leaf its path and its slot's key (a tensor) or its value."""
+        return tuple((p, ("slot", (p, tuple(v.shape), v.dtype))) if isinstance(v, torch.Tensor) else (p, ("value", v))
+                     for p, _, _, v in _scratch(state))
+
+    def restore(self, st: DecodeState, layout: tuple) -> None:
+        """Make ``st``'s scratch state the one ``layout`` describes (:meth:`scratch`), in place: its tensors the bank's
+        slots. A replayed step graph advanced the slots without the Python that made or replaced the state's
+        entries; a capture runs its body a second time after the warm-up, which must start where the warm-up did."""
+        state = st.state
+        if not layout and not state:
+            return
+        state.clear()
+        for path, (kind, v) in layout:
+            d = state
+            for k in path[:-1]:
+                d = d.setdefault(k, {})
+            d[path[-1]] = self.slots[v] if kind == "slot" else v
 
     def stepped(self, st: DecodeState) -> None:
         """After a step on the bank (``st.nfe`` not yet counted up): a replay wrote its tensors in place without

@@ -215,6 +215,66 @@ def test_interleaved_decodes_of_one_shape_keep_their_own_state(sampler):
     assert GraphRunner.of(model).tail_stats["replays"] > 0
 
 
+def _structure(d: dict) -> dict:
+    return {k: _structure(v) if isinstance(v, dict) else v for k, v in d.items()}
+
+
+def _bank_tensors(bank) -> list:
+    return [*bank.t.values(), *bank.slots.values(), bank.logits, bank.nfe, bank.no_rows]
+
+
+def _cuda_capture(self, t, fn):
+    """A step graph's capture as CUDA runs it, on the CPU: the body runs twice, the warm-up (this step's work) and the
+    capture, whose Python runs again while its kernels do not (here: run through ``_tail_body``, traced where
+    :func:`traced` traces, then the bank's tensors put back as the warm-up left them)."""
+    t.captured = True
+    out = fn()
+    kept = _bank_tensors(t.keep)
+    warm = [x.clone() for x in kept]
+    self._tail_body(t, fn)
+    for x, v in zip(kept, warm):
+        x.copy_(v)
+    return out
+
+
+@pytest.fixture
+def cuda_like(monkeypatch):
+    """The step graphs' captures (:func:`_cuda_capture`) and replays with CUDA's Python, on the CPU: a replay runs
+    the captured kernels and no Python (here: the body runs, then the sampler's scratch state is put back as it was
+    before, its tensors advanced in place)."""
+    def replay(self, t, fn):
+        st = t.keep.owner()
+        was = _structure(st.state)
+        out = fn()
+        st.state.clear()
+        st.state.update(was)
+        return out
+
+    monkeypatch.setattr(GraphRunner, "_capture_tail", _cuda_capture)
+    monkeypatch.setattr(GraphRunner, "_tail_body", replay)
+
+
+@pytest.mark.parametrize("name", ["credit", "fast-dllm", "dream", "prophet"])
+def test_step_graphs_decode_what_the_eager_step_decodes_with_cudas_python(name, cuda_like):
+    """The eager step's tokens where a capture's Python runs twice and a replay's not at all: a sampler whose scratch
+    state is made at its first step (CreditDecoding's tables) is captured making it, and its replays leave the state
+    as the capture's body did."""
+    for cache in ("none", "dual"):
+        graphed = _decode(random_model("llada"), name, cache, calls=PROMPTS * 2)
+        assert sum(o.stats.step_graphs.get("replays", 0) for o in graphed) > 0
+        for a, b in zip(graphed, _decode(random_model("llada"), name, cache, calls=PROMPTS * 2, step_graphs=False)):
+            _same(a, b)
+
+
+def test_a_step_that_makes_the_scratch_state_is_captured_making_it():
+    """CreditDecoding's first step makes its tables: the capture's second run of the body starts from the scratch
+    state the key saw (none), not the one its warm-up left, so every replay of that key makes the tables again."""
+    runs = traced_steps(random_model("llada"), "credit", calls=PROMPTS * 2)
+    found = problems(runs)
+    assert not found, "\n".join(found[:8])
+    assert any(len({r.call for r in rs}) > 1 for rs in runs.values()), "no graph of the first call replayed"
+
+
 def test_non_finite_logits_raise_from_a_replayed_step():
     """A replayed step's non-finite check names the row and step as the eager step does."""
     model = random_model("llada")
@@ -253,7 +313,7 @@ def _names(runner) -> dict[int, str]:
 def traced(model, run, calls: int) -> dict[int, list[Run]]:
     """Every captured step graph's runs (capture and replays, the CPU twin) traced, by graph, over ``run(i)`` for
     ``i`` below ``calls`` (decodes on ``model``'s graph path), on the path a CUDA run takes (no check is free; every
-    window position computed)."""
+    window position computed; a capture's body run twice, the traced run the second: :func:`_cuda_capture`)."""
     runs: dict[int, list[Run]] = {}
     held = {}  # every graph traced, kept alive: an evicted graph's id is not reused for another
     call = {"n": 0}
@@ -266,15 +326,16 @@ def traced(model, run, calls: int) -> dict[int, list[Run]]:
         runs.setdefault(id(t_), []).append(Run(call["n"], trace, syncs.where, names))
         return out
 
-    saved = GEN._host_check_free, dllm_ops.dense_window, GraphRunner._tail_body
-    GEN._host_check_free, dllm_ops.dense_window, GraphRunner._tail_body = (lambda t: False), (lambda l: True), body
+    saved = GEN._host_check_free, dllm_ops.dense_window, GraphRunner._tail_body, GraphRunner._capture_tail
+    GEN._host_check_free, dllm_ops.dense_window, GraphRunner._tail_body, GraphRunner._capture_tail = (
+        lambda t: False), (lambda l: True), body, _cuda_capture
     model.__dict__.pop("_dllm_graphs", None)  # a fresh runner
     try:
         for i in range(calls):
             call["n"] = i
             run(i)
     finally:
-        GEN._host_check_free, dllm_ops.dense_window, GraphRunner._tail_body = saved
+        GEN._host_check_free, dllm_ops.dense_window, GraphRunner._tail_body, GraphRunner._capture_tail = saved
     return runs
 
 
