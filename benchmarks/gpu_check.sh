@@ -12,8 +12,8 @@
 #     GPU_TESTS_K="confidence or compile" ...         # some of the gpu tests only (pytest -k)
 #
 # The parts run in the order of what the issue's goals still need (step, caches, tests, kernels, elastic: Elastic-
-# Cache's step at 8 layers, extra, samplers: the step graphs of Dream's, CreditDecoding's and Prophet's steps,
-# serve) and take at most 300 + 180 + 200 + 100 + 120 + 180 + 3 x 60 + 120 seconds. On an H200
+# Cache's step at 8 layers, extra, samplers: the step graphs of Dream's, CreditDecoding's, KLASS's and Prophet's
+# steps, serve) and take at most 300 + 180 + 200 + 100 + 120 + 180 + 4 x 60 + 120 seconds. On an H200
 # (2026-11-27, the third check) with QUICK=1 and no Fast-dLLM
 # (it takes about 30 s more): step about 150 s, caches about 90 s, the gpu tests over 200 s on a fresh machine (34 of
 # 37 in 200 s; their kernels compile first), kernels about 55 s. So run PARTS="step kernels" and then PARTS="caches
@@ -112,11 +112,11 @@ if want extra 60; then
         --json "$OUT/graph_keys.json" 2>&1 | grep --line-buffered -v USDT | tee "$OUT/bench_graph_keys.log"
 fi
 
-for smp in dream credit prophet; do
+for smp in dream credit klass prophet; do
     if want samplers 60; then
         log bench_step sampler "$smp"
-        # the step graphs of Dream's baseline, CreditDecoding (its tables in the bank) and Prophet (its window to the
-        # canvas end) at 8 layers: what they save against the sampler's work run eagerly
+        # the step graphs of Dream's baseline, CreditDecoding (its tables in the bank), KLASS (its kept steps) and
+        # Prophet (its window to the canvas end) at 8 layers: what they save against the sampler's work run eagerly
         timeout "$LIMIT" python3 benchmarks/bench_step.py --layers 8 --batch 1 --caches dual --sampler "$smp" \
             --modes graph graph-eager-sampler --json "$OUT/step_sampler_$smp.json" 2>&1 | grep --line-buffered -v USDT \
             | tee "$OUT/bench_step_sampler_$smp.log"

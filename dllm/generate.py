@@ -9,7 +9,7 @@ import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -868,11 +868,11 @@ class Decoder:
         bank = self._bank = _StepBank.of(runner, st, logits)
         bank.bind(st, logits)
         self._false = bank.no_rows  # the trace's all-False record, read by the graph: the bank's, not this call's
-        key = ("step", bank.serial, w_lo, w_hi, win_hi, st.P, self._commit_graph, _scratch_key(st.state))
+        before = _layout(st.state)  # the sampler's scratch state, bound to the bank
+        key = ("step", bank.serial, w_lo, w_hi, win_hi, st.P, self._commit_graph, repr(before) if before else None)
         T, device = st.x.shape[1], st.x.device
         self.cols_all = cached_arange(T, device)  # the shared columns (made anew only where the cache dropped them)
         cols = self.cols_all[w_lo:w_hi]
-        before = bank.scratch(st.state)
 
         def body():
             # the scratch state as the key saw it: a capture runs this body again after its warm-up, and a step that
@@ -883,7 +883,7 @@ class Decoder:
             bad, record, head, pace = self._commit(st, bank.logits, w_lo, w_hi, win_hi, cols, done)
             layout, packed = _pack(record)  # before the state is written back: the record reads lo and hi
             bank.write_back(st, done)
-            return bad, torch.cat(head), torch.cat(pace) if pace else None, packed, layout, bank.scratch(st.state)
+            return bad, torch.cat(head), torch.cat(pace) if pace else None, packed, layout, _layout(st.state)
 
         with on_device(bank.logits):  # a capture records the model's device
             bad, head, pace, packed, layout, after = runner.tail(key, body, keep=bank)
@@ -1165,21 +1165,48 @@ _BANKED = ("x", "positions", "lo", "hi", "steps", "step_in", "n_start", "active"
 _bank_serial = iter(range(1 << 62))
 
 
-def _scratch(state: dict, path: tuple = ()):
-    """The sampler's scratch state (:attr:`DecodeState.state`, dicts of dicts) as ``(path, dict, key, value)`` per
-    leaf, in order."""
-    for k, v in state.items():
-        if isinstance(v, dict):
+def _scratch(state, path: tuple = ()):
+    """The sampler's scratch state (:attr:`DecodeState.state`: dicts, dict subclasses and lists, nested) as
+    ``(path, container, key, value)`` per leaf, in order."""
+    for k, v in (state.items() if isinstance(state, dict) else enumerate(state)):
+        if isinstance(v, (dict, list)):
             yield from _scratch(v, (*path, k))
         else:
             yield (*path, k), state, k, v
 
 
-def _scratch_key(state: dict) -> tuple:
-    """What a step graph's key holds of the sampler's scratch state: each leaf's path, and a tensor's shape and dtype
-    (its values are read from the bank's copy, :class:`_StepBank`) or another value's repr."""
-    return tuple((p, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (p, repr(v))
-                 for p, _, _, v in _scratch(state))
+class _Slot(NamedTuple):
+    """A tensor of the scratch state in a layout (:func:`_layout`): the key of its copy in a :class:`_StepBank`."""
+
+    key: tuple  # (path, shape, dtype)
+
+
+def _layout(v, path: tuple = ()):
+    """The scratch state ``v`` with each tensor replaced by its :class:`_Slot` (containers of the same types, other
+    values as they are): what a step graph's key holds of it (its ``repr``) and what :meth:`_StepBank.restore`
+    rebuilds it from."""
+    if isinstance(v, torch.Tensor):
+        return _Slot((path, tuple(v.shape), v.dtype))
+    if isinstance(v, dict):
+        out = type(v).__new__(type(v))
+        dict.update(out, ((k, _layout(x, (*path, k))) for k, x in v.items()))
+        return out
+    if isinstance(v, list):
+        return [_layout(x, (*path, i)) for i, x in enumerate(v)]
+    return v
+
+
+def _built(layout, slots: dict):
+    """The scratch state a :func:`_layout` describes, its tensors the bank's ``slots``."""
+    if isinstance(layout, _Slot):
+        return slots[layout.key]
+    if isinstance(layout, dict):
+        out = type(layout).__new__(type(layout))
+        dict.update(out, ((k, _built(x, slots)) for k, x in layout.items()))
+        return out
+    if isinstance(layout, list):
+        return [_built(x, slots) for x in layout]
+    return layout
 
 
 class _StepBank:
@@ -1257,25 +1284,15 @@ class _StepBank:
                 b.copy_(v)
             d[k] = b
 
-    def scratch(self, state: dict) -> tuple:
-        """The layout of a sampler's scratch state bound to the bank (after :meth:`bind` or :meth:`write_back`): per
-        leaf its path and its slot's key (a tensor) or its value."""
-        return tuple((p, ("slot", (p, tuple(v.shape), v.dtype))) if isinstance(v, torch.Tensor) else (p, ("value", v))
-                     for p, _, _, v in _scratch(state))
-
-    def restore(self, st: DecodeState, layout: tuple) -> None:
-        """Make ``st``'s scratch state the one ``layout`` describes (:meth:`scratch`), in place: its tensors the bank's
-        slots. A replayed step graph advanced the slots without the Python that made or replaced the state's
-        entries; a capture runs its body a second time after the warm-up, which must start where the warm-up did."""
-        state = st.state
-        if not layout and not state:
+    def restore(self, st: DecodeState, layout: dict) -> None:
+        """Make ``st``'s scratch state the one ``layout`` describes (:func:`_layout` of a state bound to the bank), in
+        place: its tensors the bank's slots. A replayed step graph advanced the slots without the Python that made or
+        replaced the state's entries; a capture runs its body a second time after the warm-up, which must start
+        where the warm-up did."""
+        if not layout and not st.state:
             return
-        state.clear()
-        for path, (kind, v) in layout:
-            d = state
-            for k in path[:-1]:
-                d = d.setdefault(k, {})
-            d[path[-1]] = self.slots[v] if kind == "slot" else v
+        st.state.clear()
+        st.state.update(_built(layout, self.slots))
 
     def stepped(self, st: DecodeState) -> None:
         """After a step on the bank (``st.nfe`` not yet counted up): a replay wrote its tensors in place without

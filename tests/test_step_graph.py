@@ -73,8 +73,8 @@ def test_the_registered_graph_safe_samplers():
     bank) declare themselves; samplers with state across steps outside tensors of fixed shapes (KLASS's kept logits,
     the AR guide) or hooks of their own do not."""
     assert {"llada", "llada-random", "threshold", "fast-dllm", "factor", "localleap", "eb", "entropy-threshold",
-            "ascending", "eoser", "eoser-ass", "credit", "dream", "prophet"} <= set(SAFE)
-    assert not {"klass", "guided"} & set(SAFE)
+            "ascending", "eoser", "eoser-ass", "credit", "dream", "prophet", "klass"} <= set(SAFE)
+    assert "guided" not in SAFE
     assert not LLaDASampler(temperature=0.7, noise_scope="region").graph_safe()  # draws from the run's generator
     assert "dream" in SAFE and DreamSampler(noise_scope="region").graph_safe()  # greedy: no noise drawn
     for kw in (dict(temperature=0.7), dict(alg="origin"), dict(alg_temp=0.5)):  # draws from the run's generator
@@ -145,6 +145,31 @@ def test_dream_step_graphs_replay_what_they_captured(sampler):
 
     model = random_model("dream")
     runs = traced(model, run, 2)
+    found = problems(runs)
+    assert not found, "\n".join(found[:8])
+    assert any(len({r.call for r in rs}) > 1 for rs in runs.values()), "no graph of the first call replayed"
+
+
+#: KLASS at thresholds where random weights' candidates are confident and stable at some steps and not at others,
+#: both reference styles, a longer history
+KLASSES = [get_sampler("klass", conf_threshold=0.02, kl_threshold=1.0, **kw) for kw in (
+    {}, dict(style="dream"), dict(history=3), dict(temperature=0.7))]
+KLASS_IDS = ["llada-style", "dream-style", "history-3", "sampled"]
+
+
+@pytest.mark.parametrize("dense", [False, True])
+@pytest.mark.parametrize("sampler", KLASSES, ids=KLASS_IDS)
+def test_klass_step_graphs_decode_what_the_eager_step_decodes(sampler, dense, monkeypatch):
+    """KLASS's kept steps (their logits, log-normalisers and KL values) in the step graphs' bank: the tokens and
+    records of the eager step, commits by stability among them, every KL computed at every step as on a GPU or only
+    where a candidate is confident as on the CPU."""
+    graphed = _graphed_as_eager("llada", sampler, dense, monkeypatch)
+    assert any(any(r["klass_ready"]) for o in graphed for r in o.stats.trace), "no stable commit"
+
+
+@pytest.mark.parametrize("sampler", KLASSES, ids=KLASS_IDS)
+def test_klass_step_graphs_replay_what_they_captured(sampler):
+    runs = traced_steps(random_model("llada"), sampler, calls=PROMPTS * 2, gen_length=32, block_length=16, steps=32)
     found = problems(runs)
     assert not found, "\n".join(found[:8])
     assert any(len({r.call for r in rs}) > 1 for rs in runs.values()), "no graph of the first call replayed"
@@ -254,7 +279,7 @@ def cuda_like(monkeypatch):
     monkeypatch.setattr(GraphRunner, "_tail_body", replay)
 
 
-@pytest.mark.parametrize("name", ["credit", "fast-dllm", "dream", "prophet"])
+@pytest.mark.parametrize("name", ["credit", "klass", "fast-dllm", "dream", "prophet"])
 def test_step_graphs_decode_what_the_eager_step_decodes_with_cudas_python(name, cuda_like):
     """The eager step's tokens where a capture's Python runs twice and a replay's not at all: a sampler whose scratch
     state is made at its first step (CreditDecoding's tables) is captured making it, and its replays leave the state
@@ -356,7 +381,8 @@ def problems(runs) -> list[str]:
                                     ("threshold", 0.7), ("factor", 0.0), ("localleap", 0.0), ("eb", 0.0),
                                     ("entropy-threshold", 0.0), ("ascending", 0.0), ("eoser-ass", 0.0),
                                     ("eoser", 0.7), ("adablock", 0.0), ("multiblock", 0.0), ("elastic", 0.0),
-                                    ("credit", 0.0), ("credit", 0.7), ("prophet", 0.0), ("prophet", 0.7)])
+                                    ("credit", 0.0), ("credit", 0.7), ("prophet", 0.0), ("prophet", 0.7),
+                                    ("klass", 0.0), ("klass", 0.7)])
 def test_step_graphs_replay_what_they_captured(name, t):
     runs = traced_steps(random_model("llada"), name, t=t)
     found = problems(runs)
@@ -458,7 +484,7 @@ def _serve(model, sampler, cache, step_graphs=True):
 
 
 @pytest.mark.parametrize("sampler,cache", [("fast-dllm", None), ("threshold", "none"), ("adablock", "dual"),
-                                           ("dream", "dual"), ("credit", "dual")])
+                                           ("dream", "dual"), ("credit", "dual"), ("klass", "dual")])
 def test_served_steps_replay_their_graphs_as_rows_join_and_leave(sampler, cache):
     """The serving engine's steps take the step graphs too: its batches change shape as requests join and leave
     (each shape its own bank and graphs), and a state's tensors are copied into a bank's where they are not its
@@ -489,7 +515,7 @@ CUDA_PROMPTS = ["What is 12 + 30?", "Please reverse the order of the list:\n[\"A
 @pytest.mark.parametrize("sampler,cache", [("llada", "dual"), ("fast-dllm", "dual"), ("eb", "none"), ("llada", "elastic"),
                                            ("adablock", "dual"), ("multiblock", "dual"), ("elastic", None),
                                            ("dream", "dual"), ("dream", "none"), ("credit", "dual"),
-                                           ("prophet", "dual")])
+                                           ("prophet", "dual"), ("klass", "dual")])
 def test_cuda_step_graphs_capture_and_decode_what_the_uncaptured_path_decodes(sampler, cache):
     """Real captures of the step graphs (bf16): no capture fails, a later call replays what the earlier ones
     captured (a key is captured the second time it is seen), and every call decodes the uncaptured graph path's

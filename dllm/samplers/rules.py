@@ -235,6 +235,13 @@ class KLStable:
     inclusive: bool = False
     needs_probs: ClassVar[bool] = True
 
+    @property
+    def graph_safe(self) -> bool:
+        """With a graph-safe fallback (or none): its kept steps are a list of dicts of tensors in the scratch state
+        (:class:`_KLStep`), which the step graphs' bank copies (their logits too) and rebuilds after a replay; on a
+        GPU every KL is computed at every step (:meth:`_KLHistory.dense`), without a host read."""
+        return self.fallback is None or bool(getattr(self.fallback, "graph_safe", False))
+
     def __post_init__(self):
         check_range("conf_threshold", self.conf_threshold, 0, 1, hi_open=True,
                     fix="; KLASS commits conf > conf_threshold (the GSM8K script uses 0.6)")
@@ -353,15 +360,27 @@ class KLStable:
                        for s in st["steps"]]
 
 
-@dataclass(eq=False)
-class _KLStep:
-    """One decode step as :class:`_KLHistory` keeps it (window row ``w`` is canvas column ``lo + w``)."""
+class _KLStep(dict):
+    """One decode step as :class:`_KLHistory` keeps it (window row ``w`` is canvas column ``lo + w``), its fields
+    read and written as attributes: ``logits`` ``[B, W, V]`` (the step's logits: a reference to the sampler's input,
+    not a copy; on the step graphs' path the bank keeps a copy), ``lo`` (canvas column of window row 0), ``region``
+    ``[B]`` (the rows' region starts), ``lse`` ``[B, W]`` (log-normalisers, softmax dtype; nan: not computed yet) and
+    ``kl`` ``[B, W]`` (float32 ``KL(p_this step || p_step before)``; nan: not computed yet). A dict, so that the
+    step graphs' bank (``dllm.generate._StepBank``) keeps copies of its tensors and rebuilds it after a replay."""
 
-    logits: torch.Tensor  # [B, W, V] the step's logits: a reference to the sampler's input, not a copy
-    lo: int  # canvas column of window row 0
-    region: torch.Tensor  # [B] the rows' region starts
-    lse: torch.Tensor  # [B, W] log-normalisers (softmax dtype), nan: not computed (yet)
-    kl: torch.Tensor  # [B, W] float32 KL(p_this step || p_step before), nan: not computed (yet)
+    __slots__ = ()
+
+    def __init__(self, logits: torch.Tensor, lo: int, region: torch.Tensor, lse: torch.Tensor, kl: torch.Tensor):
+        super().__init__(logits=logits, lo=lo, region=region, lse=lse, kl=kl)
+
+    def __getattr__(self, name: str):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __setattr__(self, name: str, value) -> None:
+        self[name] = value
 
 
 class _KLHistory:
