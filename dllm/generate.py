@@ -555,9 +555,8 @@ class Decoder:
         # the step's work after its forward as one graph (_commit_graphed), where the model's forwards can go through
         # graphs and the sampler's step is a function of its tensors alone (SamplerBase.graph_safe; a window widened
         # past the regions, Prophet's, is keyed by its ends as any window): the block policies' hooks are functions
-        # of the decode state's
-        # tensors (AdaBlock's refined end of the window's logits, ops.dense_window; MultiBlock's and the sliding
-        # window's regions of the canvas), their windows part of the graphs' keys. A speculative
+        # of the decode state's tensors (AdaBlock's refined end of the window's logits, ops.dense_window; MultiBlock's
+        # and the sliding window's regions of the canvas), their windows part of the graphs' keys. A speculative
         # cache's forward runs in parts and reads its drift tests, before the step: its logits are copied in as any
         # forward's. Its value is part of the graphs' keys.
         self._bank = None  # the step graphs' static state of the last step (_StepBank)
@@ -1211,7 +1210,7 @@ def _built(layout, slots: dict):
 
 class _StepBank:
     """Static copies of a decode state's tensors (:data:`_BANKED`), of the tensors of its sampler's scratch state
-    (``slots``: one per path, shape and dtype; a stateful sampler's tables, CreditDecoding's), its logits and its
+    (``slots``: one per path, shape and dtype; CreditDecoding's tables, KLASS's kept steps), its logits and its
     forwards' count: the memory the step graphs (:meth:`Decoder._commit_graphed`) read and write. One per shape, kept
     by the model's :class:`GraphRunner` (``banks``), so that a graph captured in one call replays in the next. A
     state is bound to it (its tensors are the bank's) while its steps run on it; another state of the same shape
@@ -1278,7 +1277,7 @@ class _StepBank:
                 continue
             key = (p, tuple(v.shape), v.dtype)
             b = self.slots.get(key)
-            if b is None:  # a path first seen (the step that made it ran eagerly): its copy, kept from now on
+            if b is None:  # a path (or shape) first seen: its copy, kept from now on
                 b = self.slots[key] = v.clone()
             elif v is not b:
                 b.copy_(v)

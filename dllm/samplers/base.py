@@ -135,10 +135,12 @@ class SamplerBase:
     def graph_safe(self) -> bool:
         """Whether :meth:`step` is a function of its tensors alone, so that the decode loop may capture it in a CUDA
         graph with the rest of the step's work after the forward (``Decoder._commit_graphed``) and replay it: no
-        host synchronisation, no tensor made from host data, no Python decision on device values, nothing kept in
-        :attr:`StepContext.state` or drawn from ``ctx.generator``, ``ctx.global_step`` unread, and its trace
-        record's keys, shapes and dtypes the same at every step of a window. Default False: the step runs
-        eagerly."""
+        host synchronisation, no tensor made from host data, no Python decision on device values, nothing drawn from
+        ``ctx.generator``, ``ctx.global_step`` unread, its trace record's keys, shapes and dtypes the same at every
+        step of a window, and what it keeps in :attr:`StepContext.state` dicts and lists of tensors and plain values
+        whose layout (paths, shapes, dtypes, values) decides its Python (the bank keeps copies of the tensors and
+        puts the layout the step left back after a replay; the layout is part of the graph's key). Default False:
+        the step runs eagerly."""
         return False
 
     def move_rows(self, state: dict, d: int, keep: torch.Tensor | None, n_new: int, *,
