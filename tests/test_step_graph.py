@@ -124,7 +124,7 @@ DREAMS = [DreamSampler(), DreamSampler(temperature=0.7), DreamSampler(alg="origi
 DREAM_IDS = ["greedy", "sampled", "origin", "alg-temp", "top-p", "region-greedy"]
 
 
-@pytest.mark.parametrize("dense", [False, True])
+@pytest.mark.parametrize("dense", [pytest.param(False, marks=pytest.mark.slow), True])  # the CPU path: slow run
 @pytest.mark.parametrize("sampler", DREAMS, ids=DREAM_IDS)
 def test_dream_step_graphs_decode_what_the_eager_step_decodes(sampler, dense, monkeypatch):
     """Dream's sampler on Dream's model (its logits shifted), without a cache and with the dual cache, in two calls:
@@ -157,7 +157,7 @@ KLASSES = [get_sampler("klass", conf_threshold=0.02, kl_threshold=1.0, **kw) for
 KLASS_IDS = ["llada-style", "dream-style", "history-3", "sampled"]
 
 
-@pytest.mark.parametrize("dense", [False, True])
+@pytest.mark.parametrize("dense", [pytest.param(False, marks=pytest.mark.slow), True])  # the CPU path: slow run
 @pytest.mark.parametrize("sampler", KLASSES, ids=KLASS_IDS)
 def test_klass_step_graphs_decode_what_the_eager_step_decodes(sampler, dense, monkeypatch):
     """KLASS's kept steps (their logits, log-normalisers and KL values) in the step graphs' bank: the tokens and
@@ -182,7 +182,7 @@ PROPHETS = [Prophet(LLaDASampler(), early=3.0, mid=1.6, late=1.1, **kw) for kw i
 PROPHET_IDS = ["region", "masked-decoded", "fixed-span", "sampled"]
 
 
-@pytest.mark.parametrize("dense", [False, True])
+@pytest.mark.parametrize("dense", [pytest.param(False, marks=pytest.mark.slow), True])  # the CPU path: slow run
 @pytest.mark.parametrize("sampler", PROPHETS, ids=PROPHET_IDS)
 def test_prophet_step_graphs_decode_what_the_eager_step_decodes(sampler, dense, monkeypatch):
     """Prophet's early commits from the step graphs: the tokens and records of the eager step (its early commits among
