@@ -403,6 +403,7 @@ def test_step_graphs_after_elastic_cache_forwards_replay_what_they_captured():
     assert any(len({r.call for r in rs}) > 1 for rs in runs.values()), "no graph of the first call replayed"
 
 
+@pytest.mark.slow  # the Triton interpreter (the default run keeps a Triton layer's graph replay safety)
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 def test_fused_confidence_step_graphs_replay_what_they_captured(monkeypatch):
     """The greedy proposal and its score from the Triton confidence kernel (the path ``fused="auto"`` takes on
