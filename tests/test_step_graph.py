@@ -69,9 +69,9 @@ def _same(a, b):
 
 
 def test_the_registered_graph_safe_samplers():
-    """The baselines (Dream's schedule a shared table), the stateless rules and CreditDecoding (its tables in the
-    bank) declare themselves; samplers with state across steps outside tensors of fixed shapes (KLASS's kept logits,
-    the AR guide) or hooks of their own do not."""
+    """The baselines (Dream's schedule a shared table), the stateless rules, CreditDecoding and KLASS (their kept
+    state in the bank) and Prophet declare themselves; the AR-guided sampler (its guide's forwards, its decisions on
+    the host) and samplers drawing from the run's generator do not."""
     assert {"llada", "llada-random", "threshold", "fast-dllm", "factor", "localleap", "eb", "entropy-threshold",
             "ascending", "eoser", "eoser-ass", "credit", "dream", "prophet", "klass"} <= set(SAFE)
     assert "guided" not in SAFE
