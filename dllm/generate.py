@@ -22,7 +22,7 @@ from dllm.kernels.device import on_device
 from dllm.models.spec import vocab_size
 from dllm.ops import cached_arange, ids_on, shape_bucket, shown
 from dllm.recipes import resolve
-from dllm.samplers.base import StepContext, row_key_words
+from dllm.samplers.base import StepContext, declares_graph_safe, row_key_words
 
 
 class NonFiniteLogitsError(ValueError):
@@ -560,10 +560,9 @@ class Decoder:
         # cache's forward runs in parts and reads its drift tests, before the step: its logits are copied in as any
         # forward's. Its value is part of the graphs' keys.
         self._bank = None  # the step graphs' static state of the last step (_StepBank)
-        safe = getattr(sampler, "graph_safe", None)
         self._commit_graph = (repr(sampler), repr(policy), repr(config), self._pipelined, self.shift) if (
             self.step_graphs and self.graphs is not None and self.graphs._model_reason(config.cfg_scale > 0) is None
-            and callable(safe) and safe()) else None
+            and declares_graph_safe(sampler)) else None
 
     @property
     def buckets(self) -> bool:
@@ -1177,35 +1176,30 @@ def _scratch(state, path: tuple = ()):
 class _Slot(NamedTuple):
     """A tensor of the scratch state in a layout (:func:`_layout`): the key of its copy in a :class:`_StepBank`."""
 
-    key: tuple  # (path, shape, dtype)
+    key: tuple  # (path, shape, dtype): _slot_key
 
 
-def _layout(v, path: tuple = ()):
-    """The scratch state ``v`` with each tensor replaced by its :class:`_Slot` (containers of the same types, other
-    values as they are): what a step graph's key holds of it (its ``repr``) and what :meth:`_StepBank.restore`
-    rebuilds it from."""
-    if isinstance(v, torch.Tensor):
-        return _Slot((path, tuple(v.shape), v.dtype))
+def _slot_key(path: tuple, t: torch.Tensor) -> tuple:
+    """The key of the bank's copy of the scratch state's tensor ``t`` at ``path``."""
+    return path, tuple(t.shape), t.dtype
+
+
+def _mapped(v, leaf, path: tuple = ()):
+    """The scratch state ``v`` (or a layout of it) with ``leaf(path, value)`` in place of each leaf, in containers of
+    the same types (dicts, dict subclasses, lists)."""
     if isinstance(v, dict):
         out = type(v).__new__(type(v))
-        dict.update(out, ((k, _layout(x, (*path, k))) for k, x in v.items()))
+        dict.update(out, ((k, _mapped(x, leaf, (*path, k))) for k, x in v.items()))
         return out
     if isinstance(v, list):
-        return [_layout(x, (*path, i)) for i, x in enumerate(v)]
-    return v
+        return [_mapped(x, leaf, (*path, i)) for i, x in enumerate(v)]
+    return leaf(path, v)
 
 
-def _built(layout, slots: dict):
-    """The scratch state a :func:`_layout` describes, its tensors the bank's ``slots``."""
-    if isinstance(layout, _Slot):
-        return slots[layout.key]
-    if isinstance(layout, dict):
-        out = type(layout).__new__(type(layout))
-        dict.update(out, ((k, _built(x, slots)) for k, x in layout.items()))
-        return out
-    if isinstance(layout, list):
-        return [_built(x, slots) for x in layout]
-    return layout
+def _layout(state: dict) -> dict:
+    """The scratch state with each tensor replaced by its :class:`_Slot` (other values as they are): what a step
+    graph's key holds of it (its ``repr``) and what :meth:`_StepBank.restore` rebuilds it from."""
+    return _mapped(state, lambda p, v: _Slot(_slot_key(p, v)) if isinstance(v, torch.Tensor) else v)
 
 
 class _StepBank:
@@ -1257,7 +1251,7 @@ class _StepBank:
             if getattr(st, f) is b:
                 setattr(st, f, b.clone())
         for p, d, k, v in list(_scratch(st.state)):
-            if isinstance(v, torch.Tensor) and self.slots.get((p, tuple(v.shape), v.dtype)) is v:
+            if isinstance(v, torch.Tensor) and self.slots.get(_slot_key(p, v)) is v:
                 d[k] = v.clone()
         if self.owner is not None and self.owner() is st:
             self.owner, self.nfe_host = None, None
@@ -1275,7 +1269,7 @@ class _StepBank:
         for p, d, k, v in list(_scratch(st.state)):
             if not isinstance(v, torch.Tensor):
                 continue
-            key = (p, tuple(v.shape), v.dtype)
+            key = _slot_key(p, v)
             b = self.slots.get(key)
             if b is None:  # a path (or shape) first seen: its copy, kept from now on
                 b = self.slots[key] = v.clone()
@@ -1291,7 +1285,7 @@ class _StepBank:
         if not layout and not st.state:
             return
         st.state.clear()
-        st.state.update(_built(layout, self.slots))
+        st.state.update(_mapped(layout, lambda p, v: self.slots[v.key] if isinstance(v, _Slot) else v))
 
     def stepped(self, st: DecodeState) -> None:
         """After a step on the bank (``st.nfe`` not yet counted up): a replay wrote its tensors in place without

@@ -124,6 +124,13 @@ class Sampler(Protocol):
         """This sampler prepared for ``model`` (once per ``generate``: load a guide, take the family's style)."""
 
 
+def declares_graph_safe(sampler) -> bool:
+    """Whether ``sampler`` declares its step graph-safe (:meth:`SamplerBase.graph_safe`); a sampler object without the
+    hook does not."""
+    safe = getattr(sampler, "graph_safe", None)
+    return callable(safe) and bool(safe())
+
+
 class SamplerBase:
     """No-op defaults of the optional :class:`Sampler` hooks (every dllm sampler inherits them)."""
 

@@ -48,6 +48,7 @@ from dllm.samplers.base import (
     StepResult,
     check_int,
     check_range,
+    declares_graph_safe,
     gumbel_argmax,
     row_forwards,
     top2_values,
@@ -138,8 +139,7 @@ class Prophet(SamplerBase):
     def graph_safe(self) -> bool:
         """Its inner sampler's: the early-commit test and proposal read the window's tensors alone (on a GPU at every
         step, :func:`dllm.ops.dense_window`; its noise each row's own), the window's ends are the graphs' key."""
-        safe = getattr(self.inner, "graph_safe", None)
-        return callable(safe) and safe()
+        return declares_graph_safe(self.inner)
 
     def window_columns(self, win_lo: int, win_hi: int, gen_lo: int, canvas_len: int) -> tuple[int, int]:
         """Canvas columns whose logits the decode loop computes: to the canvas end (the fill), from the
