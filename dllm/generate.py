@@ -1066,8 +1066,9 @@ class Decoder:
                           st.committed, st.nfe, st.key_mask, st.row_nfe, r_lo, r_hi.expand(B))
 
     def _plan_next(self, st: DecodeState):
-        """The cache's plan for the next step computed now (``KVCache.plan_mask``: no host sync), so that its two
-        numbers travel in this step's one host synchronisation; None for caches without it (or not yet filled).
+        """The cache's plan for the next step computed now (``KVCache.plan_mask``: no host sync), so that its
+        numbers (partial, largest active set, active rows, the policy's own) travel in this step's one host
+        synchronisation; None for caches without it (or not yet filled).
         The columns are a placeholder: the cache reads each row's own window (``read_lo`` / ``read_hi``)."""
         cache = self.cache
         if not isinstance(cache, KVCache) or not cache.filled or type(cache).plan is not KVCache.plan:
