@@ -7,7 +7,9 @@ finished). Continuous: the engine's background loop, requests join and leave at 
 the whole batch is done. One at a time: ``dllm.generate`` per request, the clients' requests queued (a
 request's latency includes its wait). Printed per mode and concurrency: answer
 tokens per second (tokens before EOS), latency p50 / p99 to completion and, for the engine, to the first
-streamed token.
+streamed token; for the engine also how its steps ran (graphs) and the logits columns its steps computed per step
+(each batch's rows times the union of their windows) against those in each row's own window (rows at different
+blocks widen each other's).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_serve.py --model llada-tiny --concurrency 1 4 16 --requests 8
     python benchmarks/bench_serve.py --device cuda --json serve.json      # a GPU: the engine's CUDA path
@@ -72,6 +74,8 @@ def run_continuous(model, work, kw, max_rows):
     engine.stop()
     paths = {what: {k: v - was.get(k, 0) for k, v in engine.stats()[what].items() if v != was.get(k, 0)}
              for what, was in paths0.items()}
+    s = engine.stats()
+    paths["columns"] = {"logits": s["logits_columns"], "own": s["own_logits_columns"], "steps": s["steps"]}
     return wall, toks, lat, ttft, paths
 
 
@@ -190,6 +194,15 @@ def main() -> None:
     # how the continuous engine's forwards and its steps' work after them ran (the graph runner's counts; none
     # without a graph path, and no step graphs for samplers that are not graph-safe)
     for c, counts in paths.items():
+        cols = counts["columns"]
+        if cols["logits"]:
+            # each step computes the logits of every row over the union of the batch's rows' windows
+            print(f"continuous, {c} clients: logits columns computed per step {cols['logits'] / cols['steps']:.1f} "
+                  f"(rows x the union of their windows), of which in each row's own window "
+                  f"{cols['own'] / cols['steps']:.1f} ({cols['own'] / cols['logits']:.0%})")
+            for row in rows:
+                if row["clients"] == c and row["mode"] == "continuous":
+                    row["own_logits_share"] = cols["own"] / cols["logits"]
         for what, name in (("graphs", "forwards"), ("step_graphs", "steps' sampler and bookkeeping")):
             print(f"continuous, {c} clients: {name} by path: "
                   + (", ".join(f"{k} {v}" for k, v in sorted(counts[what].items())) or "no graph path (graphs off, "

@@ -552,6 +552,7 @@ class Decoder:
         self._early_off = None  # the window within which a missed plan stopped them (_launch_early)
         self._bounds = None  # (key, [2, 7 + policy's numbers] bounds) of _guard
         self._relaunch = None  # a speculative cache's first part that may be launched again (_speculate)
+        self.last_window: tuple[int, int] | None = None  # the last step's logits columns (step)
         # the step's work after its forward as one graph (_commit_graphed), where the model's forwards can go through
         # graphs and the sampler's step is a function of its tensors alone (SamplerBase.graph_safe; a window widened
         # past the regions, Prophet's, is keyed by its ends as any window): the block policies' hooks are functions
@@ -674,6 +675,7 @@ class Decoder:
         win_lo, win_hi = st.window
         w_lo, w_hi = self.widen(win_lo, win_hi, P, T) if self.widen is not None else (win_lo, win_hi)
         cols = self.cols_all[w_lo:w_hi]
+        self.last_window = (w_lo, w_hi)  # the canvas columns whose logits this step computes, for every row
         tc = clock.mark()
         runner = self.graphs
         ahead, st.ahead = st.ahead, None
@@ -1056,14 +1058,23 @@ class Decoder:
 
     def _cache_state(self, st: DecodeState, cols: tuple[int, int]) -> CacheState:
         """What the cache is told before a forward on ``st`` (``cols``: the window's canvas columns)."""
-        lo, hi, B, T = st.lo, st.hi, st.x.shape[0], st.x.shape[1]
-        r_lo, r_hi = self.widen(lo, hi, st.P, T) if self.widen is not None else (lo, hi)  # each row's own window
+        lo, hi = st.lo, st.hi
+        r_lo, r_hi = self.own_windows(lo, hi, st.active, st.P, st.x.shape[1])
+        return CacheState(st.x, lo, hi, st.active, st.step_in, cols, st.P, self.model.mask_id, self.shift,
+                          st.committed, st.nfe, st.key_mask, st.row_nfe, r_lo, r_hi)
+
+    def own_windows(self, lo: torch.Tensor, hi: torch.Tensor, active: torch.Tensor, P: int, T: int):
+        """``(lo, hi)`` ``[B]``: the canvas columns each row's own step reads, its region (``lo``, ``hi``) or the
+        sampler's wider window (``window_columns``: Prophet's); a step computes the logits of the union of the rows'
+        windows (:attr:`last_window`) for every row."""
+        if self.widen is None:
+            return lo, hi
+        r_lo, r_hi = self.widen(lo, hi, P, T)
         if not torch.is_tensor(r_hi):  # a column for every row (Prophet's: the canvas end), on the canvas's device
             r_hi = torch.full_like(lo, r_hi)
-        if self.widen is not None:  # a finished row reads nothing (no cache computes its rows; Prophet's fixed span
-            r_lo = torch.where(st.active, r_lo, r_hi)  # would otherwise keep its columns in a finished row's window)
-        return CacheState(st.x, lo, hi, st.active, st.step_in, cols, st.P, self.model.mask_id, self.shift,
-                          st.committed, st.nfe, st.key_mask, st.row_nfe, r_lo, r_hi.expand(B))
+        # a finished row reads nothing (no cache computes its rows; Prophet's fixed span would otherwise keep its
+        # columns in a finished row's window)
+        return torch.where(active, r_lo, r_hi), r_hi.expand(lo.shape[0])
 
     def _plan_next(self, st: DecodeState):
         """The cache's plan for the next step computed now (``KVCache.plan_mask``: no host sync), so that its

@@ -161,6 +161,10 @@ def test_bench_serve_writes_rows_the_goals_table_reads(tmp_path):
     assert set(rows) == {(c, m) for c in (1, 16) for m in ("continuous", "static batches", "one at a time")}
     assert all(r["device"] == "CPU" and r["requests"] == r["clients"] and r["tokens_per_s"] > 0 for r in rows.values())
     assert len(report["batching_gains"]) == 2
+    # the engine's logits columns in the rows' own windows: all of them at one client (gen 8 = one block)
+    assert rows[(1, "continuous")]["own_logits_share"] == 1.0
+    assert 0 < rows[(16, "continuous")]["own_logits_share"] <= 1.0
+    assert "of which in each row's own window 8.0 (100%)" in (tmp_path / "bench_serve.py.log").read_text()
     (goal,) = [g for g in goals_of(tmp_path, "serve.json", report) if g["goal"].startswith("continuous batching")]
     assert goal["status"] == "not measured (CPU)" and goal["measured"].endswith("; CPU)"), goal
 

@@ -575,3 +575,28 @@ def test_a_rows_state_after_joins_and_leaves_is_its_own(sampler, cache, llada):
                 _same_sampler_state(sampler, st.state, s.state, i, a, st.P)
     assert not eng.groups and not eng.waiting
     assert eng.stats()["joins"] >= 2 and eng.stats()["retried"] == 0
+
+
+def test_logits_columns_count_the_union_of_the_rows_windows(llada):
+    """``stats()["logits_columns"]``: the (row, column) logits the steps computed, every row of a batch over the
+    union of the rows' windows; ``own_logits_columns``: those in each row's own window. LLaDA's sampler in blocks of
+    8 decodes every step inside an 8-column region: alone, every column computed is the row's own; with a request
+    joining two blocks behind, its steps compute the other row's block too, while each row's own columns stay 8 per
+    forward it took."""
+    kw = dict(gen_length=32, block_length=8, steps=32, sampler="llada")
+    engine = Engine(llada, max_rows=4)
+    engine.submit(PROMPTS[0], **kw)
+    engine.run_until_idle()
+    s = engine.stats()
+    assert s["logits_columns"] == s["own_logits_columns"] == 8 * s["request_nfe"] == 8 * 32
+
+    engine = Engine(llada, max_rows=4)
+    engine.submit(PROMPTS[1], **kw)
+    for _ in range(16):  # two blocks decoded: the first row is in its third block
+        engine.step()
+    engine.submit(PROMPTS[2], **kw)
+    engine.run_until_idle()
+    s = engine.stats()
+    assert s["requests"]["length"] + s["requests"]["stop"] == 2
+    assert s["own_logits_columns"] == 8 * s["request_nfe"] == 8 * 64
+    assert s["logits_columns"] > s["own_logits_columns"]

@@ -134,6 +134,10 @@ def test_metrics_count_how_the_forwards_ran():
     counts = engine.stats()["step_graphs"]
     assert got == {k: v for k, v in counts.items() if k != "evicted"} and got["replays"] >= 1
     assert sum(got.values()) == engine.stats()["steps"]  # every step counted once
+    # the logits columns the steps computed, and those in the rows' own windows
+    fams = {f.name: f for f in _EngineCollector(engine).collect()}
+    for name, key in (("dllm_logits_columns", "logits_columns"), ("dllm_own_logits_columns", "own_logits_columns")):
+        assert fams[name].samples[0].value == engine.stats()[key] > 0
     # the batch's K/V buffers went back to the graph path's pool when it ended
     pool = {f.name: f for f in _EngineCollector(engine).collect()}["dllm_graph_pool_bytes"]
     assert pool.samples[0].value == engine.stats()["graph_pool_bytes"] > 0

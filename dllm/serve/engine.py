@@ -34,6 +34,7 @@ each generated token's log-probability under the step that committed it and that
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import os
@@ -283,20 +284,30 @@ def _repad(st: DecodeState, d: int, pad_id: int) -> DecodeState:
     return st
 
 
-def _reads(st: DecodeState) -> torch.Tensor:
+def _reads(st: DecodeState, dec: Decoder | None = None) -> torch.Tensor:
     """What the engine reads of a batch after each step, in the step's own host synchronisation (``Decoder.reads``):
-    each row's generated tokens, whether it is finished, its forwards (:func:`_read_back`)."""
-    return torch.cat([st.x[:, st.P:].reshape(-1), ~st.active, st.row_nfe])
+    each row's generated tokens, whether it is finished, its forwards (:func:`_read_back`); with ``dec``, the step's
+    decoder, also how many of the logits columns the step computed lie in each row's own window (summed over rows:
+    the rest is the other rows' windows, ``metrics["logits_columns"]``)."""
+    nums = [st.x[:, st.P:].reshape(-1), ~st.active, st.row_nfe]
+    if dec is not None and st.trace:
+        rec = st.trace[-1]  # the step's record: its regions
+        lo, hi = dec.own_windows(rec["lo"], rec["hi"], torch.ones_like(st.active), st.P, st.x.shape[1])
+        nums.append((hi - lo).clamp_min(0).sum().view(1))
+    return torch.cat(nums)
 
 
-def _read_back(st: DecodeState) -> tuple[list[list[int]], list, list]:
-    """:func:`_reads`' numbers as ``(rows' generated tokens, finished, forwards)``: those read in the state's last
-    step, or read now where the rows moved since (one more synchronisation, kept until the rows move or step again)."""
+def _read_back(st: DecodeState) -> tuple[list[list[int]], list, list, int | None]:
+    """:func:`_reads`' numbers as ``(rows' generated tokens, finished, forwards, own logits columns)``: those read in
+    the state's last step, or read now where the rows moved since (one more synchronisation, kept until the rows move
+    or step again; without the step's own columns, None)."""
     if st.read is None:
         st.read = _reads(st).tolist()
     r = st.read
     B, G = st.x.shape[0], st.x.shape[1] - st.P
-    return [r[i * G:(i + 1) * G] for i in range(B)], r[B * G:B * G + B], r[B * G + B:]
+    n = B * G + 2 * B
+    return [r[i * G:(i + 1) * G] for i in range(B)], r[B * G:B * G + B], r[B * G + B:n], \
+        (r[n] if len(r) > n else None)
 
 
 _PER_ROW = ("x", "positions", "key_mask", "lo", "hi", "steps", "step_in", "n_start", "active", "finish",
@@ -403,7 +414,11 @@ class Engine:
         self.last_tick: float | None = None  # time.monotonic() of the loop's last finished tick
         self.metrics = {"requests": {"stop": 0, "length": 0, "cancelled": 0, "error": 0}, "forwards": 0,
                         "tokens": 0, "step_seconds": 0.0, "steps": 0, "joins": 0, "request_nfe": 0,
-                        "request_positions": 0, "engine_errors": 0, "retried": 0}
+                        "request_positions": 0, "engine_errors": 0, "retried": 0,
+                        # (row, column) logits the steps computed (rows x the union of their windows), and those in
+                        # each row's own window (a row's region; Prophet's wider window): their ratio is the share of
+                        # the output head's and the samplers' work the rows read
+                        "logits_columns": 0, "own_logits_columns": 0}
 
     # ------------------------------------------------------------------------------------------ requests
     def submit(self, prompt, *, gen_length: int = 64, block_length: int | None = None, steps: int | None = None,
@@ -760,7 +775,7 @@ class Engine:
         sampler, cache, policy, config = resolve(self.model, recipe, reqs[0].sampler_spec[2], None, reqs[0].config)
         dec = Decoder(self.model, sampler, cache, policy, config)
         dec.rows_move = True  # rows join and leave between steps
-        dec.reads = _reads  # what _step_group reads, in the step's own synchronisation
+        dec.reads = functools.partial(_reads, dec=dec)  # what _step_group reads, in the step's own synchronisation
         if dec.graphed:  # the graph path: the K/V buffers sized for a batch bucket, rows move within
             dec.cache.batch_buckets = True
         st = dec.start([r.rows for r in reqs], None)
@@ -815,6 +830,7 @@ class Engine:
                 return
             st = group.state
         t0 = time.perf_counter()
+        B = st.x.shape[0]
         try:
             dec.step(st)
         except Exception as exc:  # the batch is dropped: a request alone fails, the others are retried alone
@@ -825,7 +841,10 @@ class Engine:
         self.metrics["steps"] += 1
         self.metrics["forwards"] += 1
         st.trace.clear()  # per-request statistics come from the per-row tensors
-        rows, done, row_nfe = _read_back(st)
+        rows, done, row_nfe, own = _read_back(st)
+        w_lo, w_hi = dec.last_window
+        self.metrics["logits_columns"] += B * (w_hi - w_lo)
+        self.metrics["own_logits_columns"] += own if own is not None else B * (w_hi - w_lo)
         self._stream(group, rows, row_nfe)
         G = dec.config.gen_length
         limit = 4 * (G + dec.config.total_steps) + 8
@@ -904,7 +923,7 @@ class Engine:
         if where is not None:
             group, i = where
             st = group.state
-            rows, _, row_nfe = _read_back(st)
+            rows, _, row_nfe, _ = _read_back(st)
             tokens, nfe = rows[i], row_nfe[i]
             if st.commit_logprob is not None:
                 entries = self._logprobs(self._record(st, slice(i, i + 1)), 0, 0, len(tokens))

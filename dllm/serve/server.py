@@ -107,6 +107,11 @@ class _EngineCollector:
         yield CounterMetricFamily("dllm_answer_tokens", "answer tokens (before EOS) of finished requests "
                                   "(rate: answer tokens/s)", value=s["tokens"])
         yield CounterMetricFamily("dllm_step_seconds", "seconds spent in decode steps", value=s["step_seconds"])
+        yield CounterMetricFamily("dllm_logits_columns", "(row, column) logits the steps computed: each batch's rows "
+                                  "times the union of their windows", value=s["logits_columns"])
+        yield CounterMetricFamily("dllm_own_logits_columns", "of dllm_logits_columns, those in each row's own window "
+                                  "(the ratio: the share of the output head's and the samplers' work the rows read)",
+                                  value=s["own_logits_columns"])
         yield _paths("dllm_forward_paths", "forwards by how they ran: CUDA graph replays and captures, eager and "
                      "why (full forwards included)", s["graphs"])
         yield _paths("dllm_step_paths", "steps' work after their forwards (sampler, commits, bookkeeping) by how it "
