@@ -10,8 +10,10 @@ active sets and only attention on the padded rows; padded (``pack_rows = False``
 Printed per sampler, cache, batch size and path, on the bundled tiny models (trained, so their confidences cross
 the thresholds as a real model's do), from ``generate``'s per-step statistics: forwards, the rows' mean share of
 token-layers computed (what each row's cache selected), the share the batch's forwards ran, their ratio, the
-forwards that ran every position of every row, wall time (CPU: a ratio within one run) and whether the tokens are
-those of the padded run. Counts, valid on any device; on a GPU a forward that computes every position of 16 rows
+forwards that ran every position of every row, the share of the logits columns computed (every row over the union
+of the rows' windows) that lie in each row's own window (``GenerateStats.own_logits_columns``: the output head's and
+the sampler's work the rows read), wall time (CPU: a ratio within one run) and whether the tokens are those of the
+padded run. Counts, valid on any device; on a GPU a forward that computes every position of 16 rows
 is compute-bound, many times a cached step.
 
     python benchmarks/bench_padding.py [--model llada-tiny] [--batch 1 4 16] [--samplers llada fast-dllm]
@@ -43,6 +45,7 @@ def measure(model, convs, sampler: str, cache: str, gen: int, block: int, packed
     return {"sampler": sampler, "cache": cache, "batch": len(convs), "path": "packed" if packed else "padded",
             "forwards": out.stats.nfe, "computed": round(computed, 3), "run": round(run, 3),
             "run_per_computed": round(run / computed, 2), "full_width": sum(1 for r in tr if r["run"] >= 1.0),
+            "own_logits": round(out.stats.own_logits_columns / out.stats.logits_columns, 3),
             "s": round(dt, 3)}, out.sequences
 
 
@@ -73,9 +76,11 @@ def main(argv=None) -> list[dict]:
                     print(json.dumps(r), flush=True)
     print()
     print_table(["sampler", "cache", "batch", "path", "forwards", "token-layers computed (rows' mean)", "run",
-                 "run / computed", "forwards of every position", "s", "same tokens"],
+                 "run / computed", "forwards of every position", "logits columns in rows' own windows", "s",
+                 "same tokens"],
                 [[r["sampler"], r["cache"], r["batch"], r["path"], r["forwards"], f"{r['computed']:.1%}",
-                  f"{r['run']:.1%}", f"{r['run_per_computed']}x", r["full_width"], r["s"], r["same_tokens"]]
+                  f"{r['run']:.1%}", f"{r['run_per_computed']}x", r["full_width"], f"{r['own_logits']:.1%}", r["s"],
+                  r["same_tokens"]]
                  for r in rows])
     write_json(a.json, rows)
     return rows

@@ -79,6 +79,11 @@ class GenerateStats:
     # per window: docs/architecture.md): {"replays": n, "captures": n, "eager:first sight": n, ...}; empty where it
     # ran eagerly
     step_graphs: dict[str, int] = field(default_factory=dict)
+    # the (row, column) logits the steps computed (every row over the union of the rows' windows: rows out of step
+    # widen each other's) and those in each row's own window (its region; Prophet's wider one); their ratio is the
+    # share of the output head's and the sampler's work the rows read
+    logits_columns: int = 0
+    own_logits_columns: int = 0
     # what ran, as resolved from the call (a block-diffusion model's default block cache, a preset's own cache):
     # the sampler's and the cache's names ("none": no cache); empty in stats built elsewhere
     sampler: str = ""
@@ -552,7 +557,8 @@ class Decoder:
         self._early_off = None  # the window within which a missed plan stopped them (_launch_early)
         self._bounds = None  # (key, [2, 7 + policy's numbers] bounds) of _guard
         self._relaunch = None  # a speculative cache's first part that may be launched again (_speculate)
-        self.last_window: tuple[int, int] | None = None  # the last step's logits columns (step)
+        #: the (row, column) logits the steps computed: every row over the union of the rows' windows
+        self.logits_columns = 0
         # the step's work after its forward as one graph (_commit_graphed), where the model's forwards can go through
         # graphs and the sampler's step is a function of its tensors alone (SamplerBase.graph_safe; a window widened
         # past the regions, Prophet's, is keyed by its ends as any window): the block policies' hooks are functions
@@ -675,7 +681,7 @@ class Decoder:
         win_lo, win_hi = st.window
         w_lo, w_hi = self.widen(win_lo, win_hi, P, T) if self.widen is not None else (win_lo, win_hi)
         cols = self.cols_all[w_lo:w_hi]
-        self.last_window = (w_lo, w_hi)  # the canvas columns whose logits this step computes, for every row
+        self.logits_columns += B * (w_hi - w_lo)  # every row's logits over the window
         tc = clock.mark()
         runner = self.graphs
         ahead, st.ahead = st.ahead, None
@@ -1066,7 +1072,7 @@ class Decoder:
     def own_windows(self, lo: torch.Tensor, hi: torch.Tensor, active: torch.Tensor, P: int, T: int):
         """``(lo, hi)`` ``[B]``: the canvas columns each row's own step reads, its region (``lo``, ``hi``) or the
         sampler's wider window (``window_columns``: Prophet's); a step computes the logits of the union of the rows'
-        windows (:attr:`last_window`) for every row."""
+        windows for every row (:attr:`logits_columns`)."""
         if self.widen is None:
             return lo, hi
         r_lo, r_hi = self.widen(lo, hi, P, T)
@@ -1075,6 +1081,15 @@ class Decoder:
         # a finished row reads nothing (no cache computes its rows; Prophet's fixed span would otherwise keep its
         # columns in a finished row's window)
         return torch.where(active, r_lo, r_hi), r_hi.expand(lo.shape[0])
+
+    def own_columns(self, trace: list[dict], P: int, T: int) -> int:
+        """The logits columns in each row's own window (:meth:`own_windows`), summed over a trace's steps (lists, as
+        :attr:`GenerateStats.trace` holds them) and rows; a row whose region is empty at a step (finished) has none."""
+        if not trace:
+            return 0
+        lo, hi = (torch.tensor([r[k] for r in trace]).flatten() for k in ("lo", "hi"))
+        r_lo, r_hi = self.own_windows(lo, hi, hi > lo, P, T)
+        return int((r_hi - r_lo).clamp_min(0).sum())
 
     def _plan_next(self, st: DecodeState):
         """The cache's plan for the next step computed now (``KVCache.plan_mask``: no host sync), so that its
@@ -1144,6 +1159,7 @@ class Decoder:
         B, G = len(st.rows), self.config.gen_length
         seqs = st.x[:, st.P :]
         row_nfe = st.row_nfe.tolist()
+        trace = _trace_lists(st.trace)
         stats = GenerateStats(
             nfe=st.nfe,
             row_nfe=row_nfe,
@@ -1153,7 +1169,9 @@ class Decoder:
             time_sampler=t["sampler"],
             time_cache=t["cache"],
             time_total=time_total,
-            trace=_trace_lists(st.trace),
+            trace=trace,
+            logits_columns=self.logits_columns,
+            own_logits_columns=self.own_columns(trace, st.P, st.x.shape[1]),
             commit_step=st.commit_step[:, st.P :].tolist(),
             commit_conf=st.commit_logprob[:, st.P :].exp().tolist() if st.commit_logprob is not None else [],
             commit_logprob=st.commit_logprob[:, st.P :].tolist() if st.commit_logprob is not None else [],

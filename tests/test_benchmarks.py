@@ -141,6 +141,9 @@ def test_bench_padding_shows_rows_out_of_step_widen_the_batch_unless_packed(tmp_
         assert by[("fast-dllm", 1, path)]["run_per_computed"] == 1.0  # one row: nothing to pad
     assert by[("fast-dllm", 8, "padded")]["run_per_computed"] > 1.2  # rows finish their blocks at their own steps
     assert by[("fast-dllm", 8, "packed")]["run_per_computed"] == 1.0  # ... and packed run only their own rows
+    # the logits columns: all the rows' own at one row and in step, fewer where rows are in different blocks
+    assert by[("fast-dllm", 1, "packed")]["own_logits"] == by[("llada", 8, "packed")]["own_logits"] == 1.0
+    assert by[("fast-dllm", 8, "packed")]["own_logits"] < 1.0
 
 
 def test_bench_detok_compares_incremental_and_whole_answer_detokenising(tmp_path):

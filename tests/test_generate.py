@@ -36,6 +36,24 @@ def test_stats_are_consistent(family):
     assert s.trace[0]["lo"] == [9, 9, 9] and s.trace[0]["hi"] == [17, 17, 17]  # prompt width 9, block 8
     assert s.trace[-1]["lo"] == [17, 17, 17]
     assert s.time_total >= s.time_model + s.time_sampler > 0
+    assert s.logits_columns == s.own_logits_columns == 8 * 3 * 8  # rows in step: every column is a row's own
+
+
+def test_rows_out_of_step_compute_each_others_logits_columns():
+    """``stats.logits_columns``: every row's logits over the union of the rows' windows; ``own_logits_columns``:
+    those in each row's own window. With a confidence threshold each row leaves its blocks at its own step, so a
+    batch's window spans rows in different blocks: its own columns are what the rows compute alone (a row's steps
+    are its own whatever its batch), the columns computed more. Prophet's window reaches the canvas end."""
+    model = dllm.load_model("llada-tiny")
+    prompts = ['Reverse the list: ["Kevin Irving", "Ann Lee", "Paula Parker"]', "What is 407 + 2185?",
+               "Fill in the Latin square with the symbols A, B, C, D.", 'Copy the list: ["Ann Lee"]']
+    for sampler in ("threshold", "prophet"):
+        kw = dict(sampler=sampler, gen_length=32, block_length=8)
+        batch = dllm.generate(model, prompts, **kw).stats
+        alone = [dllm.generate(model, [p], **kw).stats for p in prompts]
+        assert all(a.logits_columns == a.own_logits_columns > 0 for a in alone)
+        assert batch.own_logits_columns == sum(a.own_logits_columns for a in alone)
+        assert batch.logits_columns > batch.own_logits_columns
 
 
 def test_eos_early_stop_fills_and_finishes_rows_independently():

@@ -830,7 +830,7 @@ class Engine:
                 return
             st = group.state
         t0 = time.perf_counter()
-        B = st.x.shape[0]
+        n0 = dec.logits_columns
         try:
             dec.step(st)
         except Exception as exc:  # the batch is dropped: a request alone fails, the others are retried alone
@@ -842,9 +842,9 @@ class Engine:
         self.metrics["forwards"] += 1
         st.trace.clear()  # per-request statistics come from the per-row tensors
         rows, done, row_nfe, own = _read_back(st)
-        w_lo, w_hi = dec.last_window
-        self.metrics["logits_columns"] += B * (w_hi - w_lo)
-        self.metrics["own_logits_columns"] += own if own is not None else B * (w_hi - w_lo)
+        n = dec.logits_columns - n0
+        self.metrics["logits_columns"] += n
+        self.metrics["own_logits_columns"] += own if own is not None else n
         self._stream(group, rows, row_nfe)
         G = dec.config.gen_length
         limit = 4 * (G + dec.config.total_steps) + 8
