@@ -1069,10 +1069,11 @@ class Decoder:
         return CacheState(st.x, lo, hi, st.active, st.step_in, cols, st.P, self.model.mask_id, self.shift,
                           st.committed, st.nfe, st.key_mask, st.row_nfe, r_lo, r_hi)
 
-    def own_windows(self, lo: torch.Tensor, hi: torch.Tensor, active: torch.Tensor, P: int, T: int):
+    def own_windows(self, lo: torch.Tensor, hi: torch.Tensor, active: torch.Tensor | None, P: int, T: int):
         """``(lo, hi)`` ``[B]``: the canvas columns each row's own step reads, its region (``lo``, ``hi``) or the
-        sampler's wider window (``window_columns``: Prophet's); a step computes the logits of the union of the rows'
-        windows for every row (:attr:`logits_columns`)."""
+        sampler's wider window (``window_columns``: Prophet's; none for a row not ``active``, default: a row whose
+        region is not empty); a step computes the logits of the union of the rows' windows for every row
+        (:attr:`logits_columns`)."""
         if self.widen is None:
             return lo, hi
         r_lo, r_hi = self.widen(lo, hi, P, T)
@@ -1080,7 +1081,7 @@ class Decoder:
             r_hi = torch.full_like(lo, r_hi)
         # a finished row reads nothing (no cache computes its rows; Prophet's fixed span would otherwise keep its
         # columns in a finished row's window)
-        return torch.where(active, r_lo, r_hi), r_hi.expand(lo.shape[0])
+        return torch.where(hi > lo if active is None else active, r_lo, r_hi), r_hi.expand(lo.shape[0])
 
     def own_columns(self, trace: list[dict], P: int, T: int) -> int:
         """The logits columns in each row's own window (:meth:`own_windows`), summed over a trace's steps (lists, as
@@ -1088,7 +1089,7 @@ class Decoder:
         if not trace:
             return 0
         lo, hi = (torch.tensor([r[k] for r in trace]).flatten() for k in ("lo", "hi"))
-        r_lo, r_hi = self.own_windows(lo, hi, hi > lo, P, T)
+        r_lo, r_hi = self.own_windows(lo, hi, None, P, T)
         return int((r_hi - r_lo).clamp_min(0).sum())
 
     def _plan_next(self, st: DecodeState):

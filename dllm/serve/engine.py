@@ -292,7 +292,7 @@ def _reads(st: DecodeState, dec: Decoder | None = None) -> torch.Tensor:
     nums = [st.x[:, st.P:].reshape(-1), ~st.active, st.row_nfe]
     if dec is not None and st.trace:
         rec = st.trace[-1]  # the step's record: its regions
-        lo, hi = dec.own_windows(rec["lo"], rec["hi"], torch.ones_like(st.active), st.P, st.x.shape[1])
+        lo, hi = dec.own_windows(rec["lo"], rec["hi"], None, st.P, st.x.shape[1])
         nums.append((hi - lo).clamp_min(0).sum().view(1))
     return torch.cat(nums)
 
