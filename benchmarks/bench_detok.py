@@ -43,7 +43,9 @@ def _whole(tok, ids: list[int], step: int) -> tuple[str, float, int]:
     for i in range(step, len(ids) + step, step):
         part = ids[:i]
         decoded += len(part)
-        text = tok.decode(part, skip_special_tokens=True).rstrip("\ufffd")
+        text = tok.decode(part, skip_special_tokens=True)
+        if i < len(ids):  # an unfinished character waits for its next ids; the whole answer's decode is final
+            text = text.rstrip("\ufffd")
         sent += text[len(sent):]
     return sent, time.perf_counter() - t0, decoded
 

@@ -125,7 +125,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--samplers", default=None,
-                    help="comma-separated names to measure (default: the baselines and every preset but guided)")
+                    help="comma-separated names to measure, any registered sampler but guided (default: the baselines and "
+                         "every preset but guided)")
     ap.add_argument("--confident", type=float, default=0.0,
                     help="share of the columns made confident and stable (0: the random model alone)")
     args = ap.parse_args()
@@ -136,10 +137,11 @@ def main() -> None:
         ap.error(f"--confident {args.confident} is out of range; give a share in [0, 1]")
     names = [n for n in (*BASELINES, *PRESETS) if n not in SKIPPED]
     if args.samplers:
+        known = [e.name for e in dllm.list_samplers() if e.name not in SKIPPED]  # any registered sampler by name
         names = args.samplers.split(",")
-        bad = sorted(set(names) - set(BASELINES) - set(PRESETS) | set(names) & set(SKIPPED))
+        bad = sorted(set(names) - set(known))
         if bad:
-            ap.error(f"--samplers: cannot measure {bad}; choose from {', '.join(n for n in (*BASELINES, *PRESETS) if n not in SKIPPED)}")
+            ap.error(f"--samplers: cannot measure {bad}; choose from {', '.join(known)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)

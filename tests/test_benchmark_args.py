@@ -286,6 +286,11 @@ def test_bench_samplers_refuses_a_length_its_blocks_cannot_tile():
     assert "--gen 16" in err and "multiple of 32" in err
 
 
+def test_bench_samplers_takes_any_registered_sampler_but_the_guided_one():
+    err = refused("bench_samplers.py", "--samplers", "prophet,foo,guided")
+    assert "['foo', 'guided']" in err and "prophet" in err.split("choose from")[1]
+
+
 # 10. bench_kernels.py, bench_blockdiff.py
 
 
