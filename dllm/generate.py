@@ -1083,14 +1083,11 @@ class Decoder:
         # columns in a finished row's window)
         return torch.where(hi > lo if active is None else active, r_lo, r_hi), r_hi.expand(lo.shape[0])
 
-    def own_columns(self, trace: list[dict], P: int, T: int) -> int:
-        """The logits columns in each row's own window (:meth:`own_windows`), summed over a trace's steps (lists, as
-        :attr:`GenerateStats.trace` holds them) and rows; a row whose region is empty at a step (finished) has none."""
-        if not trace:
-            return 0
-        lo, hi = (torch.tensor([r[k] for r in trace]).flatten() for k in ("lo", "hi"))
+    def own_columns(self, lo: torch.Tensor, hi: torch.Tensor, P: int, T: int) -> torch.Tensor:
+        """0-d: the logits columns in each row's own window (:meth:`own_windows`) for the regions ``lo`` / ``hi`` (a
+        step's ``[B]``, or any number of steps' flattened), summed; a row whose region is empty (finished) has none."""
         r_lo, r_hi = self.own_windows(lo, hi, None, P, T)
-        return int((r_hi - r_lo).clamp_min(0).sum())
+        return (r_hi - r_lo).clamp_min(0).sum()
 
     def _plan_next(self, st: DecodeState):
         """The cache's plan for the next step computed now (``KVCache.plan_mask``: no host sync), so that its
@@ -1161,6 +1158,9 @@ class Decoder:
         seqs = st.x[:, st.P :]
         row_nfe = st.row_nfe.tolist()
         trace = _trace_lists(st.trace)
+        # the steps' regions, read with the trace, as one flat list of rows
+        regions = [torch.tensor([c for r in trace for c in r[k]], dtype=torch.long) for k in ("lo", "hi")]
+        own = int(self.own_columns(*regions, st.P, st.x.shape[1]))
         stats = GenerateStats(
             nfe=st.nfe,
             row_nfe=row_nfe,
@@ -1172,7 +1172,7 @@ class Decoder:
             time_total=time_total,
             trace=trace,
             logits_columns=self.logits_columns,
-            own_logits_columns=self.own_columns(trace, st.P, st.x.shape[1]),
+            own_logits_columns=own,
             commit_step=st.commit_step[:, st.P :].tolist(),
             commit_conf=st.commit_logprob[:, st.P :].exp().tolist() if st.commit_logprob is not None else [],
             commit_logprob=st.commit_logprob[:, st.P :].tolist() if st.commit_logprob is not None else [],

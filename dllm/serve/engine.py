@@ -292,8 +292,7 @@ def _reads(st: DecodeState, dec: Decoder | None = None) -> torch.Tensor:
     nums = [st.x[:, st.P:].reshape(-1), ~st.active, st.row_nfe]
     if dec is not None and st.trace:
         rec = st.trace[-1]  # the step's record: its regions
-        lo, hi = dec.own_windows(rec["lo"], rec["hi"], None, st.P, st.x.shape[1])
-        nums.append((hi - lo).clamp_min(0).sum().view(1))
+        nums.append(dec.own_columns(rec["lo"], rec["hi"], st.P, st.x.shape[1]).view(1))
     return torch.cat(nums)
 
 
@@ -844,7 +843,7 @@ class Engine:
         rows, done, row_nfe, own = _read_back(st)
         n = dec.logits_columns - n0
         self.metrics["logits_columns"] += n
-        self.metrics["own_logits_columns"] += own if own is not None else n
+        self.metrics["own_logits_columns"] += own  # read in the step's own transfer (Decoder.reads)
         self._stream(group, rows, row_nfe)
         G = dec.config.gen_length
         limit = 4 * (G + dec.config.total_steps) + 8
