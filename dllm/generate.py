@@ -22,7 +22,7 @@ from dllm.kernels.device import on_device
 from dllm.models.spec import vocab_size
 from dllm.ops import cached_arange, ids_on, shape_bucket, shown
 from dllm.recipes import resolve
-from dllm.samplers.base import StepContext, declares_graph_safe, row_key_words
+from dllm.samplers.base import StepContext, declares_graph_safe, declares_row_windows, row_key_words
 
 
 class NonFiniteLogitsError(ValueError):
@@ -36,10 +36,12 @@ class NonFiniteLogitsError(ValueError):
         self.rows, self.step, self.positions = rows, step, positions
 
     @classmethod
-    def at(cls, bad: torch.Tensor, step0: int, offset: int) -> NonFiniteLogitsError:
-        """From the ``[B, W]`` mask of bad window positions (window column 0 = generation offset ``offset``)."""
+    def at(cls, bad: torch.Tensor, step0: int, offset) -> NonFiniteLogitsError:
+        """From the ``[B, W]`` mask of bad window positions (window column 0 = generation offset ``offset``: an int,
+        or a ``[B]`` tensor where each row's window is its own)."""
         rows = bad.any(-1).nonzero().flatten().tolist()
-        positions = [(bad[r].nonzero().flatten() + offset).tolist() for r in rows]
+        positions = [(bad[r].nonzero().flatten() + (offset[r] if torch.is_tensor(offset) else offset)).tolist()
+                     for r in rows]
         shown = ", ".join(f"row {r} at {pos[:8]}{' ...' if len(pos) > 8 else ''}" for r, pos in zip(rows, positions))
         return cls(f"the model returned non-finite logits (NaN, inf or no finite value) at step {step0 + 1}: {shown}; "
                    "this is usually a half-precision overflow: load the model with dtype='float32' (or check the "
@@ -79,9 +81,10 @@ class GenerateStats:
     # per window: docs/architecture.md): {"replays": n, "captures": n, "eager:first sight": n, ...}; empty where it
     # ran eagerly
     step_graphs: dict[str, int] = field(default_factory=dict)
-    # the (row, column) logits the steps computed (every row over the union of the rows' windows: rows out of step
-    # widen each other's) and those in each row's own window (its region; Prophet's wider one); their ratio is the
-    # share of the output head's and the sampler's work the rows read
+    # the (row, column) logits the steps computed (every row as wide as the widest row's region where the sampler
+    # takes per-row windows, Decoder.row_windows; else every row over the union of the rows' windows: rows out of
+    # step widen each other's) and those in each row's own window (its region; Prophet's wider one); their ratio is
+    # the share of the output head's and the sampler's work the rows read
     logits_columns: int = 0
     own_logits_columns: int = 0
     # what ran, as resolved from the call (a block-diffusion model's default block cache, a preset's own cache):
@@ -442,6 +445,9 @@ class DecodeState:
     row_key: torch.Tensor  # [B, 2] per-row random stream keys
     generator: torch.Generator | None  # the run's generator (reference random streams)
     window: tuple[int, int]  # host copy of the next step's window (the union of the active rows' regions)
+    # host copy of the next step's row window width where each row's logits are at its own window
+    # (Decoder.row_windows: the widest active row's region), else 0
+    width: int = 0
     # the cache's plan for the next step, read in the previous step's host sync: (canvas it was computed for, its
     # version, active-row mask, partial?, largest active set, KVCache.plan_rows's tensors); used only while the
     # canvas is that same tensor
@@ -481,11 +487,12 @@ class _Ahead:
     launched: bool = False  # ... whether it was (a speculative cache's first part returns no logits)
     stop: int | None = None  # a speculative cache's first part: up to this layer (None: every layer)
     extra: tuple = ()  # the policy's own plan numbers it was planned with (KVCache.plan_numbers)
+    width: int = 0  # the logits columns per row it computes
 
-    def matches(self, st: DecodeState, window: tuple[int, int]) -> bool:
-        """Whether ``st`` is the state it was planned on, for ``window``."""
+    def matches(self, st: DecodeState, window: tuple[int, int], width: int) -> bool:
+        """Whether ``st`` is the state it was planned on, for ``window`` and ``width`` logits columns per row."""
         now = _versions(st)
-        return window == self.window and len(now) == len(self.inputs) and all(
+        return window == self.window and width == self.width and len(now) == len(self.inputs) and all(
             a is b and va == vb for (a, va), (b, vb) in zip(now, self.inputs))
 
 
@@ -524,6 +531,10 @@ class Decoder:
         self.refine = policy.refine  # regions fixed after their first forward (AdaBlock)
         self.widen = sampler.window_columns  # logits beyond the regions (Prophet)
         self.slide = policy.slide  # regions recomputed before every forward (sliding window)
+        # each row's logits at its own window's columns (a [B, W] logits_idx, every row as wide as the widest region),
+        # where the sampler takes per-row windows (SamplerBase.row_windows) and no hook widens or refines a window:
+        # no row's logits computed at another row's columns, the step graphs keyed by the window's width alone
+        self.row_windows = self.widen is None and self.refine is None and declares_row_windows(sampler)
         self.step_stats = cache.step_stats
         self.shift = 1 if getattr(model, "shift_logits", False) else 0
         self.n_layers = getattr(getattr(model, "config", None), "n_layers", 1)
@@ -557,7 +568,7 @@ class Decoder:
         self._early_off = None  # the window within which a missed plan stopped them (_launch_early)
         self._bounds = None  # (key, [2, 7 + policy's numbers] bounds) of _guard
         self._relaunch = None  # a speculative cache's first part that may be launched again (_speculate)
-        #: the (row, column) logits the steps computed: every row over the union of the rows' windows
+        #: the (row, column) logits the steps computed: every row over its own window or the union of the rows'
         self.logits_columns = 0
         # the step's work after its forward as one graph (_commit_graphed), where the model's forwards can go through
         # graphs and the sampler's step is a function of its tensors alone (SamplerBase.graph_safe; a window widened
@@ -642,7 +653,7 @@ class Decoder:
         )
         if self.slide is not None:
             st.lo, st.hi = self.slide(x == model.mask_id, st.lo)
-        st.window = tuple(self._window(st).tolist())
+        self.host_window(st)
         self.max_iters = 4 * (G + config.total_steps) + 8
         return st
 
@@ -661,9 +672,24 @@ class Decoder:
             z = self._false = torch.zeros_like(like, dtype=torch.bool)
         return z
 
-    def _window(self, st: DecodeState) -> torch.Tensor:
-        """``[2]`` (lo, hi) of the union of the active rows' regions, on the device."""
-        return torch.stack(self._window_ends(st))
+    def host_window(self, st: DecodeState) -> None:
+        """The next step's window read onto the host, :attr:`DecodeState.window` (the union of the active rows'
+        regions) and, with :attr:`row_windows`, :attr:`DecodeState.width`: one synchronisation (a batch's start, a
+        served batch's rows regrouped; a step reads them in its own)."""
+        v = torch.stack([*self._window_ends(st), *([self._width(st)] if self.row_windows else [])]).tolist()
+        st.window = tuple(v[:2])
+        if self.row_windows:
+            st.width = v[2]
+
+    @staticmethod
+    def _width(st: DecodeState) -> torch.Tensor:
+        """0-d: the widest active row's region (at least 1), the logits columns per row of a step with per-row windows."""
+        return torch.where(st.active, st.hi - st.lo, 0).max().clamp_min(1)
+
+    def _row_cols(self, st: DecodeState, W: int) -> torch.Tensor:
+        """``[B, W]``: each row's window columns (:attr:`row_windows`), from its region's start, moved left where
+        they would pass the canvas end."""
+        return st.lo.clamp_max(st.x.shape[1] - W)[:, None] + self.cols_all[:W]
 
     @staticmethod
     def _window_ends(st: DecodeState) -> list[torch.Tensor]:
@@ -680,13 +706,19 @@ class Decoder:
         B, T = x.shape
         win_lo, win_hi = st.window
         w_lo, w_hi = self.widen(win_lo, win_hi, P, T) if self.widen is not None else (win_lo, win_hi)
-        cols = self.cols_all[w_lo:w_hi]
-        self.logits_columns += B * (w_hi - w_lo)  # every row's logits over the window
+        per_row = self.row_windows and B > 1  # alone, a row's window is the batch's
+        if per_row:  # each row at its own columns ([B, W])
+            W = st.width
+            cols = lidx = self._row_cols(st, W)
+        else:  # every row over the window
+            W, cols = w_hi - w_lo, self.cols_all[w_lo:w_hi]
+            lidx = cols.expand(B, -1)
+        self.logits_columns += B * W
         tc = clock.mark()
         runner = self.graphs
         ahead, st.ahead = st.ahead, None
         logits = None
-        matched = ahead is not None and ahead.matches(st, (w_lo, w_hi))
+        matched = ahead is not None and ahead.matches(st, (w_lo, w_hi), W)
         if ahead is not None and ahead.launched and not matched:
             runner.ahead["discarded"] += 1  # launched, but the state changed since (the serving engine's regrouping)
         held = False
@@ -705,8 +737,7 @@ class Decoder:
                 query_idx, eager = ahead.query_idx, None
                 st.plan_hint = None
                 if cache.speculative:  # its first part ran: the drift tests read, the forward resumed or redone
-                    logits = self._speculate(st, cols.expand(B, -1), query_idx, cache.query_tokens,
-                                             first=(logits, ahead.stop))
+                    logits = self._speculate(st, lidx, query_idx, cache.query_tokens, first=(logits, ahead.stop))
         if not held:
             cstate = self._cache_state(st, (w_lo, w_hi))
             hint = st.plan_hint
@@ -722,23 +753,29 @@ class Decoder:
             n_query = cache.query_tokens if query_idx is not None else None
             if runner is not None and query_idx is None and self._eager_full is None:
                 # a full forward through a graph (None: the cache takes its buffers now, eagerly)
-                logits = runner.full(x, st.positions, st.key_mask, cols.expand(B, -1), cache)
+                logits = runner.full(x, st.positions, st.key_mask, lidx, cache)
             if logits is None and runner is not None and eager is None:
                 if query_idx is not None and cache.speculative:
-                    logits = self._speculate(st, cols.expand(B, -1), query_idx, n_query)
+                    logits = self._speculate(st, lidx, query_idx, n_query)
                 else:
-                    logits = runner(x, st.positions, st.key_mask, cols.expand(B, -1), cache, query_idx, n_query)
+                    logits = runner(x, st.positions, st.key_mask, lidx, cache, query_idx, n_query)
             elif logits is None:
                 if eager is not None:
                     runner.stats["eager:" + eager] += 1
-                logits = _forward(model, x, st.positions, st.key_mask, cols.expand(B, -1), config, cache, query_idx,
-                                  n_query)
+                logits = _forward(model, x, st.positions, st.key_mask, lidx, config, cache, query_idx, n_query)
         t1 = clock.mark()
         cstats = self.step_stats(self.n_layers) if self.step_stats is not None else {}
+        if per_row:
+            win_hi = None  # read by a sampler that widens the window alone (Prophet's)
         if self._commit_graph:
             bad, record, head, pace = self._commit_graphed(st, logits, w_lo, w_hi, win_hi, cols)
         else:
             bad, record, head, pace = self._commit(st, logits, w_lo, w_hi, win_hi, cols, st.nfe + 1)
+        wid = []
+        if per_row:  # the next step's width, the head's last number: read last of all
+            if len(head) == 1:  # the step graph's numbers in one tensor
+                head = [head[0][:-1], head[0][-1:]]
+            head, wid = head[:-1], head[-1:]
         t2 = clock.mark()
         clock.add("cache", tc, t0)
         clock.add("model", t0, t1)
@@ -748,7 +785,7 @@ class Decoder:
         # the next step's cache plan (active rows, partial or full, largest active set), read in this sync
         nxt = self._plan_next(st)
         more = [self.reads(st)] if self.reads is not None else []
-        host = torch.cat([*head, *(t.view(1) for t in (nxt[1] if nxt is not None else ())), *pace, *more])  # one kernel
+        host = torch.cat([*head, *(t.view(1) for t in (nxt[1] if nxt is not None else ())), *pace, *more, *wid])
         # a partial forward replayed from a graph: the next one is expected alike (same shapes and window), so it is
         # planned and its graph's inputs filled now, while the device still works on this step
         # (and, where the regions look far from their end, launched now: _sync)
@@ -756,9 +793,12 @@ class Decoder:
         if self._pipelined and nxt is not None and query_idx is not None and eager is None and \
                 not self._refresh_next(st):
             tp = clock.mark()
-            ahead = self._prepare_next(st, nxt, w_lo, w_hi, host if self._launch_early(st) else None)
+            ahead = self._prepare_next(st, nxt, w_lo, w_hi, W if per_row else None,
+                                       host if self._launch_early(st) else None)
             clock.add("cache", tp, clock.mark())  # the next step's plan, made now
         synced = self._sync(host, ahead if ahead is not None and ahead.guarded else None)
+        if wid:
+            st.width, synced = synced[-1], synced[:-1]
         if more:
             n = more[0].numel()
             synced, st.read = synced[:len(synced) - n], synced[len(synced) - n:]
@@ -770,7 +810,7 @@ class Decoder:
         if self._pipelined:
             st.pace = (synced[-B - 2], synced[-B - 1], synced[-B:])
         if ahead is not None:
-            how = self._confirmed(ahead, synced, st.x.shape) if running else None
+            how = self._confirmed(ahead, synced, st.x.shape) if running and (not wid or st.width == W) else None
             if how is not None:
                 st.ahead = ahead
                 runner.ahead["confirmed"] += 1
@@ -783,7 +823,7 @@ class Decoder:
                 if running and synced[4] and tuple(synced[2:4]) == ahead.window:
                     self._early_off = ahead.window  # a width past what wide_ahead keeps: none more in this window
         if nonfinite:
-            raise NonFiniteLogitsError.at(bad, st.nfe - 1, w_lo - P)
+            raise NonFiniteLogitsError.at(bad, st.nfe - 1, lidx[:, 0] - P if per_row else w_lo - P)
         if running and st.nfe >= self.max_iters:
             raise RuntimeError(f"decoding made no progress after {st.nfe} steps; sampler {sampler!r} commits nothing")
         return bool(running)
@@ -800,9 +840,11 @@ class Decoder:
         x, lo, hi, P = st.x, st.lo, st.hi, st.P
         B, T = x.shape
         mask_id = model.mask_id
-        xw = x[:, w_lo:w_hi]
+        rows = cols.dim() == 2  # each row's own window ([B, W] columns), else the batch's w_lo:w_hi
+        xw = x.gather(1, cols) if rows else x[:, w_lo:w_hi]
+        c = cols if rows else cols[None]
         pinfo = {}
-        in_region = (cols[None] >= lo[:, None]) & (cols[None] < hi[:, None])
+        in_region = (c >= lo[:, None]) & (c < hi[:, None])
         # Non-finite logits (NaN anywhere, +inf, or no finite entry) at a window position of an unfinished row: the
         # position's logits are zeroed so no sampler trips over them, and the step's host sync raises.
         top = logits.amax(-1)
@@ -812,12 +854,12 @@ class Decoder:
         if self.refine is not None:
             fresh = st.active & (st.step_in == 0)
             hi, st.steps, pinfo = self.refine(logits, w_lo, lo, hi, st.steps, fresh, config)
-            in_region = (cols[None] >= lo[:, None]) & (cols[None] < hi[:, None])
+            in_region = (c >= lo[:, None]) & (c < hi[:, None])
             st.n_start = torch.where(fresh, ((xw == mask_id) & in_region).sum(-1), st.n_start)
         cand = (xw == mask_id) & in_region & st.active[:, None]
         ctx = StepContext(
             x=xw, cand=cand, step=st.step_in, steps=st.steps, n_region_start=st.n_start, region_lo=lo,
-            region_hi=hi, win_lo=w_lo, canvas_len=T, gen_lo=P, global_step=st.nfe, total_steps=config.total_steps,
+            region_hi=hi, win_lo=cols[:, :1] if rows else w_lo, canvas_len=T, gen_lo=P, global_step=st.nfe, total_steps=config.total_steps,
             generator=st.generator, mask_id=mask_id, eos_id=model.eos_id, eot_id=model.eot_id, state=st.state,
             win_hi=win_hi, canvas=x, row_key=st.row_key, row_step=st.row_nfe,
         )
@@ -827,26 +869,30 @@ class Decoder:
             commit = commit | (res.finish[:, None] & st.active[:, None] & (xw == mask_id))
             hi = torch.where(res.finish & st.active, torch.full_like(hi, T), hi)
         prop = res.proposal
-        if prop.shape == xw.shape and prop.dtype == x.dtype and \
-                prop.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
-            torch.where(commit, prop, xw, out=xw)  # the canvas's window in place: one kernel, no copy back
-        else:  # a proposal that broadcasts, casts or reads the canvas itself: computed apart, then copied
-            x[:, w_lo:w_hi] = torch.where(commit, prop, xw)
-        _put(st.commit_step[:, w_lo:w_hi], commit, done)
+        committed = torch.zeros_like(st.committed)
+        if rows:  # written back by scatter: each row's columns are distinct
+            x.scatter_(1, cols, torch.where(commit, prop, xw))
+            committed.scatter_(1, cols, commit)
+            _put(st.commit_step, committed, done)
+        else:
+            if prop.shape == xw.shape and prop.dtype == x.dtype and \
+                    prop.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
+                torch.where(commit, prop, xw, out=xw)  # the canvas's window in place: one kernel, no copy back
+            else:  # a proposal that broadcasts, casts or reads the canvas itself: computed apart, then copied
+                x[:, w_lo:w_hi] = torch.where(commit, prop, xw)
+            committed[:, w_lo:w_hi] = commit
+            _put(st.commit_step[:, w_lo:w_hi], commit, done)
         if st.commit_logprob is not None or st.commit_top_ids is not None:
             lf = logits.float()
             lse = torch.logsumexp(lf, -1)
             if st.commit_logprob is not None:
                 lp = lf.gather(-1, res.proposal[..., None]).squeeze(-1) - lse
-                st.commit_logprob[:, w_lo:w_hi] = torch.where(commit, lp, st.commit_logprob[:, w_lo:w_hi])
+                _window_where(st.commit_logprob, cols, w_lo, w_hi, commit, lp)
             if st.commit_top_ids is not None:
                 top, ids = lf.topk(st.commit_top_ids.shape[-1], -1)
                 keep = commit[..., None]
-                st.commit_top_ids[:, w_lo:w_hi] = torch.where(keep, ids, st.commit_top_ids[:, w_lo:w_hi])
-                st.commit_top_logprobs[:, w_lo:w_hi] = torch.where(keep, top - lse[..., None],
-                                                                   st.commit_top_logprobs[:, w_lo:w_hi])
-        committed = torch.zeros_like(st.committed)
-        committed[:, w_lo:w_hi] = commit
+                _window_where(st.commit_top_ids, cols, w_lo, w_hi, keep, ids)
+                _window_where(st.commit_top_logprobs, cols, w_lo, w_hi, keep, top - lse[..., None])
         st.row_nfe.add_(st.active)
         st.step_in += 1
         # early commit (Prophet's all-in step, a guided row's EOS fill): recorded on every step, False when none
@@ -857,7 +903,9 @@ class Decoder:
         st.x, st.committed = x, committed
         if self.slide is not None:
             st.lo, st.hi = self.slide(x == mask_id, st.lo)
-        head = [t.view(1) for t in (st.active.any(), bad.any(), *self._window_ends(st))]  # the bools count as 0 / 1
+        # the bools count as 0 / 1; with per-row windows the next step's width last
+        head = [t.view(1) for t in (st.active.any(), bad.any(), *self._window_ends(st),
+                                    *([self._width(st)] if rows else []))]
         # the pipelined graph path also reads how far the regions are from their end and each row's steps in its
         # region (_launch_early)
         pace = [torch.where(st.active, left, T).min().view(1), record["committed"].max().view(1),
@@ -875,10 +923,14 @@ class Decoder:
         bank.bind(st, logits)
         self._false = bank.no_rows  # the trace's all-False record, read by the graph: the bank's, not this call's
         before = _layout(st.state)  # the sampler's scratch state, bound to the bank
-        key = ("step", bank.serial, w_lo, w_hi, win_hi, st.P, self._commit_graph, repr(before) if before else None)
+        # per-row windows: keyed by their width alone, each row's columns computed in the graph from its region
+        per_row = cols.dim() == 2
+        where = ("rows", cols.shape[1]) if per_row else (w_lo, w_hi, win_hi)
+        key = ("step", bank.serial, *where, st.P, self._commit_graph, repr(before) if before else None)
         T, device = st.x.shape[1], st.x.device
         self.cols_all = cached_arange(T, device)  # the shared columns (made anew only where the cache dropped them)
-        cols = self.cols_all[w_lo:w_hi]
+        W = cols.shape[-1]
+        cols = None if per_row else self.cols_all[w_lo:w_hi]
 
         def body():
             # the scratch state as the key saw it: a capture runs this body again after its warm-up, and a step that
@@ -886,7 +938,8 @@ class Decoder:
             bank.restore(st, before)
             cached_arange(T, device)  # in a capture: kept for as long as the graph may replay its reads of them
             done = bank.nfe + 1
-            bad, record, head, pace = self._commit(st, bank.logits, w_lo, w_hi, win_hi, cols, done)
+            c = self._row_cols(st, W) if cols is None else cols  # the bank's regions
+            bad, record, head, pace = self._commit(st, bank.logits, w_lo, w_hi, win_hi, c, done)
             layout, packed = _pack(record)  # before the state is written back: the record reads lo and hi
             bank.write_back(st, done)
             return bad, torch.cat(head), torch.cat(pace) if pace else None, packed, layout, _layout(st.state)
@@ -925,11 +978,12 @@ class Decoder:
         self._relaunch = part if start is None or start >= (stop if stop is not None else self.n_layers) else None
         return logits
 
-    def _prepare_next(self, st: DecodeState, nxt, w_lo: int, w_hi: int, host: torch.Tensor | None = None
-                      ) -> _Ahead | None:
+    def _prepare_next(self, st: DecodeState, nxt, w_lo: int, w_hi: int, W: int | None,
+                      host: torch.Tensor | None = None) -> _Ahead | None:
         """The next step's partial forward planned with this step's shapes and window (``nxt``: :meth:`_plan_next`'s
-        mask and rows) and its graph's inputs filled (:meth:`GraphRunner.prepare`), or None where no captured graph
-        has that key. Planning is the cache's :meth:`~dllm.caches.base.KVCache.plan` with this step's numbers in
+        mask and rows; ``W``: each row's logits columns with per-row windows, at the rows' regions after this step's
+        commits, None: the window's) and its graph's inputs filled (:meth:`GraphRunner.prepare`), or None where no
+        captured graph has that key. Planning is the cache's :meth:`~dllm.caches.base.KVCache.plan` with this step's numbers in
         place of those the synchronisation will read: where they differ, the next step plans again, and this plan
         (a function of the decode state alone, ``KVCache.pipelined``) is replaced.
 
@@ -958,15 +1012,16 @@ class Decoder:
         # overwritten by the first run
         guard = None if host is None else self._guard(host, w_lo, w_hi, Q, N, extra,
                                                       exact=st.x.shape if cache.speculative else None)
-        args = (st.x, st.positions, st.key_mask, self.cols_all[w_lo:w_hi].expand(B, -1), cache, query_idx,
-                cache.query_tokens)
+        # the logits columns of this step's window, or this step's width at the rows' regions as they now stand
+        lidx = self._row_cols(st, W) if W is not None else self.cols_all[w_lo:w_hi].expand(B, -1)
+        args = (st.x, st.positions, st.key_mask, lidx, cache, query_idx, cache.query_tokens)
         ready = self.graphs.prepare(*args, guard=guard, stop=stop)
         if ready is None:
             return None
         if guard is not None and cache.speculative and ready.g is not relaunch:  # not this step's graph after all
             ready, guard = self.graphs.prepare(*args, stop=stop), None  # filled again, launched after
         return _Ahead(ready, _versions(st), (w_lo, w_hi), Q, N, query_idx, guarded=guard is not None, stop=stop,
-                      extra=extra)
+                      extra=extra, width=w_hi - w_lo if W is None else W)
 
     def _guard(self, host: torch.Tensor, w_lo: int, w_hi: int, Q: int, N: int | None, extra: tuple = (),
                exact: tuple[int, int] | None = None) -> torch.Tensor:
@@ -1337,6 +1392,17 @@ def _put(t: torch.Tensor, mask: torch.Tensor, value, inplace: bool = True) -> to
     if isinstance(value, torch.Tensor):
         return torch.where(mask, value, t, out=t) if inplace else torch.where(mask, value, t)
     return t.masked_fill_(mask, value) if inplace else t.masked_fill(mask, value)
+
+
+def _window_where(t: torch.Tensor, cols: torch.Tensor, w_lo: int, w_hi: int, keep: torch.Tensor, new: torch.Tensor
+                  ) -> None:
+    """``t`` (``[B, T, ...]``) set to ``new`` at a step's window columns where ``keep``: the batch's ``w_lo:w_hi``
+    (``cols`` 1-d), or each row's own (``cols`` ``[B, W]``, by gather and scatter)."""
+    if cols.dim() == 1:
+        t[:, w_lo:w_hi] = torch.where(keep, new, t[:, w_lo:w_hi])
+        return
+    idx = cols.view(*cols.shape, *(1,) * (t.dim() - 2)).expand(-1, -1, *t.shape[2:])
+    t.scatter_(1, idx, torch.where(keep, new, t.gather(1, idx)))
 
 
 def _pack(record: dict) -> tuple[tuple, list[torch.Tensor]]:

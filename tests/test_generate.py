@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from conftest import ragged_prompts, random_model
 
@@ -39,11 +40,12 @@ def test_stats_are_consistent(family):
     assert s.logits_columns == s.own_logits_columns == 8 * 3 * 8  # rows in step: every column is a row's own
 
 
-def test_rows_out_of_step_compute_each_others_logits_columns():
-    """``stats.logits_columns``: every row's logits over the union of the rows' windows; ``own_logits_columns``:
-    those in each row's own window. With a confidence threshold each row leaves its blocks at its own step, so a
-    batch's window spans rows in different blocks: its own columns are what the rows compute alone (a row's steps
-    are its own whatever its batch), the columns computed more. Prophet's window reaches the canvas end."""
+def test_rows_out_of_step_compute_their_own_logits_columns_or_the_unions():
+    """``stats.logits_columns``: the (row, column) logits the steps computed; ``own_logits_columns``: those in each
+    row's own window. With a confidence threshold each row leaves its blocks at its own step, so the rows of a batch
+    sit in different blocks. The threshold sampler takes per-row windows (``SamplerBase.row_windows``): each row's
+    logits are its own block's 8 columns at every step, the batch's own columns what the rows compute alone. Prophet
+    widens the window to the canvas end: every row is computed over the union of the rows' windows, more than its own."""
     model = dllm.load_model("llada-tiny")
     prompts = ['Reverse the list: ["Kevin Irving", "Ann Lee", "Paula Parker"]', "What is 407 + 2185?",
                "Fill in the Latin square with the symbols A, B, C, D.", 'Copy the list: ["Ann Lee"]']
@@ -53,7 +55,41 @@ def test_rows_out_of_step_compute_each_others_logits_columns():
         alone = [dllm.generate(model, [p], **kw).stats for p in prompts]
         assert all(a.logits_columns == a.own_logits_columns > 0 for a in alone)
         assert batch.own_logits_columns == sum(a.own_logits_columns for a in alone)
-        assert batch.logits_columns > batch.own_logits_columns
+        assert len({tuple(lo) for lo in (r["lo"] for r in batch.trace)}) > 1 and \
+            any(len(set(r["lo"])) > 1 for r in batch.trace)  # rows in different blocks at a step
+        if sampler == "threshold":
+            assert batch.logits_columns == 4 * 8 * batch.nfe  # each row its block's 8 columns, finished or not
+        else:
+            assert batch.logits_columns > batch.own_logits_columns
+
+
+def test_per_row_windows_give_each_row_what_it_decodes_alone_with_its_records():
+    """Per-row windows (the threshold sampler's, rows in different blocks): each row's tokens, forwards, commit steps,
+    committed tokens' log-probabilities and top alternatives are those it gets alone, eager and on the step graphs'
+    path (the CPU's twin of the CUDA graphs), with the dual cache and without. The step graph of per-row windows is
+    keyed by the window's width alone: one graph serves every block of a generation (the union window's graphs are
+    one per window)."""
+    model = dllm.load_model("llada-tiny")
+    prompts = ["What is 407 + 2185?", 'Copy the list: ["Ann Lee"]', "Name three colours."]
+    for cache, graphs in (("dual", "on"), ("none", "off")):
+        kw = dict(sampler="threshold", cache=cache, gen_length=32, block_length=8, graphs=graphs,
+                  record_confidence=True, record_top_logprobs=2)
+        batch = dllm.generate(model, prompts, **kw)
+        assert any(len(set(r["lo"])) > 1 for r in batch.stats.trace)  # rows out of step
+        for b, p in enumerate(prompts):
+            one = dllm.generate(model, [p], **kw)
+            n = one.sequences.shape[1]
+            assert batch.sequences[b, -n:].tolist() == one.sequences[0].tolist()
+            assert batch.stats.row_nfe[b] == one.stats.row_nfe[0]
+            assert batch.stats.commit_step[b][-32:] == one.stats.commit_step[0][-32:]
+            # the values up to float rounding: the model's products differ in shape with the batch
+            assert batch.stats.commit_logprob[b][-32:] == pytest.approx(one.stats.commit_logprob[0][-32:], abs=1e-4)
+            assert batch.stats.commit_top_ids[b][-32:] == one.stats.commit_top_ids[0][-32:]
+            assert torch.allclose(torch.tensor(batch.stats.commit_top_logprobs[b][-32:]),
+                                  torch.tensor(one.stats.commit_top_logprobs[0][-32:]), atol=1e-4, equal_nan=True)
+        if graphs == "on":
+            steps = batch.stats.step_graphs
+            assert steps.get("captures") == 1 and steps["replays"] >= batch.stats.nfe - 3, steps
 
 
 def test_eos_early_stop_fills_and_finishes_rows_independently():

@@ -577,12 +577,13 @@ def test_a_rows_state_after_joins_and_leaves_is_its_own(sampler, cache, llada):
     assert eng.stats()["joins"] >= 2 and eng.stats()["retried"] == 0
 
 
-def test_logits_columns_count_the_union_of_the_rows_windows(llada):
-    """``stats()["logits_columns"]``: the (row, column) logits the steps computed, every row of a batch over the
-    union of the rows' windows; ``own_logits_columns``: those in each row's own window. LLaDA's sampler in blocks of
-    8 decodes every step inside an 8-column region: alone, every column computed is the row's own; with a request
-    joining two blocks behind, its steps compute the other row's block too, while each row's own columns stay 8 per
-    forward it took."""
+def test_logits_columns_count_each_rows_window_or_the_union(llada):
+    """``stats()["logits_columns"]``: the (row, column) logits the steps computed; ``own_logits_columns``: those in
+    each row's own window. LLaDA's sampler in blocks of 8 decodes every step inside an 8-column region: alone, every
+    column computed is the row's own. With a request joining two blocks behind, LLaDA's sampler (per-row windows,
+    ``SamplerBase.row_windows``) still computes each row's 8 columns alone; KLASS's (its kept steps indexed by the
+    batch's window) computes every row over the union of the rows' blocks, the other row's block too, while each
+    row's own columns stay 8 per forward it took."""
     kw = dict(gen_length=32, block_length=8, steps=32, sampler="llada")
     engine = Engine(llada, max_rows=4)
     engine.submit(PROMPTS[0], **kw)
@@ -590,13 +591,15 @@ def test_logits_columns_count_the_union_of_the_rows_windows(llada):
     s = engine.stats()
     assert s["logits_columns"] == s["own_logits_columns"] == 8 * s["request_nfe"] == 8 * 32
 
-    engine = Engine(llada, max_rows=4)
-    engine.submit(PROMPTS[1], **kw)
-    for _ in range(16):  # two blocks decoded: the first row is in its third block
-        engine.step()
-    engine.submit(PROMPTS[2], **kw)
-    engine.run_until_idle()
-    s = engine.stats()
-    assert s["requests"]["length"] + s["requests"]["stop"] == 2
-    assert s["own_logits_columns"] == 8 * s["request_nfe"] == 8 * 64
-    assert s["logits_columns"] > s["own_logits_columns"]
+    for sampler, union in (("llada", False), ("klass", True)):
+        kw["sampler"] = sampler
+        engine = Engine(llada, max_rows=4)
+        engine.submit(PROMPTS[1], **kw)
+        for _ in range(16):  # two blocks decoded (KLASS: at least): the first row is past its second block
+            engine.step()
+        engine.submit(PROMPTS[2], **kw)
+        engine.run_until_idle()
+        s = engine.stats()
+        assert s["requests"]["length"] + s["requests"]["stop"] == 2
+        assert s["own_logits_columns"] == 8 * s["request_nfe"]
+        assert (s["logits_columns"] > s["own_logits_columns"]) == union, (sampler, s["logits_columns"])

@@ -62,7 +62,9 @@ class StepContext:
     n_region_start: torch.Tensor  # [B] int64 masked positions in the region when it started
     region_lo: torch.Tensor  # [B] int64 canvas column where the row's region starts
     region_hi: torch.Tensor  # [B] int64 canvas column where the row's region ends (exclusive)
-    win_lo: int  # canvas column of window position 0
+    # canvas column of window position 0: an int for the batch, or a ``[B, 1]`` int64 tensor where each row's window
+    # is its own (a sampler that declares :meth:`SamplerBase.row_windows`)
+    win_lo: int | torch.Tensor
     canvas_len: int  # T, canvas width (prompt + padding + gen)
     gen_lo: int  # canvas column where generation starts
     global_step: int
@@ -124,6 +126,13 @@ class Sampler(Protocol):
         """This sampler prepared for ``model`` (once per ``generate``: load a guide, take the family's style)."""
 
 
+def declares_row_windows(sampler) -> bool:
+    """Whether ``sampler`` declares that it takes each row's logits at the row's own window (:meth:`SamplerBase.row_windows`);
+    a sampler object without the hook does not."""
+    own = getattr(sampler, "row_windows", None)
+    return callable(own) and bool(own())
+
+
 def declares_graph_safe(sampler) -> bool:
     """Whether ``sampler`` declares its step graph-safe (:meth:`SamplerBase.graph_safe`); a sampler object without the
     hook does not."""
@@ -148,6 +157,17 @@ class SamplerBase:
         whose layout (paths, shapes, dtypes, values) decides its Python (the bank keeps copies of the tensors and
         puts the layout the step left back after a replay; the layout is part of the graph's key). Default False:
         the step runs eagerly."""
+        return False
+
+    def row_windows(self) -> bool:
+        """Whether :meth:`step` may see each row's logits at the columns of the row's own window rather than at the
+        union of the rows' windows: ``ctx.win_lo`` then a ``[B, 1]`` tensor (each row's canvas column of its window
+        position 0), every row's window as wide as the widest row's region (a row's columns past its region are
+        never candidates, their logits possibly all zero). True for a step that reads window columns only relative to
+        each row's own (its noise each row's counter-based stream of generation columns, or none) and keeps no state
+        indexed by canvas columns; the decode loop then computes no row's logits at another row's columns, and keys
+        its step graphs by the window's width alone. Default False: every row over the union window (``win_lo`` an
+        int)."""
         return False
 
     def move_rows(self, state: dict, d: int, keep: torch.Tensor | None, n_new: int, *,
@@ -204,8 +224,9 @@ def row_hash(ctx: StepContext, W: int, n_tail: int | None) -> torch.Tensor:
     ctx.draws += 1
     step = (ctx.row_step.to(dev) * 0x9E37 + d * 0x7F4A7C15 + 1) & _M32
     base = _fmix32(k[:, 1] ^ _fmix32(k[:, 0] ^ _fmix32(step)))  # [B]
-    col = (torch.arange(W, device=dev) + (ctx.win_lo - ctx.gen_lo + (1 << 20))) & _M32
-    h = _fmix32(base[:, None] ^ _fmix32(col)[None])  # [B, W]
+    # [1, W] generation columns, or [B, W] where each row's window is its own (win_lo a [B, 1] tensor)
+    col = (torch.arange(W, device=dev)[None] + (ctx.win_lo - ctx.gen_lo + (1 << 20))) & _M32
+    h = _fmix32(base[:, None] ^ _fmix32(col))  # [B, W]
     if n_tail is None:
         return _fmix32(h ^ 0x165667B1)
     v = _fmix32(torch.arange(n_tail, device=dev) + 0x2545F491)  # [V]

@@ -127,6 +127,11 @@ class ComposedSampler(SamplerBase):
         noise_free = self.temperature == 0 and self.confidence != "random"
         return bool(getattr(self.rule, "graph_safe", False)) and (self.noise_scope == "row" or noise_free)
 
+    def row_windows(self) -> bool:
+        """With a rule that declares ``row_windows`` (the stateless rules: each reads its row's window relative to
+        itself), no credit tables (indexed by canvas columns) and :meth:`graph_safe`'s noise."""
+        return self.credit is None and bool(getattr(self.rule, "row_windows", False)) and self.graph_safe()
+
     def _rule_wants_probs(self) -> bool:
         return bool(getattr(self.rule, "needs_probs", False))
 

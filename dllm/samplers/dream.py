@@ -211,6 +211,11 @@ class DreamSampler(SamplerBase):
         GPU it scores every window position (:func:`dllm.ops.dense_window`): no data-dependent shape."""
         return self.noise_scope == "row" or (self.temperature == 0 and self.alg != "origin" and not self.alg_temp)
 
+    def row_windows(self) -> bool:
+        """Its quotas and selections are per row; its noise each row's counter-based stream of generation columns or
+        none (:meth:`graph_safe`'s condition)."""
+        return self.graph_safe()
+
     def _fused(self, logits: torch.Tensor) -> bool:
         """Whether this step's proposal and score come from :func:`dllm.kernels.confidence_stats`."""
         eligible = self.temperature == 0 and self.alg != "origin" and (self.fused == "on" or logits.dtype == torch.float32)

@@ -107,6 +107,11 @@ class LLaDASampler(SamplerBase):
         low-confidence decoding)."""
         return self.noise_scope == "row" or (self.temperature == 0 and self.remasking == "low_confidence")
 
+    def row_windows(self) -> bool:
+        """Its even quota and top-k are per row; its noise each row's counter-based stream of generation columns or
+        none (:meth:`graph_safe`'s condition)."""
+        return self.graph_safe()
+
     def _fused(self, logits: torch.Tensor, ctx: StepContext) -> bool:
         """Whether this step's proposal and score come from :func:`dllm.kernels.confidence_stats`."""
         eligible = (self.temperature == 0 and self.remasking == "low_confidence"

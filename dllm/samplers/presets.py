@@ -78,6 +78,10 @@ class MultiBlockSampler(ComposedSampler):
     add_threshold: float = 0.5
     activate_threshold: float = 0.5
 
+    def row_windows(self) -> bool:
+        """No: its forced commit slices the canvas's blocks at the batch's window."""
+        return False
+
     def step(self, logits: torch.Tensor, ctx) -> StepResult:
         res = super().step(logits, ctx)
         W = logits.shape[1]

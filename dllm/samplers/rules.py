@@ -63,6 +63,7 @@ class Quota:
     """LLaDA's even schedule: the ``n // S (+1)`` most confident candidates (``S``: the region's steps)."""
 
     graph_safe = True  # stateless, no host reads: its select may run inside a CUDA graph
+    row_windows = True  # reads each row's window relative to itself: per-row windows (SamplerBase.row_windows)
 
     def select(self, conf, ctx, *, logits=None, probs=None):
         return select_topk(conf, ctx.cand, even_quota(ctx)), {}
@@ -82,6 +83,7 @@ class Ascending:
     """
 
     graph_safe = True  # stateless, no host reads: its select may run inside a CUDA graph
+    row_windows = True  # reads each row's window relative to itself: per-row windows (SamplerBase.row_windows)
 
     steps: int | None = None
     per_region: bool = False
@@ -114,6 +116,7 @@ class Threshold:
     """
 
     graph_safe = True  # stateless, no host reads: its select may run inside a CUDA graph
+    row_windows = True  # reads each row's window relative to itself: per-row windows (SamplerBase.row_windows)
 
     tau: float = 0.9
     max_slack: float = 0.0
@@ -144,6 +147,7 @@ class Factor:
     """
 
     graph_safe = True  # stateless, no host reads: its select may run inside a CUDA graph
+    row_windows = True  # reads each row's window relative to itself: per-row windows (SamplerBase.row_windows)
 
     factor: float = 1.0
     quirk: bool = False
@@ -176,6 +180,7 @@ class LocalLeap:
     """
 
     graph_safe = True  # stateless, no host reads: its select may run inside a CUDA graph
+    row_windows = True  # reads each row's window relative to itself: per-row windows (SamplerBase.row_windows)
 
     kappa: float = 0.9
     tau: float | None = 0.75
@@ -577,6 +582,7 @@ class EntropyBound:
     """
 
     graph_safe = True  # stateless, no host reads: its select may run inside a CUDA graph
+    row_windows = True  # reads each row's window relative to itself: per-row windows (SamplerBase.row_windows)
 
     gamma: float = 0.01
 
@@ -615,6 +621,7 @@ class EntropyThreshold:
     computes it."""
 
     graph_safe = True  # stateless, no host reads: its select may run inside a CUDA graph
+    row_windows = True  # reads each row's window relative to itself: per-row windows (SamplerBase.row_windows)
 
     threshold: float = 0.5
 

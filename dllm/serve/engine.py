@@ -813,7 +813,7 @@ class Engine:
             dec.cache.reset(st.x.shape[0], T)
         if st.key_mask is not None and bool(st.key_mask.all()):
             st.key_mask = None
-        st.window = tuple(dec._window(st).tolist())
+        dec.host_window(st)
 
     def _step_group(self, group: _Group) -> None:
         st, dec = group.state, group.decoder
