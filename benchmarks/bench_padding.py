@@ -10,8 +10,9 @@ active sets and only attention on the padded rows; padded (``pack_rows = False``
 Printed per sampler, cache, batch size and path, on the bundled tiny models (trained, so their confidences cross
 the thresholds as a real model's do), from ``generate``'s per-step statistics: forwards, the rows' mean share of
 token-layers computed (what each row's cache selected), the share the batch's forwards ran, their ratio, the
-forwards that ran every position of every row, the share of the logits columns computed (every row over the union
-of the rows' windows) that lie in each row's own window (``GenerateStats.own_logits_columns``: the output head's and
+forwards that ran every position of every row, the share of the logits columns computed (every row at its own
+window where the sampler takes per-row windows, else over the union of the rows' windows; finished rows of a batch
+still computed) that lie in each row's own window (``GenerateStats.own_logits_columns``: the output head's and
 the sampler's work the rows read), wall time (CPU: a ratio within one run) and whether the tokens are those of the
 padded run. Counts, valid on any device; on a GPU a forward that computes every position of 16 rows
 is compute-bound, many times a cached step.

@@ -8,8 +8,8 @@ the whole batch is done. One at a time: ``dllm.generate`` per request, the clien
 request's latency includes its wait). Printed per mode and concurrency: answer
 tokens per second (tokens before EOS), latency p50 / p99 to completion and, for the engine, to the first
 streamed token; for the engine also how its steps ran (graphs) and the logits columns its steps computed per step
-(each batch's rows times the union of their windows) against those in each row's own window (rows at different
-blocks widen each other's).
+(each batch's rows times their windows: each row's own where the sampler takes per-row windows, else the union of
+the rows' windows, where rows at different blocks widen each other's) against those in each row's own window.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_serve.py --model llada-tiny --concurrency 1 4 16 --requests 8
     python benchmarks/bench_serve.py --device cuda --json serve.json      # a GPU: the engine's CUDA path
@@ -196,9 +196,9 @@ def main() -> None:
     for c, counts in paths.items():
         cols = counts["columns"]
         if cols["logits"]:
-            # each step computes the logits of every row over the union of the batch's rows' windows
+            # each step computes every row's logits at its own window (per-row windows) or over the rows' union
             print(f"continuous, {c} clients: logits columns computed per step {cols['logits'] / cols['steps']:.1f} "
-                  f"(rows x the union of their windows), of which in each row's own window "
+                  f"(rows x their windows: own or the union), of which in each row's own window "
                   f"{cols['own'] / cols['steps']:.1f} ({cols['own'] / cols['logits']:.0%})")
             for row in rows:
                 if row["clients"] == c and row["mode"] == "continuous":
