@@ -137,3 +137,26 @@ def test_evaluations_record_non_finite_samples_as_errors(tmp_path):
     cells, _, _ = aggregate([good, {**good, "error": "non-finite"}])
     (cell,) = cells.values()
     assert cell.errors == 1 and cell.n == 1 and cell.score == 100.0
+
+
+def test_per_row_windows_name_the_rows_own_positions():
+    """With per-row windows (the threshold sampler, rows in different blocks) a bad row's positions are its own
+    block's generation offsets, wherever the other rows' blocks are."""
+    model = dllm.load_model("llada-tiny")
+    kw = dict(gen_length=32, block_length=8, sampler="threshold")
+    prompts = ['Copy the list: ["Ann Lee"]', "Name three colours.",
+               'Reverse the list: ["Kevin Irving", "Ann Lee", "Paula Parker"]', "What is 407 + 2185?"]
+    out = dllm.generate(model, prompts, **kw)
+    clean = out.stats.trace
+    P = clean[0]["lo"][0]  # the generation's first canvas column
+    # a step where row 1 is ahead of a row (its union window would start before its block)
+    step = next(i for i, r in enumerate(clean) if min(r["lo"]) < r["lo"][1] < P + 32)
+    handle = _poison(model, "all-nan", row=1, from_call=step)
+    try:
+        with pytest.raises(NonFiniteLogitsError) as err:
+            dllm.generate(model, prompts, **kw)
+    finally:
+        handle.remove()
+    lo = clean[step]["lo"][1] - P
+    assert err.value.rows == [1] and err.value.step == step + 1
+    assert err.value.positions == [list(range(lo, lo + 8))]
