@@ -129,8 +129,9 @@ class ComposedSampler(SamplerBase):
 
     def row_windows(self) -> bool:
         """With a rule that declares ``row_windows`` (the stateless rules: each reads its row's window relative to
-        itself), no credit tables (indexed by canvas columns) and :meth:`graph_safe`'s noise."""
-        return self.credit is None and bool(getattr(self.rule, "row_windows", False)) and self.graph_safe()
+        itself) and :meth:`graph_safe`'s noise; CreditDecoding's canvas-indexed tables are read and written at each
+        row's columns."""
+        return bool(getattr(self.rule, "row_windows", False)) and self.graph_safe()
 
     def _rule_wants_probs(self) -> bool:
         return bool(getattr(self.rule, "needs_probs", False))

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from dllm.ops import moved_rows
+from dllm.ops import cached_arange, moved_rows
 from dllm.samplers.base import (
     SOFTMAX_DTYPES,
     SamplerBase,
@@ -68,8 +68,13 @@ class CreditFusion:
             st["region"] = ctx.region_lo.clone()
         st["val"].masked_fill_((st["region"] != ctx.region_lo)[:, None, None], 0.0)
         st["region"] = ctx.region_lo.clone()
-        tok = st["tok"][:, ctx.win_lo : ctx.win_lo + W]  # views into the canvas-indexed table
-        val = st["val"][:, ctx.win_lo : ctx.win_lo + W]
+        if torch.is_tensor(ctx.win_lo):  # each row's own window ([B, 1] starts): copies, written back below
+            idx = (ctx.win_lo + cached_arange(W, top.device))[..., None].expand(-1, -1, self.slots)
+            tok, val = st["tok"].gather(1, idx), st["val"].gather(1, idx)
+        else:  # views into the canvas-indexed table
+            idx = None
+            tok = st["tok"][:, ctx.win_lo : ctx.win_lo + W]
+            val = st["val"][:, ctx.win_lo : ctx.win_lo + W]
         val.mul_(self.beta)
         add = p_top.float().pow(self.gamma)
         match = (tok == top[..., None]) & (val > 0)
@@ -80,6 +85,9 @@ class CreditFusion:
         upd = ctx.cand
         tok.scatter_(-1, slot, torch.where(upd, top, tok.gather(-1, slot).squeeze(-1))[..., None])
         val.scatter_(-1, slot, torch.where(upd, new_v, old_v)[..., None])
+        if idx is not None:  # a row's columns are distinct
+            st["tok"].scatter_(1, idx, tok)
+            st["val"].scatter_(1, idx, val)
         return tok, val
 
     def move_rows(self, state: dict, d: int, keep: torch.Tensor | None, n_new: int) -> None:
