@@ -1127,8 +1127,8 @@ class Decoder:
     def own_windows(self, lo: torch.Tensor, hi: torch.Tensor, active: torch.Tensor | None, P: int, T: int):
         """``(lo, hi)`` ``[B]``: the canvas columns each row's own step reads, its region (``lo``, ``hi``) or the
         sampler's wider window (``window_columns``: Prophet's; none for a row not ``active``, default: a row whose
-        region is not empty); a step computes the logits of the union of the rows' windows for every row
-        (:attr:`logits_columns`)."""
+        region is not empty); a step computes every row's logits at its own window, as wide as the widest
+        (:attr:`row_windows`), or over the union of the rows' windows (:attr:`logits_columns`)."""
         if self.widen is None:
             return lo, hi
         r_lo, r_hi = self.widen(lo, hi, P, T)

@@ -492,7 +492,8 @@ class Transformer(nn.Module):
         want = torch.arange(T, device=tokens.device).expand(B, T) if logits_idx is None else logits_idx
         want = (want - shift).clamp_min(0)
         hit = want[:, :, None] == rows[:, None, :]  # [B, R, Q]
-        # Columns of another row's window (the logits are computed for the union of the rows' windows) need not
+        # Columns of another row's window (the logits of the union of the rows' windows, or each row's padded to the
+        # widest) need not
         # be computed for this row: the cache's ``read_cols`` ([B, T] bool, when it has them) says which columns
         # each row reads; those must all be hit.
         need = cache.read_cols

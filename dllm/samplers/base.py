@@ -1,7 +1,8 @@
 """Sampler protocol and the shared pieces every commit rule is built from.
 
-A sampler sees the logits of a *window* of canvas columns (the union of the rows' current regions) and
-returns a proposal for every window position plus the subset to commit. Contract of ``step``:
+A sampler sees the logits of a *window* of canvas columns (the union of the rows' current regions, or each row's own
+where it declares :meth:`SamplerBase.row_windows`) and returns a proposal for every window position plus the subset
+to commit. Contract of ``step``:
 
 * ``commit`` is a subset of ``ctx.cand`` (still-masked positions inside the row's current region);
 * every unfinished row commits at least one token, unless the sampler's own schedule assigns zero tokens to

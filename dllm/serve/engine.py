@@ -414,7 +414,8 @@ class Engine:
         self.metrics = {"requests": {"stop": 0, "length": 0, "cancelled": 0, "error": 0}, "forwards": 0,
                         "tokens": 0, "step_seconds": 0.0, "steps": 0, "joins": 0, "request_nfe": 0,
                         "request_positions": 0, "engine_errors": 0, "retried": 0,
-                        # (row, column) logits the steps computed (rows x the union of their windows), and those in
+                        # (row, column) logits the steps computed (rows x their windows: each row's own, or the
+                        # union of the rows' where the sampler does not take per-row windows), and those in
                         # each row's own window (a row's region; Prophet's wider window): their ratio is the share of
                         # the output head's and the samplers' work the rows read
                         "logits_columns": 0, "own_logits_columns": 0}

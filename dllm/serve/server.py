@@ -108,7 +108,8 @@ class _EngineCollector:
                                   "(rate: answer tokens/s)", value=s["tokens"])
         yield CounterMetricFamily("dllm_step_seconds", "seconds spent in decode steps", value=s["step_seconds"])
         yield CounterMetricFamily("dllm_logits_columns", "(row, column) logits the steps computed: each batch's rows "
-                                  "times the union of their windows", value=s["logits_columns"])
+                                  "times their windows (each row's own, or the union of the rows')",
+                                  value=s["logits_columns"])
         yield CounterMetricFamily("dllm_own_logits_columns", "of dllm_logits_columns, those in each row's own window "
                                   "(the ratio: the share of the output head's and the samplers' work the rows read)",
                                   value=s["own_logits_columns"])
