@@ -534,7 +534,8 @@ class Decoder:
         # each row's logits at its own window's columns (a [B, W] logits_idx, every row as wide as the widest region),
         # where the sampler takes per-row windows (SamplerBase.row_windows) and no hook widens or refines a window:
         # no row's logits computed at another row's columns, the step graphs keyed by the window's width alone
-        self.row_windows = self.widen is None and self.refine is None and declares_row_windows(sampler)
+        self.row_windows = self.widen is None and (self.refine is None or getattr(policy, "refine_rows", False)) \
+            and declares_row_windows(sampler)
         self.step_stats = cache.step_stats
         self.shift = 1 if getattr(model, "shift_logits", False) else 0
         self.n_layers = getattr(getattr(model, "config", None), "n_layers", 1)
@@ -853,7 +854,7 @@ class Decoder:
             logits.masked_fill_(bad[..., None], 0.0)
         if self.refine is not None:
             fresh = st.active & (st.step_in == 0)
-            hi, st.steps, pinfo = self.refine(logits, w_lo, lo, hi, st.steps, fresh, config)
+            hi, st.steps, pinfo = self.refine(logits, cols[:, :1] if rows else w_lo, lo, hi, st.steps, fresh, config)
             in_region = (c >= lo[:, None]) & (c < hi[:, None])
             st.n_start = torch.where(fresh, ((xw == mask_id) & in_region).sum(-1), st.n_start)
         cand = (xw == mask_id) & in_region & st.active[:, None]

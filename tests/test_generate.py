@@ -63,6 +63,30 @@ def test_rows_out_of_step_compute_their_own_logits_columns_or_the_unions():
             assert batch.logits_columns > batch.own_logits_columns
 
 
+def test_which_samplers_and_policies_take_per_row_windows():
+    """Per-row windows (``Decoder.row_windows``) where the sampler declares them and no hook needs the batch's window:
+    the baselines, the composed samplers with a stateless rule (CreditDecoding's tables too), AdaBlock's refine; not
+    KLASS (its kept steps aligned by the batch's window), MultiBlock's sampler (the canvas sliced at it), Prophet
+    (its window widened to the canvas end) or a sampler drawing the run's shared random stream."""
+    from dllm.config import GenerateConfig
+    from dllm.generate import Decoder
+    from dllm.recipes import resolve
+    from dllm.samplers import get_sampler
+
+    model = dllm.load_model("llada-tiny")
+    config = GenerateConfig(gen_length=32, block_length=8)
+    got = {}
+    for name in ("llada", "threshold", "fast-dllm", "credit", "localleap", "eoser-ass", "adablock", "elastic",
+                 "klass", "multiblock", "prophet"):
+        got[name] = Decoder(model, *resolve(model, name, None, None, config)).row_windows
+    got["llada shared stream"] = Decoder(model, *resolve(model, get_sampler("llada", temperature=0.5,
+                                                                             noise_scope="region"),
+                                                         None, None, config)).row_windows
+    assert got == {"llada": True, "threshold": True, "fast-dllm": True, "credit": True, "localleap": True,
+                   "eoser-ass": True, "adablock": True, "elastic": True, "klass": False, "multiblock": False,
+                   "prophet": False, "llada shared stream": False}
+
+
 def test_per_row_windows_give_each_row_what_it_decodes_alone_with_its_records():
     """Per-row windows (the threshold sampler's, rows in different blocks): each row's tokens, forwards, commit steps,
     committed tokens' log-probabilities and top alternatives are those it gets alone, eager and on the step graphs'

@@ -95,6 +95,7 @@ class AdaBlock(BlockPolicyBase):
     delimiters: Any = "newline"
     window: float = 0.25
     name: str = "adablock"
+    refine_rows = True  # refine reads each row's own window columns (win_lo [B, 1]) where the loop gives them
 
     def __post_init__(self):
         if self.block_length is not None:
@@ -172,20 +173,21 @@ class AdaBlock(BlockPolicyBase):
             nan = torch.full(fresh.shape, torch.nan, device=fresh.device)
             return hi, steps, {"block_start": fresh.clone(), "delimiter_conf": nan, "delimiter_block": fresh.clone()}
         W = logits.shape[1]
-        cols = win_lo + torch.arange(W, device=logits.device)
+        # [1, W] canvas columns of the batch's window, or [B, W] of each row's own (win_lo [B, 1]: refine_rows)
+        cols = win_lo + torch.arange(W, device=logits.device)[None]
         x0 = fast_argmax(logits)  # over the whole vocabulary, as the reference (a mask prediction is no delimiter)
         # the reference's exp(l - logsumexp(l)) in the logits' dtype: it saturates to exactly 1.0 for confident
         # delimiters (a softmax may not), and among equal maxima the first delimiter wins
         conf = torch.exp(logits.gather(-1, x0[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1))
         table = ops.id_table(tuple(self.delimiters), logits.shape[-1], logits.device)
         win = int(self.window * cfg.gen_length)
-        in_win = (cols[None] >= lo[:, None]) & (cols[None] < (lo + win)[:, None]) & (cols[None] < hi[:, None])
+        in_win = (cols >= lo[:, None]) & (cols < (lo + win)[:, None]) & (cols < hi[:, None])
         is_delim = table[x0] & in_win
         c = conf.masked_fill(~is_delim, -1.0)
         best, pos = c.max(-1)
         found = is_delim.any(-1) & (best >= self.delimiter_threshold)
         b0_hi = (lo + self.b0(cfg)).minimum(hi)  # hi: provisional, min(lo + max(window, B0), canvas end)
-        new_hi = torch.where(found, cols[pos] + 1, b0_hi)
+        new_hi = torch.where(found, cols.expand(lo.shape[0], -1).gather(1, pos[:, None]).squeeze(1) + 1, b0_hi)
         new_hi = torch.where(fresh, new_hi, hi)
         new_steps = torch.where(fresh, self._steps(new_hi - lo, cfg), steps)
         info = {"block_start": fresh.clone(),

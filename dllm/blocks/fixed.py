@@ -31,6 +31,10 @@ class BlockPolicy(Protocol):
     slide: Callable | None
     #: True: ``next_region`` also gets ``offsets`` ``[B]``, each row's canvas column of its position 0 (aligned blocks)
     row_offsets: bool
+    #: True: ``refine`` takes per-row windows (``win_lo`` a ``[B, 1]`` tensor of each row's canvas column of its window
+    #: position 0, where the decode loop gives each row its own window: ``SamplerBase.row_windows``); False: a policy
+    #: with ``refine`` keeps every row over the union window
+    refine_rows: bool
 
     def bind(self, model) -> BlockPolicy:  # pragma: no cover - protocol
         """This policy with model-dependent settings resolved (once per ``generate``)."""
@@ -49,6 +53,7 @@ class BlockPolicyBase:
     refine = None
     slide = None
     row_offsets = False
+    refine_rows = False
 
     def bind(self, model):
         return self
