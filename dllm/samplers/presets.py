@@ -78,22 +78,24 @@ class MultiBlockSampler(ComposedSampler):
     add_threshold: float = 0.5
     activate_threshold: float = 0.5
 
-    def row_windows(self) -> bool:
-        """No: its forced commit slices the canvas's blocks at the batch's window."""
-        return False
-
     def step(self, logits: torch.Tensor, ctx) -> StepResult:
         res = super().step(logits, ctx)
-        W = logits.shape[1]
+        B, W = logits.shape[:2]
+        rows = torch.is_tensor(ctx.win_lo)  # each row's own window: [B, 1] starts (row_windows)
         if ctx.canvas is not None:  # the blocks from the whole canvas (the region starts at the generation)
             masked, start, off = ctx.canvas == ctx.mask_id, ctx.region_lo, ctx.win_lo
         else:  # a window alone: its columns, the region start inside it
-            masked, start, off = ctx.x == ctx.mask_id, (ctx.region_lo - ctx.win_lo).clamp_min(0), 0
+            off = ctx.win_lo[:, 0] if rows else ctx.win_lo
+            masked, start, off = ctx.x == ctx.mask_id, (ctx.region_lo - off).clamp_min(0), 0
         block_of, _, activated, masks = block_states(masked, start, self.block_length, self.add_threshold,
                                                      self.activate_threshold)
         nb = masks.shape[1]
         first = torch.where(activated & (masks > 0), torch.arange(nb, device=masks.device)[None], nb).min(-1).values
-        in_first = (block_of[:, off:off + W] == first[:, None]) & ctx.cand
+        if torch.is_tensor(off):  # each row's window columns of the canvas's blocks
+            win_blocks = block_of.gather(1, off + ops.cached_arange(W, logits.device)[None])
+        else:
+            win_blocks = block_of[:, off:off + W]
+        in_first = (win_blocks == first[:, None]) & ctx.cand
         need = in_first.any(-1) & ~(res.commit & in_first).any(-1)
         ent = d3llm_entropy(logits).masked_fill(~in_first, math.inf)
         # the lowest-entropy column as a mask (one_hot would check its indices on the host, on the CPU)
