@@ -532,8 +532,9 @@ class Decoder:
         self.widen = sampler.window_columns  # logits beyond the regions (Prophet)
         self.slide = policy.slide  # regions recomputed before every forward (sliding window)
         # each row's logits at its own window's columns (a [B, W] logits_idx, every row as wide as the widest region),
-        # where the sampler takes per-row windows (SamplerBase.row_windows) and no hook widens or refines a window:
-        # no row's logits computed at another row's columns, the step graphs keyed by the window's width alone
+        # where the sampler takes per-row windows (SamplerBase.row_windows), no hook widens a window (Prophet's) and a
+        # policy's refine takes them (refine_rows): no row's logits computed at another row's columns, the step graphs
+        # keyed by the window's width alone; at batch 1 a row's window is the batch's (Decoder.step)
         self.row_windows = self.widen is None and (self.refine is None or getattr(policy, "refine_rows", False)) \
             and declares_row_windows(sampler)
         self.step_stats = cache.step_stats
@@ -860,7 +861,8 @@ class Decoder:
         cand = (xw == mask_id) & in_region & st.active[:, None]
         ctx = StepContext(
             x=xw, cand=cand, step=st.step_in, steps=st.steps, n_region_start=st.n_start, region_lo=lo,
-            region_hi=hi, win_lo=cols[:, :1] if rows else w_lo, canvas_len=T, gen_lo=P, global_step=st.nfe, total_steps=config.total_steps,
+            region_hi=hi, win_lo=cols[:, :1] if rows else w_lo, canvas_len=T, gen_lo=P, global_step=st.nfe,
+            total_steps=config.total_steps,
             generator=st.generator, mask_id=mask_id, eos_id=model.eos_id, eot_id=model.eot_id, state=st.state,
             win_hi=win_hi, canvas=x, row_key=st.row_key, row_step=st.row_nfe,
         )
@@ -984,9 +986,9 @@ class Decoder:
         """The next step's partial forward planned with this step's shapes and window (``nxt``: :meth:`_plan_next`'s
         mask and rows; ``W``: each row's logits columns with per-row windows, at the rows' regions after this step's
         commits, None: the window's) and its graph's inputs filled (:meth:`GraphRunner.prepare`), or None where no
-        captured graph has that key. Planning is the cache's :meth:`~dllm.caches.base.KVCache.plan` with this step's numbers in
-        place of those the synchronisation will read: where they differ, the next step plans again, and this plan
-        (a function of the decode state alone, ``KVCache.pipelined``) is replaced.
+        captured graph has that key. Planning is the cache's :meth:`~dllm.caches.base.KVCache.plan` with this step's
+        numbers in place of those the synchronisation will read: where they differ, the next step plans again, and
+        this plan (a function of the decode state alone, ``KVCache.pipelined``) is replaced.
 
         With ``host`` (the step's numbers, still on the device) the forward is to be launched before the
         synchronisation (:meth:`_sync`), so the graph's inputs are filled under a guard computed on the device
