@@ -37,7 +37,10 @@ that take a full forward's and a cached step's device time, published layer agai
 ``generate_with_dual_cache`` on the same weights and steps; ``--packing`` one partial forward of a batch of 16 rows
 out of step (one row refreshing its whole canvas, the others computing their block of the dual cache), padded (every
 row computes the whole canvas) against packed (``query_tokens``: each row its own active rows), the fast layer as
-``load_model`` runs it on CUDA.
+``load_model`` runs it on CUDA; ``--spread`` the cached step of a batch of 16 rows whose blocks are spread over the
+generation (served requests that joined at different times, or rows under a confidence threshold), the ``fast-dllm``
+sampler and the dual cache on the graph path, each row's logits at its own window (per-row windows) against every row
+over the union of the rows' windows: ms per step, logits columns per step, whether the tokens are the same.
 
     python benchmarks/bench_step.py                              # GPU: 32 layers, the shape above
     python benchmarks/bench_step.py --layers 8 --e2e --json out.json
@@ -473,6 +476,53 @@ def packing(model, a, B: int = 16, reps: int = 5):
     return [row]
 
 
+def spread(model, a, B: int = 16):
+    """ms per cached step of ``B`` rows whose regions are spread over the generation's blocks (row ``b`` in block ``b``
+    modulo the blocks, the blocks before it filled with random tokens), ``fast-dllm``'s sampler, the dual cache on the
+    graph path ("auto"): each row's logits at its own window (``Decoder.row_windows``) against every row over the union
+    of the rows' windows (``row_windows`` off), their ratio, the logits columns per step and whether the canvases after
+    the timed steps are the same (in bf16 the output head's rounding may differ with its shape). With random weights
+    the threshold commits one token per row and step (the most confident): the rows stay in their blocks."""
+    enable_fast_path(model)
+    args = argparse.Namespace(**{**vars(a), "sampler": "fast-dllm"})
+    blocks, steps = max(1, a.gen // a.block), max(2, min(16, a.block - 6))
+    ms, columns, canvas = {}, {}, {}
+    for how in ("own", "union"):
+        dec, rows = decoder(model, B, args, "dual", "auto")
+        dec.row_windows = how == "own"
+        st = dec.start(rows)
+        T, dev = st.x.shape[1], st.x.device
+        k = torch.arange(B, device=dev) % blocks  # each row's block
+        cols = torch.arange(T, device=dev)[None]
+        before = (cols >= st.P) & (cols < st.P + k[:, None] * a.block)
+        g = torch.Generator().manual_seed(5)
+        fill = torch.randint(3, model.config.vocab_size - 1, st.x.shape, generator=g).to(dev)
+        st.x = torch.where(before, fill, st.x)
+        st.lo = st.P + k * a.block
+        st.hi = (st.lo + a.block).clamp_max(T)
+        st.n_start = st.hi - st.lo
+        dec.host_window(st)
+        for _ in range(5):  # the full forward that fills the cache, then the cached steps' graphs captured
+            dec.step(st)
+        c0 = dec.logits_columns
+        sync(a.device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            dec.step(st)
+        sync(a.device)
+        ms[how] = (time.perf_counter() - t0) * 1e3 / steps
+        columns[how] = (dec.logits_columns - c0) / steps
+        canvas[how] = st.x.clone()
+        dec.release()
+        del dec, st
+    row = {"what": "spread", "batch": B, "blocks": blocks, "steps": steps, "own_ms": round(ms["own"], 3),
+           "union_ms": round(ms["union"], 3), "speedup": round(ms["union"] / ms["own"], 2),
+           "own_columns": columns["own"], "union_columns": columns["union"],
+           "same_tokens": bool(torch.equal(canvas["own"], canvas["union"]))}
+    print(json.dumps(row), flush=True)
+    return [row]
+
+
 def e2e(model, a, B: int = 1):
     """Whole generations with no cache, the dual cache, the prefix cache, the dual cache once more with each next
     forward launched after the step's synchronisation (``dual-late``, ``Decoder.launch_early`` off), and no cache with
@@ -651,6 +701,8 @@ def main(argv=None):
     p.add_argument("--fastdllm", default=None, help="a Fast-dLLM checkout: time its generate_with_dual_cache")
     p.add_argument("--packing", action="store_true",
                    help="one partial forward of 16 rows out of step, padded against packed (query_tokens)")
+    p.add_argument("--spread", action="store_true",
+                   help="a cached step of 16 rows spread over the blocks: per-row windows against the union window")
     p.add_argument("--breakdown", action="store_true",
                    help="the kernels taking a full forward's and a cached step's time, base and fast layer")
     p.add_argument("--host-profile", action="store_true",
@@ -740,7 +792,8 @@ def main(argv=None):
                 del dec, st
     Decoder.launch_early = Decoder.step_graphs = True
     # Fast-dLLM's own code first: of the whole generations it is the figure a short lease most needs
-    for flag, fn in ((a.fastdllm, fastdllm), (a.e2e, e2e), (a.packing, packing), (a.breakdown, breakdown)):
+    for flag, fn in ((a.fastdllm, fastdllm), (a.e2e, e2e), (a.packing, packing), (a.spread, spread),
+                     (a.breakdown, breakdown)):
         if flag:
             t0 = time.perf_counter()
             try:

@@ -102,8 +102,8 @@ if want elastic 120; then
 fi
 
 if want extra 120; then
-    log bench_step packing and breakdown
-    timeout "$LIMIT" python3 benchmarks/bench_step.py --modes graph --caches dual --batch 1 --packing --breakdown \
+    log bench_step packing, spread and breakdown
+    timeout "$LIMIT" python3 benchmarks/bench_step.py --modes graph --caches dual --batch 1 --packing --spread --breakdown \
         --json "$OUT/step_extra.json" 2>&1 | grep --line-buffered -v USDT | tee "$OUT/bench_step_extra.log"
 fi
 if want extra 60; then

@@ -44,7 +44,7 @@ def goals_of(tmp_path: Path, name: str, figures) -> list[dict]:
 
 def test_bench_step_counts_one_host_sync_per_step(tmp_path):
     rows = run("bench_step.py", "--batch", "1", "2", "--modes", "base", "graph", "graph-late", "--caches", "none",
-               "dual", "--blocks", "1", "--packing", "--host-profile", tmp_path=tmp_path)
+               "dual", "--blocks", "1", "--packing", "--spread", "--host-profile", tmp_path=tmp_path)
     floor = [r for r in rows if r["what"] == "floor"]
     assert len(floor) == 1 and floor[0]["floor_ms"] > 0
     steps = [r for r in rows if r["what"] == "step"]
@@ -93,6 +93,10 @@ def test_bench_step_counts_one_host_sync_per_step(tmp_path):
     (pack,) = [r for r in rows if r["what"] == "packing"]  # 16 rows, one refreshing its canvas of 64
     assert pack["rows_computed_padded"] == 16 * 64 and pack["rows_computed_packed"] == 64 + 15 * 8
     assert pack["padded_ms"] > 0 and pack["packed_ms"] > 0
+    # 16 rows over the 4 blocks of 8: each row's 8 columns, or every row over the union of the 4 blocks
+    (spread,) = [r for r in rows if r["what"] == "spread"]
+    assert spread["own_columns"] == 16 * 8 and spread["union_columns"] == 16 * 32 and spread["same_tokens"], spread
+    assert spread["own_ms"] > 0 and spread["union_ms"] > 0
     # the goals table reads these figures: on the CPU the host syncs are judged, the timings are not
     by_goal = {g["goal"]: g for g in goals_of(tmp_path, "step.json", rows)}
     assert by_goal["host synchronisations per step"]["status"] == "met"
