@@ -314,6 +314,8 @@ STATEFUL = {
     "guided": [("guided", {}, None, 32, 8), ("guided", {"mode": "topk", "chunk": 4}, None, 16, None)],
     "freecache": [("threshold", {}, "freecache", 32, 8), ("llada", {"temperature": 0.8}, "freecache", 32, 16)],
     "elastic": [("threshold", {}, "elastic", 32, 8), ("elastic", {}, None, 32, None)],
+    # per-row windows: CreditDecoding's tables read and written at each row's columns, AdaBlock's refined blocks
+    "credit": [("credit", {}, None, 32, 8), ("adablock", {}, "dual", 32, None)],
 }
 
 
@@ -328,7 +330,7 @@ def _alone(model, prompt, sampler, params, cache, G, B, seed):
 @pytest.mark.parametrize("kind", list(STATEFUL))
 def test_stateful_samplers_and_caches_join_and_leave_exactly(kind, family, graphs, llada, dream):
     """KLASS's kept steps, the AR guide's cache and cursors (guide ``ar-tiny``), FreeCache's and Elastic-Cache's
-    per-row state move with the rows: requests joining running groups mid-decode with longer and shorter prompts,
+    per-row state, CreditDecoding's tables (read at each row's own window) move with the rows: requests joining running groups mid-decode with longer and shorter prompts,
     others leaving, and the longest prompt cancelled mid-decode (the canvas cropped); every response equals the
     request alone, and no batch failed (a failed batch is retried alone, which would hide a wrong move). On the
     graph path (static buffers on the CPU) too: bucketed canvases, K/V buffers moved through the runner's pool."""
