@@ -65,9 +65,9 @@ def test_rows_out_of_step_compute_their_own_logits_columns_or_the_unions():
 
 def test_which_samplers_and_policies_take_per_row_windows():
     """Per-row windows (``Decoder.row_windows``) where the sampler declares them and no hook needs the batch's window:
-    the baselines, the composed samplers with a stateless rule (CreditDecoding's tables too), AdaBlock's refine; not
-    KLASS (its kept steps aligned by the batch's window), Prophet (its window widened to the canvas end) or a sampler
-    drawing the run's shared random stream."""
+    the baselines, the composed samplers with a stateless rule (CreditDecoding's tables too), KLASS (its kept steps at
+    each row's columns), AdaBlock's refine; not Prophet (its window widened to the canvas end) or a sampler drawing the
+    run's shared random stream."""
     from dllm.config import GenerateConfig
     from dllm.generate import Decoder
     from dllm.recipes import resolve
@@ -83,7 +83,7 @@ def test_which_samplers_and_policies_take_per_row_windows():
                                                                              noise_scope="region"),
                                                          None, None, config)).row_windows
     assert got == {"llada": True, "threshold": True, "fast-dllm": True, "credit": True, "localleap": True,
-                   "eoser-ass": True, "adablock": True, "elastic": True, "klass": False, "multiblock": True,
+                   "eoser-ass": True, "adablock": True, "elastic": True, "klass": True, "multiblock": True,
                    "prophet": False, "llada shared stream": False}
 
 

@@ -305,6 +305,67 @@ def _klass_shifting_window_run(monkeypatch, chunk_bytes, sampler=None):
 ONE_PASS = 1 << 40  # chunk_bytes: the whole window in one chunk (the GPU layout)
 
 
+def _klass_row_windows_run(per_row: bool, sampler=None):
+    """KLASS over a canvas of 12 columns, three rows whose windows of 10 start at their own moving columns (row ``b``
+    at ``(step + b) % 3``): per step and row the proposals, commits, ``klass_ready`` and the KL values kept, from one
+    batch with per-row windows (``win_lo`` a ``[B, 1]`` tensor) or from each row alone (an int window start)."""
+    import dataclasses
+
+    B, T, V, W = 3, 12, 30, 10
+    g = torch.Generator().manual_seed(11)
+    base = torch.randn(B, T, V, generator=g) * 3
+    noise = torch.randn(T, B, T, V, generator=g)
+    x = torch.full((B, T), V - 1)
+    x[:, :2] = 4
+    x[1, 2:5] = 7
+    x[2, 6:8] = 7
+    groups = [list(range(B))] if per_row else [[b] for b in range(B)]
+    runs = {}
+    for rows in groups:
+        sampler_g = sampler or ComposedSampler(KLStable(conf_threshold=0.3, kl_threshold=0.05, history=2))
+        state: dict = {}
+        xs = x[rows].clone()
+        for s in range(8):
+            lo = torch.tensor([[(s + b) % 3] for b in rows])
+            cols = lo + torch.arange(W)[None]
+            logits = exclude_mask(torch.stack([base[b, c] + 0.03 * s * noise[s, b, c] for b, c in zip(rows, cols)]),
+                                  V - 1)
+            xw = xs.gather(1, cols)
+            cand = xw == V - 1
+            ctx = make_ctx(cand, x=xw, win_lo=0, step=s, steps=T, n_start=T, mask_id=V - 1, state=state,
+                           region_lo=0, canvas_len=T)
+            ctx = dataclasses.replace(ctx, region_hi=torch.full((len(rows),), T),
+                                      win_lo=lo if per_row else int(lo[0, 0]))
+            res = sampler_g.step(logits, ctx)
+            for i, b in enumerate(rows):
+                runs.setdefault(b, []).append((res.proposal[i].clone(), res.commit[i].clone(),
+                                               res.info["klass_ready"][i].clone(),
+                                               [k[i].clone() for k in _klass_kl_values(state)]))
+            xs.scatter_(1, cols, torch.where(res.commit & cand, res.proposal, xw))
+    return runs
+
+
+@pytest.mark.parametrize("preset", [False, True])
+def test_klass_with_per_row_windows_equals_each_row_alone(preset):
+    """Per-row windows (the decode loop's, ``SamplerBase.row_windows``): KLASS's kept steps are read at each row's own
+    columns (every KL at every step), and each row's proposals, commits, readiness and KL values are those of the row
+    alone with its window as the batch's (the lazy KL where it computed one), bit for bit; the ``klass`` preset's
+    chunked CPU path alike (per-row windows take the one-pass form)."""
+    sampler = get_sampler("klass", conf_threshold=0.3, kl_threshold=0.05).sampler if preset else None
+    batch, alone = _klass_row_windows_run(True, sampler), _klass_row_windows_run(False, sampler)
+    fired = 0
+    for b in range(3):
+        assert len(batch[b]) == len(alone[b]) == 8
+        for got, want in zip(batch[b], alone[b]):
+            for u, v in zip(got[:3], want[:3]):
+                assert torch.equal(u, v), b
+            fired += int(got[2])
+            for u, v in zip(got[3], want[3]):
+                both = ~torch.isnan(u) & ~torch.isnan(v)
+                assert torch.equal(u[both], v[both]), b
+    assert fired > 0, "the KL-stable path never fired; adjust the test logits"
+
+
 def _same_runs(first, second):
     assert len(first) == len(second) > 4
     for a, b in zip(first, second):
@@ -336,7 +397,7 @@ def test_klass_preset_fused_path_equals_the_composed_path(monkeypatch, rows_per_
 
     chunk = ONE_PASS if rows_per_chunk is None else rows_per_chunk * 3 * 30 * (8 if softmax_dtype == "float64" else 4)
     preset = get_sampler("klass", conf_threshold=0.3, kl_threshold=0.05, softmax_dtype=softmax_dtype).sampler
-    assert isinstance(preset, KLASSSampler) and preset._chunked(torch.zeros(1, 1, 1))
+    assert isinstance(preset, KLASSSampler) and preset._chunked(torch.zeros(1, 1, 1), make_ctx(torch.ones(1, 1) > 0))
     composed = ComposedSampler(KLStable(conf_threshold=0.3, kl_threshold=0.05), softmax_dtype=softmax_dtype)
     _same_runs(_klass_shifting_window_run(monkeypatch, ONE_PASS, composed),
                _klass_shifting_window_run(monkeypatch, chunk, preset))
@@ -401,7 +462,7 @@ def test_klass_lazy_kl_commits_what_the_eager_history_commits(monkeypatch, path,
     if path == "fused":  # chunks of one window row
         monkeypatch.setattr(KLStable, "chunk_bytes", row_bytes)
         sampler = KLASSSampler(rule, softmax_dtype=softmax_dtype)
-        assert sampler._chunked(torch.zeros(1, 1, 1))
+        assert sampler._chunked(torch.zeros(1, 1, 1), make_ctx(torch.ones(1, 1) > 0))
     else:  # chunks of three window rows, or the whole window (the GPU layout)
         monkeypatch.setattr(KLStable, "chunk_bytes", 3 * row_bytes if history != 2 else ONE_PASS)
         sampler = ComposedSampler(rule, softmax_dtype=softmax_dtype)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 
 import pytest
@@ -525,7 +526,8 @@ def _same_sampler_state(sampler, gs, ss, i, a, P):
             assert int(g.region[i]) < P
         for g, q in zip(ours[len(ours) - len(its):], its):
             assert int(g.region[i]) == int(q.region[0]) + a
-            c = q.lo + a - g.lo  # the request's window (its region) inside the group's
+            g_lo = int(g.lo[i, 0]) if torch.is_tensor(g.lo) else g.lo  # per-row windows: the row's own start
+            c = q.lo + a - g_lo  # the request's window (its region) inside the group's
             torch.testing.assert_close(g.logits[i, c:c + q.logits.shape[1]], q.logits[0], rtol=1e-4, atol=1e-4)
     elif sampler == "guided" and "guided" in ss:
         ours, its = gs["guided"], ss["guided"]
@@ -579,12 +581,12 @@ def test_a_rows_state_after_joins_and_leaves_is_its_own(sampler, cache, llada):
     assert eng.stats()["joins"] >= 2 and eng.stats()["retried"] == 0
 
 
-def test_logits_columns_count_each_rows_window_or_the_union(llada):
+def test_logits_columns_count_each_rows_window_or_the_union(llada, monkeypatch):
     """``stats()["logits_columns"]``: the (row, column) logits the steps computed; ``own_logits_columns``: those in
     each row's own window. LLaDA's sampler in blocks of 8 decodes every step inside an 8-column region: alone, every
     column computed is the row's own. With a request joining two blocks behind, LLaDA's sampler (per-row windows,
-    ``SamplerBase.row_windows``) still computes each row's 8 columns alone; KLASS's (its kept steps indexed by the
-    batch's window) computes every row over the union of the rows' blocks, the other row's block too, while each
+    ``SamplerBase.row_windows``) still computes each row's 8 columns alone; without them (as for a sampler that does
+    not declare them) every row is computed over the union of the rows' blocks, the other row's block too, while each
     row's own columns stay 8 per forward it took."""
     kw = dict(gen_length=32, block_length=8, steps=32, sampler="llada")
     engine = Engine(llada, max_rows=4)
@@ -593,15 +595,16 @@ def test_logits_columns_count_each_rows_window_or_the_union(llada):
     s = engine.stats()
     assert s["logits_columns"] == s["own_logits_columns"] == 8 * s["request_nfe"] == 8 * 32
 
-    for sampler, union in (("llada", False), ("klass", True)):
-        kw["sampler"] = sampler
+    for union in (False, True):
+        if union:
+            monkeypatch.setattr(sys.modules["dllm.generate"], "declares_row_windows", lambda sampler: False)
         engine = Engine(llada, max_rows=4)
         engine.submit(PROMPTS[1], **kw)
-        for _ in range(16):  # two blocks decoded (KLASS: at least): the first row is past its second block
+        for _ in range(16):  # two blocks decoded: the first row is in its third block
             engine.step()
         engine.submit(PROMPTS[2], **kw)
         engine.run_until_idle()
         s = engine.stats()
         assert s["requests"]["length"] + s["requests"]["stop"] == 2
         assert s["own_logits_columns"] == 8 * s["request_nfe"]
-        assert (s["logits_columns"] > s["own_logits_columns"]) == union, (sampler, s["logits_columns"])
+        assert (s["logits_columns"] > s["own_logits_columns"]) == union, (union, s["logits_columns"])

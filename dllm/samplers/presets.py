@@ -267,14 +267,15 @@ class KLASSSampler(ComposedSampler):
         family = getattr(getattr(model, "spec", None), "family", "llada")
         return self.styled("dream" if family == "dream" else "llada")
 
-    def _chunked(self, logits: torch.Tensor) -> bool:
+    def _chunked(self, logits: torch.Tensor, ctx: StepContext) -> bool:
         rule = self.rule
-        return (isinstance(rule, KLStable) and not ops.dense_window(logits) and self.temperature == 0
+        return (isinstance(rule, KLStable) and not ops.dense_window(logits) and not rule.rows_own(ctx)
+                and self.temperature == 0
                 and self.confidence == "prob" and self.credit is None and self.eos_rejection is None
                 and not getattr(rule.fallback, "needs_probs", False))
 
     def step(self, logits: torch.Tensor, ctx: StepContext) -> StepResult:
-        if not self._chunked(logits):
+        if not self._chunked(logits, ctx):
             return super().step(logits, ctx)
         x0, conf, stable = self.rule.fused_step(logits, ctx, self.softmax_dtype)
         # decide's commit is within the candidates and has progressed already (ComposedSampler.step's

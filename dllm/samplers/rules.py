@@ -239,6 +239,9 @@ class KLStable:
     fallback: Any = field(default_factory=Quota)
     inclusive: bool = False
     needs_probs: ClassVar[bool] = True
+    # per-row windows (SamplerBase.row_windows): a kept step's window start is then a [B, 1] tensor, and its KL values
+    # are taken at each row's columns (_KLHistory.dense)
+    row_windows: ClassVar[bool] = True
 
     @property
     def graph_safe(self) -> bool:
@@ -258,6 +261,13 @@ class KLStable:
             raise TypeError(f"fallback must be a commit rule or None (the most confident candidate), got "
                             f"{self.fallback!r}")
 
+    @staticmethod
+    def rows_own(ctx: StepContext) -> bool:
+        """Whether this step's window or a kept step's is per row (its start a ``[B, 1]`` tensor, per-row windows):
+        then every KL is computed at every step, at each row's columns (:meth:`_KLHistory.dense`)."""
+        steps = ctx.state.get("klass", {}).get("steps", ())
+        return torch.is_tensor(ctx.win_lo) or any(torch.is_tensor(s.lo) for s in steps)
+
     def confident(self, conf: torch.Tensor, thr) -> torch.Tensor:
         """``conf >= thr`` (``inclusive``, KLASS's Dream code) or ``conf > thr`` (its LLaDA script)."""
         return conf >= thr if self.inclusive else conf > thr
@@ -273,7 +283,7 @@ class KLStable:
         dt = probs.dtype
         hist = _KLHistory(self, logits, ctx, dt)
         hot = ctx.cand & self.confident(conf, self.conf_threshold)
-        if ops.dense_window(logits):  # every window row at every step: no host synchronisation (CUDA)
+        if ops.dense_window(logits) or self.rows_own(ctx):  # every window row at every step (CUDA: no host sync)
             return hist.dense(logits.to(dt), probs, hot)
         R = self._chunk_rows(logits, dt)
         rows = hot.any(0)
@@ -359,7 +369,8 @@ class KLStable:
         st = state.get("klass")
         if not st or not st.get("steps"):
             return
-        st["steps"] = [_KLStep(moved_rows(s.logits, keep, n_new), s.lo + d,
+        st["steps"] = [_KLStep(moved_rows(s.logits, keep, n_new),
+                               moved_rows(s.lo + d, keep, n_new) if torch.is_tensor(s.lo) else s.lo + d,
                                moved_rows(s.region, keep, n_new, d=d, shift=True, fill=-1),
                                moved_rows(s.lse, keep, n_new), moved_rows(s.kl, keep, n_new, fill=math.inf))
                        for s in st["steps"]]
@@ -446,23 +457,41 @@ class _KLHistory:
         W = l.shape[1]
         cur.lse.copy_(self._log_normaliser(l, p))
         cur.kl.fill_(math.inf)  # rows not in the last step's window
-        c0, c1 = self._overlap(cur, q, 0, W)
-        if c0 < c1:
-            lo_q = c0 + cur.lo - q.lo
-            dots = self._dot(l[:, c0:c1], p[:, c0:c1], q.logits[:, lo_q:lo_q + c1 - c0])
-            self._set_kl(cur, q, slice(c0, c1), dots, q.lse[:, lo_q:lo_q + c1 - c0])
+        if q is not None and torch.is_tensor(cur.lo - q.lo):  # per-row windows: each row's columns of step q
+            idx, inside = self._rows_of(q, cur.lo - q.lo, W, hot.shape[0])
+            old = q.logits.gather(1, idx[..., None].expand(-1, -1, q.logits.shape[-1]))
+            self._set_kl(cur, q, slice(None), self._dot(l, p, old), q.lse.gather(1, idx))
+            cur.kl.masked_fill_(~inside, math.inf)
+        else:
+            c0, c1 = self._overlap(cur, q, 0, W)
+            if c0 < c1:
+                lo_q = c0 + cur.lo - q.lo
+                dots = self._dot(l[:, c0:c1], p[:, c0:c1], q.logits[:, lo_q:lo_q + c1 - c0])
+                self._set_kl(cur, q, slice(c0, c1), dots, q.lse[:, lo_q:lo_q + c1 - c0])
         stable = hot.clone()
         for j in range(self.rule.history):  # this step (j = 0) and the earlier ones, newest first
             if j > len(self.past):  # fewer steps than the history: never stable (the eager history's inf)
                 return torch.zeros_like(hot)
             s = cur if j == 0 else self.past[-j]
             shift = cur.lo - s.lo  # window row w of this step is row w + shift of step s
+            if torch.is_tensor(shift):  # per row ([B, 1])
+                idx, inside = self._rows_of(s, shift, W, hot.shape[0])
+                stable &= inside & (s.kl.gather(1, idx) < self.rule.kl_threshold)
+                continue
             a, b = max(0, -shift), min(W, s.kl.shape[1] - shift)
             below = torch.zeros_like(hot)
             if a < b:
                 below[:, a:b] = s.kl[:, a + shift:b + shift] < self.rule.kl_threshold
             stable &= below
         return stable
+
+    @staticmethod
+    def _rows_of(s: _KLStep, shift: torch.Tensor, W: int, B: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, W]`` window rows of step ``s`` holding this step's window rows (``shift``: ``[B, 1]``, row ``w`` is
+        row ``w + shift`` of step ``s``), clamped into its window, and whether each is inside it."""
+        idx = ops.cached_arange(W, s.kl.device)[None] + shift
+        inside = (idx >= 0) & (idx < s.kl.shape[1])
+        return idx.clamp(0, s.kl.shape[1] - 1).expand(B, -1), inside.expand(B, -1)
 
     def finish(self, hot: torch.Tensor) -> torch.Tensor:
         """The ``[B, W]`` stable mask at the ``hot`` positions (``False`` elsewhere)."""
