@@ -305,10 +305,11 @@ def _klass_shifting_window_run(monkeypatch, chunk_bytes, sampler=None):
 ONE_PASS = 1 << 40  # chunk_bytes: the whole window in one chunk (the GPU layout)
 
 
-def _klass_row_windows_run(per_row: bool, sampler=None):
+def _klass_row_windows_run(per_row: bool, sampler=None, rows_from: int | None = None):
     """KLASS over a canvas of 12 columns, three rows whose windows of 10 start at their own moving columns (row ``b``
     at ``(step + b) % 3``): per step and row the proposals, commits, ``klass_ready`` and the KL values kept, from one
-    batch with per-row windows (``win_lo`` a ``[B, 1]`` tensor) or from each row alone (an int window start)."""
+    batch with per-row windows (``win_lo`` a ``[B, 1]`` tensor) or from each row alone (an int window start; from step
+    ``rows_from`` on a ``[1, 1]`` tensor: the switch to the per-row form after lazy steps)."""
     import dataclasses
 
     B, T, V, W = 3, 12, 30, 10
@@ -335,7 +336,7 @@ def _klass_row_windows_run(per_row: bool, sampler=None):
             ctx = make_ctx(cand, x=xw, win_lo=0, step=s, steps=T, n_start=T, mask_id=V - 1, state=state,
                            region_lo=0, canvas_len=T)
             ctx = dataclasses.replace(ctx, region_hi=torch.full((len(rows),), T),
-                                      win_lo=lo if per_row else int(lo[0, 0]))
+                                      win_lo=lo if per_row or s >= (rows_from or 99) else int(lo[0, 0]))
             res = sampler_g.step(logits, ctx)
             for i, b in enumerate(rows):
                 runs.setdefault(b, []).append((res.proposal[i].clone(), res.commit[i].clone(),
@@ -364,6 +365,24 @@ def test_klass_with_per_row_windows_equals_each_row_alone(preset):
                 both = ~torch.isnan(u) & ~torch.isnan(v)
                 assert torch.equal(u[both], v[both]), b
     assert fired > 0, "the KL-stable path never fired; adjust the test logits"
+
+
+@pytest.mark.parametrize("rows_from", [1, 2])
+def test_klass_switching_to_per_row_windows_after_lazy_steps_decides_alike(rows_from):
+    """A row whose window becomes per row after steps of the lazy KL (the serving engine: rows join a row decoded
+    alone on the CPU): the dense form first computes what the lazy steps left out (``_KLHistory.complete``), and every
+    step's proposals, commits, readiness and KL values are those of the lazy run throughout."""
+    switched, lazy = _klass_row_windows_run(False, rows_from=rows_from), _klass_row_windows_run(False)
+    fired = 0
+    for b in range(3):
+        for s, (got, want) in enumerate(zip(switched[b], lazy[b])):
+            for u, v in zip(got[:3], want[:3]):
+                assert torch.equal(u, v), (b, s)
+            fired += int(got[2]) if s >= rows_from else 0
+            for u, v in zip(got[3], want[3]):
+                both = ~torch.isnan(u) & ~torch.isnan(v)
+                assert torch.equal(u[both], v[both]), (b, s)
+    assert fired > 0, "the KL-stable path never fired after the switch"
 
 
 def _same_runs(first, second):

@@ -283,7 +283,10 @@ class KLStable:
         dt = probs.dtype
         hist = _KLHistory(self, logits, ctx, dt)
         hot = ctx.cand & self.confident(conf, self.conf_threshold)
-        if ops.dense_window(logits) or self.rows_own(ctx):  # every window row at every step (CUDA: no host sync)
+        if ops.dense_window(logits):  # every window row at every step: no host synchronisation (CUDA)
+            return hist.dense(logits.to(dt), probs, hot)
+        if self.rows_own(ctx):  # per-row windows on the CPU: the dense form, after the lazy steps' gaps are filled
+            hist.complete()
             return hist.dense(logits.to(dt), probs, hot)
         R = self._chunk_rows(logits, dt)
         rows = hot.any(0)
@@ -484,6 +487,19 @@ class _KLHistory:
                 below[:, a:b] = s.kl[:, a + shift:b + shift] < self.rule.kl_threshold
             stable &= below
         return stable
+
+    def complete(self) -> None:
+        """Compute what the dense form reads of the kept steps and the lazy form left out (``nan``): the last step's
+        log-normalisers and the KL values of the kept steps the rule looks back on. A batch switches forms where its
+        windows become per row (the serving engine: rows join a row decoded alone on the CPU); the values are those
+        the lazy form computes on demand."""
+        past = self.past
+        for j in range(1, min(self.rule.history, len(past) + 1)):
+            s, q = past[-j], (past[-j - 1] if j < len(past) else None)
+            if torch.isnan(s.kl).any():
+                self._kl_rows(s, q, 0, s.kl.shape[1])
+        if past:
+            self._lse(past[-1], 0, past[-1].kl.shape[1])
 
     @staticmethod
     def _rows_of(s: _KLStep, shift: torch.Tensor, W: int, B: int) -> tuple[torch.Tensor, torch.Tensor]:
