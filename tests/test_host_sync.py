@@ -100,7 +100,7 @@ def test_dense_window_samplers_decode_what_their_sparse_path_decodes(monkeypatch
     on CUDA) and AdaBlock's blocks ended at delimiters."""
     from dllm.samplers.presets import KLASSSampler
 
-    monkeypatch.setattr(KLASSSampler, "_chunked", lambda self, logits: False)
+    monkeypatch.setattr(KLASSSampler, "_chunked", lambda self, logits, ctx: False)
     prompts = ragged_prompts(3, 1)
     runs = [("dream", name, {}) for name in DREAM]
     runs += [("llada", "prophet", dict(early=e, mid=e, late=e, span=span))
