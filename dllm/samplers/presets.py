@@ -80,13 +80,12 @@ class MultiBlockSampler(ComposedSampler):
 
     def step(self, logits: torch.Tensor, ctx) -> StepResult:
         res = super().step(logits, ctx)
-        B, W = logits.shape[:2]
-        rows = torch.is_tensor(ctx.win_lo)  # each row's own window: [B, 1] starts (row_windows)
+        W = logits.shape[1]
         if ctx.canvas is not None:  # the blocks from the whole canvas (the region starts at the generation)
             masked, start, off = ctx.canvas == ctx.mask_id, ctx.region_lo, ctx.win_lo
-        else:  # a window alone: its columns, the region start inside it
-            off = ctx.win_lo[:, 0] if rows else ctx.win_lo
-            masked, start, off = ctx.x == ctx.mask_id, (ctx.region_lo - off).clamp_min(0), 0
+        else:  # a window alone: its columns, the region start inside it (win_lo: an int, or per row [B, 1])
+            lo = ctx.win_lo[:, 0] if torch.is_tensor(ctx.win_lo) else ctx.win_lo
+            masked, start, off = ctx.x == ctx.mask_id, (ctx.region_lo - lo).clamp_min(0), 0
         block_of, _, activated, masks = block_states(masked, start, self.block_length, self.add_threshold,
                                                      self.activate_threshold)
         nb = masks.shape[1]

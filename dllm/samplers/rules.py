@@ -460,8 +460,9 @@ class _KLHistory:
         W = l.shape[1]
         cur.lse.copy_(self._log_normaliser(l, p))
         cur.kl.fill_(math.inf)  # rows not in the last step's window
-        if q is not None and torch.is_tensor(cur.lo - q.lo):  # per-row windows: each row's columns of step q
-            idx, inside = self._rows_of(q, cur.lo - q.lo, W, hot.shape[0])
+        shift = None if q is None else cur.lo - q.lo  # window row w of this step is row w + shift of step q
+        if torch.is_tensor(shift):  # per-row windows ([B, 1]): each row's columns of step q
+            idx, inside = self._rows_of(q, shift, W, hot.shape[0])
             old = q.logits.gather(1, idx[..., None].expand(-1, -1, q.logits.shape[-1]))
             self._set_kl(cur, q, slice(None), self._dot(l, p, old), q.lse.gather(1, idx))
             cur.kl.masked_fill_(~inside, math.inf)
