@@ -13,7 +13,8 @@
 #
 # The parts run in the order of what the issue's goals still need (step, caches, tests, kernels, elastic: Elastic-
 # Cache's step at 8 layers, extra, samplers: the step graphs of Dream's, CreditDecoding's, KLASS's and Prophet's
-# steps, serve) and take at most 300 + 180 + 200 + 100 + 120 + 180 + 4 x 60 + 120 seconds. On an H200
+# steps, serve: the serving engine and generate's continuous batching) and take at most 300 + 180 + 200 + 100 + 120 +
+# 180 + 4 x 60 + 120 + 90 seconds. On an H200
 # (2026-11-27, the third check) with QUICK=1 and no Fast-dLLM
 # (it takes about 30 s more): step about 150 s, caches about 90 s, the gpu tests over 200 s on a fresh machine (34 of
 # 37 in 200 s; their kernels compile first), kernels about 55 s. So run PARTS="step kernels" and then PARTS="caches
@@ -129,6 +130,13 @@ if want serve 120; then
     # at a time at 1, 4 and 16 clients (its goal: at 16 clients 3x one at a time, p99 within 2x the longest solo)
     timeout "$LIMIT" python3 benchmarks/bench_serve.py --device cuda --concurrency 1 4 16 --requests 8 \
         --json "$OUT/serve.json" 2>&1 | grep --line-buffered -v USDT | tee "$OUT/bench_serve.log"
+fi
+
+if want serve 90; then
+    log bench_continuous
+    # offline continuous batching (generate's max_rows) against static batches of the same prompts, the bundled model
+    timeout "$LIMIT" python3 benchmarks/bench_continuous.py --device cuda --prompts 64 --batch 4 16 \
+        --json "$OUT/continuous.json" 2>&1 | grep --line-buffered -v USDT | tee "$OUT/bench_continuous.log"
 fi
 
 log goals

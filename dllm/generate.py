@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import os
@@ -20,7 +21,7 @@ from dllm.config import GenerateConfig
 from dllm.graphs import GraphRunner
 from dllm.kernels.device import on_device
 from dllm.models.spec import vocab_size
-from dllm.ops import cached_arange, ids_on, shape_bucket, shown
+from dllm.ops import cached_arange, ids_on, moved_rows, shape_bucket, shown
 from dllm.recipes import resolve
 from dllm.samplers.base import StepContext, declares_graph_safe, declares_row_windows, row_key_words
 
@@ -36,12 +37,14 @@ class NonFiniteLogitsError(ValueError):
         self.rows, self.step, self.positions = rows, step, positions
 
     @classmethod
-    def at(cls, bad: torch.Tensor, step0: int, offset) -> NonFiniteLogitsError:
+    def at(cls, bad: torch.Tensor, step0: int, offset, names: list[int] | None = None) -> NonFiniteLogitsError:
         """From the ``[B, W]`` mask of bad window positions (window column 0 = generation offset ``offset``: an int,
-        or a ``[B]`` tensor where each row's window is its own)."""
-        rows = bad.any(-1).nonzero().flatten().tolist()
+        or a ``[B]`` tensor where each row's window is its own); ``names``: each batch row's index among the
+        caller's rows (None: its batch position)."""
+        at = bad.any(-1).nonzero().flatten().tolist()
         positions = [(bad[r].nonzero().flatten() + (offset[r] if torch.is_tensor(offset) else offset)).tolist()
-                     for r in rows]
+                     for r in at]
+        rows = at if names is None else [names[r] for r in at]
         shown = ", ".join(f"row {r} at {pos[:8]}{' ...' if len(pos) > 8 else ''}" for r, pos in zip(rows, positions))
         return cls(f"the model returned non-finite logits (NaN, inf or no finite value) at step {step0 + 1}: {shown}; "
                    "this is usually a half-precision overflow: load the model with dtype='float32' (or check the "
@@ -87,6 +90,9 @@ class GenerateStats:
     # the share of the output head's and the sampler's work the rows read
     logits_columns: int = 0
     own_logits_columns: int = 0
+    # the rows the forwards computed, summed over forwards (a finished row still in its batch included: against
+    # sum(row_nfe), the share of the batch's rows still decoding; generate's max_rows drops finished rows)
+    row_forwards: int = 0
     # what ran, as resolved from the call (a block-diffusion model's default block cache, a preset's own cache):
     # the sampler's and the cache's names ("none": no cache); empty in stats built elsewhere
     sampler: str = ""
@@ -362,6 +368,7 @@ def generate(
     guide=None,
     attention_mask: torch.Tensor | None = None,
     row_ids=None,
+    max_rows: int | None = None,
     **overrides,
 ) -> GenerateOutput:
     """Decode ``gen_length`` masked positions after each prompt.
@@ -390,7 +397,16 @@ def generate(
             random stream together with ``config.seed``: a row's draws depend on (seed, its id), never on the
             batch. Default: the row's prompt token ids plus how many identical prompts come before it in this
             call (the same prompt twice in one call gets two different streams).
+        max_rows: continuous batching: at most this many rows decode at once, a row leaving the batch at the step
+            it finishes and the next prompt taking its place (default ``None``: every prompt in one batch, where a
+            finished row stays until the last finishes). Each row's tokens and statistics are the same either way
+            (per-row random streams: the sampler's ``noise_scope`` must be ``"row"``); ``stats.nfe`` counts the
+            batch's forwards, ``stats.row_forwards`` the rows they computed, and the per-step ``stats.trace`` is
+            not kept (a step's rows change as they come and go).
     """
+    if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, numbers.Integral)
+                                 or max_rows < 1):
+        raise ValueError(f"max_rows must be a positive integer (rows decoding at once) or None, got {max_rows!r}")
     check_model(model)
     unknown = sorted(set(overrides) - set(GenerateConfig.__dataclass_fields__))
     if unknown:
@@ -407,15 +423,118 @@ def generate(
     sampler, cache, policy, config = resolve(model, sampler, cache, block_policy, config)
     if model.mask_id is None:
         raise ValueError("the model has no mask token id; set model.mask_id")
+    if max_rows is not None and _shared_stream(sampler):
+        raise ValueError("max_rows (rows joining and leaving the batch) needs each row's own random stream; the "
+                         "sampler draws from the run's shared stream (noise_scope 'region' or 'canvas'), whose draws "
+                         "depend on the batch: use noise_scope='row' or leave max_rows None")
     rows = prepare_prompts(model, prompts, attention_mask, config.chat_template)
     dec = Decoder(model, sampler, cache, policy, config)
     try:
+        if max_rows is not None:
+            return _continuous(dec, rows, row_ids, int(max_rows))
         st = dec.start(rows, row_ids)
         while dec.step(st):
             pass
         return dec.output(st)
     finally:
         dec.release()
+
+
+def _shared_stream(sampler) -> bool:
+    """Whether ``sampler`` (or a sampler it wraps) draws from the run's shared random stream (``noise_scope``
+    ``"region"`` or ``"canvas"``), whose draws depend on the batch."""
+    while sampler is not None:
+        if getattr(sampler, "noise_scope", "row") != "row":
+            return True
+        sampler = getattr(sampler, "inner", None)
+    return False
+
+
+def _continuous(dec: Decoder, rows: list[list[int]], row_ids, R: int) -> GenerateOutput:
+    """:func:`generate` with ``max_rows=R``: at most ``R`` rows decode at once; a row leaves the batch at
+    the step it finishes (its canvas, K/V rows and sampler state dropped: :func:`_select`, :func:`_move_rows`) and
+    the next prompt joins in its place (:func:`_cat`; re-padded to the batch's longest prompt), as the serving engine
+    batches requests. Each row keeps its own random stream (``row_ids``, as all rows at once), so its tokens are what
+    the batch of every row gives; its commit steps and finishing step count its own forwards. The per-step trace is
+    not kept (a step's rows change as they come and go)."""
+    config, model = dec.config, dec.model
+    N = len(rows)
+    keys = row_keys(rows, row_ids, config.seed)  # each prompt's stream, as in one batch of every row
+    dec.rows_move = True
+    dec.reads = functools.partial(_reads, dec=dec, tokens=False)  # finished rows, forwards: in the step's own sync
+    if dec.graphed:  # the K/V buffers sized for a batch bucket, rows move within
+        dec.cache.batch_buckets = True
+    pad = model.pad_id if model.pad_id is not None else model.eos_id
+    limit = 4 * (config.gen_length + config.total_steps) + 8  # a row's forwards before it makes no progress
+    out: list[tuple] = [()] * N  # each prompt's record once it finished
+    nfe = own = 0  # the forwards and own logits columns of the batches before the current one
+    t_start = time.perf_counter()
+
+    def state(take: list[int], start: bool) -> DecodeState:
+        st = dec.start([rows[i] for i in take]) if start else dec.new_state([rows[i] for i in take])
+        st.row_key = keys[take].to(st.row_key.device)
+        return st
+
+    idx = list(range(min(R, N)))  # the prompt of each row of the batch
+    st, nxt = state(idx, True), len(idx)
+    joined = torch.zeros(len(idx), dtype=torch.long, device=st.x.device)  # the batch's forwards before each row
+    while True:
+        dec.max_iters, dec.row_names = float("inf"), idx  # each row's progress checked below
+        dec.step(st)
+        st.trace.clear()
+        _, done, row_nfe, n_own = _read_back(st, tokens=False)
+        own += n_own
+        if max(row_nfe) > limit:
+            raise RuntimeError(f"decoding made no progress after {max(row_nfe)} forwards of a row; sampler "
+                               f"{dec.sampler!r} commits nothing")
+        gone = [i for i in range(len(idx)) if done[i]]
+        keep = [i for i in range(len(idx)) if not done[i]]
+        if gone:  # the finished rows' records, their steps counted from when each joined
+            at, P = torch.tensor(gone, device=st.x.device), st.P
+            base = joined[at]
+            step = st.commit_step[at, P:]
+            rec = [st.x[at, P:], torch.where(step >= 0, step - base[:, None], step), st.finish[at] - base,
+                   *(None if t is None else t[at, P:]
+                     for t in (st.commit_logprob, st.commit_top_ids, st.commit_top_logprobs))]
+            for j, i in enumerate(gone):
+                out[idx[i]] = (row_nfe[i], *(None if t is None else t[j] for t in rec))
+        take = list(range(nxt, min(nxt + R - len(keep), N)))
+        nxt += len(take)
+        if not keep:
+            if not take:
+                break
+            nfe += st.nfe  # every row finished: the next prompts start a batch of their own
+            dec.release()
+            idx, st = take, state(take, True)
+            joined = torch.zeros(len(take), dtype=torch.long, device=st.x.device)
+            continue
+        if not gone and not take:
+            continue
+        moved = keep if gone else None  # the rows the cache and the sampler keep (None: all)
+        if gone:
+            st, joined, idx = _select(st, keep), joined[keep], [idx[i] for i in keep]
+        if take:  # one move of the K/V rows and the sampler's state: the kept rows, re-padded, then the newcomers
+            new = state(take, False)
+            P = max(st.P, new.P)
+            d = P - st.P
+            st, new = _repad(st, d, pad), _repad(new, P - new.P, pad)
+            _move_rows(dec, st, d, moved, new)
+            st = _cat(st, new)
+            joined = torch.cat([joined, joined.new_full((len(take),), st.nfe)])
+            idx = idx + take
+        else:
+            d = dec.prompt_width(max(len(r) for r in st.rows)) - st.P
+            if d < 0:  # the longest prompt left: the padding no row needs cropped
+                st = _repad(st, d, pad)
+            _move_rows(dec, st, d, moved)
+        dec.regroup(st)
+    if dec._bank is not None:  # the step graphs' bank free for the next decode
+        dec._bank.release(st)
+    dec.t_start = t_start
+    seqs, commit_step, finish, *records = (None if out[0][k] is None else torch.stack([o[k] for o in out])
+                                           for k in range(1, 7))
+    return dec._result(rows, seqs, [o[0] for o in out], finish, commit_step, *records, nfe=nfe + st.nfe, trace=[],
+                       own=own)
 
 
 @dataclass
@@ -524,6 +643,9 @@ class Decoder:
     #: and its forwards there, so that a served step synchronises once (and never waits for a forward launched
     #: before the synchronisation)
     reads = None
+    #: each batch row's index among the caller's rows, named in a :class:`NonFiniteLogitsError` (None: its position
+    #: in the batch); set where rows join and leave (:func:`generate`'s ``max_rows``)
+    row_names = None
 
     def __init__(self, model, sampler, cache, policy, config: GenerateConfig):
         self.model, self.sampler, self.cache, self.policy, self.config = model, sampler, cache, policy, config
@@ -572,6 +694,8 @@ class Decoder:
         self._relaunch = None  # a speculative cache's first part that may be launched again (_speculate)
         #: the (row, column) logits the steps computed: every row over its own window or the union of the rows'
         self.logits_columns = 0
+        #: the rows the forwards computed, summed over forwards
+        self.row_forwards = 0
         # the step's work after its forward as one graph (_commit_graphed), where the model's forwards can go through
         # graphs and the sampler's step is a function of its tensors alone (SamplerBase.graph_safe; a window widened
         # past the regions, Prophet's, is keyed by its ends as any window): the block policies' hooks are functions
@@ -610,6 +734,18 @@ class Decoder:
             self.cache.release()
 
     def start(self, rows: list[list[int]], row_ids=None) -> DecodeState:
+        """The decode state of ``rows`` (:meth:`new_state`), the cache reset for them."""
+        self.t_start = time.perf_counter()
+        st = self.new_state(rows, row_ids)
+        self.cache.reset(*st.x.shape)
+        self.cols_all = cached_arange(st.x.shape[1], self.device)
+        self.host_window(st)
+        self.max_iters = 4 * (self.config.gen_length + self.config.total_steps) + 8
+        return st
+
+    def new_state(self, rows: list[list[int]], row_ids=None) -> DecodeState:
+        """A decode state for ``rows`` (prompt token ids), before their first forward; the decoder and its cache are
+        left as they are (rows joining a batch: :func:`_cat`)."""
         model, config, device = self.model, self.config, self.device
         B, P, G = len(rows), max(len(r) for r in rows), config.gen_length
         T, K = P + G, config.record_top_logprobs
@@ -633,9 +769,6 @@ class Decoder:
         generator = None
         if config.seed is not None:
             generator = torch.Generator(device=device).manual_seed(config.seed)
-        self.t_start = time.perf_counter()
-        self.cache.reset(B, T)
-        self.cols_all = cached_arange(T, device)
         lo = torch.full((B,), P, dtype=torch.long, device=device)
         positions = (valid.long().cumsum(-1) - 1).clamp_min(0)
         hi, steps = self._next_region(lo, T, P, positions)
@@ -655,8 +788,6 @@ class Decoder:
         )
         if self.slide is not None:
             st.lo, st.hi = self.slide(x == model.mask_id, st.lo)
-        self.host_window(st)
-        self.max_iters = 4 * (G + config.total_steps) + 8
         return st
 
     def _next_region(self, lo, T: int, P: int, positions):
@@ -682,6 +813,20 @@ class Decoder:
         st.window = tuple(v[:2])
         if self.row_windows:
             st.width = v[2]
+
+    def regroup(self, st: DecodeState) -> None:
+        """After ``st``'s rows moved (:func:`_select`, :func:`_cat`, :func:`_repad`; their cache's buffers with
+        :func:`_move_rows`): the decoder's canvas columns, the cache's batch and canvas length, the key mask (none
+        where every column is real) and the next step's window read again."""
+        T = st.x.shape[1]
+        self.cols_all = cached_arange(T, st.x.device)
+        if getattr(self.cache, "filled", False):  # its buffers were moved with the rows
+            self.cache.batch, self.cache.canvas_len = st.x.shape[0], T
+        else:
+            self.cache.reset(st.x.shape[0], T)
+        if st.key_mask is not None and bool(st.key_mask.all()):
+            st.key_mask = None
+        self.host_window(st)
 
     @staticmethod
     def _width(st: DecodeState) -> torch.Tensor:
@@ -716,6 +861,7 @@ class Decoder:
             W, cols = w_hi - w_lo, self.cols_all[w_lo:w_hi]
             lidx = cols.expand(B, -1)
         self.logits_columns += B * W
+        self.row_forwards += B
         tc = clock.mark()
         runner = self.graphs
         ahead, st.ahead = st.ahead, None
@@ -825,7 +971,7 @@ class Decoder:
                 if running and synced[4] and tuple(synced[2:4]) == ahead.window:
                     self._early_off = ahead.window  # a width past what wide_ahead keeps: none more in this window
         if nonfinite:
-            raise NonFiniteLogitsError.at(bad, st.nfe - 1, lidx[:, 0] - P if per_row else w_lo - P)
+            raise NonFiniteLogitsError.at(bad, st.nfe - 1, lidx[:, 0] - P if per_row else w_lo - P, self.row_names)
         if running and st.nfe >= self.max_iters:
             raise RuntimeError(f"decoding made no progress after {st.nfe} steps; sampler {sampler!r} commits nothing")
         return bool(running)
@@ -1210,20 +1356,30 @@ class Decoder:
     def output(self, st: DecodeState) -> GenerateOutput:
         if self._bank is not None:  # the result's tensors are the state's own, not the step graphs' bank
             self._bank.release(st)
-        t = self.clock.totals()
-        time_total = time.perf_counter() - self.t_start
-        B, G = len(st.rows), self.config.gen_length
-        seqs = st.x[:, st.P :]
-        row_nfe = st.row_nfe.tolist()
         trace = _trace_lists(st.trace)
         # the steps' regions, read with the trace, as one flat list of rows
         regions = [torch.tensor([c for r in trace for c in r[k]], dtype=torch.long) for k in ("lo", "hi")]
         own = int(self.own_columns(*regions, st.P, st.x.shape[1]))
+        P = st.P
+        return self._result(st.rows, st.x[:, P:], st.row_nfe.tolist(), st.finish, st.commit_step[:, P:],
+                            *(None if t is None else t[:, P:]
+                              for t in (st.commit_logprob, st.commit_top_ids, st.commit_top_logprobs)),
+                            nfe=st.nfe, trace=trace, own=own)
+
+    def _result(self, rows: list[list[int]], seqs: torch.Tensor, row_nfe: list[int], finish: torch.Tensor,
+                commit_step: torch.Tensor, commit_logprob, commit_top_ids, commit_top_logprobs, *, nfe: int,
+                trace: list[dict], own: int) -> GenerateOutput:
+        """The output of a decode of ``rows``: each row's generated tokens ``seqs`` (``[B, gen_length]``), forwards,
+        finishing step and commit records (over the generation's columns), the loop's forwards, trace and logits
+        columns in the rows' own windows."""
+        t = self.clock.totals()
+        time_total = time.perf_counter() - self.t_start
+        B, G = len(rows), self.config.gen_length
         stats = GenerateStats(
-            nfe=st.nfe,
+            nfe=nfe,
             row_nfe=row_nfe,
             tokens_per_forward=sum(G / max(n, 1) for n in row_nfe) / B,
-            finish_step=st.finish.tolist(),
+            finish_step=finish.tolist(),
             time_model=t["model"],
             time_sampler=t["sampler"],
             time_cache=t["cache"],
@@ -1231,12 +1387,12 @@ class Decoder:
             trace=trace,
             logits_columns=self.logits_columns,
             own_logits_columns=own,
-            commit_step=st.commit_step[:, st.P :].tolist(),
-            commit_conf=st.commit_logprob[:, st.P :].exp().tolist() if st.commit_logprob is not None else [],
-            commit_logprob=st.commit_logprob[:, st.P :].tolist() if st.commit_logprob is not None else [],
-            commit_top_ids=st.commit_top_ids[:, st.P :].tolist() if st.commit_top_ids is not None else [],
-            commit_top_logprobs=st.commit_top_logprobs[:, st.P :].tolist() if st.commit_top_logprobs is not None
-            else [],
+            row_forwards=self.row_forwards,
+            commit_step=commit_step.tolist(),
+            commit_conf=commit_logprob.exp().tolist() if commit_logprob is not None else [],
+            commit_logprob=commit_logprob.tolist() if commit_logprob is not None else [],
+            commit_top_ids=commit_top_ids.tolist() if commit_top_ids is not None else [],
+            commit_top_logprobs=commit_top_logprobs.tolist() if commit_top_logprobs is not None else [],
             graphs=_since(self.graphs.stats, self._graph_stats0) if self.graphs is not None else {},
             step_graphs=_since(self.graphs.tail_stats, self._tail_stats0) if self.graphs is not None else {},
             sampler=_name_of(self.sampler),
@@ -1244,7 +1400,7 @@ class Decoder:
             cache_bytes=int(getattr(self.cache, "nbytes", 0) or 0),
             block_length=_fixed_block_length(self.policy, self.config),
         )
-        return GenerateOutput(seqs, decode_texts(self.model, seqs), [len(r) for r in st.rows], stats)
+        return GenerateOutput(seqs, decode_texts(self.model, seqs), [len(r) for r in rows], stats)
 
 
 _BANKED = ("x", "positions", "lo", "hi", "steps", "step_in", "n_start", "active", "finish", "row_nfe", "committed",
@@ -1457,6 +1613,116 @@ def _nested(flat: list, at: int, shape: tuple[int, ...]):
         return flat[at:at + shape[0]]
     inner = math.prod(shape[1:])
     return [_nested(flat, at + i * inner, shape[1:]) for i in range(shape[0])]
+
+
+# ---- rows that join and leave a batch between steps (the serving engine; generate's max_rows) ----
+
+
+def _pad_left(t: torch.Tensor | None, d: int, value) -> torch.Tensor | None:
+    """``[B, T, ...]`` -> ``[B, T + d, ...]`` with ``d`` columns of ``value`` on the left (``d < 0``: crop ``-d``
+    columns)."""
+    return t if t is None or d == 0 else moved_rows(t, None, d=d, dim=1, pad=value)
+
+
+def _repad(st: DecodeState, d: int, pad_id: int) -> DecodeState:
+    """The state with ``d`` more (or ``-d`` fewer) left-padding columns; column positions shift by ``d``."""
+    if d == 0:
+        return st
+    key_mask = st.key_mask if st.key_mask is not None else torch.ones_like(st.x, dtype=torch.bool)
+    st.x = _pad_left(st.x, d, pad_id)
+    st.positions = _pad_left(st.positions, d, 0)
+    st.key_mask = _pad_left(key_mask, d, False)
+    st.committed = _pad_left(st.committed, d, False)
+    st.commit_step = _pad_left(st.commit_step, d, -1)
+    st.commit_logprob = _pad_left(st.commit_logprob, d, float("nan"))
+    st.commit_top_ids = _pad_left(st.commit_top_ids, d, -1)
+    st.commit_top_logprobs = _pad_left(st.commit_top_logprobs, d, float("nan"))
+    st.P += d
+    st.lo, st.hi = st.lo + d, st.hi + d
+    st.read = None
+    return st
+
+
+def _reads(st: DecodeState, dec: Decoder | None = None, tokens: bool = True) -> torch.Tensor:
+    """What the engine reads of a batch after each step, in the step's own host synchronisation (``Decoder.reads``):
+    each row's generated tokens (``tokens=False``: none), whether it is finished, its forwards (:func:`_read_back`);
+    with ``dec``, the step's decoder, also how many of the logits columns the step computed lie in each row's own
+    window (summed over rows: the rest is the other rows' windows, ``metrics["logits_columns"]``)."""
+    nums = [st.x[:, st.P:].reshape(-1) if tokens else st.x[:, :0].reshape(-1), ~st.active, st.row_nfe]
+    if dec is not None and st.trace:
+        rec = st.trace[-1]  # the step's record: its regions
+        nums.append(dec.own_columns(rec["lo"], rec["hi"], st.P, st.x.shape[1]).view(1))
+    return torch.cat(nums)
+
+
+def _read_back(st: DecodeState, tokens: bool = True) -> tuple[list[list[int]], list, list, int | None]:
+    """:func:`_reads`' numbers as ``(rows' generated tokens, finished, forwards, own logits columns)``: those read in
+    the state's last step, or read now where the rows moved since (one more synchronisation, kept until the rows move
+    or step again; without the step's own columns, None). ``tokens``: as the reads were made (False: no tokens, the
+    rows' lists empty)."""
+    if st.read is None:
+        st.read = _reads(st, tokens=tokens).tolist()
+    r = st.read
+    B = st.x.shape[0]
+    G = st.x.shape[1] - st.P if tokens else 0
+    n = B * G + 2 * B
+    return [r[i * G:(i + 1) * G] for i in range(B)], r[B * G:B * G + B], r[B * G + B:n], \
+        (r[n] if len(r) > n else None)
+
+
+_PER_ROW = ("x", "positions", "key_mask", "lo", "hi", "steps", "step_in", "n_start", "active", "finish",
+            "row_nfe", "committed", "commit_step", "commit_logprob", "commit_top_ids", "commit_top_logprobs", "row_key")
+
+
+def _cat(a: DecodeState, b: DecodeState) -> DecodeState:
+    """Rows of ``b`` appended to ``a`` (same width: re-padded first)."""
+    merged = {}
+    for name in _PER_ROW:
+        ta, tb = getattr(a, name), getattr(b, name)
+        if ta is None and tb is None:
+            continue
+        if name == "key_mask":  # no mask: every column real
+            ta = ta if ta is not None else torch.ones_like(a.x, dtype=torch.bool)
+            tb = tb if tb is not None else torch.ones_like(b.x, dtype=torch.bool)
+        merged[name] = torch.cat([ta, tb])
+    for name, t in merged.items():
+        setattr(a, name, t)
+    a.rows = a.rows + b.rows
+    a.read = None
+    for k, v in b.state.items():  # deterministic tables (Dream's schedule) are the same for both
+        a.state.setdefault(k, v)
+    return a
+
+
+def _select(st: DecodeState, keep: list[int]) -> DecodeState:
+    idx = torch.tensor(keep, dtype=torch.long, device=st.x.device)
+    for name in _PER_ROW:
+        t = getattr(st, name)
+        if t is not None:
+            setattr(st, name, t.index_select(0, idx))
+    st.rows = [st.rows[i] for i in keep]
+    st.read = None
+    return st
+
+
+def _move_rows(dec: Decoder, st: DecodeState, d: int, keep: list[int] | None,
+               joining: DecodeState | None = None) -> None:
+    """Move what the decoder keeps per row beside the decode state ``st`` with the rows of its batch: the ``keep``
+    rows selected (``None``: all), ``d`` canvas columns of left padding added (``d < 0``: cropped), then the rows
+    of ``joining`` appended (their own state, re-padded to the batch's width). A filled cache moves its K/V
+    buffers and its own per-row state (:meth:`dllm.caches.base.KVCache.move_rows`; the joining rows' first
+    forward recomputes them in full), the sampler its scratch state in ``st.state``
+    (:meth:`dllm.samplers.base.SamplerBase.move_rows`: a joining row starts with the state its first step would
+    build)."""
+    idx = None if keep is None else torch.tensor(keep, dtype=torch.long, device=st.x.device)
+    n_new = 0 if joining is None else joining.x.shape[0]
+    if getattr(dec.cache, "filled", False):
+        dec.cache.move_rows(d, idx, n_new)
+    move = getattr(dec.sampler, "move_rows", None)
+    if move is not None and joining is None:
+        move(st.state, d, idx, 0)
+    elif move is not None:
+        move(st.state, d, idx, n_new, canvas=joining.x, gen_lo=joining.P, eos_id=dec.model.eos_id)
 
 
 def _least(hi: int, ok) -> int:

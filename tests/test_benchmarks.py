@@ -133,6 +133,17 @@ def test_bench_caches_compares_every_cache_with_none(tmp_path):
     assert goal in judged_from_log(tmp_path, "bench_caches.py", "bench_caches.log")
 
 
+def test_bench_continuous_computes_only_decoding_rows(tmp_path):
+    rows = run("bench_continuous.py", "--prompts", "12", "--batch", "4", "--gen-length", "32", "--block-length", "8",
+               tmp_path=tmp_path)
+    by = {r["mode"]: r for r in rows}
+    assert set(by) == {"static", "continuous"} and all(r["same_tokens"] for r in rows)
+    s, c = by["static"], by["continuous"]
+    assert s["decoding_rows"] == c["decoding_rows"] == c["row_forwards"] < s["row_forwards"]
+    assert c["forwards"] < s["forwards"]  # the batch kept full: fewer forwards for the same rows
+    assert c["own_logits"] == 1.0 > s["own_logits"]
+
+
 def test_bench_padding_shows_rows_out_of_step_widen_the_batch_unless_packed(tmp_path):
     rows = run("bench_padding.py", "--batch", "1", "8", "--caches", "dual", tmp_path=tmp_path)
     by = {(r["sampler"], r["batch"], r["path"]): r for r in rows}

@@ -116,7 +116,8 @@ def cmd_eval(args) -> int:
         summary = run_standard_eval(model, task, samples, config, args.out, prompts=ids, sampler=sampler,
                                     cache=args.cache, batch_size=args.batch_size, settings=settings,
                                     accelerator=accelerator, timeout=args.timeout, memory_mb=args.memory_mb,
-                                    overwrite=args.overwrite, on_start=bar.start, on_sample=bar.update)
+                                    overwrite=args.overwrite, on_start=bar.start, on_sample=bar.update,
+                                    continuous=args.continuous)
     finally:
         bar.close()
     if summary is not None:
@@ -179,7 +180,8 @@ def cmd_eval_tasks(args) -> int:
     model = load_model_arg(args)
     bar = tqdm(total=len(names) * args.n, desc="eval", file=sys.stderr)
     res = evaluate_tasks(model, names, args.n, args.seed_data, config, sampler=sampler, cache=args.cache,
-                         batch_size=args.batch_size, on_batch=lambda name, k: bar.update(k))
+                         batch_size=args.batch_size, on_batch=lambda name, k: bar.update(k),
+                         continuous=args.continuous)
     bar.close()
     print("| task | score | 95% CI | strict | NFE | tokens/forward |")
     print("|---|---|---|---|---|---|")
@@ -210,6 +212,9 @@ def add_parser(sub) -> None:
     e.add_argument("--n", type=int, default=50, help="examples per task")
     e.add_argument("--seed-data", type=int, default=12345, help="data seed (training uses 1000+)")
     e.add_argument("--batch-size", type=int, default=25)
+    e.add_argument("--continuous", action="store_true",
+                   help="continuous batching: --batch-size rows decode at once, a finished row's place taken by the "
+                        "next prompt at once (the same outputs; the sampler's noise_scope must be 'row')")
     add_decode_args(e)
     e.set_defaults(func=cmd_eval_tasks, gen_length=32)
 
@@ -232,6 +237,9 @@ def add_parser(sub) -> None:
                    "humaneval 0)")
     e.add_argument("--limit", type=int, default=None, help="evaluate only the first N samples")
     e.add_argument("--batch-size", type=int, default=1, help="prompts per generate() call (default 1)")
+    e.add_argument("--continuous", action="store_true",
+                   help="continuous batching: --batch-size rows decode at once, a finished row's place taken by the "
+                        "next prompt at once (the same outputs; the sampler's noise_scope must be 'row')")
     e.add_argument("--no-chat-template", action="store_true",
                    help="plain-text few-shot prompts (base models) instead of chat turns")
     e.add_argument("--timeout", type=float, default=10.0, help="seconds per program for humaneval/mbpp (default 10)")

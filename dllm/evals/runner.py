@@ -10,14 +10,19 @@ from dllm.evals import tasks as T
 from dllm.evals.stats import mean_ci
 from dllm.generate import GenerateOutput, NonFiniteLogitsError
 
+#: with continuous batching, the prompts of one generate call as a multiple of the batch size: the rows decoding at
+#: once stay ``batch_size``, results are written (and progress shown) once per call
+CONTINUOUS_CHUNK = 8
 
-def generate_rows(model, prompts: Sequence, config: GenerateConfig, *, sampler=None, cache=None, row_ids=None
-                  ) -> tuple[list[int], GenerateOutput | None, dict[int, str]]:
+
+def generate_rows(model, prompts: Sequence, config: GenerateConfig, *, sampler=None, cache=None, row_ids=None,
+                  max_rows: int | None = None) -> tuple[list[int], GenerateOutput | None, dict[int, str]]:
     """:func:`dllm.generate` on ``prompts``; a row whose logits turn non-finite (:class:`NonFiniteLogitsError`)
     is an error, not an answer: it is dropped and the other rows are decoded again. Returns ``(kept, output,
     errors)``: the indices of ``prompts`` that ``output`` covers (``None`` when none is left) and ``{index:
     message}`` for the failed ones. ``row_ids`` (one per prompt, e.g. sample ids) key each row's random stream,
-    so a sample's output does not depend on its batch, the batch size or the number of processes."""
+    so a sample's output does not depend on its batch, the batch size or the number of processes. ``max_rows``:
+    continuous batching (:func:`dllm.generate`'s), the same outputs."""
     from dllm.generate import generate  # looked up per call (tests and tools may wrap dllm.generate.generate)
 
     kept, errors = list(range(len(prompts))), {}
@@ -25,7 +30,7 @@ def generate_rows(model, prompts: Sequence, config: GenerateConfig, *, sampler=N
         try:
             ids = None if row_ids is None else [row_ids[i] for i in kept]
             return kept, generate(model, [prompts[i] for i in kept], config, sampler=sampler, cache=cache,
-                                  row_ids=ids), errors
+                                  row_ids=ids, max_rows=max_rows), errors
         except NonFiniteLogitsError as err:
             errors.update({kept[r]: str(err) for r in err.rows})
             kept = [i for r, i in enumerate(kept) if r not in err.rows]
@@ -33,18 +38,22 @@ def generate_rows(model, prompts: Sequence, config: GenerateConfig, *, sampler=N
 
 
 def generate_batches(model, conversations: Sequence, config: GenerateConfig, *, sampler=None, cache=None,
-                     batch_size: int = 16, row_ids: Sequence | None = None) -> Iterator[tuple[list[int], GenerateOutput | None, dict[int, str]]]:
-    """Run ``conversations`` through :func:`generate_rows` in consecutive chunks of ``batch_size``.
+                     batch_size: int = 16, row_ids: Sequence | None = None, continuous: bool = False
+                     ) -> Iterator[tuple[list[int], GenerateOutput | None, dict[int, str]]]:
+    """Run ``conversations`` through :func:`generate_rows` in consecutive chunks of ``batch_size`` (``continuous``:
+    chunks of :data:`CONTINUOUS_CHUNK` times that, each decoded ``batch_size`` rows at a time with continuous
+    batching, a finished row's place taken by the next prompt; the same outputs).
 
     Yields ``(rows, output, errors)`` per chunk: ``output`` covers ``conversations[i]`` for ``i`` in ``rows``
     (in order), ``errors`` maps the chunk's failed indices to their message. ``row_ids``: see
     :func:`generate_rows` (one per conversation)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    for start in range(0, len(conversations), batch_size):
-        ids = None if row_ids is None else list(row_ids[start : start + batch_size])
-        kept, out, errors = generate_rows(model, conversations[start : start + batch_size], config,
-                                          sampler=sampler, cache=cache, row_ids=ids)
+    n = batch_size * CONTINUOUS_CHUNK if continuous else batch_size
+    for start in range(0, len(conversations), n):
+        ids = None if row_ids is None else list(row_ids[start : start + n])
+        kept, out, errors = generate_rows(model, conversations[start : start + n], config, sampler=sampler,
+                                          cache=cache, row_ids=ids, max_rows=batch_size if continuous else None)
         yield [start + i for i in kept], out, {start + i: m for i, m in errors.items()}
 
 
@@ -69,8 +78,9 @@ class TaskResult:
 
 def evaluate_tasks(model, names: list[str], n: int, seed: int, config: GenerateConfig, *, sampler=None,
                    cache=None, batch_size: int = 16, with_example: bool = True,
-                   on_batch: Callable[[str, int], None] | None = None) -> list[TaskResult]:
-    """Score ``n`` held-out examples (``seed``) of each task with one sampler configuration."""
+                   on_batch: Callable[[str, int], None] | None = None, continuous: bool = False) -> list[TaskResult]:
+    """Score ``n`` held-out examples (``seed``) of each task with one sampler configuration (``continuous``:
+    :func:`generate_batches`')."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive integer (examples per task), got {n!r}")
     results = []
@@ -80,8 +90,8 @@ def evaluate_tasks(model, names: list[str], n: int, seed: int, config: GenerateC
         scores, strict, nfes, tpfs, secs, samples, errors = [], [], [], [], 0.0, [], 0
         convs = [ex.messages if with_example else ex.messages[-1:] for ex in examples]
         for rows, out, failed in generate_batches(model, convs, config, sampler=sampler, cache=cache,
-                                                  batch_size=batch_size, row_ids=[f"{name}:{seed}:{i}" for i in
-                                                                                  range(len(convs))]):
+                                                  batch_size=batch_size, continuous=continuous,
+                                                  row_ids=[f"{name}:{seed}:{i}" for i in range(len(convs))]):
             errors += len(failed)
             samples += [{"prediction": None, "target": examples[i].target, "error": msg} for i, msg in failed.items()]
             if out is None:

@@ -47,9 +47,22 @@ from typing import Any
 import torch
 
 from dllm.config import GenerateConfig, check_graphs
-from dllm.generate import Decoder, DecodeState, decode_texts, decoding, prepare_prompts, row_keys
+from dllm.generate import (
+    Decoder,
+    DecodeState,
+    _cat,
+    _move_rows,
+    _read_back,
+    _reads,
+    _repad,
+    _select,
+    decode_texts,
+    decoding,
+    prepare_prompts,
+    row_keys,
+)
 from dllm.graphs import GraphRunner
-from dllm.ops import cached_arange, moved_rows, shown
+from dllm.ops import shown
 from dllm.recipes import baseline_name, check_cache_fits, model_block_size, resolve
 from dllm.samplers import get_sampler
 from dllm.samplers import guided as _guided
@@ -257,111 +270,6 @@ class _Group:
     decoder: Decoder
     state: DecodeState
     requests: list[_Request] = field(default_factory=list)
-
-
-def _pad_left(t: torch.Tensor | None, d: int, value) -> torch.Tensor | None:
-    """``[B, T, ...]`` -> ``[B, T + d, ...]`` with ``d`` columns of ``value`` on the left (``d < 0``: crop ``-d``
-    columns)."""
-    return t if t is None or d == 0 else moved_rows(t, None, d=d, dim=1, pad=value)
-
-
-def _repad(st: DecodeState, d: int, pad_id: int) -> DecodeState:
-    """The state with ``d`` more (or ``-d`` fewer) left-padding columns; column positions shift by ``d``."""
-    if d == 0:
-        return st
-    key_mask = st.key_mask if st.key_mask is not None else torch.ones_like(st.x, dtype=torch.bool)
-    st.x = _pad_left(st.x, d, pad_id)
-    st.positions = _pad_left(st.positions, d, 0)
-    st.key_mask = _pad_left(key_mask, d, False)
-    st.committed = _pad_left(st.committed, d, False)
-    st.commit_step = _pad_left(st.commit_step, d, -1)
-    st.commit_logprob = _pad_left(st.commit_logprob, d, float("nan"))
-    st.commit_top_ids = _pad_left(st.commit_top_ids, d, -1)
-    st.commit_top_logprobs = _pad_left(st.commit_top_logprobs, d, float("nan"))
-    st.P += d
-    st.lo, st.hi = st.lo + d, st.hi + d
-    st.read = None
-    return st
-
-
-def _reads(st: DecodeState, dec: Decoder | None = None) -> torch.Tensor:
-    """What the engine reads of a batch after each step, in the step's own host synchronisation (``Decoder.reads``):
-    each row's generated tokens, whether it is finished, its forwards (:func:`_read_back`); with ``dec``, the step's
-    decoder, also how many of the logits columns the step computed lie in each row's own window (summed over rows:
-    the rest is the other rows' windows, ``metrics["logits_columns"]``)."""
-    nums = [st.x[:, st.P:].reshape(-1), ~st.active, st.row_nfe]
-    if dec is not None and st.trace:
-        rec = st.trace[-1]  # the step's record: its regions
-        nums.append(dec.own_columns(rec["lo"], rec["hi"], st.P, st.x.shape[1]).view(1))
-    return torch.cat(nums)
-
-
-def _read_back(st: DecodeState) -> tuple[list[list[int]], list, list, int | None]:
-    """:func:`_reads`' numbers as ``(rows' generated tokens, finished, forwards, own logits columns)``: those read in
-    the state's last step, or read now where the rows moved since (one more synchronisation, kept until the rows move
-    or step again; without the step's own columns, None)."""
-    if st.read is None:
-        st.read = _reads(st).tolist()
-    r = st.read
-    B, G = st.x.shape[0], st.x.shape[1] - st.P
-    n = B * G + 2 * B
-    return [r[i * G:(i + 1) * G] for i in range(B)], r[B * G:B * G + B], r[B * G + B:n], \
-        (r[n] if len(r) > n else None)
-
-
-_PER_ROW = ("x", "positions", "key_mask", "lo", "hi", "steps", "step_in", "n_start", "active", "finish",
-            "row_nfe", "committed", "commit_step", "commit_logprob", "commit_top_ids", "commit_top_logprobs", "row_key")
-
-
-def _cat(a: DecodeState, b: DecodeState) -> DecodeState:
-    """Rows of ``b`` appended to ``a`` (same width: re-padded first)."""
-    merged = {}
-    for name in _PER_ROW:
-        ta, tb = getattr(a, name), getattr(b, name)
-        if ta is None and tb is None:
-            continue
-        if name == "key_mask":  # no mask: every column real
-            ta = ta if ta is not None else torch.ones_like(a.x, dtype=torch.bool)
-            tb = tb if tb is not None else torch.ones_like(b.x, dtype=torch.bool)
-        merged[name] = torch.cat([ta, tb])
-    for name, t in merged.items():
-        setattr(a, name, t)
-    a.rows = a.rows + b.rows
-    a.read = None
-    for k, v in b.state.items():  # deterministic tables (Dream's schedule) are the same for both
-        a.state.setdefault(k, v)
-    return a
-
-
-def _select(st: DecodeState, keep: list[int]) -> DecodeState:
-    idx = torch.tensor(keep, dtype=torch.long, device=st.x.device)
-    for name in _PER_ROW:
-        t = getattr(st, name)
-        if t is not None:
-            setattr(st, name, t.index_select(0, idx))
-    st.rows = [st.rows[i] for i in keep]
-    st.read = None
-    return st
-
-
-def _move_rows(dec: Decoder, st: DecodeState, d: int, keep: list[int] | None,
-               joining: DecodeState | None = None) -> None:
-    """Move what the decoder keeps per row beside the decode state ``st`` with the rows of its batch: the ``keep``
-    rows selected (``None``: all), ``d`` canvas columns of left padding added (``d < 0``: cropped), then the rows
-    of ``joining`` appended (their own state, re-padded to the batch's width). A filled cache moves its K/V
-    buffers and its own per-row state (:meth:`dllm.caches.base.KVCache.move_rows`; the joining rows' first
-    forward recomputes them in full), the sampler its scratch state in ``st.state``
-    (:meth:`dllm.samplers.base.SamplerBase.move_rows`: a joining row starts with the state its first step would
-    build)."""
-    idx = None if keep is None else torch.tensor(keep, dtype=torch.long, device=st.x.device)
-    n_new = 0 if joining is None else joining.x.shape[0]
-    if getattr(dec.cache, "filled", False):
-        dec.cache.move_rows(d, idx, n_new)
-    move = getattr(dec.sampler, "move_rows", None)
-    if move is not None and joining is None:
-        move(st.state, d, idx, 0)
-    elif move is not None:
-        move(st.state, d, idx, n_new, canvas=joining.x, gen_lo=joining.P, eos_id=dec.model.eos_id)
 
 
 class Engine:
@@ -802,19 +710,7 @@ class Engine:
         _move_rows(group.decoder, old, d_old, None, st)
         group.state = _cat(old, st)
         group.requests += reqs
-        self._reset_width(group)
-
-    def _reset_width(self, group: _Group) -> None:
-        st, dec = group.state, group.decoder
-        T = st.x.shape[1]
-        dec.cols_all = cached_arange(T, st.x.device)
-        if getattr(dec.cache, "filled", False):  # its buffers were moved with the rows
-            dec.cache.batch, dec.cache.canvas_len = st.x.shape[0], T
-        else:
-            dec.cache.reset(st.x.shape[0], T)
-        if st.key_mask is not None and bool(st.key_mask.all()):
-            st.key_mask = None
-        dec.host_window(st)
+        group.decoder.regroup(group.state)
 
     def _step_group(self, group: _Group) -> None:
         st, dec = group.state, group.decoder
@@ -872,7 +768,7 @@ class Engine:
             st = _repad(st, d, pad)
         _move_rows(group.decoder, st, min(d, 0), keep)
         group.state = st
-        self._reset_width(group)
+        group.decoder.regroup(group.state)
 
     def _stream(self, group: _Group, rows: list[list[int]], row_nfe: list[int]) -> None:
         """Each request's new final prefix (``rows``, ``row_nfe``: the batch's generated tokens and forwards after the

@@ -140,15 +140,18 @@ def run_standard_eval(model, task: StandardTask, samples: list[Sample], config: 
                       prompts: list, sampler=None, cache=None, batch_size: int = 1, settings: dict | None = None,
                       accelerator=None, timeout: float = 10.0, memory_mb: int = 1024, overwrite: bool = False,
                       on_start: Callable[[int, int], None] | None = None,
-                      on_sample: Callable[[dict], None] | None = None) -> EvalSummary | None:
+                      on_sample: Callable[[dict], None] | None = None, continuous: bool = False) -> EvalSummary | None:
     """Generate, score and record every sample of ``samples`` not yet in ``out`` (with its current content).
 
     ``prompts[i]`` is what :func:`dllm.generate` gets for ``samples[i]`` (a conversation, a string, or token
     ids). ``settings`` (plus ``config``, ``sampler`` and ``cache``) is pinned in ``out/run.json``: a run with
     other settings is refused, or with ``overwrite`` the results there are discarded first. Returns the
-    summary over all samples in ``out`` on the main process, ``None`` on the others.
+    summary over all samples in ``out`` on the main process, ``None`` on the others. ``continuous``: the samples
+    decoded ``batch_size`` rows at a time with continuous batching (a finished row's place taken by the next
+    sample; :data:`~dllm.evals.runner.CONTINUOUS_CHUNK` times ``batch_size`` samples per generate call), the same
+    outputs.
     """
-    from dllm.evals.runner import generate_rows
+    from dllm.evals.runner import CONTINUOUS_CHUNK, generate_rows
     from dllm.generate import answer_lengths
 
     if len(prompts) != len(samples):
@@ -181,10 +184,12 @@ def run_standard_eval(model, task: StandardTask, samples: list[Sample], config: 
     tok = getattr(model, "tokenizer", None)
     written = []
     with store.append(store.shard(rank)) as f:
-        for b in range(0, len(mine), batch_size):
-            chunk = mine[b : b + batch_size]
+        step = batch_size * CONTINUOUS_CHUNK if continuous else batch_size
+        for b in range(0, len(mine), step):
+            chunk = mine[b : b + step]
             kept, res, failed = generate_rows(model, [prompts[i] for i in chunk], config, sampler=sampler,
-                                              cache=cache, row_ids=[samples[i].id for i in chunk])
+                                              cache=cache, row_ids=[samples[i].id for i in chunk],
+                                              max_rows=batch_size if continuous else None)
             for k, msg in failed.items():  # non-finite logits: an error line, not a wrong answer
                 i = mine[b + k]
                 s = samples[i]
