@@ -11,8 +11,9 @@ tokens are the static run's. On a GPU a forward of up to 16 rows at LLaDA-8B's s
 weights costs, so the forwards are the figure that follows time there; on a CPU the rows computed are (counts;
 the seconds a ratio within one run).
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_continuous.py [--model llada-tiny] [--prompts 32] [--batch 4 16]
-                                                            [--sampler fast-dllm] [--cache dual]
+    OMP_NUM_THREADS=1 python benchmarks/bench_continuous.py [--model llada-tiny] [--prompts 64] [--batch 4 16]
+                                                            [--sampler fast-dllm] [--cache dual] [--gen-length 128]
+                                                            [--block-length 32] [--eos-early-stop]
     python benchmarks/bench_continuous.py --device cuda --json continuous.json
 """
 
@@ -58,13 +59,13 @@ def run(model, prompts: list, B: int, continuous: bool, kw: dict) -> tuple[dict,
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llada-tiny")
-    ap.add_argument("--prompts", type=positive, default=32)
+    ap.add_argument("--prompts", type=positive, default=64)
     ap.add_argument("--batch", type=positive, nargs="+", default=[4, 16])
     ap.add_argument("--sampler", default="fast-dllm")
     ap.add_argument("--cache", default=None, help="default: the preset's own (fast-dllm: dual)")
-    ap.add_argument("--gen-length", type=positive, default=64)
-    ap.add_argument("--block-length", type=positive, default=16)
-    ap.add_argument("--eos-early-stop", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--gen-length", type=positive, default=128)
+    ap.add_argument("--block-length", type=positive, default=32)
+    ap.add_argument("--eos-early-stop", action=argparse.BooleanOptionalAction, default=False)
     ap.add_argument("--graphs", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", default=None)

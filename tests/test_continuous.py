@@ -82,8 +82,10 @@ def test_rows_leave_a_batch_of_every_prompt(tiny):
     assert whole.stats.own_logits_columns < whole.stats.logits_columns
 
 
-def test_one_row_at_a_time_is_each_prompt_alone(tiny):
-    kw = dict(sampler="threshold", gen_length=16, block_length=8, seed=5)
+@pytest.mark.parametrize("graphs", ["off", "on"])
+def test_one_row_at_a_time_is_each_prompt_alone(tiny, graphs):
+    """Every row finishes alone: each next prompt starts a batch of its own (the cache taken again)."""
+    kw = dict(sampler="fast-dllm", gen_length=16, block_length=8, seed=5, graphs=graphs)
     out = dllm.generate(tiny, PROMPTS[:3], max_rows=1, **kw)
     for i, p in enumerate(PROMPTS[:3]):
         alone = dllm.generate(tiny, [p], **kw)
