@@ -1648,7 +1648,8 @@ def _reads(st: DecodeState, dec: Decoder | None = None, tokens: bool = True) -> 
     each row's generated tokens (``tokens=False``: none), whether it is finished, its forwards (:func:`_read_back`);
     with ``dec``, the step's decoder, also how many of the logits columns the step computed lie in each row's own
     window (summed over rows: the rest is the other rows' windows, ``metrics["logits_columns"]``)."""
-    nums = [st.x[:, st.P:].reshape(-1) if tokens else st.x[:, :0].reshape(-1), ~st.active, st.row_nfe]
+    nums = [st.x[:, st.P:].reshape(-1)] if tokens else []
+    nums += [~st.active, st.row_nfe]
     if dec is not None and st.trace:
         rec = st.trace[-1]  # the step's record: its regions
         nums.append(dec.own_columns(rec["lo"], rec["hi"], st.P, st.x.shape[1]).view(1))
