@@ -222,4 +222,8 @@ def test_a_request_decodes_as_alone_whatever_shares_its_batch():
               dtype="float32")
     draws = {bs: DLLMLM(batch_size=bs, **kw).generate_until([shuffle] * 4) for bs in (1, 4)}
     assert draws[1] == draws[4]
+    # with continuous batching (two rows at once, a finished row's place taken by the next request): the same
+    assert DLLMLM(batch_size=2, continuous="true", **kw).generate_until([shuffle] * 4) == draws[1]
+    cont = DLLMLM(pretrained="llada-tiny", gen_length=32, batch_size=2, continuous=True, device="cpu", dtype="float32")
+    assert cont.generate_until([reverse, short, reverse]) == alone.generate_until([reverse, short, reverse])
     assert len(set(draws[1])) > 1  # each repeat draws anew

@@ -14,9 +14,11 @@ Importing it also routes lm_eval's code tasks (``evaluate.load("code_eval")``) t
 
 ``model_args``: ``pretrained`` (a checkpoint directory or a bundled name), ``sampler`` (a registered sampler;
 default: the family baseline), ``gen_length``, ``block_length``, ``steps``, ``cfg_scale``, ``cache``,
-``eos_early_stop``, ``seed``, ``dtype``, ``device``, ``batch_size`` (prompts per generate call), ``mc_num``
-(Monte-Carlo samples per log-likelihood, default 128), ``mc_batch_size`` (default 32), ``check_greedy``;
-any other key is a parameter of the sampler (``threshold=0.9``).
+``eos_early_stop``, ``seed``, ``dtype``, ``device``, ``batch_size`` (prompts per generate call), ``continuous``
+(``true``: ``batch_size`` rows decode at once with continuous batching, a finished row's place taken by the next
+prompt, :data:`~dllm.evals.runner.CONTINUOUS_CHUNK` times ``batch_size`` prompts per generate call; the same
+answers), ``mc_num`` (Monte-Carlo samples per log-likelihood, default 128), ``mc_batch_size`` (default 32),
+``check_greedy``; any other key is a parameter of the sampler (``threshold=0.9``).
 
 * ``generate_until``: prompts are batched ``batch_size`` at a time through :func:`dllm.generate` (the context
   string as lm_eval formatted it, tokenised without a second chat template); each answer is cut at the first
@@ -52,6 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from dllm.blockdiff import two_copy_inputs
+from dllm.evals.runner import CONTINUOUS_CHUNK
 from dllm.generate import answer_lengths, cfg_forward, generate
 
 try:
@@ -64,7 +67,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the eval
 log = logging.getLogger(__name__)
 
 _OWN_ARGS = {"pretrained", "sampler", "gen_length", "block_length", "steps", "cfg_scale", "cache", "eos_early_stop",
-             "seed", "dtype", "device", "batch_size", "max_batch_size", "mc_num", "mc_batch_size", "check_greedy"}
+             "seed", "dtype", "device", "batch_size", "max_batch_size", "mc_num", "mc_batch_size", "check_greedy",
+             "continuous"}
 
 
 def _bool(v) -> bool:
@@ -80,7 +84,8 @@ class DLLMLM(LM):
                  block_length: int | None = None, steps: int | None = None, cfg_scale: float = 0.0,
                  cache: str | None = None, eos_early_stop: bool = False, seed: int = 0, dtype: str | None = None,
                  device: str | None = None, batch_size: int | str = 1, max_batch_size: int | None = None,
-                 mc_num: int = 128, mc_batch_size: int = 32, check_greedy: bool = False, **sampler_params):
+                 mc_num: int = 128, mc_batch_size: int = 32, check_greedy: bool = False, continuous: bool = False,
+                 **sampler_params):
         super().__init__()
         from dllm.assets import model_path
         from dllm.config import GenerateConfig
@@ -95,6 +100,7 @@ class DLLMLM(LM):
             raise ValueError(f"mc_num and mc_batch_size must be >= 1, got {mc_num}, {mc_batch_size}")
         self.batch_size_ = 1 if batch_size in (None, "auto") or str(batch_size).startswith("auto") else int(batch_size)
         self.check_greedy = _bool(check_greedy)
+        self.continuous = _bool(continuous)
         self.cache = cache
         self.seed = int(seed)
 
@@ -177,10 +183,12 @@ class DLLMLM(LM):
         items.sort(key=lambda t: (t[3].gen_length, -len(t[1])))
         for _, group in itertools.groupby(items, key=lambda t: t[3].gen_length):
             group = list(group)
-            for b in range(0, len(group), self.batch_size_):
-                chunk = group[b : b + self.batch_size_]
+            step = self.batch_size_ * (CONTINUOUS_CHUNK if self.continuous else 1)
+            for b in range(0, len(group), step):
+                chunk = group[b : b + step]
                 res = generate(self.model, [ids for _, ids, _, _, _ in chunk], chunk[0][3], sampler=self.sampler,
-                               cache=self.cache, row_ids=[key for *_, key in chunk])
+                               cache=self.cache, row_ids=[key for *_, key in chunk],
+                               max_rows=self.batch_size_ if self.continuous else None)
                 lengths = answer_lengths(self.model, res.sequences)
                 self.stats["nfe"] += res.stats.nfe
                 self.stats["gen_seconds"] += res.stats.time_total
