@@ -498,6 +498,19 @@ def test_mini_sweep_end_to_end(tiny, tmp_path):
     assert "| waiting_line/copy |" in report.markdown and "## Summary per method" in report.markdown
 
 
+def test_a_continuous_sweep_predicts_the_same(tiny, tmp_path):
+    """``continuous``: the samples decoded two rows at a time with continuous batching give the same lines."""
+    model, _ = tiny
+    kw = {**SWEEP, "tasks": "waiting_line/copy,puzzle/sudoku", "n": 5}
+    got = {}
+    for c in (False, True):
+        lines = S.load_samples(S.run_sweep(model, tmp_path / str(c), ["threshold:tau=0.9"], **kw,
+                                           continuous=c).samples_path)
+        got[c] = {(x["task"], x["index"]): (x["prediction"], x["nfe"], x["score"]) for x in lines}
+        assert all(x["batch_size"] <= 2 for x in lines)
+    assert got[True] == got[False] and len(got[True]) == 10
+
+
 def test_resume_after_interruption(tiny, tmp_path):
     model, _ = tiny
     clean = {(x["setting"], x["task"], x["index"]): x["prediction"]

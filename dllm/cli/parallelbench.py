@@ -238,7 +238,7 @@ def cmd_run(args) -> int:
         res = run_sweep(model, args.out, settings, args.tasks, n=args.n, **data, gen_length=args.gen_length,
                         batch_size=args.batch_size, cache=args.cache, model_name=model_name,
                         allow_partial=args.partial_text_scores, gen_seed=args.gen_seed, overwrite=args.overwrite,
-                        on_start=on_start, on_sample=on_sample)
+                        on_start=on_start, on_sample=on_sample, continuous=args.continuous)
     finally:
         bar.close()
     for name, why in res.needs_data.items():
@@ -346,6 +346,9 @@ def add_parser(sub) -> None:
     r.add_argument("--data-dir", default=None, help="run on the JSONL files of this directory (ours or the original's)")
     r.add_argument("--n", type=int, default=None, help="samples per task, spread over the file (default: all)")
     r.add_argument("--batch-size", type=int, default=16)
+    r.add_argument("--continuous", action="store_true",
+                   help="continuous batching: --batch-size rows decode at once, a finished row's place taken by the "
+                        "next sample at once (the same outputs; the sampler's noise_scope must be 'row')")
     r.add_argument("--gen-length", type=int, default=None,
                    help="generation budget for every task (default: 32 waiting line, 64 otherwise)")
     r.add_argument("--gen-seed", type=int, default=0, help="seed of the decoding's random draws")

@@ -436,7 +436,7 @@ def run_sweep(model, out_dir: str | Path, methods: Sequence[str | Setting] | str
               gen_length: int | None = None, batch_size: int = 16, cache: str | None = None,
               model_name: str | None = None, allow_partial: bool = False, gen_seed: int | None = 0,
               overwrite: bool = False, on_start: Callable[[int, int], None] | None = None,
-              on_sample: Callable[[dict], None] | None = None) -> SweepResult:
+              on_sample: Callable[[dict], None] | None = None, continuous: bool = False) -> SweepResult:
     """Run every setting of ``methods`` on every task of ``tasks`` and append the samples to
     ``<out_dir>/samples.jsonl`` (resuming: lines already there are not redone).
 
@@ -516,7 +516,7 @@ def run_sweep(model, out_dir: str | Path, methods: Sequence[str | Setting] | str
             if not pending:
                 continue
             for kept, res, failed in generate_batches(model, [convs[i] for i in pending], config, sampler=sampler,
-                                                      cache=cache, batch_size=batch_size,
+                                                      cache=cache, batch_size=batch_size, continuous=continuous,
                                                       row_ids=[f"{td.name}:{i}" for i in pending]):
                 for k, msg in failed.items():  # non-finite logits: an error line, not a wrong answer
                     idx = pending[k]
@@ -540,7 +540,8 @@ def run_sweep(model, out_dir: str | Path, methods: Sequence[str | Setting] | str
                     line = {"task": td.name, "index": idx, **s.describe(), "cache": cache,
                             "gen_length": config.gen_length, "steps": config.steps, "prediction": pred, **sc,
                             "metric": td.metric, "nfe": nfe, "tokens_per_step": config.gen_length / max(nfe, 1),
-                            "output_length": lengths[j], "time_s": per_row, "batch_size": len(rows),
+                            "output_length": lengths[j], "time_s": per_row,
+                            "batch_size": min(batch_size, len(rows)) if continuous else len(rows),
                             **{k: record[k] for k in ("input", "answer", "output_format", "metadata") if k in record},
                             "key": expected[(s.label, td.name, idx)]}
                     f.write(line)
