@@ -459,6 +459,7 @@ def _continuous(dec: Decoder, rows: list[list[int]], row_ids, R: int) -> Generat
     not kept (a step's rows change as they come and go)."""
     config, model = dec.config, dec.model
     N = len(rows)
+    dec.check_rows(rows)  # every prompt, before the first decodes
     keys = row_keys(rows, row_ids, config.seed)  # each prompt's stream, as in one batch of every row
     dec.rows_move = True
     dec.reads = functools.partial(_reads, dec=dec, tokens=False)  # finished rows, forwards: in the step's own sync
@@ -743,19 +744,26 @@ class Decoder:
         self.max_iters = 4 * (self.config.gen_length + self.config.total_steps) + 8
         return st
 
+    def check_rows(self, rows: list[list[int]]) -> None:
+        """Refuse ``rows`` that cannot be decoded (a prompt too long for the context with ``gen_length``, more top
+        log-probabilities asked for than the vocabulary holds) with a message naming the fix."""
+        model, G, K = self.model, self.config.gen_length, self.config.record_top_logprobs
+        if K and K > vocab_size(model):
+            raise ValueError(f"record_top_logprobs={K} exceeds the vocabulary ({vocab_size(model)} tokens)")
+        P = max(len(r) for r in rows)
+        if P + G > model.max_seq_len:
+            raise ValueError(
+                f"longest prompt ({P} tokens) + gen_length ({G}) = {P + G} exceeds the model's context of "
+                f"{model.max_seq_len} tokens; shorten the prompt or lower gen_length"
+            )
+
     def new_state(self, rows: list[list[int]], row_ids=None) -> DecodeState:
         """A decode state for ``rows`` (prompt token ids), before their first forward; the decoder and its cache are
         left as they are (rows joining a batch: :func:`_cat`)."""
         model, config, device = self.model, self.config, self.device
+        self.check_rows(rows)
         B, P, G = len(rows), max(len(r) for r in rows), config.gen_length
-        T, K = P + G, config.record_top_logprobs
-        if K and K > vocab_size(model):
-            raise ValueError(f"record_top_logprobs={K} exceeds the vocabulary ({vocab_size(model)} tokens)")
-        if T > model.max_seq_len:
-            raise ValueError(
-                f"longest prompt ({P} tokens) + gen_length ({G}) = {T} exceeds the model's context of "
-                f"{model.max_seq_len} tokens; shorten the prompt or lower gen_length"
-            )
+        K = config.record_top_logprobs
         P = self.prompt_width(P)
         T = P + G
         pad = model.pad_id if model.pad_id is not None else model.eos_id

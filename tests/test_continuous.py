@@ -153,6 +153,16 @@ def test_bad_settings_are_refused_before_decoding(tiny, monkeypatch):
     assert calls == []  # refused before the prompts are read
 
 
+def test_a_prompt_too_long_is_refused_before_the_first_decodes(tiny, monkeypatch):
+    """The last prompt would join late: its length is checked with every other's before any forward."""
+    steps = []
+    monkeypatch.setattr(importlib.import_module("dllm.generate").Decoder, "step", lambda self, st: steps.append(1))
+    long = [7] * (tiny.max_seq_len - 8)
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        dllm.generate(tiny, [[7, 8, 9]] * 3 + [long], gen_length=16, max_rows=2)
+    assert steps == []
+
+
 def test_evaluations_decode_the_same_with_continuous_batching(tiny, tmp_path):
     """eval-tasks and dllm eval with ``continuous``: the same outputs, scores and forwards per sample."""
     from dllm.evals.runner import evaluate_tasks
