@@ -70,6 +70,22 @@ def test_generate_with_sampler_params_and_batch_file(tmp_path, capsys):
     assert data["texts"][1].isdigit()  # an addition prompt gets a number
 
 
+def test_generate_max_rows_gives_the_batchs_outputs(tmp_path, capsys):
+    f = tmp_path / "prompts.txt"
+    f.write_text("\n".join(json.dumps(p) for p in (PROMPT, "What is 12 + 30?", "Hi", "What is 3 + 4?")) + "\n")
+    outs = []
+    for extra in ([], ["--max-rows", "2"]):
+        assert main(["generate", "--batch-file", str(f), "--sampler", "fast-dllm", "--gen-length", "32", "--json",
+                     *extra]) == 0
+        outs.append(json.loads(capsys.readouterr().out)["texts"])
+    assert outs[0] == outs[1] and len(outs[0]) == 4
+    assert main(["generate", PROMPT, "--max-rows", "0"]) == 2
+    assert "--max-rows must be >= 1" in capsys.readouterr().err
+    assert main(["generate", PROMPT, "--max-rows", "2", "--sampler", "llada", "--param", "noise_scope=canvas", "--param",
+                 "temperature=1"]) == 2
+    assert "noise_scope must be 'row'" in capsys.readouterr().err
+
+
 def test_generate_errors_are_clear(capsys):
     assert main(["generate", PROMPT, "--sampler", "nope"]) == 2
     err = capsys.readouterr().err

@@ -78,7 +78,7 @@ def _unescape(text: str) -> str:
 
 
 def cmd_generate(args) -> int:
-    from dllm.generate import generate
+    from dllm.generate import _shared_stream, generate
 
     prompts = list(args.prompt or [])
     for i, p in enumerate(prompts, 1):
@@ -100,13 +100,16 @@ def cmd_generate(args) -> int:
         from dllm.samplers import get_sampler
 
         theirs = get_sampler(args.compare)  # an unknown name is refused before the model loads
+    checks.positive(args.max_rows, "--max-rows")
     config, sampler = check_decode_args(args, prompts, also=theirs)  # before the model loads
+    if args.max_rows is not None and _shared_stream(sampler):
+        raise ValueError("--max-rows needs each row's own random stream; the sampler's noise_scope must be 'row'")
     model = load_model_arg(args)
     if args.trace_out:
         import dataclasses
 
         config = dataclasses.replace(config, record_confidence=True)
-    out = generate(model, prompts, config, sampler=sampler, cache=args.cache)
+    out = generate(model, prompts, config, sampler=sampler, cache=args.cache, max_rows=args.max_rows)
     s = out.stats
     if args.trace_out:
         _draw_traces(args, model, prompts, config, sampler, theirs, out)
@@ -180,6 +183,9 @@ def add_parser(sub) -> None:
     g.add_argument("prompt", nargs="*", help="prompt text(s); the chat template is applied")
     g.add_argument("--batch-file", help="file with one prompt per line: plain text, {\"prompt\": ...}, or a JSON "
                    "list of chat messages or of token ids (other lines starting with '[' are plain text)")
+    g.add_argument("--max-rows", type=int, default=None,
+                   help="continuous batching: decode at most N prompts at once, a finished row's place taken by the "
+                        "next prompt (default: every prompt in one batch; the same outputs)")
     g.add_argument("--escapes", action="store_true", help=r"interpret backslash escapes such as \n in prompts")
     g.add_argument("--json", action="store_true", help="print sequences, texts, nfe and timing as JSON")
     g.add_argument("--trace-out", metavar="FILE", default=None,
