@@ -68,6 +68,17 @@ def test_rows_decode_as_in_one_batch(tiny, dream_tiny, sampler, cache, graphs):
     assert whole.stats.row_forwards == whole.stats.nfe * len(PROMPTS)
 
 
+@pytest.mark.parametrize("sampler,cache", [("llada", "none"), ("fast-dllm", "dual"), ("fast-dllm", "elastic"),
+                                           ("llada", "dkv-decode")])
+def test_guided_rows_move_with_both_copies_of_the_cache(tiny, sampler, cache):
+    """Classifier-free guidance doubles the forward's batch (conditional and unconditional rows): a cache's buffers
+    hold both copies, and both move with the rows."""
+    kw = dict(sampler=sampler, cache=cache, gen_length=32, block_length=8, cfg_scale=1.0, eos_early_stop=True)
+    whole = dllm.generate(tiny, PROMPTS, **kw)
+    out = dllm.generate(tiny, PROMPTS, max_rows=2, **kw)
+    assert torch.equal(whole.sequences, out.sequences) and whole.stats.commit_step == out.stats.commit_step
+
+
 def test_rows_leave_a_batch_of_every_prompt(tiny):
     """``max_rows`` at least the prompts: no row joins, finished rows leave; the rows computed are only those
     decoding, where the one batch kept its finished rows to the end."""

@@ -27,6 +27,16 @@ def check_refresh_every(value) -> None:
                   fix=" (forwards between full refreshes, None: never; 1: every step, the no-cache run)")
 
 
+def moved_batch(t: torch.Tensor, batch: int, keep: torch.Tensor | None, n_new: int, *, d: int = 0,
+                dim: int | None = None) -> torch.Tensor:
+    """:func:`~dllm.ops.moved_rows` for a cache tensor whose rows are the batch's ``batch`` rows, or, under
+    classifier-free guidance, two copies of them (conditional, then unconditional): each copy moved alike."""
+    copies = t.shape[0] // batch if batch and t.shape[0] > batch else 1
+    if copies == 1:
+        return moved_rows(t, keep, n_new, d=d, dim=dim)
+    return torch.cat([moved_rows(t[j * batch:(j + 1) * batch], keep, n_new, d=d, dim=dim) for j in range(copies)])
+
+
 @runtime_checkable
 class Cache(Protocol):
     """What the decode loop and the model call. Required: ``reset``, ``plan``, ``update``; the optional hooks
@@ -449,7 +459,7 @@ class KVCache(CacheBase):
             for layer, t in enumerate(buf):
                 if t is None:
                     continue
-                moved = moved_rows(t, keep, n_new, d=d, dim=2)  # a new tensor where anything moved
+                moved = moved_batch(t, self.batch, keep, n_new, d=d, dim=2)  # a new tensor where anything moved
                 if moved is t:
                     continue
                 # into the same storage while its shape holds (a batch bucket's rows: the graphs captured on it

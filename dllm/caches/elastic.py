@@ -31,8 +31,8 @@ from __future__ import annotations
 import torch
 
 from dllm import kernels
-from dllm.caches.base import KVCache, logit_rows, padded_rows, rows_from_mask
-from dllm.ops import cached_arange, check_int, check_range, moved_rows
+from dllm.caches.base import KVCache, logit_rows, moved_batch, padded_rows, rows_from_mask
+from dllm.ops import cached_arange, check_int, check_range
 
 
 def _rows(t: torch.Tensor, r: int) -> torch.Tensor:
@@ -194,15 +194,10 @@ class ElasticCache(KVCache):
         tokens; a joining row's first forward computes all its rows: :meth:`refresh_rows`)."""
         super().move_rows(d, keep, n_new)
         B = self.batch
-
-        def move(t: torch.Tensor, dim: int) -> torch.Tensor:
-            r = t.shape[0] // B  # 2 under classifier-free guidance (the batch doubled)
-            return torch.cat([moved_rows(t[j * B:(j + 1) * B], keep, n_new, d=d, dim=dim) for j in range(r)])
-
-        self.xc = [move(t, 1) for t in self.xc]
-        self.qc = [move(t, 2) for t in self.qc]
+        self.xc = [moved_batch(t, B, keep, n_new, d=d, dim=1) for t in self.xc]
+        self.qc = [moved_batch(t, B, keep, n_new, d=d, dim=2) for t in self.qc]
         if self.track is not None:
-            self.track = move(self.track, 1)
+            self.track = moved_batch(self.track, B, keep, n_new, d=d, dim=1)
 
     def select(self, state):
         mask = state.committed.clone()
