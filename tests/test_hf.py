@@ -47,6 +47,12 @@ def test_wrapped_model_is_batch_invariant(make):
     batch = dllm.generate(model, [[5, 6, 7], [8, 9, 10, 11, 12]], gen_length=8, steps=8)
     alone = dllm.generate(model, [[8, 9, 10, 11, 12]], gen_length=8, steps=8)
     assert torch.equal(batch.sequences[1], alone.sequences[0])
+    # continuous batching (one row at a time here, rows of other lengths joining): the same rows
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14], [15, 16, 17, 18]]
+    whole = dllm.generate(model, prompts, gen_length=8, block_length=4, sampler="fast-dllm")
+    for rows in (1, 3):
+        out = dllm.generate(model, prompts, gen_length=8, block_length=4, sampler="fast-dllm", max_rows=rows)
+        assert torch.equal(whole.sequences, out.sequences) and whole.stats.commit_step == out.stats.commit_step
 
 
 def test_wrapped_model_rejects_caches():
