@@ -6,10 +6,10 @@ it until its last row finishes, and the next batch starts after that. Continuous
 prompt with ``max_rows=B``: a row leaves the batch at the step it finishes and the next prompt takes its place.
 Printed per batch size and mode: the batch's forwards, the rows they computed (summed over forwards,
 ``GenerateStats.row_forwards``) against the rows that were still decoding (``sum(row_nfe)``, the same in both
-modes), the logits columns in each row's own window, wall time, answer tokens per second, and whether each row's
-tokens are the static run's. On a GPU a forward of up to 16 rows at LLaDA-8B's shape costs about what reading the
-weights costs, so the forwards are the figure that follows time there; on a CPU the rows computed are (counts;
-the seconds a ratio within one run).
+modes), the logits columns in each row's own window, wall time, answer tokens per second, whether each row's
+tokens are the static run's, and (in the JSON lines) how the forwards and the steps' work ran on the graph path. On
+a GPU a forward of up to 16 rows at LLaDA-8B's shape costs about what reading the weights costs, so the forwards are
+the figure that follows time there; on a CPU the rows computed are (counts; the seconds a ratio within one run).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_continuous.py [--model llada-tiny] [--prompts 64] [--batch 4 16]
                                                             [--sampler fast-dllm] [--cache dual] [--gen-length 128]
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections import Counter
 
 import torch
 from _common import positive, print_table, task_prompts, write_json
@@ -52,7 +53,10 @@ def run(model, prompts: list, B: int, continuous: bool, kw: dict) -> tuple[dict,
            "forwards": sum(s.nfe for s in st), "row_forwards": sum(s.row_forwards for s in st),
            "decoding_rows": decoding,
            "own_logits": round(sum(s.own_logits_columns for s in st) / max(sum(s.logits_columns for s in st), 1), 3),
-           "s": round(dt, 3), "tokens_per_s": round(answer_tokens(model, seqs) / dt, 1)}
+           "s": round(dt, 3), "tokens_per_s": round(answer_tokens(model, seqs) / dt, 1),
+           # how the forwards and the steps' work after them ran (graph path: replays, captures, eager first sights)
+           "graphs": dict(sum((Counter(s.graphs) for s in st), Counter())),
+           "step_graphs": dict(sum((Counter(s.step_graphs) for s in st), Counter()))}
     return row, seqs
 
 
