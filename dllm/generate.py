@@ -457,7 +457,7 @@ def _continuous(dec: Decoder, rows: list[list[int]], row_ids, R: int) -> Generat
     batches requests. Each row keeps its own random stream (``row_ids``, as all rows at once), so its tokens are what
     the batch of every row gives; its commit steps and finishing step count its own forwards. The per-step trace is
     not kept (a step's rows change as they come and go)."""
-    config, model = dec.config, dec.model
+    config = dec.config
     N = len(rows)
     dec.check_rows(rows)  # every prompt, before the first decodes
     keys = row_keys(rows, row_ids, config.seed)  # each prompt's stream, as in one batch of every row
@@ -465,8 +465,7 @@ def _continuous(dec: Decoder, rows: list[list[int]], row_ids, R: int) -> Generat
     dec.reads = functools.partial(_reads, dec=dec, tokens=False)  # finished rows, forwards: in the step's own sync
     if dec.graphed:  # the K/V buffers sized for a batch bucket, rows move within
         dec.cache.batch_buckets = True
-    pad = model.pad_id if model.pad_id is not None else model.eos_id
-    limit = 4 * (config.gen_length + config.total_steps) + 8  # a row's forwards before it makes no progress
+    limit = dec.step_limit  # a row's forwards before it makes no progress
     out: list[tuple] = [()] * N  # each prompt's record once it finished
     nfe = own = 0  # the forwards and own logits columns of the batches before the current one
     t_start = time.perf_counter()
@@ -509,26 +508,16 @@ def _continuous(dec: Decoder, rows: list[list[int]], row_ids, R: int) -> Generat
             idx, st = take, state(take, True)
             joined = torch.zeros(len(take), dtype=torch.long, device=st.x.device)
             continue
-        if not gone and not take:
+        if not take:
+            if gone:
+                st, joined, idx = _without(dec, st, keep), joined[keep], [idx[i] for i in keep]
             continue
         moved = keep if gone else None  # the rows the cache and the sampler keep (None: all)
         if gone:
             st, joined, idx = _select(st, keep), joined[keep], [idx[i] for i in keep]
-        if take:  # one move of the K/V rows and the sampler's state: the kept rows, re-padded, then the newcomers
-            new = state(take, False)
-            P = max(st.P, new.P)
-            d = P - st.P
-            st, new = _repad(st, d, pad), _repad(new, P - new.P, pad)
-            _move_rows(dec, st, d, moved, new)
-            st = _cat(st, new)
-            joined = torch.cat([joined, joined.new_full((len(take),), st.nfe)])
-            idx = idx + take
-        else:
-            d = dec.prompt_width(max(len(r) for r in st.rows)) - st.P
-            if d < 0:  # the longest prompt left: the padding no row needs cropped
-                st = _repad(st, d, pad)
-            _move_rows(dec, st, d, moved)
-        dec.regroup(st)
+        st = _joined(dec, st, state(take, False), moved)  # the kept rows and the newcomers in one move
+        joined = torch.cat([joined, joined.new_full((len(take),), st.nfe)])
+        idx = idx + take
     if dec._bank is not None:  # the step graphs' bank free for the next decode
         dec._bank.release(st)
     dec.t_start = t_start
@@ -719,6 +708,17 @@ class Decoder:
         return self.graphs is not None and self.graphs.buckets and (
             self.graphed or (self.rows_move and self._eager_full is None))
 
+    @property
+    def pad_id(self) -> int:
+        """The canvas's left-padding token id: the model's pad id, else its EOS id."""
+        return self.model.pad_id if self.model.pad_id is not None else self.model.eos_id
+
+    @property
+    def step_limit(self) -> int:
+        """The forwards a decode (or a row of a batch whose rows come and go) may take before it is said to make no
+        progress: four times its positions and steps, and some."""
+        return 4 * (self.config.gen_length + self.config.total_steps) + 8
+
     def prompt_width(self, longest: int) -> int:
         """The canvas column where generation starts for prompts of at most ``longest`` tokens: ``longest``, or where
         shapes are bucketed (:attr:`buckets`) the canvas length rounded up to a :func:`~dllm.ops.shape_bucket` size
@@ -741,7 +741,7 @@ class Decoder:
         self.cache.reset(*st.x.shape)
         self.cols_all = cached_arange(st.x.shape[1], self.device)
         self.host_window(st)
-        self.max_iters = 4 * (self.config.gen_length + self.config.total_steps) + 8
+        self.max_iters = self.step_limit
         return st
 
     def check_rows(self, rows: list[list[int]]) -> None:
@@ -766,7 +766,7 @@ class Decoder:
         K = config.record_top_logprobs
         P = self.prompt_width(P)
         T = P + G
-        pad = model.pad_id if model.pad_id is not None else model.eos_id
+        pad = self.pad_id
         x = torch.full((B, T), model.mask_id, dtype=torch.long, device=device)
         valid = torch.ones((B, T), dtype=torch.bool, device=device)
         for b, r in enumerate(rows):  # left padding, once, before decoding
@@ -1732,6 +1732,31 @@ def _move_rows(dec: Decoder, st: DecodeState, d: int, keep: list[int] | None,
         move(st.state, d, idx, 0)
     elif move is not None:
         move(st.state, d, idx, n_new, canvas=joining.x, gen_lo=joining.P, eos_id=dec.model.eos_id)
+
+
+def _joined(dec: Decoder, st: DecodeState, new: DecodeState, keep: list[int] | None = None) -> DecodeState:
+    """``st``'s rows with the rows of ``new`` (a state of :meth:`Decoder.new_state`) appended: both re-padded to the
+    longer prompt, the cache's buffers and the sampler's state moved in one move (``keep``: the rows of theirs kept,
+    already selected from ``st`` by :func:`_select`; None: all), the decoder regrouped."""
+    P = max(st.P, new.P)
+    d = P - st.P
+    st, new = _repad(st, d, dec.pad_id), _repad(new, P - new.P, dec.pad_id)
+    _move_rows(dec, st, d, keep, new)
+    st = _cat(st, new)
+    dec.regroup(st)
+    return st
+
+
+def _without(dec: Decoder, st: DecodeState, keep: list[int]) -> DecodeState:
+    """``st``'s ``keep`` rows alone (the others left the batch): selected, the padding no row needs cropped where the
+    longest prompt left (to the bucketed width on the graph path), the cache's buffers and the sampler's state moved,
+    the decoder regrouped."""
+    st = _select(st, keep)
+    d = min(dec.prompt_width(max(len(r) for r in st.rows)) - st.P, 0)
+    st = _repad(st, d, dec.pad_id)
+    _move_rows(dec, st, d, keep)
+    dec.regroup(st)
+    return st
 
 
 def _least(hi: int, ok) -> int:

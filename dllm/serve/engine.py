@@ -50,12 +50,10 @@ from dllm.config import GenerateConfig, check_graphs
 from dllm.generate import (
     Decoder,
     DecodeState,
-    _cat,
-    _move_rows,
+    _joined,
     _read_back,
     _reads,
-    _repad,
-    _select,
+    _without,
     decode_texts,
     decoding,
     prepare_prompts,
@@ -687,8 +685,8 @@ class Engine:
         if dec.graphed:  # the graph path: the K/V buffers sized for a batch bucket, rows move within
             dec.cache.batch_buckets = True
         st = dec.start([r.rows for r in reqs], None)
-        # after start, which sets the limit of one batch decoded from start to end (4 * (gen_length + steps) + 8
-        # of the batch's forwards): a served batch lives as long as requests keep joining it, so its forward count
+        # after start, which sets the limit of one batch decoded from start to end (Decoder.step_limit of the
+        # batch's forwards): a served batch lives as long as requests keep joining it, so its forward count
         # passes any such limit; rows come and go, each row's own progress is checked in _step_group
         dec.max_iters = float("inf")
         # each row's random stream keyed by (seed, its prompt, its sample index), as generate keys a prompt
@@ -702,15 +700,8 @@ class Engine:
                 self.groups[key] = _Group(key, dec, st, list(reqs))
             return
         self.metrics["joins"] += len(reqs)
-        old = group.state
-        P = max(old.P, st.P)
-        pad = self.model.pad_id if self.model.pad_id is not None else self.model.eos_id
-        d_old = P - old.P
-        old, st = _repad(old, d_old, pad), _repad(st, P - st.P, pad)
-        _move_rows(group.decoder, old, d_old, None, st)
-        group.state = _cat(old, st)
+        group.state = _joined(group.decoder, group.state, st)
         group.requests += reqs
-        group.decoder.regroup(group.state)
 
     def _step_group(self, group: _Group) -> None:
         st, dec = group.state, group.decoder
@@ -742,8 +733,7 @@ class Engine:
         self.metrics["logits_columns"] += n
         self.metrics["own_logits_columns"] += own  # read in the step's own transfer (Decoder.reads)
         self._stream(group, rows, row_nfe)
-        G = dec.config.gen_length
-        limit = 4 * (G + dec.config.total_steps) + 8
+        limit = dec.step_limit
         keep = []
         for i, req in enumerate(group.requests):
             if done[i]:
@@ -759,16 +749,8 @@ class Engine:
         if not keep:  # the batch is empty: it is dropped (nothing of it is stepped again)
             self._drop(group)
             return
-        st = _select(group.state, keep)
         group.requests = [group.requests[i] for i in keep]
-        P = group.decoder.prompt_width(max(len(r) for r in st.rows))  # on the graph path a bucketed canvas
-        d = P - st.P
-        if d < 0:  # the longest prompt left: crop the padding no row needs
-            pad = self.model.pad_id if self.model.pad_id is not None else self.model.eos_id
-            st = _repad(st, d, pad)
-        _move_rows(group.decoder, st, min(d, 0), keep)
-        group.state = st
-        group.decoder.regroup(group.state)
+        group.state = _without(group.decoder, group.state, keep)
 
     def _stream(self, group: _Group, rows: list[list[int]], row_nfe: list[int]) -> None:
         """Each request's new final prefix (``rows``, ``row_nfe``: the batch's generated tokens and forwards after the
