@@ -32,6 +32,8 @@ def parse_params(items: list[str] | None, sampler: str | None = None) -> dict:
 
 
 # what dllm.recipes.resolve does with no cache from the caller
+CONTINUOUS_HELP = ("continuous batching: --batch-size rows decode at once, a finished row's place taken by the next "
+                   "prompt at once (the same outputs; the sampler's noise_scope must be 'row')")
 CACHE_HELP = ("cache policy name, or 'none' (default: block on block-diffusion checkpoints; else the sampler preset's "
               "own cache: dual for fast-dllm, elastic for elastic, dkv-decode for dkv; else none)")
 

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from dllm.cli import checks
-from dllm.cli.common import add_decode_args, check_decode_args, load_model_arg
+from dllm.cli.common import CONTINUOUS_HELP, add_decode_args, check_decode_args, load_model_arg
 
 
 def _make_accelerator(device: str | None):
@@ -212,9 +212,7 @@ def add_parser(sub) -> None:
     e.add_argument("--n", type=int, default=50, help="examples per task")
     e.add_argument("--seed-data", type=int, default=12345, help="data seed (training uses 1000+)")
     e.add_argument("--batch-size", type=int, default=25)
-    e.add_argument("--continuous", action="store_true",
-                   help="continuous batching: --batch-size rows decode at once, a finished row's place taken by the "
-                        "next prompt at once (the same outputs; the sampler's noise_scope must be 'row')")
+    e.add_argument("--continuous", action="store_true", help=CONTINUOUS_HELP)
     add_decode_args(e)
     e.set_defaults(func=cmd_eval_tasks, gen_length=32)
 
@@ -237,9 +235,7 @@ def add_parser(sub) -> None:
                    "humaneval 0)")
     e.add_argument("--limit", type=int, default=None, help="evaluate only the first N samples")
     e.add_argument("--batch-size", type=int, default=1, help="prompts per generate() call (default 1)")
-    e.add_argument("--continuous", action="store_true",
-                   help="continuous batching: --batch-size rows decode at once, a finished row's place taken by the "
-                        "next prompt at once (the same outputs; the sampler's noise_scope must be 'row')")
+    e.add_argument("--continuous", action="store_true", help=CONTINUOUS_HELP)
     e.add_argument("--no-chat-template", action="store_true",
                    help="plain-text few-shot prompts (base models) instead of chat turns")
     e.add_argument("--timeout", type=float, default=10.0, help="seconds per program for humaneval/mbpp (default 10)")

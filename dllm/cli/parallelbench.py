@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from dllm.cli import checks
-from dllm.cli.common import CACHE_HELP, load_model_arg
+from dllm.cli.common import CACHE_HELP, CONTINUOUS_HELP, load_model_arg
 
 
 def _pair(text: str) -> tuple[int, int]:
@@ -346,9 +346,7 @@ def add_parser(sub) -> None:
     r.add_argument("--data-dir", default=None, help="run on the JSONL files of this directory (ours or the original's)")
     r.add_argument("--n", type=int, default=None, help="samples per task, spread over the file (default: all)")
     r.add_argument("--batch-size", type=int, default=16)
-    r.add_argument("--continuous", action="store_true",
-                   help="continuous batching: --batch-size rows decode at once, a finished row's place taken by the "
-                        "next sample at once (the same outputs; the sampler's noise_scope must be 'row')")
+    r.add_argument("--continuous", action="store_true", help=CONTINUOUS_HELP)
     r.add_argument("--gen-length", type=int, default=None,
                    help="generation budget for every task (default: 32 waiting line, 64 otherwise)")
     r.add_argument("--gen-seed", type=int, default=0, help="seed of the decoding's random draws")

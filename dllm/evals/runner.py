@@ -15,6 +15,12 @@ from dllm.generate import GenerateOutput, NonFiniteLogitsError
 CONTINUOUS_CHUNK = 8
 
 
+def batching(batch_size: int, continuous: bool) -> tuple[int, int | None]:
+    """``(prompts per generate call, its max_rows)`` for ``batch_size`` rows at once: ``batch_size`` prompts per call,
+    or with continuous batching :data:`CONTINUOUS_CHUNK` times that, ``batch_size`` of them decoding at once."""
+    return (batch_size * CONTINUOUS_CHUNK, batch_size) if continuous else (batch_size, None)
+
+
 def generate_rows(model, prompts: Sequence, config: GenerateConfig, *, sampler=None, cache=None, row_ids=None,
                   max_rows: int | None = None) -> tuple[list[int], GenerateOutput | None, dict[int, str]]:
     """:func:`dllm.generate` on ``prompts``; a row whose logits turn non-finite (:class:`NonFiniteLogitsError`)
@@ -49,11 +55,11 @@ def generate_batches(model, conversations: Sequence, config: GenerateConfig, *, 
     :func:`generate_rows` (one per conversation)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    n = batch_size * CONTINUOUS_CHUNK if continuous else batch_size
+    n, max_rows = batching(batch_size, continuous)
     for start in range(0, len(conversations), n):
         ids = None if row_ids is None else list(row_ids[start : start + n])
         kept, out, errors = generate_rows(model, conversations[start : start + n], config, sampler=sampler,
-                                          cache=cache, row_ids=ids, max_rows=batch_size if continuous else None)
+                                          cache=cache, row_ids=ids, max_rows=max_rows)
         yield [start + i for i in kept], out, {start + i: m for i, m in errors.items()}
 
 

@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from dllm.blockdiff import two_copy_inputs
-from dllm.evals.runner import CONTINUOUS_CHUNK
+from dllm.evals.runner import batching
 from dllm.generate import answer_lengths, cfg_forward, generate
 
 try:
@@ -183,12 +183,12 @@ class DLLMLM(LM):
         items.sort(key=lambda t: (t[3].gen_length, -len(t[1])))
         for _, group in itertools.groupby(items, key=lambda t: t[3].gen_length):
             group = list(group)
-            step = self.batch_size_ * (CONTINUOUS_CHUNK if self.continuous else 1)
+            step, max_rows = batching(self.batch_size_, self.continuous)
             for b in range(0, len(group), step):
                 chunk = group[b : b + step]
                 res = generate(self.model, [ids for _, ids, _, _, _ in chunk], chunk[0][3], sampler=self.sampler,
                                cache=self.cache, row_ids=[key for *_, key in chunk],
-                               max_rows=self.batch_size_ if self.continuous else None)
+                               max_rows=max_rows)
                 lengths = answer_lengths(self.model, res.sequences)
                 self.stats["nfe"] += res.stats.nfe
                 self.stats["gen_seconds"] += res.stats.time_total

@@ -151,7 +151,7 @@ def run_standard_eval(model, task: StandardTask, samples: list[Sample], config: 
     sample; :data:`~dllm.evals.runner.CONTINUOUS_CHUNK` times ``batch_size`` samples per generate call), the same
     outputs.
     """
-    from dllm.evals.runner import CONTINUOUS_CHUNK, generate_rows
+    from dllm.evals.runner import batching, generate_rows
     from dllm.generate import answer_lengths
 
     if len(prompts) != len(samples):
@@ -184,12 +184,12 @@ def run_standard_eval(model, task: StandardTask, samples: list[Sample], config: 
     tok = getattr(model, "tokenizer", None)
     written = []
     with store.append(store.shard(rank)) as f:
-        step = batch_size * CONTINUOUS_CHUNK if continuous else batch_size
+        step, max_rows = batching(batch_size, continuous)
         for b in range(0, len(mine), step):
             chunk = mine[b : b + step]
             kept, res, failed = generate_rows(model, [prompts[i] for i in chunk], config, sampler=sampler,
                                               cache=cache, row_ids=[samples[i].id for i in chunk],
-                                              max_rows=batch_size if continuous else None)
+                                              max_rows=max_rows)
             for k, msg in failed.items():  # non-finite logits: an error line, not a wrong answer
                 i = mine[b + k]
                 s = samples[i]
