@@ -28,11 +28,7 @@ import torch
 from _common import positive, print_table, task_prompts, write_json
 
 import dllm
-
-
-def answer_tokens(model, seqs: torch.Tensor) -> int:
-    stops = {model.eos_id, model.eot_id}
-    return sum(next((i for i, t in enumerate(s) if t in stops), len(s)) for s in seqs.tolist())
+from dllm.generate import answer_lengths
 
 
 def run(model, prompts: list, B: int, continuous: bool, kw: dict) -> tuple[dict, torch.Tensor]:
@@ -53,7 +49,7 @@ def run(model, prompts: list, B: int, continuous: bool, kw: dict) -> tuple[dict,
            "forwards": sum(s.nfe for s in st), "row_forwards": sum(s.row_forwards for s in st),
            "decoding_rows": decoding,
            "own_logits": round(sum(s.own_logits_columns for s in st) / max(sum(s.logits_columns for s in st), 1), 3),
-           "s": round(dt, 3), "tokens_per_s": round(answer_tokens(model, seqs) / dt, 1),
+           "s": round(dt, 3), "tokens_per_s": round(sum(answer_lengths(model, seqs)) / dt, 1),
            # how the forwards and the steps' work after them ran (graph path: replays, captures, eager first sights)
            "graphs": dict(sum((Counter(s.graphs) for s in st), Counter())),
            "step_graphs": dict(sum((Counter(s.step_graphs) for s in st), Counter()))}
